@@ -1,0 +1,66 @@
+"""Assertions and strategies shared by the test modules."""
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import chex
+import hypothesis.extra.numpy as hnp
+import jax
+import jaxtyping
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+
+def finite_floats(low: float = -20.0, high: float = 20.0) -> st.SearchStrategy[float]:
+    return st.floats(low, high, allow_nan=False, allow_infinity=False, width=32)
+
+
+def float_arrays(shape: Sequence[int], low: float = -20.0, high: float = 20.0):
+    """Float32 arrays of `shape` with bounded, finite entries."""
+    return hnp.arrays(np.float32, tuple(shape), elements=finite_floats(low, high))
+
+
+def bool_arrays(shape: Sequence[int]):
+    return hnp.arrays(np.bool_, tuple(shape))
+
+
+@contextlib.contextmanager
+def raises_naming(*names: str, error: type[Exception] | tuple = (ValueError, TypeError)) -> Iterator:
+    """Expect an error whose message names every one of `names`.
+
+    Under the test suite's runtime type checking, jaxtyping reports shape and dtype mismatches
+    (as a `TypeError` naming the argument) before tunelib's own checks run; `own_checks`
+    switches it off to test those.
+    """
+    with pytest.raises(error) as info:
+        yield info
+    message = str(info.value)
+    for name in names:
+        assert name in message, f"{name!r} not named in: {message}"
+
+
+@contextlib.contextmanager
+def own_checks() -> Iterator[None]:
+    """Run with jaxtyping's runtime checking off, so tunelib's own trace-time checks answer."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def assert_traced_once(fn: Callable, calls: Sequence[tuple[tuple, dict]]) -> None:
+    """Jit `fn`, run every call, and fail if `fn` was traced more than once.
+
+    `calls` differ only in the values (not shapes) of their arguments, including numeric
+    hyperparameters passed as arrays: none of them may trigger a recompilation.
+    """
+    jitted = jax.jit(chex.assert_max_traces(fn, n=1))
+    for args, kwargs in calls:
+        jax.block_until_ready(jitted(*args, **kwargs))
+    chex.clear_trace_counter()
+
+
+def assert_close(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol, atol=atol)

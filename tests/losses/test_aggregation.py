@@ -1,0 +1,154 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
+from tunelib import losses
+from tunelib.losses import AGGREGATION_MODES
+
+aggregate = jax.jit(losses.aggregate, static_argnames="mode")
+
+
+def ref_aggregate(values, where, mode, norm_constant=None):
+    """Float64 reference written from each paper's formula, row by row."""
+    values = np.asarray(values, np.float64)
+    rows = [values[i][where[i]] for i in range(values.shape[0])]
+    rows = [r for r in rows if r.size > 0]
+    if not rows:
+        return 0.0
+    if mode == "token_mean":
+        return np.concatenate(rows).mean()
+    if mode == "seq_mean_token_mean":
+        return np.mean([r.mean() for r in rows])
+    return np.mean([r.sum() / norm_constant for r in rows])
+
+
+def mode_kwargs(mode):
+    return {"norm_constant": 7.0} if mode == "seq_mean_token_sum_norm" else {}
+
+
+@st.composite
+def batches(draw, dyadic=False):
+    b, t = draw(st.integers(1, 8)), draw(st.integers(1, 6))
+    if dyadic:  # multiples of 1/8 below 2**10: every partial sum is exact in float32
+        ints = draw(st.lists(st.integers(-8192, 8192), min_size=b * t, max_size=b * t))
+        values = np.array(ints, np.float32).reshape(b, t) / 8
+    else:
+        floats = st.floats(-10, 10, allow_nan=False, width=32)
+        values = np.array(draw(st.lists(floats, min_size=b * t, max_size=b * t)), np.float32)
+        values = values.reshape(b, t)
+    mask_bits = draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))
+    where = np.array(mask_bits).reshape(b, t)
+    if draw(st.booleans()):
+        where[draw(st.integers(0, b - 1))] = False  # at least one empty row
+    return values, where
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+@given(batches())
+def test_matches_reference(mode, batch):
+    values, where = batch
+    out = aggregate(values, mode=mode, where=where, **mode_kwargs(mode)).mean()
+    assert_close(out, ref_aggregate(values, where, mode, 7.0), rtol=1e-5, atol=1e-5)
+
+
+def split_points(draw, b):
+    cuts = sorted(draw(st.lists(st.integers(0, b), max_size=3)))
+    return [0, *cuts, b]
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+@given(batches(dyadic=True), st.data())
+def test_micro_batches_equal_full_batch_exactly_float32(mode, batch, data):
+    values, where = batch
+    edges = split_points(data.draw, values.shape[0])
+    full = aggregate(values, mode=mode, where=where, **mode_kwargs(mode))
+    parts = [
+        aggregate(values[a:b], mode=mode, where=where[a:b], **mode_kwargs(mode))
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+        if b > a
+    ]
+    accumulated = parts[0]
+    for part in parts[1:]:
+        accumulated = accumulated.merge(part)
+    if mode == "seq_mean_token_mean":
+        # Per-row means (x / n) are not dyadic; the numerators agree to rounding only.
+        assert_close(accumulated.mean(), full.mean(), rtol=1e-6, atol=1e-6)
+    else:
+        assert accumulated.mean() == full.mean()
+    assert accumulated.count == full.count
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+@given(batches(), st.integers(1, 4))
+def test_micro_batches_equal_full_batch_exactly_float64(mode, batch, k):
+    values, where = batch
+    with jax.enable_x64(True):
+        values = values.astype(np.float64)
+        chunks = np.array_split(np.arange(values.shape[0]), min(k, values.shape[0]))
+        full = aggregate(values, mode=mode, where=where, **mode_kwargs(mode))
+        parts = [aggregate(values[c], mode=mode, where=where[c], **mode_kwargs(mode)) for c in chunks]
+        total = functools.reduce(losses.Aggregate.merge, parts)
+        assert full.total.dtype == jnp.float64
+        assert_close(total.mean(), full.mean(), rtol=1e-13, atol=1e-13)
+        assert total.count == full.count
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_empty_rows_are_left_out_and_empty_batch_is_zero(mode):
+    values = np.array([[1.0, 2.0], [jnp.nan, jnp.inf]], np.float32)
+    where = np.array([[True, True], [False, False]])
+    with_empty = aggregate(values, mode=mode, where=where, **mode_kwargs(mode))
+    without = aggregate(values[:1], mode=mode, where=where[:1], **mode_kwargs(mode))
+    assert with_empty == without
+    nothing = aggregate(values, mode=mode, where=np.zeros((2, 2), bool), **mode_kwargs(mode))
+    assert nothing.mean() == 0.0 and nothing.count == 0.0
+    grad = jax.grad(
+        lambda x: aggregate(x, mode=mode, where=where, **mode_kwargs(mode)).mean()
+    )(jnp.asarray(values))
+    assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad[1]) == 0)
+
+
+def test_modes_differ_as_the_papers_say():
+    values = np.array([[1.0, 1.0, 1.0, 1.0], [5.0, 0.0, 0.0, 0.0]], np.float32)
+    where = np.array([[True] * 4, [True, False, False, False]])
+    assert aggregate(values, mode="token_mean", where=where).mean() == 9.0 / 5
+    assert aggregate(values, mode="seq_mean_token_mean", where=where).mean() == 3.0
+    out = aggregate(values, mode="seq_mean_token_sum_norm", norm_constant=4, where=where).mean()
+    assert out == (4.0 / 4 + 5.0 / 4) / 2
+
+
+def test_no_retrace_with_traced_constant():
+    values = jnp.ones((3, 4))
+    where = jnp.array([[True] * 4, [True, False, False, False], [False] * 4])
+    assert_traced_once(
+        lambda x, c, m: losses.aggregate(
+            x, mode="seq_mean_token_sum_norm", norm_constant=c, where=m
+        ).mean(),
+        [((values, jnp.float32(c), where), {}) for c in (2.0, 8.0)],
+    )
+    jitted = jax.jit(lambda x, c: losses.aggregate(x, mode="seq_mean_token_sum_norm", norm_constant=c))
+    assert jitted(values, 2.0).mean() == 2.0
+    assert jitted(values, 4.0).mean() == 1.0
+
+
+def test_errors():
+    values = jnp.ones((2, 3))
+    with raises_naming("mode"):
+        losses.aggregate(values, mode="mean")
+    with raises_naming("norm_constant"):
+        losses.aggregate(values, mode="seq_mean_token_sum_norm")
+    with raises_naming("norm_constant"):
+        losses.aggregate(values, mode="token_mean", norm_constant=3.0)
+    with raises_naming("where"):
+        losses.aggregate(values, mode="token_mean", where=jnp.ones((2, 2), bool))
+    with own_checks():
+        with raises_naming("values", "[B, T]", error=ValueError):
+            losses.aggregate(jnp.ones((2, 3, 4)), mode="token_mean")
+        with raises_naming("norm_constant", error=ValueError):
+            losses.aggregate(values, mode="seq_mean_token_sum_norm", norm_constant=0.0)

@@ -1,0 +1,116 @@
+"""Reducing per-token losses to a scalar as a numerator and a denominator.
+
+A mean is only exact under gradient accumulation and data parallelism if numerators and
+denominators are summed separately over micro-batches (or devices) and divided once. Every mode
+here therefore returns an `Aggregate(total, count)`; `Aggregate.mean()` divides.
+"""
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float
+
+from tunelib import _validation as v
+from tunelib._typing import Scalar
+
+AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AGGREGATION_MODES: tuple[str, ...] = AggregationMode.__args__
+
+
+class Aggregate(NamedTuple):
+    """A loss reduction kept as `total / count` so that partial results can be summed.
+
+    Attributes:
+      total: the numerator, a float scalar.
+      count: the denominator, a float scalar (a token count, a sequence count, or a sequence
+        count times a normalising constant, depending on the mode).
+    """
+
+    total: jax.Array
+    count: jax.Array
+
+    def merge(self, other: "Aggregate") -> "Aggregate":
+        """The aggregate of the union of both batches: totals and counts add."""
+        return Aggregate(self.total + other.total, self.count + other.count)
+
+    def mean(self) -> jax.Array:
+        """`total / count`, and 0 (not NaN) when `count` is 0."""
+        safe = jnp.where(self.count > 0, self.count, 1)
+        return jnp.where(self.count > 0, self.total / safe, 0.0)
+
+
+def aggregate(
+    values: Float[ArrayLike, "B T"],
+    *,
+    mode: AggregationMode,
+    norm_constant: Scalar | None = None,
+    where: Bool[ArrayLike, "B T"] | None = None,
+) -> Aggregate:
+    r"""Reduce per-token losses `[B, T]` with one of the named modes in the literature.
+
+    With mask $m_{i,t}$ = `where`, values $\ell_{i,t}$ = `values`,
+    $|o_i| = \sum_t m_{i,t}$ and $\mathcal{I} = \{i : |o_i| > 0\}$:
+
+    * ``"token_mean"`` (DAPO, Yu et al. 2025): every valid token weighs the same,
+      $\sum_{i,t} m_{i,t}\ell_{i,t} \,/\, \sum_{i,t} m_{i,t}$.
+    * ``"seq_mean_token_mean"`` (GRPO, Shao et al. 2024): the mean over sequences of each
+      sequence's token mean, $\frac{1}{|\mathcal{I}|}\sum_{i \in \mathcal{I}}
+      \frac{1}{|o_i|}\sum_t m_{i,t}\ell_{i,t}$.
+    * ``"seq_mean_token_sum_norm"`` (Dr. GRPO, Liu et al. 2025): each sequence's token sum
+      divided by a constant $C$ = `norm_constant` (the paper uses the maximum completion
+      length), then the mean over sequences,
+      $\frac{1}{|\mathcal{I}|\,C}\sum_{i \in \mathcal{I}} \sum_t m_{i,t}\ell_{i,t}$.
+
+    Rows without a valid token carry no data and are left out of both the numerator and the
+    denominator in every mode, so the result of a batch does not depend on how many empty
+    (padding or filtered-out) rows it carries. TRL's Dr. GRPO divides by the full batch size
+    instead, which counts such rows as zero-loss sequences.
+
+    Summing `total` and `count` over micro-batches (`Aggregate.merge`) and dividing once gives
+    exactly the full-batch value in every mode.
+
+    Args:
+      values: `[B, T]` per-token losses.
+      mode: one of ``"token_mean"``, ``"seq_mean_token_mean"``, ``"seq_mean_token_sum_norm"``.
+      norm_constant: $C > 0$, required by ``"seq_mean_token_sum_norm"`` and rejected
+        otherwise; may be traced.
+      where: `[B, T]` boolean mask, True = counts. Masked entries contribute exactly 0, even
+        when they are NaN or infinite.
+
+    Returns:
+      An `Aggregate` of float32 scalars (float64 for float64 values).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.losses import aggregate
+      >>> losses = jnp.array([[1.0, 3.0, 0.0], [4.0, 0.0, 0.0]])
+      >>> where = jnp.array([[True, True, False], [True, False, False]])
+      >>> print(aggregate(losses, mode="token_mean", where=where).mean())  # (1 + 3 + 4) / 3
+      2.6666667
+      >>> print(aggregate(losses, mode="seq_mean_token_mean", where=where).mean())  # (2 + 4) / 2
+      3.0
+    """
+    values = v.float_array(values, "values")
+    if values.ndim != 2:
+        raise ValueError(f"values must have shape [B, T], got {values.shape}.")
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}.")
+    if (mode == "seq_mean_token_sum_norm") != (norm_constant is not None):
+        raise ValueError(
+            "norm_constant is required by mode 'seq_mean_token_sum_norm' and used by no other "
+            f"mode; got mode={mode!r}, norm_constant={norm_constant!r}."
+        )
+    where = v.mask_array(where, values.shape)
+    dtype = v.compute_dtype(values.dtype)
+    values = jnp.where(where, values.astype(dtype), 0.0)
+    tokens_per_row = jnp.sum(where, axis=-1)
+    rows = jnp.sum(tokens_per_row > 0).astype(dtype)
+    if mode == "token_mean":
+        return Aggregate(jnp.sum(values), jnp.sum(tokens_per_row).astype(dtype))
+    if mode == "seq_mean_token_mean":
+        row_means = jnp.sum(values, axis=-1) / jnp.maximum(tokens_per_row, 1).astype(dtype)
+        return Aggregate(jnp.sum(row_means), rows)
+    v.positive_scalar(norm_constant, "norm_constant")
+    return Aggregate(jnp.sum(values), rows * jnp.asarray(norm_constant, dtype))
