@@ -1,0 +1,287 @@
+import itertools
+import json
+import logging
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests._helpers import own_checks, raises_naming
+from tunelib.data import (
+    CharTokenizer,
+    RecordError,
+    arithmetic_split,
+    encode_prompts,
+    preference_dataset,
+    preference_pairs,
+    sft_dataset,
+)
+
+tok = CharTokenizer()
+PAD, BOS, EOS = 0, 1, 2
+KEYS = ("tokens", "targets", "where", "attention_where")
+
+
+def sft_records(n: int, seed: int = 0) -> list[dict[str, str]]:
+    train, _ = arithmetic_split(num_train=n, num_heldout=0, seed=seed)
+    return [
+        {"prompt": p["prompt"], "completion": p["answer"], "id": i} for i, p in enumerate(train)
+    ]
+
+
+def ref_row(prompt: str, completion: str, max_length: int) -> dict[str, np.ndarray]:
+    """The layout from its definition, position by position."""
+    ids = [BOS, *tok.encode(prompt), *tok.encode(completion), EOS]
+    completion_start = 1 + len(prompt)  # index of the first completion token in ids
+    row = {key: [] for key in KEYS}
+    for t in range(max_length):
+        real = t + 1 < len(ids)
+        row["tokens"].append(ids[t] if real else PAD)
+        row["targets"].append(ids[t + 1] if real else PAD)
+        row["where"].append(real and t + 1 >= completion_start)
+        row["attention_where"].append(real)
+    return {
+        key: np.asarray(value, np.int32 if key in ("tokens", "targets") else np.bool_)
+        for key, value in row.items()
+    }
+
+
+def assert_batch_equal(batch, expected):
+    assert set(batch) == set(expected)
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert_batch_equal(batch[key], value)
+        else:
+            assert batch[key].dtype == value.dtype, key
+            np.testing.assert_array_equal(batch[key], value, err_msg=key)
+
+
+def test_hand_built_batch():
+    records = [{"prompt": "12+7=", "completion": "19"}, {"prompt": "3-4=", "completion": "-1"}]
+    ds = sft_dataset(records, tok, max_length=10, batch_size=2, shuffle=False, num_epochs=1)
+    (batch,) = list(ds)
+    # "1" -> 4, "2" -> 5, "+" -> 13, "7" -> 10, "=" -> 16, "9" -> 12, "3" -> 6, "-" -> 14
+    expected = {
+        "tokens": np.array(
+            [[BOS, 4, 5, 13, 10, 16, 4, 12, PAD, PAD], [BOS, 6, 14, 7, 16, 14, 4, PAD, PAD, PAD]],
+            np.int32,
+        ),
+        "targets": np.array(
+            [[4, 5, 13, 10, 16, 4, 12, EOS, PAD, PAD], [6, 14, 7, 16, 14, 4, EOS, PAD, PAD, PAD]],
+            np.int32,
+        ),
+        "where": np.array(
+            [[0, 0, 0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]], np.bool_
+        ),
+        "attention_where": np.array(
+            [[1, 1, 1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0, 0, 0]], np.bool_
+        ),
+    }
+    assert_batch_equal(batch, expected)
+
+
+short_text = st.text(alphabet="0123456789+-*= ab", max_size=5)
+
+
+@given(st.lists(st.tuples(short_text, short_text.filter(bool)), min_size=1, max_size=6))
+def test_layout_matches_reference(pairs):
+    max_length = 12
+    records = [{"prompt": p, "completion": c} for p, c in pairs]
+    ds = sft_dataset(
+        records, tok, max_length=max_length, batch_size=len(records), shuffle=False, num_epochs=1
+    )
+    (batch,) = list(ds)
+    for i, (prompt, completion) in enumerate(pairs):
+        assert_batch_equal(
+            {k: v[i] for k, v in batch.items()}, ref_row(prompt, completion, max_length)
+        )
+        # The mask covers exactly the completion and the EOS target.
+        where = batch["where"][i]
+        assert tok.decode(batch["targets"][i][where], stop_at_eos=False) == completion
+        assert batch["targets"][i][where][-1] == EOS and where.sum() == len(completion) + 1
+        assert tok.decode(batch["tokens"][i][batch["attention_where"][i]]) == prompt + completion
+
+
+def test_preference_batch_keeps_pairs_on_one_row():
+    train, _ = arithmetic_split(num_train=40, num_heldout=0, seed=3)
+    pairs = preference_pairs(train, seed=0)
+    ds = preference_dataset(pairs, tok, max_length=12, batch_size=8, seed=5, num_epochs=1)
+    batches = list(ds)
+    assert len(batches) == 5
+    seen = []
+    for batch in batches:
+        assert set(batch) == {"chosen", "rejected"}
+        for side in batch.values():
+            assert set(side) == set(KEYS)
+            assert all(side[k].shape == (8, 12) for k in KEYS)
+        for row in range(8):
+            prompt = tok.decode(batch["chosen"]["tokens"][row]).split("=")[0] + "="
+            pair = next(p for p in pairs if p["prompt"] == prompt)
+            seen.append(prompt)
+            for side in ("chosen", "rejected"):
+                arrays = {k: v[row] for k, v in batch[side].items()}
+                assert_batch_equal(arrays, ref_row(prompt, pair[side], 12))
+    assert sorted(seen) == sorted(p["prompt"] for p in pairs)
+
+
+def ids_of(batch, records) -> list[int]:
+    """Record ids of the rows of an SFT batch, found from their tokens."""
+    by_tokens = {
+        tuple(ref_row(r["prompt"], r["completion"], 12)["tokens"]): r["id"] for r in records
+    }
+    return [by_tokens[tuple(row)] for row in batch["tokens"]]
+
+
+def test_epochs_reshuffle_deterministically():
+    records = sft_records(12)
+    ds = sft_dataset(records, tok, max_length=12, batch_size=4, seed=7)
+    stream = [ids_of(b, records) for b in itertools.islice(iter(ds), 9)]
+    flat = [i for batch in stream for i in batch]
+    epochs = [flat[k * 12 : (k + 1) * 12] for k in range(3)]
+    assert all(sorted(epoch) == list(range(12)) for epoch in epochs)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+    assert epochs[0] != list(range(12))
+    again = [ids_of(b, records) for b in itertools.islice(iter(ds), 9)]
+    assert again == stream
+    other = sft_dataset(records, tok, max_length=12, batch_size=4, seed=8)
+    assert [ids_of(b, records) for b in itertools.islice(iter(other), 3)] != stream[:3]
+    ordered = sft_dataset(records, tok, max_length=12, batch_size=4, shuffle=False)
+    in_order = [i for b in itertools.islice(iter(ordered), 6) for i in ids_of(b, records)]
+    assert in_order == list(range(12)) * 2
+
+
+def test_finite_epochs_and_remainder():
+    records = sft_records(10)
+    ds = sft_dataset(records, tok, max_length=12, batch_size=4, num_epochs=2)
+    batches = list(ds)
+    # 20 examples: 5 full batches, the third spanning the epoch boundary.
+    assert len(batches) == 5 and all(b["tokens"].shape == (4, 12) for b in batches)
+    flat = [i for b in batches for i in ids_of(b, records)]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
+    one = sft_dataset(records, tok, max_length=12, batch_size=4, num_epochs=1)
+    assert [b["tokens"].shape[0] for b in one] == [4, 4]
+    partial = sft_dataset(
+        records, tok, max_length=12, batch_size=4, num_epochs=1, drop_remainder=False
+    )
+    assert [b["tokens"].shape[0] for b in partial] == [4, 4, 2]
+
+
+@pytest.mark.parametrize("consumed", [1, 3, 4])  # 10 records, batches of 4: 3 and 4 cross
+def test_iterator_state_resumes_the_same_stream(consumed):
+    records = sft_records(10)
+    ds = sft_dataset(records, tok, max_length=12, batch_size=4, seed=11)
+    it = iter(ds)
+    for _ in range(consumed):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [next(it) for _ in range(4)]
+    resumed = iter(ds)
+    resumed.set_state(state)
+    for want in expected:
+        assert_batch_equal(next(resumed), want)
+    # A fresh dataset object built from the same arguments resumes too.
+    rebuilt = iter(sft_dataset(records, tok, max_length=12, batch_size=4, seed=11))
+    rebuilt.set_state(state)
+    assert_batch_equal(next(rebuilt), expected[0])
+
+
+def test_orbax_checkpoint_round_trip(tmp_path):
+    import grain
+    import orbax.checkpoint as ocp
+
+    pairs = preference_pairs(arithmetic_split(num_train=9, num_heldout=0)[0], seed=0)
+    ds = preference_dataset(pairs, tok, max_length=12, batch_size=2, seed=1)
+    it = iter(ds)
+    for _ in range(6):
+        next(it)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(6, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        manager.wait_until_finished()
+        expected = [next(it) for _ in range(3)]
+        restored = iter(ds)
+        manager.restore(
+            6, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(restored))
+        )
+    for want in expected:
+        assert_batch_equal(next(restored), want)
+
+
+def test_skip_drops_invalid_records(caplog):
+    records = [
+        {"prompt": "1+1=", "completion": "2"},
+        {"prompt": "1+1="},
+        3,
+        {"prompt": "2+2=", "completion": "4"},
+    ]
+    with caplog.at_level(logging.WARNING, logger="tunelib.data"):
+        ds = sft_dataset(
+            records, tok, max_length=8, batch_size=2, shuffle=False, num_epochs=1, on_invalid="skip"
+        )
+    assert "2 invalid records" in caplog.text
+    (batch,) = list(ds)
+    assert [tok.decode(row) for row in batch["tokens"]] == ["1+1=2", "2+2=4"]
+    with raises_naming("record 1", "'completion'", error=RecordError):
+        sft_dataset(records, tok, max_length=8, batch_size=2)
+
+
+def test_dataset_argument_errors():
+    records = sft_records(3)
+    with raises_naming("no valid sft record", error=ValueError):
+        sft_dataset([5], tok, max_length=12, batch_size=1, on_invalid="skip")
+    with raises_naming("batch_size=4", "num_epochs=1", error=ValueError):
+        sft_dataset(records, tok, max_length=12, batch_size=4, num_epochs=1)
+    assert len(list(sft_dataset(records, tok, max_length=12, batch_size=4, num_epochs=2))) == 1
+    with raises_naming("batch_size", error=ValueError):
+        sft_dataset(records, tok, max_length=12, batch_size=0)
+    with raises_naming("num_epochs", error=ValueError):
+        sft_dataset(records, tok, max_length=12, batch_size=1, num_epochs=0)
+    with raises_naming("seed", error=ValueError):
+        preference_dataset([], tok, max_length=12, batch_size=1, seed=-1)
+    with raises_naming("max_length", error=ValueError):
+        sft_dataset(records, tok, max_length=0, batch_size=1)
+    with raises_naming("on_invalid"):
+        preference_dataset([], tok, max_length=12, batch_size=1, on_invalid="ignore")
+    with own_checks(), raises_naming("on_invalid", "'ignore'", error=ValueError):
+        preference_dataset([], tok, max_length=12, batch_size=1, on_invalid="ignore")
+
+
+def test_encode_prompts_left_pads():
+    tokens, where = encode_prompts(["12+7=", "3+4=", ""], tok, max_length=8)
+    np.testing.assert_array_equal(
+        tokens,
+        np.array(
+            [
+                [PAD, PAD, BOS, 4, 5, 13, 10, 16],
+                [PAD, PAD, PAD, BOS, 6, 13, 7, 16],
+                [PAD] * 7 + [BOS],
+            ],
+            np.int32,
+        ),
+    )
+    np.testing.assert_array_equal(where, tokens != PAD)
+    assert tokens.dtype == np.int32 and where.dtype == np.bool_
+    exact, exact_where = encode_prompts(["1234567"], tok, max_length=8)
+    assert exact[0, 0] == BOS and exact_where.all()
+    empty, empty_where = encode_prompts([], tok, max_length=4)
+    assert empty.shape == empty_where.shape == (0, 4)
+
+
+@given(st.lists(st.text(alphabet="0123456789+-*=", max_size=7), max_size=5))
+def test_encode_prompts_matches_reference(prompts):
+    tokens, where = encode_prompts(prompts, tok, max_length=8)
+    for row, mask, prompt in zip(tokens, where, prompts, strict=True):
+        ids = [BOS, *tok.encode(prompt)]
+        assert list(row) == [PAD] * (8 - len(ids)) + ids
+        assert list(mask) == [False] * (8 - len(ids)) + [True] * len(ids)
+
+
+def test_encode_prompts_errors():
+    with raises_naming("prompts[1]", "9 tokens", "max_length=8", error=ValueError):
+        encode_prompts(["1", "12345678"], tok, max_length=8)
+    with raises_naming("prompts[0]", "'#'", error=ValueError):
+        encode_prompts(["1#"], tok, max_length=8)
+    with own_checks(), raises_naming("prompts[0]", "int", error=TypeError):
+        encode_prompts([12], tok, max_length=8)
+    with raises_naming("max_length", error=ValueError):
+        encode_prompts(["1"], tok, max_length=0)
