@@ -1,0 +1,198 @@
+"""The decoder configuration, named after the fields of a Hugging Face `config.json`."""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
+ROPE_TYPES: tuple[str, ...] = ("linear", "llama3")
+_ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Mistral style decoder.
+
+    Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
+    be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
+    construction; an invalid value raises a `ValueError` (a `TypeError` for a wrong type)
+    that names the field.
+
+    Attributes:
+      vocab_size: $V$, rows of the token embedding.
+      hidden_size: $H$, width of the residual stream.
+      intermediate_size: $F$, width of the SwiGLU MLP.
+      num_hidden_layers: $L$, number of decoder layers.
+      num_attention_heads: $N$, query heads.
+      num_key_value_heads: $K$, key/value heads (grouped-query attention); $N$ must be a
+        multiple of $K$. None means $K = N$ (multi-head attention), as in Hugging Face.
+      head_dim: $D$, width of one head (even, for RoPE). None means $H / N$, as in Hugging
+        Face; Qwen3 sets it explicitly ($N D \ne H$ is allowed).
+      rms_norm_eps: $\epsilon$ of every RMSNorm.
+      rope_theta: base $\theta$ of the rotary frequencies.
+      rope_scaling: None (plain RoPE), `{"rope_type": "linear", "factor": s}` (position
+        interpolation: every frequency divided by $s$), or Llama 3.1's
+        `{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+        "original_max_position_embeddings"}`. The legacy key `"type"` is read as
+        `"rope_type"`. See `tunelib.models.rope_frequencies`.
+      max_position_embeddings: the context length the checkpoint was trained for; kept for
+        round-tripping `config.json`, the forward pass does not read it.
+      tie_word_embeddings: whether the unembedding is the transposed token embedding (no
+        separate `lm_head`).
+      attention_bias: whether the q/k/v projections have biases (Qwen2; the output
+        projection never has one).
+      initializer_range: standard deviation of the normal initialisation of every matmul
+        kernel and the embedding.
+      use_qk_norm: ours (Qwen3 has it, with no `config.json` flag): an RMSNorm over
+        `head_dim` applied to every query and key head before RoPE.
+      scan_layers: ours: store the layers stacked on a leading "layers" axis and run them
+        with `nnx.scan` (one compiled layer instead of $L$).
+      remat: ours: recompute each layer's activations in the backward pass (`nnx.remat`).
+      dtype: ours: the compute dtype of matmuls and the residual stream, one of
+        "float32", "bfloat16", "float16", "float64". RMSNorm statistics, RoPE and softmax
+        run in at least float32 whatever this is.
+      param_dtype: ours: the storage dtype of the weights (same choices).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float | int = 1e-6
+    rope_theta: float | int = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    initializer_range: float | int = 0.02
+    use_qk_norm: bool = False
+    scan_layers: bool = False
+    remat: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ):
+            _check_positive_int(getattr(self, name), name)
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        _check_positive_int(self.num_key_value_heads, "num_key_value_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})."
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"head_dim is None, so hidden_size ({self.hidden_size}) must be a "
+                    f"multiple of num_attention_heads ({self.num_attention_heads})."
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        _check_positive_int(self.head_dim, "head_dim")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            _check_positive_float(getattr(self, name), name)
+        for name in (
+            "tie_word_embeddings",
+            "attention_bias",
+            "use_qk_norm",
+            "scan_layers",
+            "remat",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        for name in ("dtype", "param_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a dtype name, got {getattr(self, name)!r}.")
+            if getattr(self, name) not in DTYPE_NAMES:
+                raise ValueError(
+                    f"{name} must be one of {DTYPE_NAMES}, got {getattr(self, name)!r}."
+                )
+        object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
+
+    def __hash__(self) -> int:
+        # The config is static module data that `jax.jit` hashes; `rope_scaling` is a dict.
+        fields = dataclasses.astuple(self)
+        index = [f.name for f in dataclasses.fields(self)].index("rope_scaling")
+        scaling = self.rope_scaling and tuple(sorted(self.rope_scaling.items()))
+        return hash((*fields[:index], scaling, *fields[index + 1 :]))
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """`dtype` as a NumPy dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        """`param_dtype` as a NumPy dtype."""
+        return jnp.dtype(self.param_dtype)
+
+
+def _check_positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}.")
+
+
+def _check_positive_float(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {value!r}.")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}.")
+
+
+def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of `rope_scaling` with its keys and values checked, `"type"` renamed."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"rope_scaling must be None or a dict, got {scaling!r}.")
+    scaling = dict(scaling)
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    rope_type = scaling.get("rope_type")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling['rope_type'] must be one of {ROPE_TYPES}, got {rope_type!r}."
+        )
+    expected = {"rope_type", *_ROPE_KEYS[rope_type]}
+    if set(scaling) != expected:
+        raise ValueError(
+            f"rope_scaling of type {rope_type!r} must have exactly the keys "
+            f"{sorted(expected)}, got {sorted(scaling)}."
+        )
+    for key in _ROPE_KEYS[rope_type]:
+        if key == "original_max_position_embeddings":
+            _check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
+        else:
+            _check_positive_float(scaling[key], f"rope_scaling[{key!r}]")
+    if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(
+            "rope_scaling['high_freq_factor'] must be > rope_scaling['low_freq_factor'], got "
+            f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}."
+        )
+    return scaling

@@ -1,0 +1,211 @@
+"""The reference decoder: Llama / Qwen2 / Qwen3 / Mistral in Flax NNX."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int
+
+from tunelib import _validation as v
+from tunelib.models._config import DecoderConfig
+from tunelib.models._layers import DecoderLayer, Dense, Embedding, RMSNorm
+from tunelib.models._rope import rope_angles, rope_frequencies
+
+
+class Decoder(nnx.Module):
+    r"""A decoder-only transformer returning final-norm hidden states.
+
+    With token embedding $E$, $L$ pre-norm layers and final RMSNorm $g_f$:
+
+    $$
+    \begin{aligned}
+    h^{(0)}_t &= E_{x_t} \\
+    u_t &= h^{(l)}_t + W_o \,\mathrm{Attn}\big(\mathrm{RMSNorm}(h^{(l)})\big)_t \\
+    h^{(l+1)}_t &= u_t + W_d\big(\mathrm{silu}(W_g \bar u_t) \odot W_u \bar u_t\big),
+    \quad \bar u_t = \mathrm{RMSNorm}(u_t) \\
+    \mathrm{out}_t &= \mathrm{RMSNorm}_{g_f}(h^{(L)}_t), \qquad
+    \mathrm{logits}_t = \mathrm{out}_t\, U
+    \end{aligned}
+    $$
+
+    where attention head $n$ uses key/value head $\lfloor n / (N/K) \rfloor$ (grouped-query
+    attention), queries and keys are (optionally RMS-normalised over the head, then) rotated
+    by RoPE at their positions, and query $t$ of a row attends to key $s$ iff $s \le t$ and
+    `attention_where[s]`. Tokens $x$ = `tokens`, $U$ = `unembedding()` ($E^\top$ when
+    `config.tie_word_embeddings`). The architecture and the Hugging Face name of every
+    weight are in `docs/models.md`.
+
+    Calling the model returns `out`; `unembed(out)` gives the logits, kept separate so that a
+    chunked log-prob computation can take `out` and `unembedding()` without ever forming
+    `[B, T, V]` logits.
+
+    Args:
+      config: the `DecoderConfig`.
+      rngs: the `nnx.Rngs` the weights are drawn from (stream "params", else "default").
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from tunelib.models import Decoder, DecoderConfig
+      >>> cfg = DecoderConfig(
+      ...     vocab_size=32, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+      ...     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+      ...     tie_word_embeddings=True,
+      ... )
+      >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
+      >>> tokens = jnp.array([[0, 0, 5, 7, 9]])
+      >>> where = jnp.array([[False, False, True, True, True]])  # left-padded prompt
+      >>> hidden = model(tokens, attention_where=where)
+      >>> logits = model.unembed(hidden)
+      >>> print(hidden.shape, logits.shape, model.unembedding().shape)
+      (1, 5, 64) (1, 5, 32) (64, 32)
+      >>> print(jnp.sqrt(jnp.mean(hidden[0, 2:] ** 2, axis=-1)).round(3))  # unit RMS
+      [1. 1. 1.]
+
+    References:
+      Touvron et al., "LLaMA: Open and Efficient Foundation Language Models", 2023,
+      https://arxiv.org/abs/2302.13971.
+      Ainslie et al., "GQA: Training Generalized Multi-Query Transformer Models from
+      Multi-Head Checkpoints", 2023, https://arxiv.org/abs/2305.13245.
+      Zhang and Sennrich, "Root Mean Square Layer Normalization", 2019,
+      https://arxiv.org/abs/1910.07467.
+      Shazeer, "GLU Variants Improve Transformer", 2020, https://arxiv.org/abs/2002.05202.
+      Yang et al., "Qwen3 Technical Report", 2025, https://arxiv.org/abs/2505.09388.
+    """
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}.")
+        c = self.config = config
+        self.embed_tokens = Embedding(c, rngs=rngs)
+        if c.scan_layers:
+            self.layers = _stacked_layers(c, rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, "embed", c, rngs=rngs)
+        self.lm_head = (
+            None
+            if c.tie_word_embeddings
+            else Dense(
+                c.hidden_size, c.vocab_size, ("embed", "vocab"), c, use_bias=False, rngs=rngs
+            )
+        )
+
+    def __call__(
+        self,
+        tokens: Int[ArrayLike, "B T"],
+        attention_where: Bool[ArrayLike, "B T"] | None = None,
+        positions: Int[ArrayLike, "B T"] | None = None,
+    ) -> Float[Array, "B T H"]:
+        """Final-norm hidden states of every position.
+
+        Args:
+          tokens: `[B, T]` integer token ids in `[0, V)`; ids at padded positions are
+            ignored and may be anything (for example -100).
+          attention_where: `[B, T]` boolean mask, True = a real token, False = padding
+            (left, right or anywhere). Padded keys are invisible to every query; outputs at
+            padded positions are finite but meaningless. None means all real.
+          positions: `[B, T]` integer RoPE positions. None means, per row, the number of real
+            tokens before each position, `max(cumsum(attention_where) - 1, 0)`, so a
+            left-padded prompt gets positions 0, 1, ... on its real tokens.
+
+        Returns:
+          `[B, T, H]` hidden states in the compute dtype `config.dtype`.
+        """
+        c = self.config
+        tokens = v.int_array(tokens, "tokens")
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}.")
+        where = v.mask_array(attention_where, tokens.shape, "attention_where")
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(where, axis=-1, dtype=jnp.int32) - 1, 0)
+        else:
+            positions = v.int_array(positions, "positions")
+            v.check_shape(positions, "positions", tokens.shape, f"tokens {tokens.shape}")
+
+        high = v.compute_dtype(c.compute_dtype)
+        frequencies = rope_frequencies(c.head_dim, theta=c.rope_theta, scaling=c.rope_scaling)
+        cos, sin = rope_angles(positions, frequencies, high)
+        allowed, fill = _attention_mask(where, high)
+        embedding = self.embed_tokens.embedding[...]
+        x = jnp.take(embedding, jnp.where(where, tokens, 0), axis=0).astype(c.compute_dtype)
+        x = self._run_layers(x, cos, sin, allowed, fill)
+        return self.norm(x)
+
+    def _run_layers(self, x, cos, sin, allowed, fill) -> jax.Array:
+        def run(layer, x, cos, sin, allowed, fill):
+            return layer(x, cos, sin, allowed, fill)
+
+        if self.config.remat:
+            run = nnx.remat(run)
+        if not self.config.scan_layers:
+            for layer in self.layers:
+                x = run(layer, x, cos, sin, allowed, fill)
+            return x
+
+        @nnx.scan(
+            in_axes=(nnx.Carry, 0, None, None, None, None),
+            out_axes=nnx.Carry,
+            transform_metadata={nnx.PARTITION_NAME: "layers"},
+        )
+        def scan(x, layer, cos, sin, allowed, fill):
+            return run(layer, x, cos, sin, allowed, fill)
+
+        return scan(x, self.layers, cos, sin, allowed, fill)
+
+    def unembedding(self) -> Float[Array, "H V"]:
+        """The `[H, V]` unembedding matrix $U$ in the compute dtype.
+
+        The transposed token embedding when `config.tie_word_embeddings`, else `lm_head`'s
+        kernel. `hidden @ unembedding()` are the logits (see `unembed`).
+        """
+        dtype = self.config.compute_dtype
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T.astype(dtype)
+        return self.lm_head.kernel[...].astype(dtype)
+
+    def unembed(self, hidden: Float[ArrayLike, "*B H"]) -> Float[Array, "*B V"]:
+        """Logits `hidden @ unembedding()`, accumulated and returned in at least float32.
+
+        Args:
+          hidden: `[..., H]` hidden states, as returned by calling the model.
+
+        Returns:
+          `[..., V]` logits, float32 (float64 when `config.dtype` is float64), so log-probs
+          of a bfloat16 model are not computed from bfloat16-rounded logits.
+        """
+        hidden = v.float_array(hidden, "hidden")
+        h = self.config.hidden_size
+        if hidden.ndim < 1 or hidden.shape[-1] != h:
+            raise ValueError(f"hidden must have shape [..., {h}], got {hidden.shape}.")
+        dtype = self.config.compute_dtype
+        return jnp.matmul(
+            hidden.astype(dtype),
+            self.unembedding(),
+            preferred_element_type=v.compute_dtype(dtype),
+        )
+
+
+def _attention_mask(where: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Which keys each query sees, `[B, 1, 1, T, S]`, and the scores of the others, `[T, S]`.
+
+    A query sees the real keys at or before it. The scores of unseen keys are finite, so a
+    padded query with no visible key still gives finite outputs; future keys score far below
+    padded ones, so such a query attends to the padded keys before it and stays causal.
+    """
+    t = where.shape[-1]
+    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    allowed = (causal & where[:, None, :])[:, None, None]  # broadcast over kv heads, groups
+    lowest = jnp.finfo(dtype).min
+    return allowed, jnp.where(causal, 0.5 * lowest, lowest).astype(dtype)
+
+
+def _stacked_layers(config: DecoderConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """`num_hidden_layers` independently initialised layers stacked on a leading axis."""
+
+    @nnx.split_rngs(splits=config.num_hidden_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, rngs=rngs)
+
+    return create(rngs)

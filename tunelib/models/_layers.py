@@ -1,0 +1,171 @@
+"""The building blocks of the decoder: RMSNorm, dense projections, attention, SwiGLU, layer.
+
+Every weight is an `nnx.Param` whose `out_sharding` metadata names its axes with logical names
+(see `docs/models.md`); map them to mesh axes with `nnx.logical_axis_rules` and read the
+partitioning with `nnx.get_partition_spec`. The names are annotations only: parameters are
+created unsharded (`eager_sharding=False`) whatever mesh is current.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunelib import _validation as v
+from tunelib.models._config import DecoderConfig
+from tunelib.models._rope import apply_rope
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def param(
+    rngs: nnx.Rngs,
+    init: Initializer,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    dtype: jnp.dtype,
+) -> nnx.Param:
+    """A parameter of `shape` drawn from `init`, annotated with the logical axis `names`."""
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+def kernel_init(config: DecoderConfig) -> Initializer:
+    return jax.nn.initializers.normal(config.initializer_range)
+
+
+class RMSNorm(nnx.Module):
+    r"""Root-mean-square normalisation over the last axis, with a learned scale.
+
+    $y = \mathrm{cast}\big(x / \sqrt{\mathrm{mean}(x^2) + \epsilon}\big) \odot g$: the
+    statistic and the division run in at least float32; the result is cast to the compute
+    dtype before the scale $g$ multiplies it (as Meta's Llama and Hugging Face do).
+    """
+
+    def __init__(self, dim: int, name: str, config: DecoderConfig, *, rngs: nnx.Rngs):
+        self.eps = config.rms_norm_eps
+        self.dtype = config.compute_dtype
+        self.scale = param(rngs, jax.nn.initializers.ones, (dim,), (name,), config.storage_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        high = x.astype(v.compute_dtype(x.dtype))
+        normed = high * jax.lax.rsqrt(jnp.mean(high * high, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(self.dtype) * self.scale[...].astype(self.dtype)
+
+
+class Embedding(nnx.Module):
+    """A `[V, H]` table of token embeddings."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        shape = (config.vocab_size, config.hidden_size)
+        init = kernel_init(config)
+        self.embedding = param(rngs, init, shape, ("vocab", "embed"), config.storage_dtype)
+
+
+class Dense(nnx.Module):
+    """`x @ kernel (+ bias)` with `kernel` stored `[in, out]`."""
+
+    def __init__(
+        self,
+        features_in: int,
+        features_out: int,
+        names: tuple[str, str],
+        config: DecoderConfig,
+        *,
+        use_bias: bool,
+        rngs: nnx.Rngs,
+    ):
+        self.dtype = config.compute_dtype
+        shape = (features_in, features_out)
+        self.kernel = param(rngs, kernel_init(config), shape, names, config.storage_dtype)
+        self.bias = (
+            param(rngs, jax.nn.initializers.zeros, (features_out,), names[1:], config.storage_dtype)
+            if use_bias
+            else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional q/k/v bias and optional QK-norm."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.dtype = c.compute_dtype
+        q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        bias = c.attention_bias
+        self.q_proj = Dense(
+            c.hidden_size, q_width, ("embed", "q_heads"), c, use_bias=bias, rngs=rngs
+        )
+        self.k_proj = Dense(
+            c.hidden_size, kv_width, ("embed", "kv_heads"), c, use_bias=bias, rngs=rngs
+        )
+        self.v_proj = Dense(
+            c.hidden_size, kv_width, ("embed", "kv_heads"), c, use_bias=bias, rngs=rngs
+        )
+        self.o_proj = Dense(
+            q_width, c.hidden_size, ("q_heads", "embed"), c, use_bias=False, rngs=rngs
+        )
+        self.q_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, allowed: jax.Array, fill: jax.Array
+    ) -> jax.Array:
+        b, t, _ = x.shape
+        k_heads, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, t, self.num_heads, d)
+        k = self.k_proj(x).reshape(b, t, k_heads, d)
+        val = self.v_proj(x).reshape(b, t, k_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Query head n = kv_head * groups + g reads key/value head kv_head.
+        q = q.reshape(b, t, k_heads, groups, d)
+        high = v.compute_dtype(self.dtype)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=high)
+        scores = jnp.where(allowed, scores * jnp.asarray(d**-0.5, high), fill)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, val)
+        return self.o_proj(out.reshape(b, t, self.num_heads * d))
+
+
+class MLP(nnx.Module):
+    r"""SwiGLU feed-forward block: $W_d\,(\mathrm{silu}(x W_g) \odot x W_u)$."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        c = config
+        h, f = c.hidden_size, c.intermediate_size
+        self.gate_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=False, rngs=rngs)
+        self.up_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=False, rngs=rngs)
+        self.down_proj = Dense(f, h, ("mlp", "embed"), c, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual layer: attention, then the MLP, each on its own RMSNorm."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, "embed", config, rngs=rngs)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, "embed", config, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, allowed: jax.Array, fill: jax.Array
+    ) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed, fill)
+        return x + self.mlp(self.post_attention_layernorm(x))
