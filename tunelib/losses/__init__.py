@@ -6,11 +6,71 @@ accumulation and data parallelism give exactly the full-batch result.
 """
 
 from tunelib.losses._aggregation import AGGREGATION_MODES, Aggregate, aggregate
+from tunelib.losses._aot import aot_loss
+from tunelib.losses._distillation import (
+    forward_kl_loss,
+    generalized_jsd_loss,
+    reverse_kl_loss,
+    soft_hard_distillation_loss,
+    teacher_argmax_loss,
+    teacher_top_k,
+    top_k_forward_kl_loss,
+)
+from tunelib.losses._dpo import dpo_loss, length_normalized_dpo_loss, robust_dpo_loss
+from tunelib.losses._dpo_margin import discopop_loss, exo_loss, hinge_loss, ipo_loss
+from tunelib.losses._dpo_per_response import (
+    apo_down_loss,
+    apo_zero_loss,
+    bco_pair_loss,
+    nca_loss,
+    sppo_hard_loss,
+)
+from tunelib.losses._feature_matching import attention_output_matching_loss, feature_matching_loss
+from tunelib.losses._kto import kto_loss, kto_reference_point
+from tunelib.losses._preference_diagnostics import (
+    implicit_rewards,
+    preference_accuracy,
+    reward_margins,
+)
+from tunelib.losses._reference_free import cpo_loss, orpo_log_odds_ratio, orpo_loss, simpo_loss
+from tunelib.losses._reward_model import bradley_terry_loss
 from tunelib.losses._sft import nll_loss
 
 __all__ = [
     "AGGREGATION_MODES",
     "Aggregate",
     "aggregate",
+    "aot_loss",
+    "apo_down_loss",
+    "apo_zero_loss",
+    "attention_output_matching_loss",
+    "bco_pair_loss",
+    "bradley_terry_loss",
+    "cpo_loss",
+    "discopop_loss",
+    "dpo_loss",
+    "exo_loss",
+    "feature_matching_loss",
+    "forward_kl_loss",
+    "generalized_jsd_loss",
+    "hinge_loss",
+    "implicit_rewards",
+    "ipo_loss",
+    "kto_loss",
+    "kto_reference_point",
+    "length_normalized_dpo_loss",
+    "nca_loss",
     "nll_loss",
+    "orpo_log_odds_ratio",
+    "orpo_loss",
+    "preference_accuracy",
+    "reverse_kl_loss",
+    "reward_margins",
+    "robust_dpo_loss",
+    "simpo_loss",
+    "soft_hard_distillation_loss",
+    "sppo_hard_loss",
+    "teacher_argmax_loss",
+    "teacher_top_k",
+    "top_k_forward_kl_loss",
 ]

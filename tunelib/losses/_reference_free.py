@@ -1,0 +1,257 @@
+"""Preference losses without a reference model: SimPO, CPO and ORPO."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float
+
+from tunelib import _validation as v
+from tunelib._typing import Scalar
+from tunelib.losses import _preference_inputs as p
+
+# A probability of exactly 1 has infinite odds; ORPO clamps log-probs to at most this value.
+MAX_ORPO_LOGP = -1e-12
+
+
+def simpo_loss(
+    chosen_logps: Float[ArrayLike, " B"],
+    rejected_logps: Float[ArrayLike, " B"],
+    *,
+    beta: Scalar = 2.0,
+    gamma: Scalar = 1.0,
+    label_smoothing: Scalar = 0.0,
+    where: Bool[ArrayLike, " B"] | None = None,
+) -> Float[Array, " B"]:
+    r"""Simple preference optimisation (SimPO): a length-normalised, reference-free margin loss.
+
+    $$
+    \ell = -(1 - \varepsilon) \log \sigma(x) - \varepsilon \log \sigma(-x),
+    \qquad x = \beta \Big(\tfrac{1}{|y_w|} \log \pi_\theta(y_w)
+                        - \tfrac{1}{|y_l|} \log \pi_\theta(y_l)\Big) - \gamma
+    $$
+
+    with the per-token average log-probabilities $\tfrac{1}{|y|} \log \pi_\theta(y)$ =
+    `chosen_logps` and `rejected_logps` (compute them with `sequence_mean`), $\beta$ =
+    `beta`, the target reward margin $\gamma$ = `gamma` and $\varepsilon$ = `label_smoothing`
+    (the paper has $\varepsilon = 0$; TRL's `CPOTrainer` with `loss_type="simpo"` applies it as
+    in cDPO). The loss depends on the two inputs only through their difference.
+
+    Args:
+      chosen_logps: `[B]` per-token average policy log-probabilities of the chosen
+        completions.
+      rejected_logps: `[B]` per-token average log-probabilities of the rejected completions.
+      beta: $\beta > 0$. The paper's released models use 2.0 or 2.5 and its authors report
+        that 10 is often better; the default is 2.0. May be traced.
+      gamma: the target margin $\gamma$ in reward units. The authors recommend tuning
+        $\gamma/\beta$ from 0.5 within $[0, 1]$; the default 1.0 is $\gamma/\beta = 0.5$ at
+        the default $\beta$. (TRL's `simpo_gamma` is the same $\gamma$, default 0.5 with
+        $\beta = 0.1$.) May be traced.
+      label_smoothing: $\varepsilon \in [0, 1]$; may be traced.
+      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+
+    Returns:
+      `[B]` per-pair losses, float32 (float64 for float64 input).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.losses import simpo_loss
+      >>> print(simpo_loss(jnp.array([-0.8, -1.5]), jnp.array([-1.6, -1.2])).round(4).tolist())
+      [0.4375, 1.7839]
+
+    References:
+      Meng et al., "SimPO: Simple Preference Optimization with a Reference-Free Reward",
+      2024, https://arxiv.org/abs/2405.14734.
+    """
+    v.positive_scalar(beta, "beta")
+    v.unit_interval(label_smoothing, "label_smoothing")
+    (chosen, rejected), where = p.sequence_arrays(
+        where, chosen_logps=chosen_logps, rejected_logps=rejected_logps
+    )
+    dtype = chosen.dtype
+    logits = jnp.asarray(beta, dtype) * (chosen - rejected) - jnp.asarray(gamma, dtype)
+    return jnp.where(where, p.smoothed_logistic(logits, label_smoothing), 0.0)
+
+
+def _with_nll(
+    chosen_logps: ArrayLike,
+    rejected_logps: ArrayLike,
+    chosen_nll: ArrayLike | None,
+    where: ArrayLike | None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Checked chosen and rejected log-probs, the NLL term (default `-chosen_logps`), mask."""
+    named = {"chosen_logps": chosen_logps, "rejected_logps": rejected_logps}
+    if chosen_nll is not None:
+        named["chosen_nll"] = chosen_nll
+    arrays, where = p.sequence_arrays(where, **named)
+    chosen, rejected = arrays[:2]
+    nll = arrays[2] if chosen_nll is not None else -chosen
+    return chosen, rejected, nll, where
+
+
+def cpo_loss(
+    chosen_logps: Float[ArrayLike, " B"],
+    rejected_logps: Float[ArrayLike, " B"],
+    *,
+    beta: Scalar = 0.1,
+    label_smoothing: Scalar = 0.0,
+    alpha: Scalar = 1.0,
+    chosen_nll: Float[ArrayLike, " B"] | None = None,
+    where: Bool[ArrayLike, " B"] | None = None,
+) -> Float[Array, " B"]:
+    r"""Contrastive preference optimisation (CPO): reference-free DPO plus an NLL term.
+
+    $$
+    \ell = -(1 - \varepsilon) \log \sigma(x) - \varepsilon \log \sigma(-x)
+           + \alpha\, \mathrm{NLL}(y_w),
+    \qquad x = \beta \big(\log \pi_\theta(y_w) - \log \pi_\theta(y_l)\big)
+    $$
+
+    with $\log \pi_\theta(y_w)$ = `chosen_logps`, $\log \pi_\theta(y_l)$ = `rejected_logps`
+    (sums over tokens), $\beta$ = `beta`, $\varepsilon$ = `label_smoothing`, $\alpha$ =
+    `alpha` and $\mathrm{NLL}(y_w)$ = `chosen_nll`, by default $-\log \pi_\theta(y_w)$ as in
+    the paper. TRL's `CPOTrainer` (`loss_type="sigmoid"`, `cpo_alpha`) uses the per-token
+    average NLL of the chosen completion instead: pass `chosen_nll=-sequence_mean(...)` to
+    match it.
+
+    Args:
+      chosen_logps: `[B]` policy log-probabilities of the chosen completions.
+      rejected_logps: `[B]` policy log-probabilities of the rejected completions.
+      beta: $\beta > 0$; the default 0.1 is the paper's and TRL's. May be traced.
+      label_smoothing: $\varepsilon \in [0, 1]$ (0 in the paper); may be traced.
+      alpha: $\alpha$, the weight of the NLL term; the default 1 is the paper's and TRL's. May
+        be traced.
+      chosen_nll: optional `[B]` NLL of the chosen completions; `-chosen_logps` when None.
+      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+
+    Returns:
+      `[B]` per-pair losses, float32 (float64 for float64 input).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.losses import cpo_loss
+      >>> print(cpo_loss(jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])).round(4).tolist())
+      [10.513, 12.7444]
+
+    References:
+      Xu et al., "Contrastive Preference Optimization: Pushing the Boundaries of LLM
+      Performance in Machine Translation", 2024, https://arxiv.org/abs/2401.08417.
+    """
+    v.positive_scalar(beta, "beta")
+    v.unit_interval(label_smoothing, "label_smoothing")
+    chosen, rejected, nll, where = _with_nll(chosen_logps, rejected_logps, chosen_nll, where)
+    dtype = chosen.dtype
+    preference = p.smoothed_logistic(
+        jnp.asarray(beta, dtype) * (chosen - rejected), label_smoothing
+    )
+    return jnp.where(where, preference + jnp.asarray(alpha, dtype) * nll, 0.0)
+
+
+def _log1mexp(x: jax.Array) -> jax.Array:
+    """`log(1 - exp(x))` for `x < 0`, accurate near 0 and for very negative `x`."""
+    near_zero = x > -math.log(2.0)
+    # Each branch sees only inputs where it is accurate and finite, so the other's gradient is 0.
+    small = jnp.log(-jnp.expm1(jnp.where(near_zero, x, -1.0)))
+    large = jnp.log1p(-jnp.exp(jnp.where(near_zero, -1.0, x)))
+    return jnp.where(near_zero, small, large)
+
+
+def _log_odds(logps: jax.Array) -> jax.Array:
+    logps = jnp.minimum(logps, MAX_ORPO_LOGP)
+    return logps - _log1mexp(logps)
+
+
+def orpo_log_odds_ratio(
+    chosen_logps: Float[ArrayLike, " B"],
+    rejected_logps: Float[ArrayLike, " B"],
+    *,
+    where: Bool[ArrayLike, " B"] | None = None,
+) -> Float[Array, " B"]:
+    r"""ORPO's log odds ratio of the chosen over the rejected completion.
+
+    $$
+    \log \frac{\mathrm{odds}(y_w)}{\mathrm{odds}(y_l)},
+    \qquad \log \mathrm{odds}(y) = \log P(y) - \log\big(1 - P(y)\big)
+    $$
+
+    with $\log P(y_w)$ = `chosen_logps` and $\log P(y_l)$ = `rejected_logps`, per-token
+    average log-probabilities (`sequence_mean`), so $P$ is the geometric mean of the token
+    probabilities. $\log(1 - e^{x})$ is computed as `log(-expm1(x))` for $x > -\log 2$ and
+    `log1p(-exp(x))` otherwise, accurate across the whole range. Inputs are clamped to at
+    most $-10^{-12}$ first (an input of 0, a probability of 1, has infinite odds), which keeps
+    the value finite and gives such inputs a zero gradient.
+
+    Args:
+      chosen_logps: `[B]` per-token average log-probabilities of the chosen completions.
+      rejected_logps: `[B]` per-token average log-probabilities of the rejected ones.
+      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+
+    Returns:
+      `[B]` log odds ratios, float32 (float64 for float64 input).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.losses import orpo_log_odds_ratio
+      >>> chosen, rejected = jnp.array([-0.5, -2.0]), jnp.array([-1.0, -1.0])
+      >>> print(orpo_log_odds_ratio(chosen, rejected).round(4).tolist())
+      [0.9741, -1.3133]
+
+    References:
+      Hong et al., "ORPO: Monolithic Preference Optimization without Reference Model", 2024,
+      https://arxiv.org/abs/2403.07691.
+    """
+    (chosen, rejected), where = p.sequence_arrays(
+        where, chosen_logps=chosen_logps, rejected_logps=rejected_logps
+    )
+    return jnp.where(where, _log_odds(chosen) - _log_odds(rejected), 0.0)
+
+
+def orpo_loss(
+    chosen_logps: Float[ArrayLike, " B"],
+    rejected_logps: Float[ArrayLike, " B"],
+    *,
+    lambda_: Scalar = 0.1,
+    chosen_nll: Float[ArrayLike, " B"] | None = None,
+    where: Bool[ArrayLike, " B"] | None = None,
+) -> Float[Array, " B"]:
+    r"""Odds ratio preference optimisation (ORPO): NLL plus a log-odds-ratio penalty.
+
+    $$
+    \ell = \mathrm{NLL}(y_w)
+         - \lambda \log \sigma\!\left(\log \frac{\mathrm{odds}(y_w)}{\mathrm{odds}(y_l)}\right),
+    \qquad \mathrm{odds}(y) = \frac{P(y)}{1 - P(y)}
+    $$
+
+    with $\log P(y_w)$ = `chosen_logps` and $\log P(y_l)$ = `rejected_logps`, per-token
+    average log-probabilities (`sequence_mean`), $\lambda$ = `lambda_` and $\mathrm{NLL}(y_w)$
+    = `chosen_nll`, by default `-chosen_logps` (the per-token average NLL, the paper's
+    $\mathcal{L}_{SFT}$). The odds ratio is `orpo_log_odds_ratio`, with its clamp: an input of
+    exactly 0 gives a finite loss and gradient. TRL: `ORPOTrainer`, where `beta` is
+    $\lambda$.
+
+    Args:
+      chosen_logps: `[B]` per-token average log-probabilities of the chosen completions.
+      rejected_logps: `[B]` per-token average log-probabilities of the rejected ones.
+      lambda_: $\lambda$, the weight of the odds-ratio term; the default 0.1 is the paper's and
+        TRL's. May be traced.
+      chosen_nll: optional `[B]` NLL of the chosen completions; `-chosen_logps` when None.
+      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+
+    Returns:
+      `[B]` per-pair losses, float32 (float64 for float64 input).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.losses import orpo_loss
+      >>> print(orpo_loss(jnp.array([-0.5, -2.0]), jnp.array([-1.0, -1.0])).round(4).tolist())
+      [0.532, 2.1551]
+
+    References:
+      Hong et al., "ORPO: Monolithic Preference Optimization without Reference Model", 2024,
+      https://arxiv.org/abs/2403.07691.
+    """
+    chosen, rejected, nll, where = _with_nll(chosen_logps, rejected_logps, chosen_nll, where)
+    log_odds_ratio = _log_odds(chosen) - _log_odds(rejected)
+    loss = nll - jnp.asarray(lambda_, chosen.dtype) * jax.nn.log_sigmoid(log_odds_ratio)
+    return jnp.where(where, loss, 0.0)
