@@ -71,6 +71,16 @@ def test_fixed_values_and_seeds():
     assert 0.05 < lengths.count(1) / len(lengths) < 0.15
 
 
+@pytest.mark.parametrize("max_digits", [2, 4])
+def test_heldout_does_not_depend_on_num_train_and_train_sets_nest(max_digits):
+    small_train, heldout = arithmetic_split(num_train=50, num_heldout=30, seed=3, max_digits=max_digits)
+    large_train, same_heldout = arithmetic_split(
+        num_train=500, num_heldout=30, seed=3, max_digits=max_digits
+    )
+    assert same_heldout == heldout
+    assert large_train[:50] == small_train
+
+
 def test_negative_answers_are_written_with_minus():
     train, _ = arithmetic_split(num_train=60, num_heldout=0, max_digits=1, operations=("-",))
     negative = [p for p in train if p["answer"].startswith("-")]

@@ -27,10 +27,20 @@ def _canonical_operations(operations: Iterable[str]) -> tuple[str, ...]:
     return tuple(op for op in OPERATIONS if op in operations)
 
 
+_SHUFFLE_LIMIT = 10**6
+
+
 def _sample_distinct(rng: random.Random, population: int, k: int) -> list[int]:
-    """`k` distinct integers of `range(population)` in random order, without enumerating it."""
-    if 2 * k >= population:
-        return rng.sample(range(population), k)
+    """`k` distinct integers of `range(population)` in random order.
+
+    The first `j` of them do not depend on `k`, so splits with more training problems extend
+    those with fewer. Populations up to a million are shuffled whole; larger ones are sampled
+    by rejection without being enumerated.
+    """
+    if population <= _SHUFFLE_LIMIT:
+        order = list(range(population))
+        rng.shuffle(order)
+        return order[:k]
     seen: set[int] = set()
     order = []
     while len(order) < k:
@@ -69,10 +79,11 @@ def arithmetic_split(
     $O$ = `operations`; the answer is written as a decimal integer. Subtraction may give a
     negative answer, written with a leading minus sign (`"3-7="` has answer `"-4"`); operands
     are never negative, so prompts are unambiguous. `num_train + num_heldout` problems are
-    drawn uniformly from $\mathcal{P}$ without replacement (by rejection, so a large
-    `max_digits` costs nothing extra; being uniform over values, most operands have $D$
-    digits), the first `num_train` become the training set and the rest the held-out set, so
-    no held-out problem occurs in training. Problems are distinct by identity: `"3+4="` and
+    drawn uniformly from $\mathcal{P}$ without replacement (by rejection when $\mathcal{P}$ is
+    large, so a large `max_digits` costs nothing extra; being uniform over values, most
+    operands have $D$ digits). The first `num_heldout` become the held-out set and the next
+    `num_train` the training set, so no held-out problem occurs in training, the held-out set
+    does not depend on `num_train`, and a larger `num_train` extends a smaller one. Problems are distinct by identity: `"3+4="` and
     `"4+3="` are different problems and may fall on different sides of the split.
 
     Args:
@@ -95,11 +106,11 @@ def arithmetic_split(
       ... )
       >>> for problem in train:
       ...     print(problem)
-      {'prompt': '26-23=', 'answer': '3'}
-      {'prompt': '37-81=', 'answer': '-44'}
-      {'prompt': '13+26=', 'answer': '39'}
+      {'prompt': '75+77=', 'answer': '152'}
+      {'prompt': '21-58=', 'answer': '-37'}
+      {'prompt': '96+12=', 'answer': '108'}
       >>> heldout
-      [{'prompt': '84+84=', 'answer': '168'}]
+      [{'prompt': '60+6=', 'answer': '66'}]
     """
     _check_count(num_train, "num_train")
     _check_count(num_heldout, "num_heldout")
@@ -117,7 +128,7 @@ def arithmetic_split(
         )
     indices = _sample_distinct(random.Random(seed), population, wanted)
     problems = [_problem(i, operations, base) for i in indices]
-    return problems[:num_train], problems[num_train:]
+    return problems[num_heldout:], problems[:num_heldout]
 
 
 def _near_miss(answer: int, rng: random.Random) -> int:
