@@ -26,7 +26,9 @@ def bool_arrays(shape: Sequence[int]):
 
 
 @contextlib.contextmanager
-def raises_naming(*names: str, error: type[Exception] | tuple = (ValueError, TypeError)) -> Iterator:
+def raises_naming(
+    *names: str, error: type[Exception] | tuple = (ValueError, TypeError)
+) -> Iterator:
     """Expect an error whose message names every one of `names`.
 
     Under the test suite's runtime type checking, jaxtyping reports shape and dtype mismatches

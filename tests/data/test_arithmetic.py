@@ -73,7 +73,9 @@ def test_fixed_values_and_seeds():
 
 @pytest.mark.parametrize("max_digits", [2, 4])
 def test_heldout_does_not_depend_on_num_train_and_train_sets_nest(max_digits):
-    small_train, heldout = arithmetic_split(num_train=50, num_heldout=30, seed=3, max_digits=max_digits)
+    small_train, heldout = arithmetic_split(
+        num_train=50, num_heldout=30, seed=3, max_digits=max_digits
+    )
     large_train, same_heldout = arithmetic_split(
         num_train=500, num_heldout=30, seed=3, max_digits=max_digits
     )

@@ -4,7 +4,14 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests._helpers import assert_close, assert_traced_once, bool_arrays, float_arrays, own_checks, raises_naming
+from tests._helpers import (
+    assert_close,
+    assert_traced_once,
+    bool_arrays,
+    float_arrays,
+    own_checks,
+    raises_naming,
+)
 from tunelib import logprobs
 
 sequence_sum = jax.jit(logprobs.sequence_sum)

@@ -53,7 +53,9 @@ def test_fixed_values():
             token_logps(logits, targets, temperature=temperature),
             ref_token_logps(logits, targets, temperature),
         )
-        assert_close(token_entropy(logits, temperature=temperature), ref_entropy(logits, temperature))
+        assert_close(
+            token_entropy(logits, temperature=temperature), ref_entropy(logits, temperature)
+        )
 
 
 @given(logits_and_targets(), st.floats(0.2, 4.0))
@@ -170,10 +172,13 @@ def test_jit_vmap_grad_and_no_retrace():
     expected = logprobs.token_logps(logits, targets, temperature=0.8, where=where)
     jitted = token_logps(logits, targets, temperature=0.8, where=where)
     assert_close(jitted, expected, atol=1e-6)
-    mapped = jax.vmap(lambda x, y, m: logprobs.token_logps(x[None], y[None], temperature=0.8, where=m[None])[0])
+    mapped = jax.vmap(
+        lambda x, y, m: logprobs.token_logps(x[None], y[None], temperature=0.8, where=m[None])[0]
+    )
     assert_close(mapped(logits, targets, where), expected, atol=1e-6)
     calls = [
-        ((logits, targets), {"temperature": jnp.float32(t), "where": where}) for t in (0.5, 1.0, 2.0)
+        ((logits, targets), {"temperature": jnp.float32(t), "where": where})
+        for t in (0.5, 1.0, 2.0)
     ]
     assert_traced_once(logprobs.token_logps, calls)
     assert_traced_once(

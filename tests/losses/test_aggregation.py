@@ -1,4 +1,5 @@
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +71,7 @@ def test_micro_batches_equal_full_batch_exactly_float32(mode, batch, data):
     full = aggregate(values, mode=mode, where=where, **mode_kwargs(mode))
     parts = [
         aggregate(values[a:b], mode=mode, where=where[a:b], **mode_kwargs(mode))
-        for a, b in zip(edges[:-1], edges[1:], strict=True)
+        for a, b in itertools.pairwise(edges)
         if b > a
     ]
     accumulated = parts[0]
@@ -92,7 +93,9 @@ def test_micro_batches_equal_full_batch_exactly_float64(mode, batch, k):
         values = values.astype(np.float64)
         chunks = np.array_split(np.arange(values.shape[0]), min(k, values.shape[0]))
         full = aggregate(values, mode=mode, where=where, **mode_kwargs(mode))
-        parts = [aggregate(values[c], mode=mode, where=where[c], **mode_kwargs(mode)) for c in chunks]
+        parts = [
+            aggregate(values[c], mode=mode, where=where[c], **mode_kwargs(mode)) for c in chunks
+        ]
         total = functools.reduce(losses.Aggregate.merge, parts)
         assert full.total.dtype == jnp.float64
         assert_close(total.mean(), full.mean(), rtol=1e-13, atol=1e-13)
@@ -108,9 +111,9 @@ def test_empty_rows_are_left_out_and_empty_batch_is_zero(mode):
     assert with_empty == without
     nothing = aggregate(values, mode=mode, where=np.zeros((2, 2), bool), **mode_kwargs(mode))
     assert nothing.mean() == 0.0 and nothing.count == 0.0
-    grad = jax.grad(
-        lambda x: aggregate(x, mode=mode, where=where, **mode_kwargs(mode)).mean()
-    )(jnp.asarray(values))
+    grad = jax.grad(lambda x: aggregate(x, mode=mode, where=where, **mode_kwargs(mode)).mean())(
+        jnp.asarray(values)
+    )
     assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad[1]) == 0)
 
 
@@ -132,7 +135,9 @@ def test_no_retrace_with_traced_constant():
         ).mean(),
         [((values, jnp.float32(c), where), {}) for c in (2.0, 8.0)],
     )
-    jitted = jax.jit(lambda x, c: losses.aggregate(x, mode="seq_mean_token_sum_norm", norm_constant=c))
+    jitted = jax.jit(
+        lambda x, c: losses.aggregate(x, mode="seq_mean_token_sum_norm", norm_constant=c)
+    )
     assert jitted(values, 2.0).mean() == 2.0
     assert jitted(values, 4.0).mean() == 1.0
 

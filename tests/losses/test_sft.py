@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 from tests._helpers import assert_close, assert_traced_once, float_arrays, own_checks, raises_naming
 from tests.logprobs.test_token import ref_log_softmax
 from tunelib import losses
-from tunelib.logprobs import token_logps
+from tunelib.logprobs import token_logps as _token_logps
 
 nll_loss = jax.jit(losses.nll_loss)
+token_logps = jax.jit(_token_logps)
 
 
 def ref_nll(logits, targets, label_smoothing=0.0, z_loss_weight=0.0):
@@ -73,13 +74,16 @@ def test_masks():
     out = nll_loss(logits, targets, label_smoothing=0.1, z_loss_weight=1e-3, where=where)
     for row, n in enumerate((2, 3)):
         sliced = nll_loss(
-            logits[row : row + 1, :n], targets[row : row + 1, :n], label_smoothing=0.1, z_loss_weight=1e-3
+            logits[row : row + 1, :n],
+            targets[row : row + 1, :n],
+            label_smoothing=0.1,
+            z_loss_weight=1e-3,
         )
         assert_close(out[row, :n], sliced[0])
         assert np.all(np.asarray(out[row, n:]) == 0)
-    grad = jax.grad(
-        lambda x: losses.nll_loss(x, targets, label_smoothing=0.1, where=where).sum()
-    )(logits)
+    grad = jax.grad(lambda x: losses.nll_loss(x, targets, label_smoothing=0.1, where=where).sum())(
+        logits
+    )
     assert np.all(np.isfinite(grad))
     assert np.all(np.asarray(grad)[~np.asarray(where)] == 0)
     assert np.all(np.asarray(nll_loss(logits, targets, where=jnp.zeros_like(where))) == 0)
@@ -93,8 +97,13 @@ def test_bf16_and_retrace():
     assert_close(low, nll_loss(logits, targets, label_smoothing=0.1), rtol=0.02, atol=0.03)
     assert_traced_once(
         losses.nll_loss,
-        [((logits, targets), {"label_smoothing": jnp.float32(e), "z_loss_weight": jnp.float32(z)})
-         for e, z in [(0.0, 0.0), (0.1, 1e-4)]],
+        [
+            (
+                (logits, targets),
+                {"label_smoothing": jnp.float32(e), "z_loss_weight": jnp.float32(z)},
+            )
+            for e, z in [(0.0, 0.0), (0.1, 1e-4)]
+        ],
     )
     out = jax.vmap(lambda x, y: losses.nll_loss(x[None], y[None])[0])(logits, targets)
     assert_close(out, nll_loss(logits, targets))

@@ -83,8 +83,9 @@ def arithmetic_split(
     large, so a large `max_digits` costs nothing extra; being uniform over values, most
     operands have $D$ digits). The first `num_heldout` become the held-out set and the next
     `num_train` the training set, so no held-out problem occurs in training, the held-out set
-    does not depend on `num_train`, and a larger `num_train` extends a smaller one. Problems are distinct by identity: `"3+4="` and
-    `"4+3="` are different problems and may fall on different sides of the split.
+    does not depend on `num_train`, and a larger `num_train` extends a smaller one. Problems
+    are distinct by identity: `"3+4="` and `"4+3="` are different problems and may fall on
+    different sides of the split.
 
     Args:
       num_train: number of training problems.
@@ -99,7 +100,7 @@ def arithmetic_split(
     Raises:
       ValueError: if more problems are asked for than exist, naming both counts.
 
-    Example:
+    Examples:
       >>> from tunelib.data import arithmetic_split
       >>> train, heldout = arithmetic_split(
       ...     num_train=3, num_heldout=1, seed=0, max_digits=2, operations=("+", "-")
@@ -171,7 +172,7 @@ def preference_pairs(
     Raises:
       ValueError: naming the problem index when a problem has no integer answer.
 
-    Example:
+    Examples:
       >>> from tunelib.data import preference_pairs
       >>> problems = [{"prompt": "47+8=", "answer": "55"}, {"prompt": "3-7=", "answer": "-4"}]
       >>> for pair in preference_pairs(problems, seed=1):
@@ -206,7 +207,7 @@ def verify_answer(completion: str, answer: str) -> bool:
     Returns:
       True for an exact match.
 
-    Example:
+    Examples:
       >>> from tunelib.data import verify_answer
       >>> verify_answer("55", "55"), verify_answer("55 ", "55"), verify_answer("-4", "-4")
       (True, False, True)

@@ -176,7 +176,7 @@ def sft_dataset(
       RecordError: for an invalid record with `on_invalid="raise"`.
       ValueError: for no valid record, or a finite run too short for one full batch.
 
-    Example:
+    Examples:
       >>> from tunelib.data import CharTokenizer, sft_dataset
       >>> tok = CharTokenizer()
       >>> records = [{"prompt": "12+7=", "completion": "19"}]
@@ -242,7 +242,7 @@ def preference_dataset(
       `"tokens"`, `"targets"` (int32), `"where"` and `"attention_where"` (bool), all
       `[batch_size, max_length]`.
 
-    Example:
+    Examples:
       >>> from tunelib.data import CharTokenizer, preference_dataset
       >>> pair = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
       >>> ds = preference_dataset([pair], CharTokenizer(), max_length=7, batch_size=1)
@@ -288,7 +288,7 @@ def encode_prompts(
       ValueError: naming the prompt index when a prompt does not fit or has a character the
         tokenizer does not know.
 
-    Example:
+    Examples:
       >>> from tunelib.data import CharTokenizer, encode_prompts
       >>> tokens, where = encode_prompts(["12+7=", "3+4="], CharTokenizer(), max_length=8)
       >>> print(tokens)

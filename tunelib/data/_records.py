@@ -148,7 +148,7 @@ def validate_records(
       RecordError: a `ValueError` whose message names the record index and the field, e.g.
         `"record 17: field 'chosen' is empty"`.
 
-    Example:
+    Examples:
       >>> from tunelib.data import CharTokenizer, validate_records
       >>> records = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "1+1="}, 7]
       >>> kept, report = validate_records(

@@ -41,7 +41,7 @@ class CharTokenizer:
     Args:
       alphabet: the characters, each at most once, in id order from 3.
 
-    Example:
+    Examples:
       >>> from tunelib.data import CharTokenizer
       >>> tok = CharTokenizer()
       >>> tok.encode("12+7=")

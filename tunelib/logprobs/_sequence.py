@@ -32,7 +32,7 @@ def sequence_sum(
     Returns:
       `[...]` sums, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.logprobs import sequence_sum
       >>> x = jnp.array([[-1.0, -2.0, jnp.nan]])
@@ -58,7 +58,7 @@ def sequence_mean(
     Returns:
       `[...]` means, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.logprobs import sequence_mean
       >>> x = jnp.array([[-1.0, -2.0, 5.0], [1.0, 1.0, 1.0]])

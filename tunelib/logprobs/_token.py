@@ -50,7 +50,7 @@ def token_logps(
     Returns:
       `[..., T]` log-probabilities, float32 (float64 for float64 logits).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.logprobs import token_logps
       >>> logits = jnp.array([[[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
@@ -90,7 +90,7 @@ def token_entropy(
     Returns:
       `[..., T]` entropies in nats, float32 (float64 for float64 logits).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.logprobs import token_entropy
       >>> print(token_entropy(jnp.zeros((1, 1, 4))).round(4))  # uniform over 4: log 4

@@ -10,7 +10,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Bool, Float
 
 from tunelib import _validation as v
 from tunelib._typing import Scalar
@@ -82,7 +82,7 @@ def aggregate(
     Returns:
       An `Aggregate` of float32 scalars (float64 for float64 values).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import aggregate
       >>> losses = jnp.array([[1.0, 3.0, 0.0], [4.0, 0.0, 0.0]])

@@ -65,7 +65,7 @@ def aot_loss(
     Returns:
       `[B]` losses per rank (ascending), float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import aot_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])

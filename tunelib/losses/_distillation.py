@@ -154,7 +154,7 @@ def forward_kl_loss(
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import forward_kl_loss
       >>> student = jnp.array([[[1.0, 0.0, 0.0]]])
@@ -212,7 +212,7 @@ def reverse_kl_loss(
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import reverse_kl_loss
       >>> student = jnp.array([[[1.0, 0.0, 0.0]]])
@@ -287,7 +287,7 @@ def generalized_jsd_loss(
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import generalized_jsd_loss
       >>> student = jnp.array([[[1.0, 0.0, 0.0]]])
@@ -332,7 +332,7 @@ def teacher_top_k(
       `(top_logits, top_ids)`: `[..., T, k]` logits in the input dtype, in descending order
       (ties broken towards the lower id), and their `int32` ids.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import teacher_top_k
       >>> top_logits, top_ids = teacher_top_k(jnp.array([[[0.5, 3.0, -1.0, 2.0]]]), k=2)
@@ -386,7 +386,7 @@ def top_k_forward_kl_loss(
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import teacher_top_k, top_k_forward_kl_loss
       >>> student = jnp.array([[[1.0, 0.0, 0.0, 0.5]]])
@@ -463,7 +463,7 @@ def teacher_argmax_loss(
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import teacher_argmax_loss
       >>> student = jnp.array([[[1.0, 0.0, 0.0]]])
@@ -527,7 +527,7 @@ def soft_hard_distillation_loss(
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import soft_hard_distillation_loss
       >>> student = jnp.array([[[1.0, 0.0, 0.0]]])

@@ -79,7 +79,7 @@ def dpo_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import dpo_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])
@@ -140,7 +140,7 @@ def robust_dpo_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import robust_dpo_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])
@@ -221,7 +221,7 @@ def length_normalized_dpo_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import length_normalized_dpo_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])

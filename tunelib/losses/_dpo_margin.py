@@ -53,7 +53,7 @@ def ipo_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import ipo_loss
       >>> chosen, rejected = jnp.array([-1.0, -1.2]), jnp.array([-1.4, -1.1])
@@ -105,7 +105,7 @@ def hinge_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import hinge_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])
@@ -163,7 +163,7 @@ def exo_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import exo_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])
@@ -227,7 +227,7 @@ def discopop_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import discopop_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])

@@ -90,7 +90,7 @@ def nca_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import nca_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])
@@ -154,7 +154,7 @@ def bco_pair_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import bco_pair_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])
@@ -210,7 +210,7 @@ def sppo_hard_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import sppo_hard_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])
@@ -265,7 +265,7 @@ def apo_zero_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import apo_zero_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])
@@ -318,7 +318,7 @@ def apo_down_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import apo_down_loss
       >>> chosen, rejected = jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])

@@ -113,7 +113,7 @@ def feature_matching_loss(
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 inputs).
 
-    Example:
+    Examples:
       The projection is a parameter like any other: keep it in the params pytree and let the
       optimizer update it with the student.
 
@@ -201,7 +201,7 @@ def attention_output_matching_loss(
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 inputs).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import attention_output_matching_loss
       >>> student = jnp.array([[[[1.0, 0.0], [0.0, 1.0]]]])  # B = T = 1, N = 2, Ds = 2

@@ -39,7 +39,7 @@ def kto_reference_point(
     Returns:
       A scalar $\hat z_0 \ge 0$, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import kto_reference_point
       >>> print(kto_reference_point(jnp.array([-20.0, -18.0]), jnp.array([-21.0, -18.5])))
@@ -100,7 +100,7 @@ def kto_loss(
     Returns:
       `[B]` per-completion losses in $[0, \lambda_y]$, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import kto_loss
       >>> logps, ref_logps = jnp.array([-10.0, -12.0]), jnp.array([-12.0, -10.0])

@@ -36,7 +36,7 @@ def implicit_rewards(
     Returns:
       `[B]` rewards, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import implicit_rewards
       >>> print(implicit_rewards(jnp.array([-10.0, -14.0]), jnp.array([-11.0, -13.0]), beta=0.1))
@@ -70,7 +70,7 @@ def reward_margins(
     Returns:
       `[B]` margins, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import reward_margins
       >>> print(reward_margins(jnp.array([0.5, 0.25]), jnp.array([-0.5, 0.5])))
@@ -107,7 +107,7 @@ def preference_accuracy(
     Returns:
       A scalar in $[0, 1]$, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import preference_accuracy
       >>> print(preference_accuracy(jnp.array([1.0, 0.0, 2.0]), jnp.array([0.0, 0.0, 3.0])))

@@ -54,7 +54,7 @@ def simpo_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import simpo_loss
       >>> print(simpo_loss(jnp.array([-0.8, -1.5]), jnp.array([-1.6, -1.2])).round(4).tolist())
@@ -128,7 +128,7 @@ def cpo_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import cpo_loss
       >>> print(cpo_loss(jnp.array([-10.0, -12.0]), jnp.array([-14.0, -11.0])).round(4).tolist())
@@ -190,7 +190,7 @@ def orpo_log_odds_ratio(
     Returns:
       `[B]` log odds ratios, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import orpo_log_odds_ratio
       >>> chosen, rejected = jnp.array([-0.5, -2.0]), jnp.array([-1.0, -1.0])
@@ -241,7 +241,7 @@ def orpo_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import orpo_loss
       >>> print(orpo_loss(jnp.array([-0.5, -2.0]), jnp.array([-1.0, -1.0])).round(4).tolist())

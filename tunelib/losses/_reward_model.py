@@ -41,7 +41,7 @@ def bradley_terry_loss(
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import bradley_terry_loss
       >>> chosen, rejected = jnp.array([1.5, -0.5]), jnp.array([0.5, 0.0])

@@ -44,7 +44,7 @@ def nll_loss(
       `[..., T]` per-token losses, float32 (float64 for float64 logits); reduce them with
       `tunelib.losses.aggregate`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from tunelib.losses import nll_loss
       >>> logits = jnp.array([[[2.0, 0.0, 0.0]]])

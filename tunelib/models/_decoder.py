@@ -43,7 +43,7 @@ class Decoder(nnx.Module):
       config: the `DecoderConfig`.
       rngs: the `nnx.Rngs` the weights are drawn from (stream "params", else "default").
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> from tunelib.models import Decoder, DecoderConfig

@@ -49,7 +49,7 @@ def rope_frequencies(
     Returns:
       `[D/2]` float64 frequencies, a static NumPy array.
 
-    Example:
+    Examples:
       >>> from tunelib.models import rope_frequencies
       >>> print(rope_frequencies(4, theta=100.0))
       [1.  0.1]

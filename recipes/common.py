@@ -1,0 +1,343 @@
+"""Plumbing shared by the recipes: flags, model set-up, checkpoints, metrics and evaluation.
+
+Nothing here is an objective: each recipe's train step is written out in the recipe itself.
+This module only keeps the scripts short. It is imported as `common` because every recipe is
+run as a script from this folder (`python recipes/sft.py`).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from tunelib.data import CharTokenizer, arithmetic_split, encode_prompts, verify_answer
+from tunelib.models import Decoder, DecoderConfig
+
+RUNS = Path(os.environ.get("TUNELIB_RUNS", "runs"))
+
+
+def parser(
+    description: str, *, steps: int, batch_size: int, learning_rate: float
+) -> argparse.ArgumentParser:
+    """Flags every recipe takes; each recipe adds its own."""
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the data split, init and order")
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--learning-rate", type=float, default=learning_rate)
+    p.add_argument("--max-digits", type=int, default=2, help="operand digits of the task")
+    p.add_argument("--num-train", type=int, default=1000, help="problems with demonstrations")
+    p.add_argument("--num-heldout", type=int, default=300, help="held-out problems for accuracy")
+    p.add_argument("--eval-every", type=int, default=100, help="steps between held-out evals")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument(
+        "--out", type=Path, default=None, help="run folder (default runs/<recipe>-seed<seed>)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def forward_flags(args: argparse.Namespace, *names: str) -> list[str]:
+    """Flags that pass this run's values of `names` (and `--no-progress`) to another recipe."""
+    out = [x for name in names for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    return out + (["--no-progress"] if args.no_progress else [])
+
+
+# ----------------------------------------------------------------------------- task and model
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    tokenizer: CharTokenizer
+    train: list[dict[str, str]]
+    heldout: list[dict[str, str]]
+    max_length: int
+
+
+def task(args: argparse.Namespace, num_train: int | None = None) -> Task:
+    """The built-in arithmetic task, split deterministically by the run's seed.
+
+    The held-out problems depend only on the seed and `--num-heldout`, so every recipe of a
+    seed is scored on the same problems; a larger `num_train` extends a smaller one.
+    """
+    train, heldout = arithmetic_split(
+        seed=args.seed,
+        num_train=args.num_train if num_train is None else num_train,
+        num_heldout=args.num_heldout,
+        max_digits=args.max_digits,
+    )
+    max_length = 4 * args.max_digits + 8
+    return Task(CharTokenizer(), train, heldout, max_length)
+
+
+def model_config(tokenizer: CharTokenizer, **overrides: Any) -> DecoderConfig:
+    """A small Qwen3-style decoder that learns the task in a minute on two CPU cores."""
+    fields = {
+        "vocab_size": tokenizer.vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": True,
+        "use_qk_norm": True,
+    }
+    return DecoderConfig(**{**fields, **overrides})
+
+
+def init_model(config: DecoderConfig, seed: int) -> tuple[nnx.GraphDef, dict]:
+    """The model's graph definition and its parameters as a plain nested dict of arrays."""
+    graphdef, state = nnx.split(Decoder(config, rngs=nnx.Rngs(seed)))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def save_model(path: Path, config: DecoderConfig, params: dict) -> None:
+    """Final weights (Orbax) and the config (JSON) side by side, for the next recipe."""
+    path = path.resolve()
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "params", params, force=True)
+    (path / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+
+
+def load_model(path: Path) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
+    path = path.resolve()
+    config = DecoderConfig(**json.loads((path / "config.json").read_text()))
+    graphdef, template = init_model(config, seed=0)
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(
+            path / "params", jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        )
+    return config, graphdef, params
+
+
+def has_model(path: Path) -> bool:
+    return (path / "config.json").exists() and (path / "params").exists()
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def greedy_generate(
+    graphdef: nnx.GraphDef, params: dict, tokens: jax.Array, where: jax.Array, max_new_tokens: int
+) -> jax.Array:
+    """Greedy continuation of left-padded prompts by re-running the full forward per token.
+
+    A plain reference generator for evaluation (prompts and answers here are a few tokens);
+    the cached sampler lives in `tunelib.rollout`.
+    """
+    batch, prompt_len = tokens.shape
+    buffer = jnp.concatenate([tokens, jnp.zeros((batch, max_new_tokens), tokens.dtype)], axis=1)
+    real = jnp.concatenate([where, jnp.zeros((batch, max_new_tokens), bool)], axis=1)
+    model = nnx.merge(graphdef, params)
+
+    def step(i, carry):
+        buffer, real = carry
+        hidden = model(buffer, attention_where=real)
+        last = jax.lax.dynamic_index_in_dim(hidden, prompt_len + i - 1, axis=1, keepdims=False)
+        next_token = jnp.argmax(model.unembed(last), axis=-1).astype(buffer.dtype)
+        buffer = buffer.at[:, prompt_len + i].set(next_token)
+        return buffer, real.at[:, prompt_len + i].set(True)
+
+    buffer, _ = jax.lax.fori_loop(0, max_new_tokens, step, (buffer, real))
+    return buffer[:, prompt_len:]
+
+
+_generate = jax.jit(greedy_generate, static_argnames=("graphdef", "max_new_tokens"))
+
+
+def greedy_answers(
+    graphdef: nnx.GraphDef, params: dict, task: Task, records: list[dict]
+) -> list[str]:
+    """The model's greedy completion of each record's prompt, cut at EOS."""
+    answers = []
+    for start in range(0, len(records), 512):  # bounded batches, few distinct shapes
+        chunk = records[start : start + 512]
+        prompts = [r["prompt"] for r in chunk]
+        tokens, where = encode_prompts(prompts, task.tokenizer, max_length=task.max_length // 2)
+        new = task.max_length - task.max_length // 2
+        out = np.asarray(_generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(where), new))
+        answers += [task.tokenizer.decode(row.tolist()) for row in out]
+    return answers
+
+
+def accuracy(graphdef: nnx.GraphDef, params: dict, task: Task) -> float:
+    """Exact-match accuracy of greedy answers on the held-out problems."""
+    answers = greedy_answers(graphdef, params, task, task.heldout)
+    return float(
+        np.mean([verify_answer(a, r["answer"]) for a, r in zip(answers, task.heldout, strict=True)])
+    )
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class Checkpoints:
+    """Orbax checkpoints of the train state and the data iterator position.
+
+    Orbax writes each step into a temporary folder and renames it into place only once it is
+    complete, so a process killed mid-write leaves the last complete checkpoint as the latest.
+    """
+
+    def __init__(self, folder: Path, every: int):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=2, save_interval_steps=every, enable_async_checkpointing=False, create=True
+        )
+        self.manager = ocp.CheckpointManager(folder.resolve(), options=options)
+
+    def save(self, step: int, state: dict, data_state: dict) -> None:
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
+            ),
+        )
+
+    def restore_latest(self, template: dict) -> tuple[int, dict, dict] | None:
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+            ),
+        )
+        return step, out["state"], out["data"]
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class Run:
+    """A run folder: metrics as JSON lines, a progress bar, a plot and the final JSON line."""
+
+    def __init__(self, name: str, args: argparse.Namespace):
+        self.name = name
+        self.args = args
+        self.folder = (args.out or RUNS / f"{name}-seed{args.seed}").resolve()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.folder / "metrics.jsonl"
+        if not args.resume:  # a fresh run replaces an earlier run's log and checkpoints
+            self.metrics_path.unlink(missing_ok=True)
+            shutil.rmtree(self.folder / "checkpoints", ignore_errors=True)
+        self.start = time.perf_counter()
+
+    def log(self, record: dict) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
+
+    def train(
+        self,
+        *,
+        state: dict,
+        batches: Iterator,
+        step_fn: Callable[[dict, Any], tuple[dict, dict]],
+        evaluate: Callable[[dict], dict],
+    ) -> dict:
+        """Run `step_fn` from the last checkpoint (with `--resume`) to `--steps`.
+
+        `state` is a pytree holding at least `params`; `batches` a Grain iterator whose
+        position is checkpointed with it; `step_fn(state, batch) -> (state, metrics)` is the
+        recipe's jitted step; `evaluate(params) -> metrics` runs every `--eval-every` steps.
+        """
+        from tqdm import tqdm
+
+        args = self.args
+        ckpt = Checkpoints(self.folder / "checkpoints", args.checkpoint_every)
+        start = 0
+        if args.resume and (restored := ckpt.restore_latest(state)) is not None:
+            start, state, data_state = restored
+            batches.set_state(data_state)
+            print(f"{self.name}: resuming from the checkpoint of step {start}", flush=True)
+            kept = [r for r in self.records() if r["step"] <= start]
+            self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        bar = tqdm(
+            range(start, args.steps),
+            initial=start,
+            total=args.steps,
+            desc=self.name,
+            disable=args.no_progress,
+            dynamic_ncols=True,
+        )
+        for step in bar:
+            state, metrics = step_fn(state, next(batches))
+            record = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}}
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                record.update(evaluate(state["params"]))
+            self.log(record)
+            bar.set_postfix(
+                {k: f"{v:.3f}" for k, v in record.items() if k != "step"}, refresh=False
+            )
+            if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+                ckpt.save(step + 1, state, batches.get_state())
+        ckpt.close()
+        return state
+
+    def finish(self, headline: dict) -> dict:
+        """Plot the curves, write and print the final JSON line."""
+        headline = {
+            "recipe": self.name,
+            "seconds": round(time.perf_counter() - self.start, 1),
+            **headline,
+        }
+        self.plot()
+        (self.folder / "result.json").write_text(json.dumps(headline, indent=2))
+        print(json.dumps(headline), flush=True)
+        return headline
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = self.records()
+        keys = sorted({k for r in records for k in r if k != "step"})
+        if not keys:
+            return
+        fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
+        for ax, key in zip(axes[0], keys, strict=True):
+            points = [(r["step"], r[key]) for r in records if key in r]
+            ax.plot(*zip(*points, strict=True), marker="." if len(points) < 40 else None)
+            ax.set_title(key, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.tick_params(labelsize=7)
+        fig.suptitle(f"{self.name} (seed {self.args.seed})", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(self.folder / "curves.png", dpi=110)
+        plt.close(fig)
+
+
+def key_data(seed: int) -> jax.Array:
+    """A PRNG key as raw uint32 data, so it checkpoints like any other array.
+
+    Every recipe keeps its key in the checkpointed train state; the SFT, DPO and ORPO steps
+    are deterministic and do not consume it, steps that sample (dropout, rollouts) split it.
+    """
+    return jax.random.key_data(jax.random.key(seed))

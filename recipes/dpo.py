@@ -1,0 +1,189 @@
+"""DPO of the SFT model on preference pairs (a correct answer against a near miss).
+
+    python recipes/dpo.py                   # trains recipes/sft.py first if its model is absent
+    python recipes/dpo.py --loss ipo --beta 0.5
+    python recipes/dpo.py --resume          # continue a killed run from its last checkpoint
+
+The reference policy is the SFT model, frozen. The train step below is ordinary user code:
+one forward pass over chosen and rejected completions, sequence log-probs from
+`tunelib.logprobs`, a pairwise loss from `tunelib.losses`, and an Optax update.
+"""
+
+import sys
+from pathlib import Path
+
+import common
+import jax
+import jax.numpy as jnp
+import optax
+import sft
+from flax import nnx
+
+from tunelib import logprobs, losses
+from tunelib.data import preference_dataset, preference_pairs
+
+# Pairwise losses that share DPO's signature: (chosen, rejected, ref_chosen, ref_rejected).
+PAIRWISE = {
+    "dpo": losses.dpo_loss,
+    "robust_dpo": losses.robust_dpo_loss,
+    "ipo": losses.ipo_loss,
+    "hinge": losses.hinge_loss,
+    "exo": losses.exo_loss,
+    "nca": losses.nca_loss,
+    "bco_pair": losses.bco_pair_loss,
+    "sppo_hard": losses.sppo_hard_loss,
+    "apo_zero": losses.apo_zero_loss,
+    "apo_down": losses.apo_down_loss,
+    "discopop": losses.discopop_loss,
+}
+
+
+def build_parser():
+    p = common.parser(__doc__.splitlines()[0], steps=300, batch_size=64, learning_rate=1e-4)
+    p.add_argument("--loss", choices=sorted(PAIRWISE), default="dpo")
+    p.add_argument("--beta", type=float, default=1.0)
+    p.add_argument(
+        "--rejected",
+        choices=["model", "near_miss"],
+        default="model",
+        help="rejected answers: the SFT model's own wrong greedy answers (near misses where it "
+        "is right), or near misses only",
+    )
+    p.add_argument(
+        "--nll-weight",
+        type=float,
+        default=0.0,
+        help="weight of the chosen answers' per-token NLL added to the pairwise loss "
+        "(0 = the pairwise loss alone)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=9000,
+        help="training prompts the preference pairs are built on",
+    )
+    p.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help="steps of the SFT run when the SFT model must be trained first (default: sft.py's)",
+    )
+    p.add_argument(
+        "--sft-dir",
+        type=Path,
+        default=None,
+        help="the SFT model folder (default runs/sft-seed<seed>/model)",
+    )
+    return p
+
+
+def ensure_sft_model(args) -> Path:
+    """The SFT model of this seed, trained first (quick default) when it is absent."""
+    folder = args.sft_dir or common.RUNS / f"sft-seed{args.seed}" / "model"
+    if not common.has_model(folder):
+        print(f"no SFT model at {folder}: training it first with recipes/sft.py", flush=True)
+        same = ("seed", "num_train", "num_heldout", "max_digits")
+        steps = ["--steps", str(args.sft_steps)] if args.sft_steps else []
+        sft.main(common.forward_flags(args, *same) + steps + ["--out", str(folder.parent)])
+    return folder
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    sft_folder = ensure_sft_model(args)
+    run = common.Run("dpo", args)
+    task = common.task(args, num_train=args.num_prompts)
+    config, graphdef, ref_params = common.load_model(sft_folder)
+    pairs = preference_pairs(task.train, seed=args.seed)
+    if args.rejected == "model":
+        # On-policy negatives: where the SFT model answers a training prompt wrongly, prefer the
+        # correct answer over exactly that mistake.
+        answers = common.greedy_answers(graphdef, ref_params, task, task.train)
+        pairs = [
+            {**pair, "rejected": answer} if answer and answer != pair["chosen"] else pair
+            for pair, answer in zip(pairs, answers, strict=True)
+        ]
+    batches = iter(
+        preference_dataset(
+            pairs,
+            task.tokenizer,
+            max_length=task.max_length,
+            batch_size=args.batch_size,
+            seed=args.seed,
+        )
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(
+            optax.warmup_cosine_decay_schedule(
+                0.0,
+                args.learning_rate,
+                warmup_steps=max(1, args.steps // 10),
+                decay_steps=args.steps,
+            ),
+            weight_decay=0.0,
+        ),
+    )
+    pairwise_loss = PAIRWISE[args.loss]
+
+    def token_logps(params, batch):
+        """Completion token log-probs `[2B, T]` of chosen then rejected, in one forward pass."""
+        both = jax.tree.map(
+            lambda c, r: jnp.concatenate([c, r]), batch["chosen"], batch["rejected"]
+        )
+        model = nnx.merge(graphdef, params)
+        hidden = model(both["tokens"], attention_where=both["attention_where"])
+        token = logprobs.token_logps(model.unembed(hidden), both["targets"], where=both["where"])
+        return token, both["where"]
+
+    def loss_fn(params, batch):
+        token, where = token_logps(params, batch)
+        chosen, rejected = jnp.split(logprobs.sequence_sum(token, where=where), 2)
+        ref_token, _ = jax.lax.stop_gradient(token_logps(ref_params, batch))
+        ref_chosen, ref_rejected = jnp.split(logprobs.sequence_sum(ref_token, where=where), 2)
+        per_pair = pairwise_loss(chosen, rejected, ref_chosen, ref_rejected, beta=args.beta)
+        # The NLL of the chosen answer, per token (Llama 3 adds it to DPO with weight 0.2).
+        chosen_nll = -jnp.split(logprobs.sequence_mean(token, where=where), 2)[0]
+        per_pair = per_pair + args.nll_weight * chosen_nll
+        chosen_rewards = losses.implicit_rewards(chosen, ref_chosen, beta=args.beta)
+        rejected_rewards = losses.implicit_rewards(rejected, ref_rejected, beta=args.beta)
+        metrics = {
+            "reward_accuracy": losses.preference_accuracy(chosen_rewards, rejected_rewards),
+            "reward_margin": losses.reward_margins(chosen_rewards, rejected_rewards).mean(),
+            "chosen_logps": chosen.mean(),
+        }
+        return per_pair.mean(), metrics
+
+    @jax.jit
+    def train_step(state, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **metrics}
+
+    def evaluate(params):
+        return {"accuracy": common.accuracy(graphdef, params, task)}
+
+    accuracy_before = evaluate(ref_params)["accuracy"]
+    state = {
+        "params": ref_params,
+        "opt_state": optimizer.init(ref_params),
+        "rng": common.key_data(args.seed),
+    }
+    state = run.train(state=state, batches=batches, step_fn=train_step, evaluate=evaluate)
+    common.save_model(run.folder / "model", config, state["params"])
+    last = run.records()[-1]
+    return run.finish(
+        {
+            "seed": args.seed,
+            "loss": args.loss,
+            "steps": args.steps,
+            "accuracy_before": accuracy_before,
+            "accuracy_after": last["accuracy"],
+            "final_reward_accuracy": last["reward_accuracy"],
+        }
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

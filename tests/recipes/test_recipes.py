@@ -1,0 +1,140 @@
+"""End-to-end runs of the recipes as a user runs them: `python recipes/<name>.py`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+# A small, fast configuration of the task; the model is the recipes' own.
+SMALL = ["--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no-progress"]
+
+
+def env() -> dict:
+    """The user's environment: no simulated devices, JAX on the CPU."""
+    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out["JAX_PLATFORMS"] = "cpu"
+    return out
+
+
+def run_recipe(name: str, *args: str, timeout: float = 300) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(RECIPES / f"{name}.py"), *SMALL, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["recipe"] == name
+    return last
+
+
+def load_params(folder: Path) -> dict:
+    with ocp.StandardCheckpointer() as ckpt:
+        return ckpt.restore((folder / "model" / "params").resolve())
+
+
+def leaves(tree) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.slow
+def test_sft_smoke(tmp_path):
+    out = run_recipe("sft", "--steps", "6", "--eval-every", "3", "--out", str(tmp_path / "sft"))
+    assert {"recipe", "seconds", "accuracy_before", "accuracy_after"} <= set(out)
+    assert 0.0 <= out["accuracy_after"] <= 1.0
+    records = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(np.isfinite(r["loss"]) for r in records)
+    assert "accuracy" in records[2] and "accuracy" in records[5]
+    assert (tmp_path / "sft" / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_dpo_trains_its_sft_start_and_runs(tmp_path):
+    sft_dir = tmp_path / "sft" / "model"
+    out = run_recipe(
+        "dpo",
+        "--sft-steps",
+        "6",
+        "--num-prompts",
+        "256",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--sft-dir",
+        str(sft_dir),
+        "--out",
+        str(tmp_path / "dpo"),
+    )
+    assert (sft_dir / "config.json").exists(), "DPO must train the missing SFT model first"
+    assert out["steps"] == 4 and np.isfinite(out["final_reward_accuracy"])
+    records = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(records[0]["loss"] - np.log(2)) < 1e-5  # policy == reference at the first step
+
+
+@pytest.mark.slow
+def test_orpo_smoke_with_baseline(tmp_path):
+    out = run_recipe("orpo", "--steps", "4", "--eval-every", "2", "--out", str(tmp_path / "orpo"))
+    assert {"accuracy_after", "sft_accuracy_after"} <= set(out)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    args = ["--steps", "150", "--checkpoint-every", "10", "--eval-every", "1000"]
+    run_recipe("sft", *args, "--out", str(tmp_path / "straight"))
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, str(RECIPES / "sft.py"), *SMALL, *args, "--out", str(killed)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env(),
+    )
+    checkpoints = killed / "checkpoints"
+    deadline = time.monotonic() + 240
+    while not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "model").exists(), "the run must have been killed mid-way"
+    saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    # A checkpoint the crash left half-written: a temporary folder of a later step.
+    partial = checkpoints / f"{saved[-1] + 10}.orbax-checkpoint-tmp-1234567"
+    partial.mkdir()
+    (partial / "state").mkdir()
+    (partial / "state" / "garbage").write_bytes(b"\x00" * 64)
+
+    proc = subprocess.run(
+        [sys.executable, str(RECIPES / "sft.py"), *SMALL, *args, "--out", str(killed), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed_from = int(proc.stdout.split("resuming from the checkpoint of step ")[1].split()[0])
+    assert 0 < resumed_from < 150 and resumed_from in saved
+
+    straight, resumed = leaves(load_params(tmp_path / "straight")), leaves(load_params(killed))
+    assert len(straight) == len(resumed) > 0
+    for a, b in zip(straight, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)  # bit for bit
+    steps = [json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 151))
