@@ -39,3 +39,17 @@ def test_docs_build_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert (tmp_path / "site" / "api" / "losses" / "index.html").exists()
+
+
+def test_every_subpackage_is_packaged():
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    on_disk = {
+        "tunelib." + p.parent.relative_to(ROOT / "tunelib").as_posix().replace("/", ".")
+        for p in (ROOT / "tunelib").rglob("__init__.py")
+        if p.parent != ROOT / "tunelib"
+    } | {"tunelib", "tunelib.kernels"}
+    assert listed == on_disk
+    assert config["package-dir"]["tunelib.kernels"] == "kernels"

@@ -26,11 +26,18 @@ def ref_aggregate(values, where, mode, norm_constant=None):
         return np.concatenate(rows).mean()
     if mode == "seq_mean_token_mean":
         return np.mean([r.mean() for r in rows])
+    if mode == "global_token_mean":
+        return np.concatenate(rows).sum() / norm_constant
     return np.mean([r.sum() / norm_constant for r in rows])
 
 
+MERGING_MODES = [m for m in AGGREGATION_MODES if m != "global_token_mean"]
+
+
 def mode_kwargs(mode):
-    return {"norm_constant": 7.0} if mode == "seq_mean_token_sum_norm" else {}
+    return (
+        {"norm_constant": 7.0} if mode in ("seq_mean_token_sum_norm", "global_token_mean") else {}
+    )
 
 
 @st.composite
@@ -63,7 +70,7 @@ def split_points(draw, b):
     return [0, *cuts, b]
 
 
-@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+@pytest.mark.parametrize("mode", MERGING_MODES)
 @given(batches(dyadic=True), st.data())
 def test_micro_batches_equal_full_batch_exactly_float32(mode, batch, data):
     values, where = batch
@@ -85,7 +92,7 @@ def test_micro_batches_equal_full_batch_exactly_float32(mode, batch, data):
     assert accumulated.count == full.count
 
 
-@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+@pytest.mark.parametrize("mode", MERGING_MODES)
 @given(batches(), st.integers(1, 4))
 def test_micro_batches_equal_full_batch_exactly_float64(mode, batch, k):
     values, where = batch
@@ -102,6 +109,36 @@ def test_micro_batches_equal_full_batch_exactly_float64(mode, batch, k):
         assert total.count == full.count
 
 
+@given(batches(dyadic=True), st.data())
+def test_global_token_mean_shares_add_up_to_the_full_batch_token_mean(batch, data):
+    values, where = batch
+    edges = split_points(data.draw, values.shape[0])
+    n_global = float(where.sum())
+    shares = [
+        aggregate(values[a:b], mode="global_token_mean", norm_constant=n_global, where=where[a:b])
+        for a, b in itertools.pairwise(edges)
+        if b > a
+    ]
+    if n_global == 0:
+        assert all(share.mean() == 0 for share in shares)
+        return
+    full = aggregate(values, mode="token_mean", where=where).mean()
+    assert_close(sum(float(share.mean()) for share in shares), float(full), rtol=1e-6, atol=1e-6)
+    # Gradients computed per micro-batch and summed equal the full batch's.
+    grads = [
+        jax.grad(
+            lambda x, a=a, b=b: losses.aggregate(
+                x[a:b], mode="global_token_mean", norm_constant=n_global, where=where[a:b]
+            ).mean()
+        )(jnp.asarray(values))
+        for a, b in itertools.pairwise(edges)
+    ]
+    full_grad = jax.grad(lambda x: losses.aggregate(x, mode="token_mean", where=where).mean())(
+        jnp.asarray(values)
+    )
+    assert_close(sum(grads), full_grad, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_empty_rows_are_left_out_and_empty_batch_is_zero(mode):
     values = np.array([[1.0, 2.0], [jnp.nan, jnp.inf]], np.float32)
@@ -110,7 +147,9 @@ def test_empty_rows_are_left_out_and_empty_batch_is_zero(mode):
     without = aggregate(values[:1], mode=mode, where=where[:1], **mode_kwargs(mode))
     assert with_empty == without
     nothing = aggregate(values, mode=mode, where=np.zeros((2, 2), bool), **mode_kwargs(mode))
-    assert nothing.mean() == 0.0 and nothing.count == 0.0
+    assert nothing.mean() == 0.0 and nothing.total == 0.0
+    # The global count is the caller's; every other mode counts nothing.
+    assert nothing.count == (7.0 if mode == "global_token_mean" else 0.0)
     grad = jax.grad(lambda x: aggregate(x, mode=mode, where=where, **mode_kwargs(mode)).mean())(
         jnp.asarray(values)
     )

@@ -15,7 +15,10 @@ from jaxtyping import Bool, Float
 from tunelib import _validation as v
 from tunelib._typing import Scalar
 
-AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AggregationMode = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "global_token_mean"
+]
+_NORMALISED_MODES = ("seq_mean_token_sum_norm", "global_token_mean")
 AGGREGATION_MODES: tuple[str, ...] = AggregationMode.__args__
 
 
@@ -62,6 +65,13 @@ def aggregate(
       divided by a constant $C$ = `norm_constant` (the paper uses the maximum completion
       length), then the mean over sequences,
       $\frac{1}{|\mathcal{I}|\,C}\sum_{i \in \mathcal{I}} \sum_t m_{i,t}\ell_{i,t}$.
+    * ``"global_token_mean"``: the token sum of this batch divided by a token count $N$ =
+      `norm_constant` supplied from outside, $\sum_{i,t} m_{i,t}\ell_{i,t} / N$. With $N$ the
+      number of valid tokens in all micro-batches of an accumulation step (and all devices),
+      known from the masks before the step, each micro-batch's `mean()` is its exact share of
+      the step's token mean: sum those values, or their gradients as they are computed, and
+      the result is the token mean over the whole step. (Here the count is $N$ itself, so do
+      not `merge` these aggregates; the other modes merge.)
 
     Rows without a valid token carry no data and are left out of both the numerator and the
     denominator in every mode, so the result of a batch does not depend on how many empty
@@ -69,13 +79,16 @@ def aggregate(
     instead, which counts such rows as zero-loss sequences.
 
     Summing `total` and `count` over micro-batches (`Aggregate.merge`) and dividing once gives
-    exactly the full-batch value in every mode.
+    exactly the full-batch value in the first three modes; in ``"global_token_mean"`` the
+    micro-batches' means add up to it.
 
     Args:
       values: `[B, T]` per-token losses.
-      mode: one of ``"token_mean"``, ``"seq_mean_token_mean"``, ``"seq_mean_token_sum_norm"``.
-      norm_constant: $C > 0$, required by ``"seq_mean_token_sum_norm"`` and rejected
-        otherwise; may be traced.
+      mode: one of ``"token_mean"``, ``"seq_mean_token_mean"``, ``"seq_mean_token_sum_norm"``,
+        ``"global_token_mean"``.
+      norm_constant: $C > 0$ for ``"seq_mean_token_sum_norm"``, the global token count
+        $N > 0$ for ``"global_token_mean"``; required by those two modes and rejected by the
+        others; may be traced.
       where: `[B, T]` boolean mask, True = counts. Masked entries contribute exactly 0, even
         when they are NaN or infinite.
 
@@ -97,9 +110,9 @@ def aggregate(
         raise ValueError(f"values must have shape [B, T], got {values.shape}.")
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}.")
-    if (mode == "seq_mean_token_sum_norm") != (norm_constant is not None):
+    if (mode in _NORMALISED_MODES) != (norm_constant is not None):
         raise ValueError(
-            "norm_constant is required by mode 'seq_mean_token_sum_norm' and used by no other "
+            f"norm_constant is required by the modes {_NORMALISED_MODES} and used by no other "
             f"mode; got mode={mode!r}, norm_constant={norm_constant!r}."
         )
     where = v.mask_array(where, values.shape)
@@ -113,4 +126,7 @@ def aggregate(
         row_means = jnp.sum(values, axis=-1) / jnp.maximum(tokens_per_row, 1).astype(dtype)
         return Aggregate(jnp.sum(row_means), rows)
     v.positive_scalar(norm_constant, "norm_constant")
-    return Aggregate(jnp.sum(values), rows * jnp.asarray(norm_constant, dtype))
+    constant = jnp.asarray(norm_constant, dtype)
+    if mode == "global_token_mean":
+        return Aggregate(jnp.sum(values), constant)
+    return Aggregate(jnp.sum(values), rows * constant)
