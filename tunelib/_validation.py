@@ -80,6 +80,24 @@ def positive_scalar(x: ArrayLike, name: str) -> None:
         raise ValueError(f"{name} must be > 0, got {x}.")
 
 
+def non_negative(x: ArrayLike, name: str) -> None:
+    """Reject a negative Python number; traced values pass unchecked."""
+    if isinstance(x, int | float) and not x >= 0:
+        raise ValueError(f"{name} must be >= 0, got {x}.")
+
+
+def greater_than_one(x: ArrayLike, name: str) -> None:
+    """Reject a Python number that is not > 1; traced values pass unchecked."""
+    if isinstance(x, int | float) and not x > 1:
+        raise ValueError(f"{name} must be > 1, got {x}.")
+
+
+def one_of(value: str, name: str, allowed: Sequence[str]) -> None:
+    """Reject a static option that is not among `allowed`, listing them."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}.")
+
+
 def unit_interval(x: ArrayLike, name: str, *, closed: bool = True) -> None:
     """Reject a Python number outside [0, 1] (or (0, 1) when `closed` is False)."""
     if isinstance(x, int | float):

@@ -1,0 +1,208 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests._helpers import (
+    assert_close,
+    assert_traced_once,
+    bool_arrays,
+    float_arrays,
+    own_checks,
+    raises_naming,
+)
+from tests.losses import _rl_refs as ref
+from tunelib import losses
+
+
+def ref_ratios(logps, old, where, level="token"):
+    """The valid tokens' ratios, row by row, concatenated."""
+    parts = [ref.ratio(lp, o, level) for lp, o in ref.rows(where, logps, old) if lp.size]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def ref_clip_fractions(logps, old, adv, where, level="token", epsilon_low=0.2, epsilon_high=0.2):
+    r = ref_ratios(logps, old, where, level)
+    if r.size == 0:
+        return 0.0, 0.0, 0.0
+    a = np.concatenate([row[0] for row in ref.rows(where, adv)])
+    below, above = r < 1 - epsilon_low, r > 1 + epsilon_high
+    return (below & (a < 0)).mean(), (above & (a > 0)).mean(), (below | above).mean()
+
+
+def ref_approx_kl(logps, old, where):
+    log_r = np.concatenate([np.zeros(0)] + [lp - o for lp, o in ref.rows(where, logps, old)])
+    if log_r.size == 0:
+        return 0.0, 0.0, 0.0
+    return (-log_r).mean(), (0.5 * log_r**2).mean(), (np.exp(log_r) - 1 - log_r).mean()
+
+
+def ref_ratio_statistics(logps, old, where, level="token"):
+    r = ref_ratios(logps, old, where, level)
+    return (r.mean(), r.min(), r.max()) if r.size else (0.0, 0.0, 0.0)
+
+
+clip_fractions = jax.jit(losses.clip_fractions, static_argnames="level")
+approx_kl = jax.jit(losses.approx_kl)
+ratio_statistics = jax.jit(losses.ratio_statistics, static_argnames="level")
+
+
+@st.composite
+def problems(draw):
+    # A few shapes only: each one compiles every jitted diagnostic again.
+    b, t = draw(st.sampled_from([(1, 1), (2, 3), (3, 4)]))
+    logps = draw(float_arrays((b, t), -8.0, 0.0))
+    old = (logps + draw(float_arrays((b, t), -1.0, 1.0))).astype(np.float32)
+    adv = draw(float_arrays((b,) if draw(st.booleans()) else (b, t), -3.0, 3.0))
+    return logps, old, adv, draw(bool_arrays((b, t)))
+
+
+def with_nan(x, where):
+    mask = where if x.ndim == 2 else where.any(-1)
+    return np.where(mask, x, np.nan).astype(np.float32)
+
+
+@pytest.mark.parametrize("level", losses.RATIO_LEVELS)
+@given(problems(), st.floats(0.0, 0.5), st.floats(0.0, 0.5))
+def test_match_reference_and_ignore_masked_tokens(level, problem, eps_low, eps_high):
+    logps, old, adv, where = problem
+    nan = [with_nan(x, where) for x in (logps, old, adv)]
+    eps = {"epsilon_low": eps_low, "epsilon_high": eps_high}
+    # A ratio within rounding of a clip bound may fall on either side in float32 and float64:
+    # leave such tokens (at the sequence levels, such rows) out of the clip-fraction check.
+    r = ref.per_token(lambda lp, o: ref.ratio(lp, o, level), where, logps, old)
+    on_bound = np.isclose(r, 1 - eps_low, rtol=1e-5) | np.isclose(r, 1 + eps_high, rtol=1e-5)
+    if level != "token":
+        on_bound = np.broadcast_to(on_bound.any(-1, keepdims=True), where.shape)
+    decided = where & ~on_bound
+    fractions = clip_fractions(*nan, level=level, **eps, where=decided)
+    expected = ref_clip_fractions(logps, old, adv, decided, level, eps_low, eps_high)
+    assert_close(np.array(fractions), expected, atol=1e-6)
+    stats = ratio_statistics(*nan[:2], level=level, where=where)
+    assert_close(np.array(stats), ref_ratio_statistics(logps, old, where, level), rtol=1e-5)
+    if level == "token":
+        kl = approx_kl(*nan[:2], where=where)
+        assert_close(np.array(kl), ref_approx_kl(logps, old, where), rtol=1e-4, atol=1e-6)
+
+
+@given(problems(), st.floats(0.0, 0.5), st.floats(0.0, 0.5))
+def test_properties(problem, eps_low, eps_high):
+    logps, old, adv, where = problem
+    eps = {"epsilon_low": eps_low, "epsilon_high": eps_high}
+    low, high, region = np.array(clip_fractions(logps, old, adv, **eps, where=where))
+    # Both sides are disjoint parts of the region, and all are fractions.
+    assert 0 <= low <= 1 and 0 <= high <= 1 and low + high <= region + 1e-6 <= 1 + 1e-6
+    k1, k2, k3 = np.array(approx_kl(logps, old, where=where), np.float64)
+    assert k2 >= 0 and k3 >= 0
+    mean, low_r, high_r = np.array(ratio_statistics(logps, old, where=where), np.float64)
+    if where.any():
+        assert low_r <= mean * (1 + 1e-6) and mean <= high_r * (1 + 1e-6)
+        # k3 = mean(r - 1) + k1.
+        assert k3 - k1 == pytest.approx(mean - 1, abs=1e-5)
+    # Identical policies: nothing clipped, no divergence, every ratio 1.
+    assert np.array(clip_fractions(logps, logps, adv, where=where)).tolist() == [0, 0, 0]
+    assert np.array(approx_kl(logps, logps, where=where)).tolist() == [0, 0, 0]
+    expected = [1, 1, 1] if where.any() else [0, 0, 0]
+    assert np.array(ratio_statistics(logps, logps, where=where)).tolist() == expected
+
+
+def test_clip_fractions_count_the_tokens_without_gradient():
+    rng = np.random.default_rng(0)
+    logps = rng.uniform(-3, 0, (4, 8)).astype(np.float32)
+    old = (logps + rng.uniform(-0.5, 0.5, (4, 8))).astype(np.float32)
+    adv = rng.normal(size=(4, 8)).astype(np.float32)
+    where = rng.random((4, 8)) < 0.8
+    kw = {"epsilon_low": 0.2, "epsilon_high": 0.28, "where": where}
+    grad = jax.grad(lambda x: jnp.sum(losses.policy_gradient_loss(x, old, adv, **kw)))(logps)
+    fractions = losses.clip_fractions(logps, old, adv, **kw)
+    no_gradient = np.sum(np.asarray(grad)[where] == 0) / where.sum()
+    assert fractions.low + fractions.high == pytest.approx(no_gradient, abs=1e-6)
+    assert fractions.low > 0 and fractions.high > 0 and fractions.region > fractions.low
+
+
+def test_fixed_values_and_empty_batch():
+    logps = np.log([[0.5, 0.9, 0.2, 0.9], [0.1, 0.1, 0.1, 0.1]]).astype(np.float32)
+    old = np.log([[0.5, 0.5, 0.5, 0.5], [0.3, 0.3, 0.3, 0.3]]).astype(np.float32)
+    adv = np.array([[1.0, 1.0, -1.0, -1.0], [1.0, 1.0, 1.0, 1.0]], np.float32)
+    where = np.array([[True] * 4, [False] * 4])
+    out = losses.clip_fractions(logps, old, adv, where=where)
+    assert_close(np.array(out), [0.25, 0.25, 0.75])
+    seq = losses.clip_fractions(logps, old, adv, level="sequence", where=where)
+    # Sequence ratio: the geometric mean of 1, 1.8, 0.4, 1.8 is 1.067, inside [0.8, 1.2].
+    assert_close(np.array(seq), [0.0, 0.0, 0.0])
+    stats = losses.ratio_statistics(logps, old, where=where)
+    assert_close(np.array(stats), [(1 + 1.8 + 0.4 + 1.8) / 4, 0.4, 1.8], rtol=1e-6)
+    kl = losses.approx_kl(logps, old, where=where)
+    log_r = np.log([1.0, 1.8, 0.4, 1.8])
+    assert_close(
+        np.array(kl),
+        [-log_r.mean(), (0.5 * log_r**2).mean(), (np.exp(log_r) - 1 - log_r).mean()],
+        rtol=1e-5,
+    )
+    nan = np.full((2, 4), np.nan, np.float32)
+    nothing = np.zeros((2, 4), bool)
+    for result in (
+        losses.clip_fractions(nan, nan, nan, where=nothing),
+        losses.approx_kl(nan, nan, where=nothing),
+        losses.ratio_statistics(nan, nan, where=nothing),
+    ):
+        assert np.array(result).tolist() == [0, 0, 0]
+
+
+def test_k3_clamp_keeps_the_estimate_finite_and_non_negative():
+    logps = np.array([[0.0, -100.0]], np.float32)
+    old = np.array([[-100.0, 0.0]], np.float32)
+    k1, k2, k3 = np.array(losses.approx_kl(logps, old, log_ratio_clamp=20.0), np.float64)
+    assert k1 == 0 and k2 == pytest.approx(5000)
+    assert k3 == pytest.approx(((np.exp(20) - 21) + (np.exp(-20) - 1 + 20)) / 2, rel=1e-6)
+
+
+def test_dtypes_jit_vmap_and_no_retrace():
+    rng = np.random.default_rng(1)
+    logps = rng.uniform(-3, 0, (3, 2, 5)).astype(np.float32)
+    old = (logps + rng.uniform(-0.5, 0.5, (3, 2, 5))).astype(np.float32)
+    adv = rng.normal(size=(3, 2)).astype(np.float32)
+    where = rng.random((3, 2, 5)) < 0.7
+    fns = [
+        lambda lp, o, a, w, e: losses.clip_fractions(lp, o, a, epsilon_high=e, where=w),
+        lambda lp, o, a, w, e: losses.approx_kl(lp, o, log_ratio_clamp=e + 10, where=w),
+        lambda lp, o, a, w, e: losses.ratio_statistics(lp, o, log_ratio_clamp=e + 10, where=w),
+    ]
+    for fn in fns:
+        mapped = jax.vmap(fn, in_axes=(0, 0, 0, 0, None))(logps, old, adv, where, 0.2)
+        for i in range(3):
+            single = fn(logps[i], old[i], adv[i], where[i], 0.2)
+            assert_close(np.array(mapped)[:, i], np.array(single), rtol=1e-6)
+        assert_traced_once(
+            fn, [((logps[0], old[0], adv[0], where[0], jnp.float32(e)), {}) for e in (0.1, 0.3)]
+        )
+        low = fn(*(x[0].astype(jnp.bfloat16) for x in (logps, old, adv)), where[0], 0.2)
+        assert all(x.dtype == jnp.float32 for x in low)
+        # bf16 rounding moves a log-ratio by at most 2^-7: ratios and KLs move by ~1 %.
+        full = fn(logps[0], old[0], adv[0], where[0], 0.2)
+        assert_close(np.array(low), np.array(full), rtol=0.05, atol=0.05)
+        with jax.enable_x64(True):
+            wide = fn(*(jnp.asarray(x[0], jnp.float64) for x in (logps, old, adv)), where[0], 0.2)
+            assert all(x.dtype == jnp.float64 for x in wide)
+
+
+def test_errors():
+    x = np.zeros((2, 3), np.float32)
+    adv = np.zeros(2, np.float32)
+    with raises_naming("old_token_logps"):
+        losses.approx_kl(x, np.zeros((2, 4), np.float32))
+    with raises_naming("level"):
+        losses.ratio_statistics(x, x, level="geometric")
+    with own_checks():
+        with raises_naming("advantages", "(3,)", "(2,)", "(2, 3)", error=ValueError):
+            losses.clip_fractions(x, x, np.zeros(3, np.float32))
+        with raises_naming("old_token_logps", "(2, 4)", error=ValueError):
+            losses.ratio_statistics(x, np.zeros((2, 4), np.float32))
+        with raises_naming("where", error=TypeError):
+            losses.approx_kl(x, x, where=np.ones((2, 3), np.int32))
+        with raises_naming("epsilon_low", error=ValueError):
+            losses.clip_fractions(x, x, adv, epsilon_low=-1.0)
+        with raises_naming("log_ratio_clamp", error=ValueError):
+            losses.approx_kl(x, x, log_ratio_clamp=0.0)

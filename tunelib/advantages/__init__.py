@@ -1,0 +1,48 @@
+"""Advantage estimators, returns, whitening, reward shaping and data filters for RL.
+
+Group-relative estimators take the rewards of the G completions of each prompt on the last
+axis, `rewards [..., G]`, and return one advantage per completion. Per-token estimators take
+`[B, T]` arrays and a required completion mask `where` (True = counts), and skip masked
+tokens. Rewards that are NaN (unscorable) and masked entries get exactly 0; integer rewards are
+cast to float, never truncated; statistics run in float32 (float64 for float64 input).
+"""
+
+from tunelib.advantages._diagnostics import (
+    AdvantageStatistics,
+    advantage_statistics,
+    zero_std_fraction,
+)
+from tunelib.advantages._gae import discounted_returns, gae, lambda_returns
+from tunelib.advantages._group import (
+    COMBINES,
+    SCALES,
+    group_advantages,
+    multi_reward_advantages,
+    rloo_advantages,
+)
+from tunelib.advantages._shaping import (
+    dynamic_sampling_mask,
+    overlong_penalty,
+    sequence_rewards_to_tokens,
+    truncation_mask,
+)
+from tunelib.advantages._whitening import whiten
+
+__all__ = [
+    "COMBINES",
+    "SCALES",
+    "AdvantageStatistics",
+    "advantage_statistics",
+    "discounted_returns",
+    "dynamic_sampling_mask",
+    "gae",
+    "group_advantages",
+    "lambda_returns",
+    "multi_reward_advantages",
+    "overlong_penalty",
+    "rloo_advantages",
+    "sequence_rewards_to_tokens",
+    "truncation_mask",
+    "whiten",
+    "zero_std_fraction",
+]
