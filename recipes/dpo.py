@@ -1,9 +1,10 @@
-"""DPO of the SFT model on preference pairs (a correct answer against a near miss).
+"""DPO of the SFT model on verifier-labelled pairs: the correct answer against its own mistake.
 
     python recipes/dpo.py                   # trains recipes/sft.py first if its model is absent
     python recipes/dpo.py --loss ipo --beta 0.5
     python recipes/dpo.py --resume          # continue a killed run from its last checkpoint
 
+Where the SFT model answers a training prompt correctly, the rejected answer is a near miss.
 The reference policy is the SFT model, frozen. The train step below is ordinary user code:
 one forward pass over chosen and rejected completions, sequence log-probs from
 `tunelib.logprobs`, a pairwise loss from `tunelib.losses`, and an Optax update.
