@@ -1,0 +1,234 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
+from tests.logprobs.test_token import ref_entropy, ref_token_logps
+from tunelib.logprobs import fused_token_logps
+
+
+def problem(n, h, v, seed=0, dtype=jnp.float32, bias=False):
+    k = jax.random.split(jax.random.key(seed), 4)
+    hidden = jax.random.normal(k[0], (n, h), dtype)
+    w = (jax.random.normal(k[1], (h, v)) * 0.7).astype(dtype)
+    targets = jax.random.randint(k[2], (n,), 0, v)
+    b = (jax.random.normal(k[3], (v,)) * 0.5).astype(dtype) if bias else None
+    return hidden, w, targets, b
+
+
+def objective(implementation, chunk_size=16, temperature=1.0, where=None, seed=1):
+    """A scalar with random per-token weights on log-probs and entropies."""
+
+    def f(hidden, w, b, targets):
+        logps, entropy = fused_token_logps(
+            hidden, w, targets, bias=b, temperature=temperature, with_entropy=True,
+            where=where, chunk_size=chunk_size, implementation=implementation,
+        )  # fmt: skip
+        n = logps.shape[0]
+        g = jax.random.normal(jax.random.key(seed), (2, n))
+        return jnp.sum(g[0] * logps) + jnp.sum(g[1] * entropy)
+
+    return f
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "chunk_size"))
+def values_and_grads(hidden, w, b, targets, temperature, implementation, chunk_size):
+    f = objective(implementation, chunk_size, temperature)
+    return jax.value_and_grad(f, argnums=(0, 1, 2))(hidden, w, b, targets)
+
+
+@settings(max_examples=12)
+@given(
+    st.sampled_from([(1, 8, 5), (7, 16, 37), (12, 8, 64)]),
+    st.sampled_from([1, 16, 100]),
+    st.floats(0.5, 2.0),
+    st.booleans(),
+)
+def test_values_and_gradients_match_the_materialised_logits(shape, chunk, tau, with_bias):
+    hidden, w, targets, b = problem(*shape, bias=with_bias)
+    if b is None:
+        b = jnp.zeros(w.shape[1])  # a zero bias: the gradient is still checked
+    tau = jnp.float32(tau)
+    ours = values_and_grads(hidden, w, b, targets, tau, "chunked", chunk)
+    naive = values_and_grads(hidden, w, b, targets, tau, "naive", chunk)
+    assert_close(ours[0], naive[0], rtol=1e-5, atol=1e-5)
+    for a, e in zip(ours[1], naive[1], strict=True):
+        assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_fixed_values_against_float64_numpy():
+    hidden, w, targets, b = problem(9, 8, 41, bias=True)
+    logits = np.asarray(hidden, np.float64) @ np.asarray(w, np.float64) + np.asarray(b)
+    for tau in (1.0, 0.7):
+        logps, entropy = fused_token_logps(
+            hidden, w, targets, bias=b, temperature=tau, with_entropy=True, chunk_size=10
+        )
+        assert_close(logps, ref_token_logps(logits, targets, tau), atol=2e-5)
+        assert_close(entropy, ref_entropy(logits, tau), atol=2e-5)
+
+
+def test_leading_axes_masks_and_nan_at_masked_positions():
+    hidden, w, targets, _ = problem(12, 8, 30)
+    hidden = hidden.reshape(3, 4, 8).at[1, 2].set(jnp.nan)
+    targets = targets.reshape(3, 4).at[1, 2].set(-100)
+    where = jnp.ones((3, 4), bool).at[1, 2].set(False).at[2].set(False)
+    f = jax.value_and_grad(
+        lambda h, w: fused_token_logps(h, w, targets, where=where, chunk_size=7).sum(), (0, 1)
+    )
+    value, (dh, dw) = f(hidden, w)
+    assert np.isfinite(value) and np.all(np.isfinite(dh)) and np.all(np.isfinite(dw))
+    assert np.all(np.asarray(dh)[~np.asarray(where)] == 0)
+    keep = np.asarray(where)
+    sliced = fused_token_logps(hidden[keep], w, targets[keep], chunk_size=7)
+    out = fused_token_logps(hidden, w, targets, where=where, chunk_size=7)
+    assert_close(np.asarray(out)[keep], sliced, atol=1e-6)
+    assert np.all(np.asarray(out)[~keep] == 0)
+    nothing = fused_token_logps(hidden, w, targets, where=jnp.zeros_like(where))
+    assert np.all(np.asarray(nothing) == 0)
+
+
+def test_bf16_inputs_within_tolerance_of_float32():
+    hidden, w, targets, _ = problem(16, 32, 200)
+    low = fused_token_logps(hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16), targets)
+    assert low.dtype == jnp.float32
+    exact = ref_token_logps(
+        np.asarray(hidden.astype(jnp.bfloat16), np.float64)
+        @ np.asarray(w.astype(jnp.bfloat16), np.float64),
+        targets,
+    )
+    # Inputs rounded to bf16, products accumulated in float32: only accumulation error remains.
+    assert_close(low, exact, atol=1e-3)
+    assert_close(low, fused_token_logps(hidden, w, targets), atol=0.5)
+    grads = jax.grad(lambda h, w: fused_token_logps(h, w, targets, chunk_size=64).sum(), (0, 1))(
+        hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    )
+    assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
+
+
+def test_float64_stays_float64():
+    with jax.enable_x64(True):
+        hidden, w, targets, _ = problem(5, 4, 23)
+        hidden, w = hidden.astype(jnp.float64), w.astype(jnp.float64)
+        out = fused_token_logps(hidden, w, targets, chunk_size=6)
+        assert out.dtype == jnp.float64
+        logits = np.asarray(hidden) @ np.asarray(w)
+        assert_close(out, ref_token_logps(logits, targets), rtol=1e-12, atol=1e-12)
+
+
+def test_vmap_jit_and_no_retrace():
+    hidden, w, targets, _ = problem(12, 8, 30)
+    batched = jax.vmap(lambda h, y: fused_token_logps(h, w, y, chunk_size=8))(
+        hidden.reshape(3, 4, 8), targets.reshape(3, 4)
+    )
+    assert_close(batched, fused_token_logps(hidden, w, targets).reshape(3, 4), atol=1e-6)
+    assert_traced_once(
+        lambda h, w, y, tau: fused_token_logps(h, w, y, temperature=tau, chunk_size=8),
+        [((hidden, w, targets, jnp.float32(t)), {}) for t in (0.5, 1.0, 2.0)],
+    )
+
+
+def test_temporary_memory_does_not_grow_with_n_times_v():
+    hidden, w, targets, _ = problem(512, 64, 8192)
+
+    def temp_bytes(implementation):
+        f = jax.jit(
+            jax.grad(
+                lambda h, w: fused_token_logps(
+                    h, w, targets, chunk_size=512, implementation=implementation
+                ).mean(),
+                (0, 1),
+            )
+        )
+        return f.lower(hidden, w).compile().memory_analysis().temp_size_in_bytes
+
+    naive, chunked = temp_bytes("naive"), temp_bytes("chunked")
+    # The logits alone are 512 x 8192 x 4 bytes = 16 MiB; the chunked path holds a few
+    # 512 x 512 tiles.
+    assert naive >= 512 * 8192 * 4
+    assert chunked * 8 < naive, (chunked, naive)
+
+
+def mesh(shape, names):
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names)
+
+
+def test_batch_sharded_over_eight_devices_equals_one_device():
+    hidden, w, targets, b = problem(16, 8, 40, bias=True)
+    f = jax.jit(objective("chunked", chunk_size=16, temperature=0.9), static_argnums=())
+    grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+    expected = grad(hidden, w, b, targets)
+    m = mesh((8,), ("data",))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(m, spec))  # noqa: E731
+    sharded = grad(put(hidden, P("data")), put(w, P()), put(b, P()), put(targets, P("data")))
+    assert_close(sharded[0], expected[0], rtol=1e-5, atol=1e-5)
+    for a, e in zip(sharded[1], expected[1], strict=True):
+        assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "naive"])
+def test_vocabulary_sharded_over_a_model_axis_equals_unsharded(implementation):
+    hidden, w, targets, b = problem(12, 8, 64, bias=True)
+    m = mesh((2, 4), ("data", "model"))
+
+    def local(h, w, b, y):
+        logps, entropy = fused_token_logps(
+            h, w, y, bias=b, temperature=1.1, with_entropy=True, chunk_size=6,
+            implementation=implementation, vocab_axis="model",
+        )  # fmt: skip
+        return logps, entropy
+
+    sharded = jax.shard_map(
+        local,
+        mesh=m,
+        in_specs=(P("data"), P(None, "model"), P("model"), P("data")),
+        out_specs=(P("data"), P("data")),
+    )
+    expected = fused_token_logps(hidden, w, targets, bias=b, temperature=1.1, with_entropy=True)
+    got = jax.jit(sharded)(hidden, w, b, targets)
+    assert_close(got[0], expected[0], atol=2e-5)
+    assert_close(got[1], expected[1], atol=2e-5)
+
+    weights = jax.random.normal(jax.random.key(5), (2, 12))
+
+    def total(fn):
+        return lambda h, w, b: (
+            jnp.sum(weights[0] * fn(h, w, b, targets)[0])
+            + jnp.sum(weights[1] * fn(h, w, b, targets)[1])
+        )
+
+    plain = lambda h, w, b, y: fused_token_logps(  # noqa: E731
+        h, w, y, bias=b, temperature=1.1, with_entropy=True
+    )
+    got_grads = jax.jit(jax.grad(total(sharded), (0, 1, 2)))(hidden, w, b)
+    expected_grads = jax.grad(total(plain), (0, 1, 2))(hidden, w, b)
+    for a, e in zip(got_grads, expected_grads, strict=True):
+        assert_close(a, e, rtol=1e-4, atol=2e-5)
+
+
+def test_errors_name_the_argument():
+    hidden, w, targets, _ = problem(4, 8, 10)
+    with raises_naming("unembedding"):
+        fused_token_logps(hidden, w.T, targets)
+    with raises_naming("targets"):
+        fused_token_logps(hidden, w, targets[:3])
+    with raises_naming("implementation"):
+        fused_token_logps(hidden, w, targets, implementation="fast")
+    with own_checks():
+        with raises_naming("targets", "(3,)", "(4,)", error=ValueError):
+            fused_token_logps(hidden, w, targets[:3])
+        with raises_naming("bias", error=ValueError):
+            fused_token_logps(hidden, w, targets, bias=jnp.zeros(9))
+        with raises_naming("hidden", error=TypeError):
+            fused_token_logps(hidden.astype(int), w, targets)
+        with raises_naming("chunk_size", error=ValueError):
+            fused_token_logps(hidden, w, targets, chunk_size=0)
+        with raises_naming("temperature", error=ValueError):
+            fused_token_logps(hidden, w, targets, temperature=0.0)
