@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from tunelib.data import CharTokenizer, arithmetic_split, encode_prompts, verify_answer
+from tunelib.logprobs import IMPLEMENTATIONS
 from tunelib.models import Decoder, DecoderConfig
 
 RUNS = Path(os.environ.get("TUNELIB_RUNS", "runs"))
@@ -48,6 +49,13 @@ def parser(
     )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--logprobs",
+        choices=IMPLEMENTATIONS,
+        default="auto",
+        help="how log-probs are computed from hidden states: the fused chunked head "
+        "('auto' picks the Pallas kernel on GPU/TPU), or 'naive' materialised logits",
+    )
     return p
 
 

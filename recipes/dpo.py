@@ -83,7 +83,7 @@ def ensure_sft_model(args) -> Path:
     folder = args.sft_dir or common.RUNS / f"sft-seed{args.seed}" / "model"
     if not common.has_model(folder):
         print(f"no SFT model at {folder}: training it first with recipes/sft.py", flush=True)
-        same = ("seed", "num_train", "num_heldout", "max_digits")
+        same = ("seed", "num_train", "num_heldout", "max_digits", "logprobs")
         steps = ["--steps", str(args.sft_steps)] if args.sft_steps else []
         sft.main(common.forward_flags(args, *same) + steps + ["--out", str(folder.parent)])
     return folder
@@ -134,7 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
         )
         model = nnx.merge(graphdef, params)
         hidden = model(both["tokens"], attention_where=both["attention_where"])
-        token = logprobs.token_logps(model.unembed(hidden), both["targets"], where=both["where"])
+        token = logprobs.fused_token_logps(
+            hidden,
+            model.unembedding(),
+            both["targets"],
+            where=both["where"],
+            implementation=args.logprobs,
+        )
         return token, both["where"]
 
     def loss_fn(params, batch):

@@ -64,7 +64,13 @@ def main(argv: list[str] | None = None) -> dict:
         )
         model = nnx.merge(graphdef, params)
         hidden = model(both["tokens"], attention_where=both["attention_where"])
-        token = logprobs.token_logps(model.unembed(hidden), both["targets"], where=both["where"])
+        token = logprobs.fused_token_logps(
+            hidden,
+            model.unembedding(),
+            both["targets"],
+            where=both["where"],
+            implementation=args.logprobs,
+        )
         chosen, rejected = jnp.split(logprobs.sequence_mean(token, where=both["where"]), 2)
         per_pair = losses.orpo_loss(chosen, rejected, lambda_=args.lambda_)
         log_odds_ratio = losses.orpo_log_odds_ratio(chosen, rejected)
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if not args.no_baseline:
         same = ("seed", "steps", "learning_rate", "batch_size", "num_train", "num_heldout",
-                "max_digits", "eval_every")  # fmt: skip
+                "max_digits", "eval_every", "logprobs")  # fmt: skip
         out = ["--out", str(run.folder / "sft-baseline")]
         baseline = sft.main(common.forward_flags(args, *same) + out)
         headline["sft_accuracy_after"] = baseline["accuracy_after"]

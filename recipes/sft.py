@@ -15,14 +15,16 @@ import jax
 import optax
 from flax import nnx
 
-from tunelib import losses
+from tunelib import logprobs, losses
 from tunelib.data import sft_dataset
 
 
 def build_parser():
     p = common.parser(__doc__.splitlines()[0], steps=1000, batch_size=64, learning_rate=3e-3)
-    p.add_argument("--label-smoothing", type=float, default=0.0)
-    p.add_argument("--z-loss-weight", type=float, default=0.0)
+    p.add_argument(
+        "--label-smoothing", type=float, default=0.0, help="> 0 computes the full logits"
+    )
+    p.add_argument("--z-loss-weight", type=float, default=0.0, help="> 0 computes the full logits")
     return p
 
 
@@ -52,13 +54,22 @@ def main(argv: list[str] | None = None) -> dict:
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, params)
         hidden = model(batch["tokens"], attention_where=batch["attention_where"])
-        per_token = losses.nll_loss(
-            model.unembed(hidden),
-            batch["targets"],
-            label_smoothing=args.label_smoothing,
-            z_loss_weight=args.z_loss_weight,
-            where=batch["where"],
-        )
+        if args.label_smoothing or args.z_loss_weight:  # these need every logit
+            per_token = losses.nll_loss(
+                model.unembed(hidden),
+                batch["targets"],
+                label_smoothing=args.label_smoothing,
+                z_loss_weight=args.z_loss_weight,
+                where=batch["where"],
+            )
+        else:  # the NLL from the fused head: no [B, T, V] logits
+            per_token = -logprobs.fused_token_logps(
+                hidden,
+                model.unembedding(),
+                batch["targets"],
+                where=batch["where"],
+                implementation=args.logprobs,
+            )
         return losses.aggregate(per_token, mode="token_mean", where=batch["where"]).mean()
 
     @jax.jit
