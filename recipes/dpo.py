@@ -83,7 +83,7 @@ def ensure_sft_model(args) -> Path:
     folder = args.sft_dir or common.RUNS / f"sft-seed{args.seed}" / "model"
     if not common.has_model(folder):
         print(f"no SFT model at {folder}: training it first with recipes/sft.py", flush=True)
-        same = ("seed", "num_train", "num_heldout", "max_digits", "logprobs")
+        same = ("seed", "num_train", "num_heldout", "max_digits", "logprobs", "model_size")
         steps = ["--steps", str(args.sft_steps)] if args.sft_steps else []
         sft.main(common.forward_flags(args, *same) + steps + ["--out", str(folder.parent)])
     return folder

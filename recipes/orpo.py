@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     run = common.Run("orpo", args)
     task = common.task(args)
-    config = common.model_config(task.tokenizer)
+    config = common.model_config(task.tokenizer, args.model_size)
     graphdef, params = common.init_model(config, args.seed)
     pairs = preference_pairs(task.train, seed=args.seed)
     batches = iter(
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if not args.no_baseline:
         same = ("seed", "steps", "learning_rate", "batch_size", "num_train", "num_heldout",
-                "max_digits", "eval_every", "logprobs")  # fmt: skip
+                "max_digits", "eval_every", "logprobs", "model_size")  # fmt: skip
         out = ["--out", str(run.folder / "sft-baseline")]
         baseline = sft.main(common.forward_flags(args, *same) + out)
         headline["sft_accuracy_after"] = baseline["accuracy_after"]
