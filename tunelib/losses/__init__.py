@@ -32,6 +32,7 @@ from tunelib.losses._entropy import (
     high_entropy_mask,
 )
 from tunelib.losses._feature_matching import attention_output_matching_loss, feature_matching_loss
+from tunelib.losses._fused_distillation import fused_distillation_loss
 from tunelib.losses._kl import KL_ESTIMATORS, kl_penalty, kl_reward_shaping
 from tunelib.losses._kto import kto_loss, kto_reference_point
 from tunelib.losses._off_policy import truncated_importance_weights
@@ -87,6 +88,7 @@ __all__ = [
     "exo_loss",
     "feature_matching_loss",
     "forward_kl_loss",
+    "fused_distillation_loss",
     "generalized_jsd_loss",
     "high_entropy_mask",
     "hinge_loss",

@@ -66,10 +66,13 @@ def _phi_over_u_squared(u: jax.Array) -> jax.Array:
     return acc
 
 
-def _mixture_divergence(
+def _mixture_divergence_terms(
     log_p: jax.Array, log_q: jax.Array, w: ArrayLike, w_complement: ArrayLike
 ) -> jax.Array:
-    r"""$D_w(p, q) = \mathrm{KL}(p \,\|\, (1 - w) p + w q) / w$ summed over the last axis.
+    r"""The per-entry terms of $D_w(p, q) = \mathrm{KL}(p \,\|\, (1 - w) p + w q) / w$.
+
+    They sum to $D_w$ over the last axis (see `_mixture_divergence`); kept separate so that a
+    vocabulary can be summed tile by tile.
 
     `w_complement` is $1 - w$, passed separately because it is known exactly where $w$ is
     not (in float32, $1 - (1 - \beta)$ is off by 1 % for $\beta = 10^{-6}$). For
@@ -105,8 +108,14 @@ def _mixture_divergence(
         jnp.logaddexp(log_w_complement, jnp.log(w_direct) + jnp.where(direct, d, 0.0)),
     )
     direct_value = (q - p) - p * log_mixture_ratio / w_direct
-    terms = jnp.where(p_zero, jnp.where(w > 0, q, 0.0), jnp.where(small, series, direct_value))
-    return jnp.sum(terms, axis=-1)
+    return jnp.where(p_zero, jnp.where(w > 0, q, 0.0), jnp.where(small, series, direct_value))
+
+
+def _mixture_divergence(
+    log_p: jax.Array, log_q: jax.Array, w: ArrayLike, w_complement: ArrayLike
+) -> jax.Array:
+    r"""$D_w(p, q) = \mathrm{KL}(p \,\|\, (1 - w) p + w q) / w$ summed over the last axis."""
+    return jnp.sum(_mixture_divergence_terms(log_p, log_q, w, w_complement), axis=-1)
 
 
 def _scale(tau: jax.Array, temperature_squared: bool) -> jax.Array:

@@ -1,0 +1,343 @@
+r"""Distillation straight from hidden states: the divergence over vocabulary tiles.
+
+`forward_kl_loss`, `reverse_kl_loss` and `generalized_jsd_loss` take `[N, V]` student and
+teacher logits, and their gradients hold several more arrays of that size. Here the logits are
+computed from the hidden states and the unembeddings one vocabulary tile at a time and never
+exist in full: a first pass finds both log-normalisers, a second sums the divergence's
+per-entry terms, and a custom VJP recomputes the tiles in the backward pass.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float
+
+from tunelib import _validation as v
+from tunelib._typing import Scalar
+from tunelib.losses._distillation import (
+    _DIVERGENCES,
+    Divergence,
+    _mixture_divergence_terms,
+    _scale,
+)
+
+
+def _tiles(vocab: int, chunk: int) -> tuple[int, int]:
+    """The tile width and the number of tiles covering `vocab` columns."""
+    chunk = min(chunk, vocab)
+    return chunk, -(-vocab // chunk)
+
+
+def _tile(w, b, index, chunk):
+    """Tile `index` of an unembedding (and bias) and the mask of the columns it owns.
+
+    The last tile is shifted left to end at the last column instead of padding the vocabulary
+    (which would copy the unembedding); the columns it shares with the previous tile are not
+    owned and are left out.
+    """
+    vocab = w.shape[1]
+    start = jnp.minimum(index * chunk, vocab - chunk)
+    w_tile = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
+    b_tile = None if b is None else lax.dynamic_slice_in_dim(b, start, chunk, axis=0)
+    owned = start + jnp.arange(chunk) >= index * chunk
+    return start, w_tile, b_tile, owned
+
+
+def _tile_logits(h, w_tile, b_tile, tau, dtype):
+    """`(h W + b) / tau` on one tile, accumulated in `dtype`."""
+    z = jnp.matmul(h, w_tile, preferred_element_type=dtype)
+    if b_tile is not None:
+        z = z + b_tile.astype(dtype)
+    return z / tau
+
+
+def _log_normalisers(student, teacher, tau, chunk, dtype):
+    """Pass 1: `log sum_v exp(z_v / tau)` of the student and the teacher, tile by tile."""
+    n, vocab = student[0].shape[0], student[1].shape[1]
+    chunk, n_tiles = _tiles(vocab, chunk)
+
+    def body(index, carry):
+        lse = []
+        for (h, w, b), running in zip((student, teacher), carry, strict=True):
+            _, w_tile, b_tile, owned = _tile(w, b, index, chunk)
+            z = jnp.where(owned, _tile_logits(h, w_tile, b_tile, tau, dtype), -jnp.inf)
+            lse.append(jnp.logaddexp(running, jax.nn.logsumexp(z, axis=-1)))
+        return tuple(lse)
+
+    init = jnp.full((n,), -jnp.inf, dtype)
+    return lax.fori_loop(0, n_tiles, body, (init, init))
+
+
+def _divergence_terms(log_p_student, log_p_teacher, beta, divergence):
+    """The per-entry terms whose sum over the vocabulary is the (unscaled) divergence."""
+    if divergence == "forward_kl":
+        return _mixture_divergence_terms(log_p_teacher, log_p_student, 1.0, 0.0)
+    if divergence == "reverse_kl":
+        return _mixture_divergence_terms(log_p_student, log_p_teacher, 1.0, 0.0)
+    return _mixture_divergence_terms(
+        log_p_teacher, log_p_student, 1 - beta, beta
+    ) + _mixture_divergence_terms(log_p_student, log_p_teacher, beta, 1 - beta)
+
+
+def _tile_terms(student, teacher, lse, index, tau, beta, divergence, chunk, dtype):
+    """Tile `index`: its terms as a function of the student's log-probs, and those log-probs.
+
+    Also returns the student's probabilities on the tile, the tile's first column and the
+    student's unembedding tile, which the backward pass needs. Columns the tile does not own
+    get log-probs 0, probabilities 0 and terms 0.
+    """
+    (h, w, b), (h_t, w_t, b_t) = student, teacher
+    start, w_tile, b_tile, owned = _tile(w, b, index, chunk)
+    _, w_t_tile, b_t_tile, _ = _tile(w_t, b_t, index, chunk)
+    log_p = jnp.where(owned, _tile_logits(h, w_tile, b_tile, tau, dtype) - lse[0][:, None], 0.0)
+    log_p_t = _tile_logits(h_t, w_t_tile, b_t_tile, tau, dtype) - lse[1][:, None]
+    log_p_t = jnp.where(owned, log_p_t, 0.0)
+
+    def terms(log_p_student):
+        values = _divergence_terms(log_p_student, log_p_t, beta, divergence)
+        return jnp.where(owned, values, 0.0)
+
+    p = jnp.where(owned, jnp.exp(log_p), 0.0)
+    return terms, log_p, p, start, w_tile
+
+
+def _forward(student, teacher, tau, beta, divergence, chunk, with_slope):
+    """Pass 2: the divergence per token and, for the backward, `S = sum_v d phi / d log p_v`."""
+    n, vocab = student[0].shape[0], student[1].shape[1]
+    dtype = tau.dtype
+    lse = _log_normalisers(student, teacher, tau, chunk, dtype)
+    chunk, n_tiles = _tiles(vocab, chunk)
+
+    def body(index, carry):
+        total, slope = carry
+        terms, log_p, *_ = _tile_terms(
+            student, teacher, lse, index, tau, beta, divergence, chunk, dtype
+        )
+        if with_slope:
+            values, pullback = jax.vjp(terms, log_p)
+            (d_log_p,) = pullback(jnp.ones_like(values))
+            slope = slope + jnp.sum(d_log_p, axis=-1)
+        else:
+            values = terms(log_p)
+        return total + jnp.sum(values, axis=-1), slope
+
+    zeros = jnp.zeros((n,), dtype)
+    total, slope = lax.fori_loop(0, n_tiles, body, (zeros, zeros))
+    return total, lse, slope
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_divergence(student, teacher, tau, beta, divergence, chunk):
+    return _forward(student, teacher, tau, beta, divergence, chunk, with_slope=False)[0]
+
+
+def _fused_divergence_fwd(student, teacher, tau, beta, divergence, chunk):
+    total, lse, slope = _forward(student, teacher, tau, beta, divergence, chunk, with_slope=True)
+    return total, (student, teacher, tau, beta, lse, slope)
+
+
+def _fused_divergence_bwd(divergence, chunk, residuals, g):
+    r"""Per tile, $dz = g\,(\partial\phi/\partial \log p - p\,S) / \tau$, then the matmuls."""
+    student, teacher, tau, beta, lse, slope = residuals
+    h, w, b = student
+    dtype = tau.dtype
+    chunk, n_tiles = _tiles(w.shape[1], chunk)
+    coefficient = g.astype(dtype) / tau
+
+    def body(index, carry):
+        dh, dw, db = carry
+        terms, log_p, p, start, w_tile = _tile_terms(
+            student, teacher, lse, index, tau, beta, divergence, chunk, dtype
+        )
+        values, pullback = jax.vjp(terms, log_p)
+        (d_log_p,) = pullback(jnp.ones_like(values))
+        dz = coefficient[:, None] * (d_log_p - p * slope[:, None])
+        dh = dh + jnp.matmul(dz, w_tile.T.astype(dtype), preferred_element_type=dtype)
+        dw_tile = jnp.matmul(h.T.astype(dtype), dz, preferred_element_type=dtype)
+        dw = lax.dynamic_update_slice_in_dim(
+            dw, lax.dynamic_slice_in_dim(dw, start, chunk, axis=1) + dw_tile, start, axis=1
+        )
+        if db is not None:
+            db_tile = lax.dynamic_slice_in_dim(db, start, chunk, axis=0) + jnp.sum(dz, axis=0)
+            db = lax.dynamic_update_slice_in_dim(db, db_tile, start, axis=0)
+        return dh, dw, db
+
+    init = (
+        jnp.zeros(h.shape, dtype),
+        jnp.zeros(w.shape, dtype),
+        None if b is None else jnp.zeros(b.shape, dtype),
+    )
+    dh, dw, db = lax.fori_loop(0, n_tiles, body, init)
+    d_student = (dh.astype(h.dtype), dw.astype(w.dtype), None if b is None else db.astype(b.dtype))
+    # The teacher, the temperature and beta are data: no cotangent (zero) for them.
+    return d_student, None, None, None
+
+
+_fused_divergence.defvjp(_fused_divergence_fwd, _fused_divergence_bwd)
+
+
+def _checked_head(
+    hidden: ArrayLike, unembedding: ArrayLike, bias: ArrayLike | None, model: str
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """One model's hidden states, unembedding `[H, V]` and bias `[V]`, checked."""
+    hidden = v.float_array(hidden, f"{model}_hidden")
+    v.check_ndim(hidden, f"{model}_hidden", at_least=1)
+    unembedding = v.float_array(unembedding, f"{model}_unembedding")
+    if unembedding.ndim != 2 or unembedding.shape[0] != hidden.shape[-1]:
+        raise ValueError(
+            f"{model}_unembedding must have shape [H, V] with H = {hidden.shape[-1]} "
+            f"({model}_hidden's last axis), got {tuple(unembedding.shape)}."
+        )
+    if unembedding.shape[1] == 0:
+        raise ValueError(f"{model}_unembedding has no vocabulary column: {unembedding.shape}.")
+    if bias is not None:
+        bias = v.float_array(bias, f"{model}_bias")
+        v.check_shape(
+            bias, f"{model}_bias", unembedding.shape[1:], f"{model}_unembedding {unembedding.shape}"
+        )
+    return hidden, unembedding, bias
+
+
+def fused_distillation_loss(
+    student_hidden: Float[ArrayLike, "*B Hs"],
+    student_unembedding: Float[ArrayLike, "Hs V"],
+    teacher_hidden: Float[ArrayLike, "*B Ht"],
+    teacher_unembedding: Float[ArrayLike, "Ht V"],
+    *,
+    divergence: Divergence = "forward_kl",
+    beta: Scalar = 0.5,
+    temperature: Scalar = 1.0,
+    temperature_squared: bool = True,
+    normalize: bool = True,
+    student_bias: Float[ArrayLike, " V"] | None = None,
+    teacher_bias: Float[ArrayLike, " V"] | None = None,
+    where: Bool[ArrayLike, "*B"] | None = None,
+    chunk_size: int = 4096,
+) -> Float[Array, "*B"]:
+    r"""Per-token distillation loss from hidden states, without forming `[..., V]` logits.
+
+    $$
+    \ell_n = c \sum_{k} \sum_{v \in \mathcal{V}_k}
+    \phi\big(\log p^S_{n,v}, \log p^T_{n,v}\big), \qquad
+    \log p_{n,v} = \frac{z_{n,v}}{\tau} - \log \sum_{k'} \sum_{u \in \mathcal{V}_{k'}}
+    e^{z_{n,u}/\tau}, \qquad z^S_n = h^S_n W^S + b^S, \quad z^T_n = h^T_n W^T + b^T
+    $$
+
+    with hidden states $h^S$ = `student_hidden`, $h^T$ = `teacher_hidden`, unembeddings
+    $W^S$ = `student_unembedding`, $W^T$ = `teacher_unembedding`, biases $b^S$ =
+    `student_bias`, $b^T$ = `teacher_bias`, temperature $\tau$ = `temperature`, vocabulary
+    tiles $\mathcal{V}_k$ of `chunk_size` columns, $\phi$ the per-entry term of the divergence
+    named by `divergence` and $c$ its constant factor. The value equals, to float32 rounding,
+    the materialised loss on the logits $z^S$ and $z^T$:
+
+    * ``"forward_kl"``: `forward_kl_loss`, $\tau^2\,\mathrm{KL}(p^T \| p^S)$ (Hinton et al.);
+    * ``"reverse_kl"``: `reverse_kl_loss`, $\tau^2\,\mathrm{KL}(p^S \| p^T)$ (MiniLLM);
+    * ``"jsd"``: `generalized_jsd_loss` with $\beta$ = `beta`, $\tau^2\,\mathrm{JSD}_\beta /
+      (\beta (1 - \beta))$ with `normalize=True` (the default: continuous in $\beta$, the
+      forward KL at $\beta = 0$ and the reverse KL at $\beta = 1$) or the GKD paper's
+      $\tau^2\,\mathrm{JSD}_\beta$ with `normalize=False`;
+
+    each times $\tau^2$ only with `temperature_squared=True` (the default, Hinton et al.; TRL's
+    GKD trainer does not apply it: `temperature_squared=False`). The divergences, their
+    conventions and their numerics are those of the materialised functions, which share the
+    per-entry terms with this one.
+
+    A first pass streams the tiles for both log-normalisers; a second sums the terms, and, when
+    differentiated, also $S_n = \sum_v \partial\phi / \partial \log p^S_{n,v}$. The custom VJP
+    saves only these per-token values besides the inputs and recomputes each tile:
+    $\partial \ell_n / \partial z^S_{n,v} = c\,(\partial\phi / \partial \log p^S_{n,v} -
+    p^S_{n,v} S_n) / \tau$, multiplied into $W^{S\top}$ for the hidden states and by
+    $h^{S\top}$ for the tile of the unembedding. Temporary memory does not grow with $V$: about
+    2 `[N, chunk_size]` float32 arrays for the value, 10 (KL) to 20 (JSD) with gradients (XLA
+    CPU), against several `[N, V]` arrays for the materialised losses. Each tile's logits are
+    computed twice for the value and a third time in the backward pass: $4NV(H_S + H_T)$ flops
+    without gradients, $10 N V H_S + 6 N V H_T$ with them.
+
+    **Gradients reach only the student**: `student_hidden`, `student_unembedding` and
+    `student_bias`. The teacher is data: its hidden states, unembedding and bias get zero
+    cotangents (unlike the materialised functions, where gradients flow into
+    `teacher_logits`), and so do `temperature` and `beta`.
+
+    Args:
+      student_hidden: `[..., Hs]` student hidden states, any float dtype (matmuls accumulate
+        in float32).
+      student_unembedding: `[Hs, V]` the student's unembedding.
+      teacher_hidden: `[..., Ht]` teacher hidden states at the same positions.
+      teacher_unembedding: `[Ht, V]` the teacher's unembedding over the same vocabulary.
+      divergence: ``"forward_kl"`` (default), ``"reverse_kl"`` or ``"jsd"`` (static).
+      beta: $\beta \in [0, 1]$ of ``"jsd"``, the teacher's weight in the mixture; ignored
+        otherwise; may be traced.
+      temperature: $\tau > 0$, applied to both models; may be traced.
+      temperature_squared: multiply by $\tau^2$ (static).
+      normalize: for ``"jsd"``, divide by $\beta (1 - \beta)$ (static; see
+        `generalized_jsd_loss`); ignored otherwise.
+      student_bias: optional `[V]` bias of the student's unembedding.
+      teacher_bias: optional `[V]` bias of the teacher's unembedding.
+      where: `[...]` boolean mask, True = counts. Masked positions give exactly 0 and send
+        exactly 0 gradient, even when their hidden states are NaN.
+      chunk_size: vocabulary tile width (static); any `V` works, not only multiples of it.
+
+    Returns:
+      `[...]` per-token losses, float32 (float64 for float64 inputs); reduce them with
+      `tunelib.losses.aggregate`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.losses import forward_kl_loss, fused_distillation_loss
+      >>> h_s, w_s = jnp.array([[1.0, 0.0]]), jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+      >>> h_t, w_t = jnp.array([[2.0]]), jnp.array([[1.0, 0.0, -0.5]])
+      >>> print(fused_distillation_loss(h_s, w_s, h_t, w_t, chunk_size=2).round(4))
+      [0.1834]
+      >>> print(forward_kl_loss((h_s @ w_s)[None], (h_t @ w_t)[None]).round(4))
+      [[0.1834]]
+      >>> loss = fused_distillation_loss(h_s, w_s, h_t, w_t, divergence="jsd", beta=0.5)
+      >>> print(loss.round(4))
+      [0.2047]
+
+    References:
+      Hinton et al., "Distilling the Knowledge in a Neural Network", 2015,
+      https://arxiv.org/abs/1503.02531.
+      Gu et al., "MiniLLM: Knowledge Distillation of Large Language Models", 2024,
+      https://arxiv.org/abs/2306.08543.
+      Agarwal et al., "On-Policy Distillation of Language Models: Learning from
+      Self-Generated Mistakes" (GKD), 2024, https://arxiv.org/abs/2306.13649.
+      Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024,
+      https://arxiv.org/abs/2411.09009 (the tiled, recomputing head, for the cross-entropy).
+    """
+    h_s, w_s, b_s = _checked_head(student_hidden, student_unembedding, student_bias, "student")
+    h_t, w_t, b_t = _checked_head(teacher_hidden, teacher_unembedding, teacher_bias, "teacher")
+    shape = h_s.shape[:-1]
+    v.check_shape(
+        h_t,
+        "teacher_hidden",
+        (*shape, h_t.shape[-1]),
+        f"student_hidden {tuple(h_s.shape)} on every axis but the last",
+    )
+    v.check_shape(
+        w_t,
+        "teacher_unembedding",
+        (h_t.shape[-1], w_s.shape[1]),
+        f"teacher_hidden's H and the V of student_unembedding {tuple(w_s.shape)}",
+    )
+    v.one_of(divergence, "divergence", _DIVERGENCES)
+    v.unit_interval(beta, "beta")
+    v.positive_scalar(temperature, "temperature")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}.")
+    where = v.mask_array(where, shape)
+    arrays = [x for x in (h_s, w_s, b_s, h_t, w_t, b_t) if x is not None]
+    dtype = v.compute_dtype(*(x.dtype for x in arrays))
+    tau = lax.stop_gradient(jnp.asarray(temperature, dtype))
+    beta = lax.stop_gradient(jnp.asarray(beta, dtype))
+    h_s = jnp.where(where[..., None], h_s, 0).reshape(-1, h_s.shape[-1])
+    h_t = jnp.where(where[..., None], h_t, 0).reshape(-1, h_t.shape[-1])
+    divergence_sum = _fused_divergence(
+        (h_s, w_s, b_s), (h_t, w_t, b_t), tau, beta, divergence, chunk_size
+    )
+    factor = _scale(tau, temperature_squared)
+    if divergence == "jsd" and not normalize:
+        factor = factor * beta * (1 - beta)
+    return jnp.where(where, factor * divergence_sum.reshape(shape), 0.0)
