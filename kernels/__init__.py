@@ -1,7 +1,15 @@
 """Pallas kernels, installed as `tunelib.kernels`.
 
 Each kernel implements the signature of a pure-JAX reference elsewhere in tunelib and is tested
-against it in interpret mode on CPU. None is shipped yet.
+against it in interpret mode on CPU:
+
+- `fused_token_logps_pallas`: per-token log-probs (and entropy) straight from hidden states
+  and the unembedding, the kernel behind `tunelib.logprobs.fused_token_logps(...,
+  implementation="pallas")`, with GPU (Triton) and TPU (Mosaic) lowerings.
 """
 
-__all__: list[str] = []
+from tunelib.kernels._fused_logps import fused_token_logps_pallas
+
+__all__ = [
+    "fused_token_logps_pallas",
+]

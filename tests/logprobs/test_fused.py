@@ -232,3 +232,27 @@ def test_errors_name_the_argument():
             fused_token_logps(hidden, w, targets, chunk_size=0)
         with raises_naming("temperature", error=ValueError):
             fused_token_logps(hidden, w, targets, temperature=0.0)
+
+
+def test_temperature_gradient_matches_the_materialised_logits():
+    hidden, w, targets, b = problem(7, 8, 37, bias=True)
+
+    def grad_tau(implementation):
+        def of_tau(tau):
+            return objective(implementation, chunk_size=10, temperature=tau)(hidden, w, b, targets)
+
+        return jax.grad(of_tau)(jnp.float32(1.3))
+
+    assert_close(grad_tau("chunked"), grad_tau("naive"), rtol=1e-4, atol=1e-5)
+
+
+def test_forced_pallas_on_cpu_runs_the_kernel_in_the_interpreter():
+    hidden, w, targets, b = problem(10, 16, 150, bias=True)
+    ours = fused_token_logps(
+        hidden, w, targets, bias=b, with_entropy=True, temperature=0.8, implementation="pallas"
+    )
+    reference = fused_token_logps(
+        hidden, w, targets, bias=b, with_entropy=True, temperature=0.8, implementation="naive"
+    )
+    for a, e in zip(ours, reference, strict=True):
+        assert_close(a, e, rtol=1e-5, atol=1e-5)

@@ -142,24 +142,25 @@ def _chunked_bwd(chunk, with_entropy, axis, residuals, cotangents):
         dz = -g[:, None] * p  # the one-hot part of d logp / dz is added from the targets
         if with_entropy:
             dz = dz - e[:, None] * p * (z - expected_z[:, None])
+        z_dz = jnp.sum(dz * jnp.where(owned, z, 0.0))  # for the temperature's gradient
         dz = dz / tau_c
         dh = jnp.matmul(dz, w_tile.T.astype(dtype), preferred_element_type=dtype)
         dw_tile = jnp.matmul(h.T.astype(dtype), dz, preferred_element_type=dtype)
-        return start, dh, dw_tile, jnp.sum(dz, axis=0)
+        return start, dh, dw_tile, jnp.sum(dz, axis=0), z_dz
 
     def add_tile(index, carry):
-        dh, dw, db = carry
-        start, tile_dh, dw_tile, db_tile = tile_grads(index)
+        dh, dw, db, z_dz = carry
+        start, tile_dh, dw_tile, db_tile, tile_z_dz = tile_grads(index)
         dw = lax.dynamic_update_slice_in_dim(
             dw, lax.dynamic_slice_in_dim(dw, start, chunk, axis=1) + dw_tile, start, axis=1
         )
         if db is not None:
             tile_db = lax.dynamic_slice_in_dim(db, start, chunk, axis=0) + db_tile
             db = lax.dynamic_update_slice_in_dim(db, tile_db, start, axis=0)
-        return dh + tile_dh, dw, db
+        return dh + tile_dh, dw, db, z_dz + tile_z_dz
 
     # Seeded with tile 0 (see `_forward`): tile 0 starts at column 0 and owns all its columns.
-    _, dh, dw_tile, db_tile = tile_grads(0)
+    _, dh, dw_tile, db_tile, z_dz = tile_grads(0)
     dw = jnp.zeros(w.shape, dtype) + jnp.zeros_like(dw_tile[:, :1])
     init = (
         dh,
@@ -169,18 +170,24 @@ def _chunked_bwd(chunk, with_entropy, axis, residuals, cotangents):
         else lax.dynamic_update_slice_in_dim(
             jnp.zeros(b.shape, dtype) + jnp.zeros_like(db_tile[:1]), db_tile, 0, axis=0
         ),
+        z_dz,
     )
-    dh, dw, db = lax.fori_loop(1, n_tiles, add_tile, init)
+    dh, dw, db, z_dz = lax.fori_loop(1, n_tiles, add_tile, init)
     # The one-hot part: g / tau at each token's target column (in whichever shard holds it).
-    _, inside, local = _target_logits(h, w, b, targets, tau_c, dtype, _vocab_offset(vocab, axis))
+    target_z, inside, local = _target_logits(
+        h, w, b, targets, tau_c, dtype, _vocab_offset(vocab, axis)
+    )
     g_target = jnp.where(inside, g, 0.0) / tau_c
+    # z = logits / tau, so d/d tau = -sum(dz * z) / tau over every logit and the targets.
+    d_tau = -(z_dz + jnp.sum(g_target * tau_c * target_z)) / tau_c
     dh = dh + g_target[:, None] * jnp.take(w, local, axis=1).T.astype(dtype)
     dw = dw.at[:, local].add(h.T.astype(dtype) * g_target[None, :])
     if db is not None:
         db = db.at[local].add(g_target).astype(b.dtype)
     dh, dw = _sum_over_broadcast_axes(dh, h), _sum_over_broadcast_axes(dw, w)
     db = None if db is None else _sum_over_broadcast_axes(db, b)
-    return dh.astype(h.dtype), dw.astype(w.dtype), db, None, jnp.zeros_like(tau)
+    d_tau = _sum_over_broadcast_axes(d_tau, tau)
+    return dh.astype(h.dtype), dw.astype(w.dtype), db, None, d_tau.astype(tau.dtype)
 
 
 def _sum_over_broadcast_axes(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
@@ -253,10 +260,9 @@ def fused_token_logps(
     The ``"chunked"`` implementation streams the vocabulary in tiles of `chunk_size` columns
     with an online log-sum-exp, and its custom VJP recomputes each tile in the backward pass:
     $8NHV$ flops for values and gradients (against $6NHV$ when the logits are kept), and only
-    per-token quantities saved between the passes. Gradients flow to `hidden`, `unembedding`
-    and `bias`, accumulated in float32; the cotangents are per token, so any loss built on the
-    returned log-probs (SFT, DPO, GRPO, ...) gets the saving. There is no gradient with
-    respect to `temperature`.
+    per-token quantities saved between the passes. Gradients flow to `hidden`, `unembedding`,
+    `bias` and `temperature`, accumulated in float32; the cotangents are per token, so any
+    loss built on the returned log-probs (SFT, DPO, GRPO, ...) gets the saving.
 
     Args:
       hidden: `[..., H]` hidden states, any float dtype (matmuls accumulate in float32).
@@ -331,9 +337,12 @@ def fused_token_logps(
     else:
         from tunelib.kernels import fused_token_logps_pallas
 
-        logps, entropy = fused_token_logps_pallas(
-            h, unembedding, y, bias=bias, temperature=tau, with_entropy=True
-        )
+        # Forced onto a CPU, the kernel runs in the Pallas interpreter: right, and slow.
+        out = fused_token_logps_pallas(
+            h, unembedding, y, bias=bias, temperature=tau, with_entropy=True,
+            interpret=jax.default_backend() == "cpu",
+        )  # fmt: skip
+        logps, entropy = out
     logps = jnp.where(where, logps.reshape(shape), 0.0)
     if not with_entropy:
         return logps
