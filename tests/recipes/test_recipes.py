@@ -162,3 +162,19 @@ def test_fused_and_naive_log_probs_give_the_same_training_curves(tmp_path):
         )
         assert len(fused) == len(naive) == 12
         np.testing.assert_allclose(fused, naive, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_distill_trains_its_teacher_and_runs_with_the_fused_head(tmp_path):
+    teacher = tmp_path / "teacher" / "model"
+    out = run_recipe(
+        "distill", "--steps", "4", "--eval-every", "2", "--teacher-steps", "6",
+        "--teacher-demonstrations", "256", "--num-prompts", "256", "--divergence", "jsd",
+        "--teacher-dir", str(teacher), "--out", str(tmp_path / "distill"),
+    )  # fmt: skip
+    assert (teacher / "config.json").exists(), "distill must train the missing teacher first"
+    assert {"teacher_accuracy", "accuracy_after", "sft_accuracy_after"} <= set(out)
+    records = [
+        json.loads(x) for x in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all(np.isfinite(r["soft"]) and r["soft"] >= 0 for r in records)

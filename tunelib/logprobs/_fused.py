@@ -190,7 +190,7 @@ def _chunked_bwd(chunk, with_entropy, axis, residuals, cotangents):
     return dh.astype(h.dtype), dw.astype(w.dtype), db, None, d_tau.astype(tau.dtype)
 
 
-def _sum_over_broadcast_axes(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+def _sum_over_broadcast_axes(cotangent: jax.Array, primal: ArrayLike) -> jax.Array:
     """Under `shard_map`, sum a cotangent over the mesh axes its primal is replicated across.
 
     Each device's tiles contribute a part of the gradient of an input that all devices of an
@@ -201,7 +201,7 @@ def _sum_over_broadcast_axes(cotangent: jax.Array, primal: jax.Array) -> jax.Arr
     return lax.psum(cotangent, shared) if shared else cotangent
 
 
-def _varying_axes(x: jax.Array) -> frozenset[str]:
+def _varying_axes(x: ArrayLike) -> frozenset[str]:
     """The manual mesh axes `x` varies over (`manual_axis_type`, formerly `vma`)."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
@@ -213,13 +213,16 @@ def _varying_axes(x: jax.Array) -> frozenset[str]:
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _naive(h, w, b, targets, tau, axis):
+def _naive(h, w, b, targets, tau, with_entropy, axis):
     """Materialised logits: the reference path, and the baseline the benchmarks compare with."""
     dtype = v.compute_dtype(h.dtype, w.dtype)
     tau = tau.astype(dtype)
     z = _tile_logits(h, w, b, tau, dtype)
-    stats = _tile_stats(z, jnp.ones(z.shape[-1], bool), with_entropy=True)
     target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, _vocab_offset(w.shape[1], axis))
+    if axis is None and not with_entropy:  # the plain path: log-sum-exp and a gather
+        lse = jax.nn.logsumexp(z, axis=-1)
+        return target_z - lse, jnp.zeros_like(lse)
+    stats = _tile_stats(z, jnp.ones(z.shape[-1], bool), with_entropy)
     logps, lse, expected_z = _finish(stats, target_z, axis)
     return logps, lse - expected_z
 
@@ -333,7 +336,7 @@ def fused_token_logps(
             h, unembedding, bias, y, tau, chunk_size, with_entropy, vocab_axis
         )
     elif implementation == "naive":
-        logps, entropy = _naive(h, unembedding, bias, y, tau, vocab_axis)
+        logps, entropy = _naive(h, unembedding, bias, y, tau, with_entropy, vocab_axis)
     else:
         from tunelib.kernels import fused_token_logps_pallas
 
