@@ -65,6 +65,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tunelib.logprobs._tiles import default_chunk_size
+
 
 class Size(NamedTuple):
     n: int
@@ -103,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--size", choices=sorted(SIZES), default=None, help="default: cpu on CPU, else llama3-8b"
     )
     p.add_argument("--n", type=int, default=None, help="override the size's token count N")
-    p.add_argument("--chunk-size", type=int, default=4096, help="vocabulary tile of 'chunked'")
+    p.add_argument(
+        "--chunk-size", type=int, default=None,
+        help="vocabulary tile of 'chunked' (default: the library's, about 2^22 logits a tile)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
     p.add_argument(
         "--json-out",
@@ -155,7 +160,7 @@ def check_rows(size: Size) -> np.ndarray:
 # ----------------------------------------------------------------------------- workers
 
 
-def loss_and_grads(variant: str, chunk_size: int):
+def loss_and_grads(variant: str, chunk_size: int | None):
     """The jitted token-mean NLL and its gradients w.r.t. hidden and unembedding."""
     from tunelib.logprobs import fused_token_logps
 
@@ -227,7 +232,7 @@ def relative_error(x, ref: np.ndarray) -> float:
     return worst / scale
 
 
-def check(size: Size, variant: str, chunk_size: int, path: Path) -> dict:
+def check(size: Size, variant: str, chunk_size: int | None, path: Path) -> dict:
     """The variant's relative errors against the float64 reference (see the module docstring)."""
     ref = np.load(path)
     rows = ref["rows"]
@@ -261,7 +266,7 @@ def timed(compiled, *args, repeats: int) -> list[float]:
     return seconds
 
 
-def measure(size: Size, variant: str, chunk_size: int, repeats: int) -> dict:
+def measure(size: Size, variant: str, chunk_size: int | None, repeats: int) -> dict:
     """Compiled memory, peak RSS (and device peak) and median time of one variant or the GEMM."""
     hidden, unembedding, targets = make_inputs(size)
     if variant == "gemm":
@@ -320,7 +325,8 @@ def run_worker(args: argparse.Namespace, variant: str, folder: Path, reference=N
     mode = "measure" if reference is None else "reference" if variant == "reference" else "check"
     out = folder / f"{variant}-{mode}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--variant", variant]
-    command += ["--size", args.size, "--chunk-size", str(args.chunk_size)]
+    command += ["--size", args.size]
+    command += [] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]
     command += ["--repeats", str(args.repeats), "--json-out", str(out)]
     command += [] if args.n is None else ["--n", str(args.n)]
     command += [] if reference is None else ["--reference", str(reference)]
@@ -386,7 +392,7 @@ def summarise(args, size: Size, info: dict, variants: dict, gemm: dict | None, n
         "h": size.h,
         "v": size.v,
         "dtype": size.dtype,
-        "chunk_size": args.chunk_size,
+        "chunk_size": args.chunk_size or default_chunk_size(size.n),
         "repeats": args.repeats,
         "backend": info["backend"],
         "device": info["device"],

@@ -18,35 +18,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 from tunelib import _validation as v
 from tunelib._typing import Scalar
+from tunelib.logprobs._tiles import default_chunk_size, tile_logits, tiles, vocab_tile
 
 Implementation = Literal["auto", "chunked", "pallas", "naive"]
 IMPLEMENTATIONS: tuple[str, ...] = Implementation.__args__
-
-
-def _tiles(vocab: int, chunk: int) -> tuple[int, int]:
-    """The tile width and the number of tiles covering `vocab` columns."""
-    chunk = min(chunk, vocab)
-    return chunk, -(-vocab // chunk)
-
-
-def _tile(w, b, index, chunk, vocab):
-    """Tile `index` of the unembedding (and bias) and the mask of the columns it owns.
-
-    The last tile is shifted left to end at the last column rather than padded (padding would
-    copy the whole unembedding); the columns it shares with the previous tile are masked out.
-    """
-    start = jnp.minimum(index * chunk, vocab - chunk)
-    w_tile = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
-    b_tile = None if b is None else lax.dynamic_slice_in_dim(b, start, chunk, axis=0)
-    owned = start + jnp.arange(chunk) >= index * chunk
-    return start, w_tile, b_tile, owned
-
-
-def _tile_logits(h, w_tile, b_tile, tau, dtype):
-    z = jnp.matmul(h, w_tile, preferred_element_type=dtype)
-    if b_tile is not None:
-        z = z + b_tile.astype(dtype)
-    return z / tau
 
 
 def _target_logits(h, w, b, targets, tau, dtype, offset):
@@ -100,11 +75,11 @@ def _forward(h, w, b, targets, tau, chunk, with_entropy, axis):
     vocab = w.shape[1]
     dtype = v.compute_dtype(h.dtype, w.dtype)
     tau = tau.astype(dtype)
-    chunk, n_tiles = _tiles(vocab, chunk)
+    chunk, n_tiles = tiles(vocab, chunk)
 
     def stats(index):
-        _, w_tile, b_tile, owned = _tile(w, b, index, chunk, vocab)
-        return _tile_stats(_tile_logits(h, w_tile, b_tile, tau, dtype), owned, with_entropy)
+        _, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
+        return _tile_stats(tile_logits(h, w_tile, b_tile, tau, dtype), owned, with_entropy)
 
     # The first tile seeds the loop, so the carry has the type (and, under shard_map, the
     # device variance) of the tiles.
@@ -131,13 +106,13 @@ def _chunked_bwd(chunk, with_entropy, axis, residuals, cotangents):
     vocab = w.shape[1]
     dtype = v.compute_dtype(h.dtype, w.dtype)
     tau_c = tau.astype(dtype)
-    chunk, n_tiles = _tiles(vocab, chunk)
+    chunk, n_tiles = tiles(vocab, chunk)
     g = g.astype(dtype)
     e = e.astype(dtype) if with_entropy else None
 
     def tile_grads(index):
-        start, w_tile, b_tile, owned = _tile(w, b, index, chunk, vocab)
-        z = _tile_logits(h, w_tile, b_tile, tau_c, dtype)
+        start, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
+        z = tile_logits(h, w_tile, b_tile, tau_c, dtype)
         p = jnp.where(owned, jnp.exp(z - lse[:, None]), 0.0)
         dz = -g[:, None] * p  # the one-hot part of d logp / dz is added from the targets
         if with_entropy:
@@ -217,7 +192,7 @@ def _naive(h, w, b, targets, tau, with_entropy, axis):
     """Materialised logits: the reference path, and the baseline the benchmarks compare with."""
     dtype = v.compute_dtype(h.dtype, w.dtype)
     tau = tau.astype(dtype)
-    z = _tile_logits(h, w, b, tau, dtype)
+    z = tile_logits(h, w, b, tau, dtype)
     target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, _vocab_offset(w.shape[1], axis))
     if axis is None and not with_entropy:  # the plain path: log-sum-exp and a gather
         lse = jax.nn.logsumexp(z, axis=-1)
@@ -243,7 +218,7 @@ def fused_token_logps(
     temperature: Scalar = 1.0,
     with_entropy: bool = False,
     where: Bool[ArrayLike, "*B"] | None = None,
-    chunk_size: int = 4096,
+    chunk_size: int | None = None,
     implementation: Implementation = "auto",
     vocab_axis: str | None = None,
 ) -> Float[Array, "*B"] | tuple[Float[Array, "*B"], Float[Array, "*B"]]:
@@ -278,7 +253,9 @@ def fused_token_logps(
       where: `[...]` boolean mask, True = counts; masked positions give 0 and send exactly 0
         gradient, even when their hidden states are NaN and their targets out of range.
       chunk_size: vocabulary tile width of the ``"chunked"`` path (static). Temporary memory
-        is about three `[N, chunk_size]` float32 arrays.
+        is about two `[N, chunk_size]` float32 arrays. None picks the power of two that keeps
+        a tile near $2^{22}$ logits (16 MiB in float32), between 128 and 8192 columns: 1024
+        for 4096 tokens.
       implementation: ``"chunked"`` (pure JAX, any backend), ``"pallas"`` (the Pallas kernel
         of `tunelib.kernels`, for GPU and TPU), ``"naive"`` (materialise the logits: the
         reference, and the baseline for benchmarks), or ``"auto"``: ``"pallas"`` on GPU and
@@ -320,6 +297,8 @@ def fused_token_logps(
     if bias is not None:
         bias = v.float_array(bias, "bias")
         v.check_shape(bias, "bias", unembedding.shape[1:], f"unembedding {unembedding.shape}")
+    if chunk_size is None:
+        chunk_size = default_chunk_size(targets.size)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     v.positive_scalar(temperature, "temperature")

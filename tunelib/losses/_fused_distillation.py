@@ -8,6 +8,7 @@ per-entry terms, and a custom VJP recomputes the tiles in the backward pass.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from jaxtyping import Array, Bool, Float
 
 from tunelib import _validation as v
 from tunelib._typing import Scalar
+from tunelib.logprobs._tiles import default_chunk_size, tile_logits, tiles, vocab_tile
 from tunelib.losses._distillation import (
     _DIVERGENCES,
     Divergence,
@@ -25,45 +27,16 @@ from tunelib.losses._distillation import (
 )
 
 
-def _tiles(vocab: int, chunk: int) -> tuple[int, int]:
-    """The tile width and the number of tiles covering `vocab` columns."""
-    chunk = min(chunk, vocab)
-    return chunk, -(-vocab // chunk)
-
-
-def _tile(w, b, index, chunk):
-    """Tile `index` of an unembedding (and bias) and the mask of the columns it owns.
-
-    The last tile is shifted left to end at the last column instead of padding the vocabulary
-    (which would copy the unembedding); the columns it shares with the previous tile are not
-    owned and are left out.
-    """
-    vocab = w.shape[1]
-    start = jnp.minimum(index * chunk, vocab - chunk)
-    w_tile = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
-    b_tile = None if b is None else lax.dynamic_slice_in_dim(b, start, chunk, axis=0)
-    owned = start + jnp.arange(chunk) >= index * chunk
-    return start, w_tile, b_tile, owned
-
-
-def _tile_logits(h, w_tile, b_tile, tau, dtype):
-    """`(h W + b) / tau` on one tile, accumulated in `dtype`."""
-    z = jnp.matmul(h, w_tile, preferred_element_type=dtype)
-    if b_tile is not None:
-        z = z + b_tile.astype(dtype)
-    return z / tau
-
-
 def _log_normalisers(student, teacher, tau, chunk, dtype):
     """Pass 1: `log sum_v exp(z_v / tau)` of the student and the teacher, tile by tile."""
     n, vocab = student[0].shape[0], student[1].shape[1]
-    chunk, n_tiles = _tiles(vocab, chunk)
+    chunk, n_tiles = tiles(vocab, chunk)
 
     def body(index, carry):
         lse = []
         for (h, w, b), running in zip((student, teacher), carry, strict=True):
-            _, w_tile, b_tile, owned = _tile(w, b, index, chunk)
-            z = jnp.where(owned, _tile_logits(h, w_tile, b_tile, tau, dtype), -jnp.inf)
+            _, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
+            z = jnp.where(owned, tile_logits(h, w_tile, b_tile, tau, dtype), -jnp.inf)
             lse.append(jnp.logaddexp(running, jax.nn.logsumexp(z, axis=-1)))
         return tuple(lse)
 
@@ -90,10 +63,10 @@ def _tile_terms(student, teacher, lse, index, tau, beta, divergence, chunk, dtyp
     get log-probs 0, probabilities 0 and terms 0.
     """
     (h, w, b), (h_t, w_t, b_t) = student, teacher
-    start, w_tile, b_tile, owned = _tile(w, b, index, chunk)
-    _, w_t_tile, b_t_tile, _ = _tile(w_t, b_t, index, chunk)
-    log_p = jnp.where(owned, _tile_logits(h, w_tile, b_tile, tau, dtype) - lse[0][:, None], 0.0)
-    log_p_t = _tile_logits(h_t, w_t_tile, b_t_tile, tau, dtype) - lse[1][:, None]
+    start, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
+    _, w_t_tile, b_t_tile, _ = vocab_tile(w_t, b_t, index, chunk)
+    log_p = jnp.where(owned, tile_logits(h, w_tile, b_tile, tau, dtype) - lse[0][:, None], 0.0)
+    log_p_t = tile_logits(h_t, w_t_tile, b_t_tile, tau, dtype) - lse[1][:, None]
     log_p_t = jnp.where(owned, log_p_t, 0.0)
 
     def terms(log_p_student):
@@ -109,7 +82,7 @@ def _forward(student, teacher, tau, beta, divergence, chunk, with_slope):
     n, vocab = student[0].shape[0], student[1].shape[1]
     dtype = tau.dtype
     lse = _log_normalisers(student, teacher, tau, chunk, dtype)
-    chunk, n_tiles = _tiles(vocab, chunk)
+    chunk, n_tiles = tiles(vocab, chunk)
 
     def body(index, carry):
         total, slope = carry
@@ -144,7 +117,7 @@ def _fused_divergence_bwd(divergence, chunk, residuals, g):
     student, teacher, tau, beta, lse, slope = residuals
     h, w, b = student
     dtype = tau.dtype
-    chunk, n_tiles = _tiles(w.shape[1], chunk)
+    chunk, n_tiles = tiles(w.shape[1], chunk)
     coefficient = g.astype(dtype) / tau
 
     def body(index, carry):
@@ -215,7 +188,7 @@ def fused_distillation_loss(
     student_bias: Float[ArrayLike, " V"] | None = None,
     teacher_bias: Float[ArrayLike, " V"] | None = None,
     where: Bool[ArrayLike, "*B"] | None = None,
-    chunk_size: int = 4096,
+    chunk_size: int | None = None,
 ) -> Float[Array, "*B"]:
     r"""Per-token distillation loss from hidden states, without forming `[..., V]` logits.
 
@@ -279,6 +252,8 @@ def fused_distillation_loss(
       where: `[...]` boolean mask, True = counts. Masked positions give exactly 0 and send
         exactly 0 gradient, even when their hidden states are NaN.
       chunk_size: vocabulary tile width (static); any `V` works, not only multiples of it.
+        None picks the width of `tunelib.logprobs.fused_token_logps` (a tile near $2^{22}$
+        logits).
 
     Returns:
       `[...]` per-token losses, float32 (float64 for float64 inputs); reduce them with
@@ -325,6 +300,8 @@ def fused_distillation_loss(
     v.one_of(divergence, "divergence", _DIVERGENCES)
     v.unit_interval(beta, "beta")
     v.positive_scalar(temperature, "temperature")
+    if chunk_size is None:
+        chunk_size = default_chunk_size(math.prod(shape))
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}.")
     where = v.mask_array(where, shape)

@@ -1,0 +1,42 @@
+"""Vocabulary tiles shared by the fused heads: no `[N, V]` array, no copy of the unembedding."""
+
+import jax.numpy as jnp
+from jax import lax
+
+# A tile of about this many logits (16 MiB in float32) when the caller picks no width.
+TILE_LOGITS = 2**22
+
+
+def default_chunk_size(num_tokens: int) -> int:
+    """The vocabulary tile for `num_tokens` rows: about `TILE_LOGITS` logits, in [128, 8192]."""
+    columns = TILE_LOGITS // max(num_tokens, 1)
+    return 1 << max(7, min(13, columns.bit_length() - 1)) if columns else 128
+
+
+def tiles(vocab: int, chunk: int) -> tuple[int, int]:
+    """The tile width and the number of tiles covering `vocab` columns."""
+    chunk = min(chunk, vocab)
+    return chunk, -(-vocab // chunk)
+
+
+def vocab_tile(w, b, index, chunk):
+    """Tile `index` of an unembedding (and bias), its first column and the columns it owns.
+
+    The last tile is shifted left to end at the last column instead of padding the vocabulary
+    (which would copy the unembedding); the columns it shares with the previous tile are not
+    owned and are left out.
+    """
+    vocab = w.shape[1]
+    start = jnp.minimum(index * chunk, vocab - chunk)
+    w_tile = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
+    b_tile = None if b is None else lax.dynamic_slice_in_dim(b, start, chunk, axis=0)
+    owned = start + jnp.arange(chunk) >= index * chunk
+    return start, w_tile, b_tile, owned
+
+
+def tile_logits(h, w_tile, b_tile, tau, dtype):
+    """`(h W + b) / tau` on one tile, accumulated in `dtype`."""
+    z = jnp.matmul(h, w_tile, preferred_element_type=dtype)
+    if b_tile is not None:
+        z = z + b_tile.astype(dtype)
+    return z / tau
