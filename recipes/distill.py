@@ -33,13 +33,13 @@ def build_parser():
         "--divergence", choices=["forward_kl", "reverse_kl", "jsd"], default="forward_kl"
     )
     p.add_argument("--beta", type=float, default=0.5, help="JSD's teacher weight")
-    p.add_argument("--temperature", type=float, default=2.0)
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument(
         "--alpha", type=float, default=0.5,
         help="weight of the soft (teacher distribution) term; 1 - alpha on the hard labels",
     )  # fmt: skip
     p.add_argument(
-        "--num-prompts", type=int, default=9000,
+        "--num-prompts", type=int, default=3000,
         help="transfer-set prompts the teacher labels for the student",
     )  # fmt: skip
     p.add_argument(
@@ -47,8 +47,8 @@ def build_parser():
         help="demonstrations the teacher is trained on, when it must be trained first",
     )  # fmt: skip
     p.add_argument(
-        "--teacher-steps", type=int, default=None,
-        help="steps of the teacher's SFT when it must be trained first (default: sft.py's)",
+        "--teacher-steps", type=int, default=2000,
+        help="steps of the teacher's SFT when it must be trained first",
     )  # fmt: skip
     p.add_argument(
         "--teacher-dir",
@@ -66,7 +66,7 @@ def ensure_teacher(args) -> Path:
         print(f"no teacher at {folder}: training it first with recipes/sft.py", flush=True)
         flags = common.forward_flags(args, "seed", "num_heldout", "max_digits", "logprobs")
         demonstrations = ["--num-train", str(args.teacher_demonstrations)]
-        demonstrations += ["--steps", str(args.teacher_steps)] if args.teacher_steps else []
+        demonstrations += ["--steps", str(args.teacher_steps)]
         sft.main([*flags, *demonstrations, "--model-size", "base", "--out", str(folder.parent)])
     return folder
 

@@ -29,7 +29,10 @@ def env() -> dict:
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
     written = tmp_path / "result.json"
+    # The library's default tile (about 2^22 logits) covers all of this small problem's
+    # vocabulary, so a smaller tile is asked for to see the chunking at work.
     command = [sys.executable, str(SCRIPT), "--size", "smoke", "--repeats", "2"]
+    command += ["--chunk-size", "1024"]
     proc = subprocess.run(
         [*command, "--json-out", str(written)],
         capture_output=True,
@@ -45,6 +48,7 @@ def test_smoke_size_end_to_end(tmp_path):
     assert (result["size"], result["n"], result["h"], result["v"]) == ("smoke", 128, 64, 10_000)
     assert result["correct"] is True
     assert result["check_rows"] == 128  # the float64 reference covers every row here
+    assert result["chunk_size"] == 1024
 
     naive, chunked = result["variants"]["naive"], result["variants"]["chunked"]
     for record in (naive, chunked):
