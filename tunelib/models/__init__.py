@@ -7,11 +7,15 @@ without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Fa
 """
 
 from tunelib.models._config import DecoderConfig
-from tunelib.models._decoder import Decoder
+from tunelib.models._decoder import Decoder, KVCache
 from tunelib.models._rope import rope_frequencies
+from tunelib.models._sharding import TENSOR_PARALLEL_RULES, param_shardings
 
 __all__ = [
+    "TENSOR_PARALLEL_RULES",
     "Decoder",
     "DecoderConfig",
+    "KVCache",
+    "param_shardings",
     "rope_frequencies",
 ]

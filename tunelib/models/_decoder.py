@@ -1,5 +1,7 @@
 """The reference decoder: Llama / Qwen2 / Qwen3 / Mistral in Flax NNX."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -124,34 +126,120 @@ class Decoder(nnx.Module):
             v.check_shape(positions, "positions", tokens.shape, f"tokens {tokens.shape}")
 
         high = v.compute_dtype(c.compute_dtype)
-        frequencies = rope_frequencies(c.head_dim, theta=c.rope_theta, scaling=c.rope_scaling)
-        cos, sin = rope_angles(positions, frequencies, high)
         allowed, fill = _attention_mask(where, high)
-        embedding = self.embed_tokens.embedding[...]
-        x = jnp.take(embedding, jnp.where(where, tokens, 0), axis=0).astype(c.compute_dtype)
-        x = self._run_layers(x, cos, sin, allowed, fill)
+        x, _ = self._run_layers(tokens, where, positions, allowed, fill)
         return self.norm(x)
 
-    def _run_layers(self, x, cos, sin, allowed, fill) -> jax.Array:
-        def run(layer, x, cos, sin, allowed, fill):
-            return layer(x, cos, sin, allowed, fill)
+    def init_cache(self, batch_size: int, length: int) -> "KVCache":
+        """An empty `KVCache` of `length` slots for `batch_size` rows, in the compute dtype.
 
-        if self.config.remat:
+        Args:
+          batch_size: rows $B$.
+          length: slots $S$, the most tokens (padding included) the cache will hold: the
+            prompt length plus the number of tokens to decode.
+        """
+        for name, value in (("batch_size", batch_size), ("length", length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        c = self.config
+        shape = (c.num_hidden_layers, batch_size, length, c.num_key_value_heads, c.head_dim)
+        return KVCache(
+            keys=jnp.zeros(shape, c.compute_dtype),
+            values=jnp.zeros(shape, c.compute_dtype),
+            where=jnp.zeros((batch_size, length), jnp.bool_),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    def extend(
+        self,
+        tokens: Int[ArrayLike, "B T"],
+        attention_where: Bool[ArrayLike, "B T"] | None,
+        cache: "KVCache",
+    ) -> tuple[Float[Array, "B T H"], "KVCache"]:
+        """Hidden states of `T` new tokens per row, attending to the cache and each other.
+
+        The new tokens' keys and values are written into slots `cache.index` to
+        `cache.index + T - 1` and every query attends to the real cached tokens and the real
+        new tokens at or before it. A real new token's RoPE position is the number of real
+        tokens before it in its row (`cache.lengths` plus those before it in this call), so
+        prefilling a padded prompt and then decoding one token at a time gives the hidden
+        states of one uncached forward pass over the whole sequence (with default
+        positions). Prefill is `extend(prompt, prompt_where, init_cache(B, S))`; a decode
+        step is `extend(next_token[:, None], still_running[:, None], cache)`, where a False
+        entry adds a padding slot that no query will see.
+
+        Args:
+          tokens: `[B, T]` token ids; ignored where `attention_where` is False.
+          attention_where: `[B, T]` True = a real token; None means all real.
+          cache: the `KVCache` from `init_cache` or a previous `extend`. Its index is
+            traced, so writing past its last slot cannot be caught here: the caller sizes
+            the cache (`tunelib.rollout.sample` checks it before compiling).
+
+        Returns:
+          The `[B, T, H]` final-norm hidden states of the new tokens and the updated cache.
+        """
+        c = self.config
+        tokens = v.int_array(tokens, "tokens")
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}.")
+        where = v.mask_array(attention_where, tokens.shape, "attention_where")
+        b, t = tokens.shape
+        slots = cache.where.shape[1]
+        if cache.keys.shape[1] != b:
+            raise ValueError(f"tokens has {b} rows but the cache has {cache.keys.shape[1]}.")
+        if t > slots:
+            raise ValueError(f"tokens has {t} positions but the cache only {slots} slots.")
+        counts = jnp.cumsum(where, axis=-1, dtype=jnp.int32)
+        positions = cache.lengths[:, None] + jnp.maximum(counts - 1, 0)
+        key_where = jax.lax.dynamic_update_slice_in_dim(cache.where, where, cache.index, 1)
+        query_slots = cache.index + jnp.arange(t)
+        causal = jnp.arange(slots)[None, :] <= query_slots[:, None]  # [T, S]
+        allowed = (causal & key_where[:, None, :])[:, None, None]
+        lowest = jnp.finfo(v.compute_dtype(c.compute_dtype)).min
+        fill = jnp.where(causal, 0.5 * lowest, lowest).astype(v.compute_dtype(c.compute_dtype))
+        x, (keys, values) = self._run_layers(
+            tokens, where, positions, allowed, fill, (cache.keys, cache.values, cache.index)
+        )
+        cache = KVCache(keys, values, key_where, cache.lengths + counts[:, -1], cache.index + t)
+        return self.norm(x), cache
+
+    def _run_layers(self, tokens, where, positions, allowed, fill, cache=None):
+        """The embedded tokens through every layer; with a cache, also its new keys/values."""
+        c = self.config
+        high = v.compute_dtype(c.compute_dtype)
+        frequencies = rope_frequencies(c.head_dim, theta=c.rope_theta, scaling=c.rope_scaling)
+        cos, sin = rope_angles(positions, frequencies, high)
+        embedding = self.embed_tokens.embedding[...]
+        x = jnp.take(embedding, jnp.where(where, tokens, 0), axis=0).astype(c.compute_dtype)
+        keys, values, index = (None, None, None) if cache is None else cache
+
+        def run(layer, x, cos, sin, allowed, fill, keys, values, index):
+            layer_cache = None if keys is None else (keys, values, index)
+            x, layer_cache = layer(x, cos, sin, allowed, fill, layer_cache)
+            return x, (None, None) if layer_cache is None else layer_cache[:2]
+
+        if c.remat:
             run = nnx.remat(run)
-        if not self.config.scan_layers:
-            for layer in self.layers:
-                x = run(layer, x, cos, sin, allowed, fill)
-            return x
+        if not c.scan_layers:
+            written = []
+            for i, layer in enumerate(self.layers):
+                layer_kv = (None, None) if keys is None else (keys[i], values[i])
+                x, kv = run(layer, x, cos, sin, allowed, fill, *layer_kv, index)
+                written.append(kv)
+            if keys is None:
+                return x, (None, None)
+            return x, (jnp.stack([k for k, _ in written]), jnp.stack([w for _, w in written]))
 
         @nnx.scan(
-            in_axes=(nnx.Carry, 0, None, None, None, None),
-            out_axes=nnx.Carry,
+            in_axes=(nnx.Carry, 0, None, None, None, None, 0, 0, None),
+            out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: "layers"},
         )
-        def scan(x, layer, cos, sin, allowed, fill):
-            return run(layer, x, cos, sin, allowed, fill)
+        def scan(x, layer, cos, sin, allowed, fill, keys, values, index):
+            return run(layer, x, cos, sin, allowed, fill, keys, values, index)
 
-        return scan(x, self.layers, cos, sin, allowed, fill)
+        return scan(x, self.layers, cos, sin, allowed, fill, keys, values, index)
 
     def unembedding(self) -> Float[Array, "H V"]:
         """The `[H, V]` unembedding matrix $U$ in the compute dtype.
@@ -184,6 +272,28 @@ class Decoder(nnx.Module):
             self.unembedding(),
             preferred_element_type=v.compute_dtype(dtype),
         )
+
+
+class KVCache(NamedTuple):
+    """The keys and values of every layer for the tokens decoded so far.
+
+    A pytree of arrays (it passes through `jax.jit` and `lax.while_loop`), created by
+    `Decoder.init_cache` and advanced by `Decoder.extend`. All rows share the slot index;
+    padding occupies slots that no query sees.
+
+    Attributes:
+      keys: `[L, B, S, K, D]` RoPE-rotated keys, in the compute dtype.
+      values: `[L, B, S, K, D]` values.
+      where: `[B, S]` True where a slot holds a real token.
+      lengths: `[B]` real tokens per row so far: the RoPE position of the next real token.
+      index: the next slot to write, a scalar shared by every row.
+    """
+
+    keys: Float[Array, "L B S K D"]
+    values: Float[Array, "L B S K D"]
+    where: Bool[Array, "B S"]
+    lengths: Int[Array, " B"]
+    index: Int[Array, ""]
 
 
 def _attention_mask(where: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:

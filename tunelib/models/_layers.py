@@ -17,6 +17,8 @@ from tunelib.models._config import DecoderConfig
 from tunelib.models._rope import apply_rope
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+# One layer's cached keys and values `[B, S, K, D]` and the slot the next tokens go to.
+LayerCache = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def param(
@@ -120,8 +122,21 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, allowed: jax.Array, fill: jax.Array
-    ) -> jax.Array:
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        allowed: jax.Array,
+        fill: jax.Array,
+        cache: LayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """Attention of `x [B, T, H]`; with a `cache`, over the cached keys and these.
+
+        `cache` is `(keys, values, index)`: `[B, S, K, D]` keys and values of this layer and
+        the slot at which this call's `T` keys and values are written; the queries then
+        attend over all `S` slots (`allowed` is `[B, 1, 1, T, S]`). Returns the output and
+        the updated cache (None without one).
+        """
         b, t, _ = x.shape
         k_heads, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         q = self.q_proj(x).reshape(b, t, self.num_heads, d)
@@ -130,14 +145,21 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cached_k, cached_v, index = cache
+            k = jax.lax.dynamic_update_slice_in_dim(cached_k, k.astype(cached_k.dtype), index, 1)
+            val = jax.lax.dynamic_update_slice_in_dim(
+                cached_v, val.astype(cached_v.dtype), index, 1
+            )
+            cache = (k, val, index)
         # Query head n = kv_head * groups + g reads key/value head kv_head.
         q = q.reshape(b, t, k_heads, groups, d)
         high = v.compute_dtype(self.dtype)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=high)
         scores = jnp.where(allowed, scores * jnp.asarray(d**-0.5, high), fill)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, val)
-        return self.o_proj(out.reshape(b, t, self.num_heads * d))
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, val.astype(self.dtype))
+        return self.o_proj(out.reshape(b, t, self.num_heads * d)), cache
 
 
 class MLP(nnx.Module):
@@ -165,7 +187,14 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, allowed: jax.Array, fill: jax.Array
-    ) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed, fill)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        allowed: jax.Array,
+        fill: jax.Array,
+        cache: LayerCache | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, allowed, fill, cache)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), cache

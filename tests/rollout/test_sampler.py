@@ -1,0 +1,258 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests._helpers import assert_close, raises_naming
+from tunelib.models import TENSOR_PARALLEL_RULES, Decoder, DecoderConfig, param_shardings
+from tunelib.rollout import SamplingConfig, process_logits, sample
+from tunelib.rollout import _sampler as sampler_module
+
+CONFIG = DecoderConfig(
+    vocab_size=24,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    use_qk_norm=True,
+)
+# Left-padded, full, and right-padded prompts.
+PROMPTS = np.array([[0, 0, 5, 9, 3], [7, 1, 4, 4, 8], [6, 11, 2, 0, 0]], np.int32)
+PROMPT_WHERE = np.array(
+    [[False, False, True, True, True], [True] * 5, [True, True, True, False, False]]
+)
+
+
+def make_model(seed: int = 0, config: DecoderConfig = CONFIG):
+    """A decoder with weights large enough that its next-token distributions are peaked."""
+    model = Decoder(config, rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(seed)
+    pure = jax.tree.map(
+        lambda x: jnp.asarray(
+            x + (0.3 if x.ndim > 1 else 0.0) * rng.standard_normal(x.shape), x.dtype
+        ),
+        nnx.to_pure_dict(state),
+    )
+    return graphdef, pure
+
+
+@jax.jit(static_argnums=0)
+def full_logits(graphdef, params, tokens, where):
+    """Uncached `[B, T, V]` logits of whole sequences."""
+    model = nnx.merge(graphdef, params)
+    return model.unembed(model(tokens, attention_where=where))
+
+
+def naive_greedy(graphdef, params, prompts, where, steps, stop=()):
+    """Greedy decoding that re-runs the full forward pass for every token (NumPy loop)."""
+    tokens, real = np.asarray(prompts), np.asarray(where)
+    done = np.zeros(len(tokens), bool)
+    out, mask = [], []
+    for _ in range(steps):
+        logits = np.asarray(full_logits(graphdef, params, tokens, real))
+        next_token = logits[:, -1].argmax(-1)
+        out.append(np.where(done, 0, next_token))
+        mask.append(~done)
+        done = done | np.isin(next_token, stop)
+        tokens = np.concatenate([tokens, next_token[:, None]], axis=1)
+        real = np.concatenate([real, np.ones((len(tokens), 1), bool)], axis=1)
+    return np.stack(out, 1), np.stack(mask, 1)
+
+
+def completion_logits(graphdef, params, rollout, prompts=PROMPTS, where=PROMPT_WHERE, group=1):
+    """The logits that predicted each completion token, from one uncached forward pass."""
+    p = prompts.shape[1]
+    tokens = np.concatenate([np.repeat(prompts, group, 0), np.asarray(rollout.tokens)], 1)
+    real = np.concatenate([np.repeat(where, group, 0), np.asarray(rollout.where)], 1)
+    logits = np.asarray(full_logits(graphdef, params, tokens, real), np.float64)
+    # A right-padded prompt's last real token predicts the first completion token.
+    last = p - 1 - np.argmax(np.repeat(where, group, 0)[:, ::-1], axis=1)
+    first = logits[np.arange(len(tokens)), last][:, None]
+    return np.concatenate([first, logits[:, p : p + rollout.tokens.shape[1] - 1]], axis=1)
+
+
+def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_temperature_zero_is_exact_greedy():
+    graphdef, params = make_model()
+    config = SamplingConfig(max_new_tokens=8, temperature=0.0)
+    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), config)
+    tokens, _ = naive_greedy(graphdef, params, PROMPTS[:2], PROMPT_WHERE[:2], 8)
+    np.testing.assert_array_equal(out.tokens[:2], tokens)
+    # The right-padded row, checked against the logits of one uncached pass.
+    logits = completion_logits(graphdef, params, out)
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    assert np.asarray(out.where).all() and np.asarray(out.truncated).all()
+    # Finite log-probs: those of the untempered distribution.
+    expected = np.take_along_axis(log_softmax(logits), np.asarray(out.tokens)[..., None], -1)
+    assert_close(out.logps, expected[..., 0], rtol=1e-4, atol=1e-4)
+    assert np.isfinite(np.asarray(out.logps)).all()
+
+
+@pytest.mark.parametrize("logps_of", ["tempered", "processed"])
+def test_logps_are_those_of_the_stated_distribution(logps_of):
+    graphdef, params = make_model(1)
+    config = SamplingConfig(max_new_tokens=6, temperature=0.7, top_k=5, logps_of=logps_of)
+    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(3), config, group_size=2)
+    logits = completion_logits(graphdef, params, out, group=2)
+    tempered = logits / 0.7
+    if logps_of == "processed":
+        flat = jnp.asarray(logits.reshape(-1, logits.shape[-1]), jnp.float32)
+        processed = process_logits(flat, temperature=0.7, top_k=5)
+        tempered = np.asarray(processed, np.float64).reshape(logits.shape)
+    expected = np.take_along_axis(log_softmax(tempered), np.asarray(out.tokens)[..., None], -1)
+    assert_close(out.logps, expected[..., 0], rtol=1e-4, atol=1e-4)
+    # Every sampled token is among the 5 most likely of its step.
+    rank = (logits > np.take_along_axis(logits, np.asarray(out.tokens)[..., None], -1)).sum(-1)
+    assert (rank < 5).all()
+
+
+def test_top_k_one_is_greedy_and_forbidden_tokens_are_never_drawn():
+    graphdef, params = make_model(2)
+    greedy = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0),
+                    SamplingConfig(max_new_tokens=6, temperature=0.0))  # fmt: skip
+    top1 = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(5),
+                  SamplingConfig(max_new_tokens=6, temperature=1.3, top_k=1))  # fmt: skip
+    np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+    banned = tuple(int(t) for t in np.unique(greedy.tokens))
+    config = SamplingConfig(max_new_tokens=6, temperature=0.0, forbidden_tokens=banned)
+    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), config)
+    assert not np.isin(np.asarray(out.tokens), banned).any()
+    hot = SamplingConfig(max_new_tokens=6, temperature=2.0, forbidden_tokens=banned)
+    for seed in range(3):
+        out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(seed), hot)
+        assert not np.isin(np.asarray(out.tokens), banned).any()
+
+
+def test_stop_tokens_end_the_completion_inside_the_mask():
+    graphdef, params = make_model(3)
+    config = SamplingConfig(max_new_tokens=10, temperature=1.5, pad_token=23)
+    free = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(1), config)
+    # Stop on two tokens that the unconstrained draw produces mid-completion.
+    stops = tuple(int(t) for t in np.asarray(free.tokens)[:, 2][:2])
+    stopped = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(1),
+                     dataclasses.replace(config, stop_tokens=stops))  # fmt: skip
+    tokens, where = np.asarray(stopped.tokens), np.asarray(stopped.where)
+    for row in range(len(tokens)):
+        hits = np.flatnonzero(np.isin(free.tokens[row], stops))
+        end = hits[0] + 1 if hits.size else 10
+        # Same key, same draws up to the stop token; EOS inside, nothing after it.
+        np.testing.assert_array_equal(tokens[row, :end], np.asarray(free.tokens)[row, :end])
+        assert where[row, :end].all() and not where[row, end:].any()
+        assert (tokens[row, end:] == 23).all() and (np.asarray(stopped.logps)[row, end:] == 0).all()
+        assert stopped.lengths[row] == end
+        assert bool(stopped.truncated[row]) == (hits.size == 0)
+    assert not np.asarray(stopped.truncated)[:2].any()
+
+
+def test_keys_reproduce_and_differ():
+    graphdef, params = make_model(4)
+    config = SamplingConfig(max_new_tokens=12, temperature=1.0)
+    a = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(7), config)
+    b = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(7), config)
+    c = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(8), config)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
+    # Legacy uint32 keys work the same way.
+    legacy = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.PRNGKey(7), config)
+    np.testing.assert_array_equal(legacy.tokens, a.tokens)
+    # Steps draw with different keys: a row's tokens are not one draw repeated.
+    assert len(set(np.asarray(a.tokens)[0].tolist())) > 1
+
+
+def test_grouped_sampling_equals_repeated_prompts():
+    graphdef, params = make_model(5)
+    config = SamplingConfig(max_new_tokens=6, temperature=1.0, stop_tokens=(3,))
+    grouped = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(2), config,
+                     group_size=4)  # fmt: skip
+    repeated = sample(graphdef, params, np.repeat(PROMPTS, 4, 0), np.repeat(PROMPT_WHERE, 4, 0),
+                      jax.random.key(2), config)  # fmt: skip
+    for field in ("tokens", "where", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(grouped, field), getattr(repeated, field))
+    assert_close(grouped.logps, repeated.logps, rtol=1e-5, atol=1e-5)
+    tokens = np.asarray(grouped.tokens).reshape(3, 4, -1)
+    assert any(len({tuple(r) for r in tokens[b]}) > 1 for b in range(3))  # the G rows differ
+
+
+def test_early_stop_and_no_recompilation():
+    graphdef, params = make_model(6)
+    config = SamplingConfig(max_new_tokens=40, temperature=1.0, stop_tokens=tuple(range(24)))
+    before = sampler_module._sample._cache_size()
+    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), config)
+    # Every token stops, so every completion is its first token.
+    np.testing.assert_array_equal(out.lengths, [1, 1, 1])
+    other = jax.tree.map(lambda x: x + 0.01, params)
+    sample(graphdef, other, PROMPTS[::-1], PROMPT_WHERE[::-1], jax.random.key(1), config)
+    assert sampler_module._sample._cache_size() == before + 1
+
+
+def test_bad_input_is_rejected_before_compiling():
+    graphdef, params = make_model()
+    key = jax.random.key(0)
+    ok = SamplingConfig(max_new_tokens=4)
+    before = sampler_module._sample._cache_size()
+    cases = [
+        (dict(config=dataclasses.replace(ok, cache_length=8)), ("cache_length", "9")),
+        (dict(config=dataclasses.replace(ok, top_p=1.5)), ("top_p",)),
+        (dict(config=dataclasses.replace(ok, top_p=0.0)), ("top_p",)),
+        (dict(config=dataclasses.replace(ok, temperature=-0.5)), ("temperature",)),
+        (dict(config=dataclasses.replace(ok, stop_tokens=(24,))), ("stop_tokens", "24")),
+        (dict(config=dataclasses.replace(ok, pad_token=30)), ("pad_token",)),
+        (dict(config=dataclasses.replace(ok, forbidden_tokens=tuple(range(24)))), ("forbid",)),
+        (dict(group_size=0), ("group_size",)),
+        (dict(where=PROMPT_WHERE & np.array([[1], [0], [1]], bool)), ("prompt_where", "[1]")),
+        (dict(prompts=PROMPTS.astype(np.float32)), ("prompt_tokens",)),
+        (dict(where=PROMPT_WHERE[:, :4]), ("prompt_where",)),
+    ]
+    for case, names in cases:
+        args = {"prompts": PROMPTS, "where": PROMPT_WHERE, "config": ok, "group_size": 1, **case}
+        with raises_naming(*names):
+            sample(graphdef, params, args["prompts"], args["where"], key, args["config"],
+                   group_size=args["group_size"])  # fmt: skip
+    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=2, stop_tokens=3),
+                dict(max_new_tokens=2, logps_of="raw")):  # fmt: skip
+        with pytest.raises((ValueError, TypeError)):
+            SamplingConfig(**bad)
+    assert sampler_module._sample._cache_size() == before
+
+
+def test_sampler_inside_a_users_jit():
+    graphdef, params = make_model()
+    config = SamplingConfig(max_new_tokens=5, temperature=0.0)
+
+    @jax.jit
+    def run(params, prompts, where):
+        return sample(graphdef, params, prompts, where, jax.random.key(0), config).tokens
+
+    eager = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), config)
+    np.testing.assert_array_equal(run(params, PROMPTS, PROMPT_WHERE), eager.tokens)
+
+
+def test_sharded_greedy_equals_single_device():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    config = dataclasses.replace(CONFIG, scan_layers=True, tie_word_embeddings=False)
+    graphdef, params = make_model(7, config)
+    prompts, where = np.tile(PROMPTS, (2, 1))[:4], np.tile(PROMPT_WHERE, (2, 1))[:4]
+    sampling = SamplingConfig(max_new_tokens=10, temperature=0.0)
+    expected = sample(graphdef, params, prompts, where, jax.random.key(0), sampling)
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sharded = jax.device_put(params, param_shardings(graphdef, params, mesh))
+    kernel = sharded["layers"]["mlp"]["up_proj"]["kernel"]
+    assert kernel.sharding.spec == jax.P(None, None, "model") and len(kernel.devices()) == 8
+    rows = jax.sharding.NamedSharding(mesh, jax.P("data"))
+    out = sample(graphdef, sharded, jax.device_put(prompts, rows), jax.device_put(where, rows),
+                 jax.random.key(0), sampling)  # fmt: skip
+    np.testing.assert_array_equal(out.tokens, expected.tokens)
+    assert_close(out.logps, expected.logps, rtol=1e-4, atol=1e-4)
+    assert dict(TENSOR_PARALLEL_RULES)["q_heads"] == "model"

@@ -1,0 +1,63 @@
+"""Shardings of the decoder's parameters from the logical axis names of its weights."""
+
+from collections.abc import Sequence
+
+import jax
+from flax import nnx
+
+# Megatron-style tensor parallelism over a "model" mesh axis: attention heads, MLP width and
+# the vocabulary are split; the residual stream ("embed") and the stacked-layer axis are not.
+TENSOR_PARALLEL_RULES: tuple[tuple[str, str | None], ...] = (
+    ("layers", None),
+    ("vocab", "model"),
+    ("embed", None),
+    ("q_heads", "model"),
+    ("kv_heads", "model"),
+    ("head_dim", None),
+    ("mlp", "model"),
+)
+
+
+def param_shardings(
+    graphdef: nnx.GraphDef,
+    params,
+    mesh: jax.sharding.Mesh,
+    rules: Sequence[tuple[str, str | None]] = TENSOR_PARALLEL_RULES,
+):
+    """A `NamedSharding` for every parameter, from its logical axis names and `rules`.
+
+    Every weight of `tunelib.models.Decoder` names its axes ("layers", "vocab", "embed",
+    "q_heads", "kv_heads", "head_dim", "mlp"); `rules` maps each name to a mesh axis or None
+    (replicated). The default, `TENSOR_PARALLEL_RULES`, splits heads, MLP width and
+    vocabulary over a mesh axis "model". Place parameters with
+    `jax.device_put(params, param_shardings(...))`.
+
+    Args:
+      graphdef: the model's `nnx.GraphDef`.
+      params: its parameters, an `nnx.State` or the pure dict of one (only the structure and
+        the graph's metadata are read).
+      mesh: the target mesh; every mesh axis a rule names must exist in it.
+      rules: `(logical name, mesh axis or None)` pairs covering every logical name.
+
+    Returns:
+      A pytree of the same structure as `params` (a pure dict when `params` is one) of
+      `jax.sharding.NamedSharding`.
+
+    Examples:
+      >>> import jax
+      >>> from flax import nnx
+      >>> from tunelib.models import Decoder, DecoderConfig, param_shardings
+      >>> cfg = DecoderConfig(vocab_size=16, hidden_size=32, intermediate_size=64,
+      ...                     num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+      >>> graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+      >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+      >>> shardings = param_shardings(graphdef, params, mesh)
+      >>> print(shardings["layers"][0]["mlp"]["up_proj"]["kernel"].spec)
+      P(None, 'model')
+    """
+    state = nnx.state(nnx.merge(graphdef, params))
+    with nnx.logical_axis_rules(list(rules)):
+        shardings = nnx.get_named_sharding(state, mesh)
+    if isinstance(params, nnx.State):
+        return shardings
+    return nnx.to_pure_dict(shardings)

@@ -1,0 +1,287 @@
+"""The KV-cache sampler: jit-compiled prefill and a `lax.while_loop` decode."""
+
+import dataclasses
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int
+
+from tunelib import _validation as v
+from tunelib.rollout._processors import check_sampling_args, forbid_tokens, process_logits
+
+LogpsOf = Literal["tempered", "processed"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How `sample` draws completions. Static: each distinct config compiles once.
+
+    Attributes:
+      max_new_tokens: the most tokens generated per completion, stop token included.
+      temperature: $\\tau \\ge 0$; the next token is drawn from `softmax(logits / τ)` after
+        the filters below. 0 is exact greedy decoding (argmax over the allowed tokens).
+      top_k: keep the k most likely tokens (None: all).
+      top_p: nucleus sampling, keep the smallest most-likely set with probability >= p,
+        p in (0, 1] (None: all).
+      min_p: keep the tokens with probability >= min_p times the largest (None: all).
+      forbidden_tokens: token ids never sampled.
+      stop_tokens: token ids that end a completion; the stop token itself is part of the
+        completion (inside `Rollout.where`), nothing after it is.
+      pad_token: the id written after a completion ends (outside `Rollout.where`).
+      cache_length: KV-cache slots; None means prompt length + `max_new_tokens`, the least
+        that fits. A larger cache lets one compiled sampler serve longer prompts.
+      logps_of: which distribution `Rollout.logps` are taken from: "tempered" (default),
+        the full vocabulary at the sampling temperature, `log_softmax(logits / τ)` before any
+        filter: what a trainer recomputes from its own logits, so the ratio of the two is
+        the sampler/trainer mismatch; or "processed", the distribution actually sampled
+        from (filters applied, excluded tokens at probability 0). At temperature 0 both are
+        the untempered `log_softmax(logits)`: finite, and what a trainer at temperature 1
+        recomputes.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    forbidden_tokens: tuple[int, ...] = ()
+    stop_tokens: tuple[int, ...] = ()
+    pad_token: int = 0
+    cache_length: int | None = None
+    logps_of: LogpsOf = "tempered"
+
+    def __post_init__(self) -> None:
+        for name in ("forbidden_tokens", "stop_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, int) or not isinstance(value, tuple | list):
+                raise TypeError(f"{name} must be a tuple of token ids, got {value!r}.")
+            object.__setattr__(self, name, tuple(value))
+        for name in ("max_new_tokens", "pad_token", "cache_length"):
+            value = getattr(self, name)
+            if value is None and name == "cache_length":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise TypeError(f"{name} must be an int, got {value!r}.")
+            if value < (0 if name == "pad_token" else 1):
+                raise ValueError(
+                    f"{name} must be >= {0 if name == 'pad_token' else 1}, got {value}."
+                )
+        v.one_of(self.logps_of, "logps_of", ("tempered", "processed"))
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}.")
+
+
+class Rollout(NamedTuple):
+    """Completions from `sample`, one row per completion.
+
+    Attributes:
+      tokens: `[B, N]` completion token ids, `pad_token` after each completion ends.
+      where: `[B, N]` True on the completion's tokens, up to and including its first stop
+        token; False after it.
+      logps: `[B, N]` float32 behaviour log-probs of the sampled tokens (see
+        `SamplingConfig.logps_of`), 0 outside `where`.
+      lengths: `[B]` tokens per completion, `where.sum(-1)`.
+      truncated: `[B]` True where the completion reached `max_new_tokens` without a stop
+        token.
+    """
+
+    tokens: Int[Array, "B N"]
+    where: Bool[Array, "B N"]
+    logps: Float[Array, "B N"]
+    lengths: Int[Array, " B"]
+    truncated: Bool[Array, " B"]
+
+
+def sample(
+    graphdef: nnx.GraphDef,
+    params,
+    prompt_tokens: Int[ArrayLike, "B P"],
+    prompt_where: Bool[ArrayLike, "B P"],
+    key: jax.Array,
+    config: SamplingConfig,
+    *,
+    group_size: int = 1,
+) -> Rollout:
+    r"""Sample completions of prompts with a KV cache: prefill once, then decode a token a step.
+
+    The prompts are prefilled in one forward pass (`Decoder.extend`); then each step draws
+    a token per row from the processed distribution of the last logits,
+
+    $$
+    y_t \sim \mathrm{softmax}\big(\mathrm{filters}(\ell_t / \tau)\big), \qquad
+    \text{or } y_t = \arg\max_v \ell_{t,v} \text{ when } \tau = 0,
+    $$
+
+    records its log-prob, and feeds it back through the cache, inside one `lax.while_loop`
+    that ends as soon as every row has produced a stop token (or after `max_new_tokens`).
+    The filters are `tunelib.rollout.process_logits` (forbidden tokens, then top-k, top-p,
+    min-p on the tempered logits). Step $t$ draws with `jax.random.fold_in(key, t)`, each row
+    independently: the same key reproduces a call exactly, different keys give different
+    samples.
+
+    With `group_size` G, each prompt is prefilled once and its cache copied G ways, so the
+    G completions of a prompt share one prefill and differ only by their draws; row
+    `b * G + g` of the result is completion g of prompt b (reshape to `[B, G, ...]` for
+    `tunelib.advantages.group_advantages`).
+
+    Prompts may be padded on either side: positions and attention follow
+    `prompt_where`, and decoding continues from each row's last real token. Every prompt
+    needs at least one real token.
+
+    Args:
+      graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` (static).
+      params: its parameters (an `nnx.State` or the pure dict of one), possibly sharded.
+      prompt_tokens: `[B, P]` prompt token ids.
+      prompt_where: `[B, P]` True on real prompt tokens.
+      key: a PRNG key (new-style `jax.random.key` or legacy uint32).
+      config: a `SamplingConfig` (static).
+      group_size: completions per prompt, G >= 1.
+
+    Returns:
+      A `Rollout` of `B * G` completions of `config.max_new_tokens` slots.
+
+    Raises:
+      ValueError: before compiling, for a config the vocabulary cannot satisfy (stop or
+        forbidden ids out of range, every token forbidden, top-p outside (0, 1], ...), a
+        prompt longer than the cache, an empty prompt, or a bad `group_size`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from tunelib.models import Decoder, DecoderConfig
+      >>> from tunelib.rollout import SamplingConfig, sample
+      >>> cfg = DecoderConfig(vocab_size=16, hidden_size=32, intermediate_size=64,
+      ...                     num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+      >>> graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+      >>> prompts = jnp.array([[0, 3, 4], [5, 6, 7]])
+      >>> where = jnp.array([[False, True, True], [True, True, True]])  # left-padded
+      >>> config = SamplingConfig(max_new_tokens=6, temperature=0.8, top_p=0.9,
+      ...                         stop_tokens=(2,))
+      >>> out = sample(graphdef, params, prompts, where, jax.random.key(0), config,
+      ...              group_size=3)
+      >>> print(out.tokens.shape, out.lengths.shape)
+      (6, 6) (6,)
+      >>> bool((out.lengths == out.where.sum(-1)).all())
+      True
+
+    References:
+      Holtzman et al., "The Curious Case of Neural Text Degeneration" (top-p), 2020,
+      https://arxiv.org/abs/1904.09751.
+      Pope et al., "Efficiently Scaling Transformer Inference" (KV caching), 2022,
+      https://arxiv.org/abs/2211.05102.
+    """
+    if not isinstance(config, SamplingConfig):
+        raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}.")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}.")
+    prompt_tokens = v.int_array(prompt_tokens, "prompt_tokens")
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must have shape [B, P], got {prompt_tokens.shape}.")
+    prompt_where = v.mask_array(prompt_where, prompt_tokens.shape, "prompt_where")
+    model_config = nnx.merge(graphdef, params).config
+    check_sampling_args(
+        vocab_size=model_config.vocab_size,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        min_p=config.min_p,
+        forbidden_tokens=config.forbidden_tokens,
+        stop_tokens=config.stop_tokens,
+    )
+    if not 0 <= config.pad_token < model_config.vocab_size:
+        raise ValueError(
+            f"pad_token must lie in [0, {model_config.vocab_size}), got {config.pad_token}."
+        )
+    prompt_len = prompt_tokens.shape[1]
+    needed = prompt_len + config.max_new_tokens
+    if config.cache_length is not None and config.cache_length < needed:
+        raise ValueError(
+            f"prompts of {prompt_len} positions plus max_new_tokens={config.max_new_tokens} "
+            f"need {needed} cache slots, but cache_length is {config.cache_length}."
+        )
+    if not isinstance(prompt_where, jax.core.Tracer):
+        empty = np.flatnonzero(~np.asarray(prompt_where).any(axis=1))
+        if empty.size:
+            raise ValueError(
+                f"prompt_where has no real token in rows {empty[:10].tolist()}: every prompt "
+                "needs at least one token to condition on (start empty prompts with a BOS)."
+            )
+    return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
+
+
+@jax.jit(static_argnums=(0, 5, 6))
+def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size):
+    model = nnx.merge(graphdef, params)
+    batch, prompt_len = prompt_tokens.shape
+    new = config.max_new_tokens
+    cache = model.init_cache(batch, config.cache_length or prompt_len + new)
+    hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
+    last = prompt_len - 1 - jnp.argmax(prompt_where[:, ::-1], axis=1)
+    logits = model.unembed(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+    if group_size > 1:  # fork the prefilled cache: row b * G + g continues prompt b
+        cache = cache._replace(
+            keys=jnp.repeat(cache.keys, group_size, axis=1),
+            values=jnp.repeat(cache.values, group_size, axis=1),
+            where=jnp.repeat(cache.where, group_size, axis=0),
+            lengths=jnp.repeat(cache.lengths, group_size, axis=0),
+        )
+        logits = jnp.repeat(logits, group_size, axis=0)
+    rows = batch * group_size
+    stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
+    if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+
+    def draw(logits, step_key):
+        logits = logits.astype(jnp.float32)
+        allowed = forbid_tokens(logits, config.forbidden_tokens)
+        if config.temperature == 0:
+            return jnp.argmax(allowed, axis=-1), jax.nn.log_softmax(logits)
+        processed = process_logits(
+            allowed,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            min_p=config.min_p,
+        )
+        token = jax.random.categorical(step_key, processed, axis=-1)
+        if config.logps_of == "processed":
+            return token, jax.nn.log_softmax(processed)
+        return token, jax.nn.log_softmax(logits / config.temperature)
+
+    def running(state):
+        step, *_, done, _, _ = state
+        return (step < new) & ~jnp.all(done)
+
+    def step_fn(state):
+        step, tokens, where, logps, done, logits, cache = state
+        token, all_logps = draw(logits, jax.random.fold_in(key, step))
+        live = ~done
+        logp = jnp.take_along_axis(all_logps, token[:, None], axis=-1)[:, 0]
+        token = jnp.where(live, token.astype(jnp.int32), config.pad_token)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, 1)
+        where = jax.lax.dynamic_update_slice_in_dim(where, live[:, None], step, 1)
+        logps = jax.lax.dynamic_update_slice_in_dim(
+            logps, jnp.where(live, logp, 0.0)[:, None], step, 1
+        )
+        done = done | (live & jnp.isin(token, stop))
+        # Merged inside the loop body: NNX modules do not cross into an inner trace.
+        step_model = nnx.merge(graphdef, params)
+        hidden, cache = step_model.extend(token[:, None], live[:, None], cache)
+        return step + 1, tokens, where, logps, done, step_model.unembed(hidden[:, 0]), cache
+
+    state = (
+        jnp.zeros((), jnp.int32),
+        jnp.full((rows, new), config.pad_token, jnp.int32),
+        jnp.zeros((rows, new), jnp.bool_),
+        jnp.zeros((rows, new), jnp.float32),
+        jnp.zeros((rows,), jnp.bool_),
+        logits,
+        cache,
+    )
+    _, tokens, where, logps, done, _, _ = jax.lax.while_loop(running, step_fn, state)
+    return Rollout(tokens, where, logps, where.sum(-1, dtype=jnp.int32), ~done)
