@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from tunelib import rollout
 from tunelib.data import CharTokenizer, arithmetic_split, encode_prompts, verify_answer
 from tunelib.logprobs import IMPLEMENTATIONS
 from tunelib.models import Decoder, DecoderConfig
@@ -55,7 +55,7 @@ def parser(
         choices=IMPLEMENTATIONS,
         default="auto",
         help="how log-probs are computed from hidden states: the fused chunked head "
-        "('auto' picks the Pallas kernel on GPU/TPU), or 'naive' materialised logits",
+        "('auto' picks the Pallas kernel on TPU), or 'naive' materialised logits",
     )
     return p
 
@@ -148,46 +148,30 @@ def has_model(path: Path) -> bool:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def greedy_generate(
-    graphdef: nnx.GraphDef, params: dict, tokens: jax.Array, where: jax.Array, max_new_tokens: int
-) -> jax.Array:
-    """Greedy continuation of left-padded prompts by re-running the full forward per token.
-
-    A plain reference generator for evaluation (prompts and answers here are a few tokens);
-    the cached sampler lives in `tunelib.rollout`.
-    """
-    batch, prompt_len = tokens.shape
-    buffer = jnp.concatenate([tokens, jnp.zeros((batch, max_new_tokens), tokens.dtype)], axis=1)
-    real = jnp.concatenate([where, jnp.zeros((batch, max_new_tokens), bool)], axis=1)
-    model = nnx.merge(graphdef, params)
-
-    def step(i, carry):
-        buffer, real = carry
-        hidden = model(buffer, attention_where=real)
-        last = jax.lax.dynamic_index_in_dim(hidden, prompt_len + i - 1, axis=1, keepdims=False)
-        next_token = jnp.argmax(model.unembed(last), axis=-1).astype(buffer.dtype)
-        buffer = buffer.at[:, prompt_len + i].set(next_token)
-        return buffer, real.at[:, prompt_len + i].set(True)
-
-    buffer, _ = jax.lax.fori_loop(0, max_new_tokens, step, (buffer, real))
-    return buffer[:, prompt_len:]
-
-
-_generate = jax.jit(greedy_generate, static_argnames=("graphdef", "max_new_tokens"))
+def greedy_config(task: Task) -> rollout.SamplingConfig:
+    """Greedy decoding of an answer: the second half of the task's length, up to EOS."""
+    tok = task.tokenizer
+    return rollout.SamplingConfig(
+        max_new_tokens=task.max_length - task.max_length // 2,
+        temperature=0.0,
+        stop_tokens=(tok.eos_id,),
+        pad_token=tok.pad_id,
+    )
 
 
 def greedy_answers(
     graphdef: nnx.GraphDef, params: dict, task: Task, records: list[dict]
 ) -> list[str]:
-    """The model's greedy completion of each record's prompt, cut at EOS."""
+    """The model's greedy completion of each record's prompt, cut at EOS (KV-cache sampler)."""
     answers = []
     for start in range(0, len(records), 512):  # bounded batches, few distinct shapes
         chunk = records[start : start + 512]
         prompts = [r["prompt"] for r in chunk]
         tokens, where = encode_prompts(prompts, task.tokenizer, max_length=task.max_length // 2)
-        new = task.max_length - task.max_length // 2
-        out = np.asarray(_generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(where), new))
-        answers += [task.tokenizer.decode(row.tolist()) for row in out]
+        out = rollout.sample(
+            graphdef, params, tokens, where, jax.random.key(0), greedy_config(task)
+        )
+        answers += [task.tokenizer.decode(row.tolist()) for row in np.asarray(out.tokens)]
     return answers
 
 
