@@ -178,3 +178,25 @@ def test_distill_trains_its_teacher_and_runs_with_the_fused_head(tmp_path):
         json.loads(x) for x in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all(np.isfinite(r["soft"]) and r["soft"] >= 0 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["grpo", "dapo", "dr_grpo"])
+def test_grpo_modes_train_their_sft_start_and_run(tmp_path, mode):
+    sft_dir = tmp_path / "sft" / "model"
+    out = run_recipe(
+        "grpo", "--mode", mode, "--sft-steps", "6", "--sft-dir", str(sft_dir),
+        "--num-prompts", "256", "--group-size", "4", "--steps", "3", "--eval-every", "3",
+        "--out", str(tmp_path / mode),
+    )  # fmt: skip
+    assert (sft_dir / "config.json").exists(), "GRPO must train the missing SFT model first"
+    assert out["recipe"] == ("grpo" if mode == "grpo" else f"grpo-{mode}")
+    assert {"seconds", "accuracy_before", "accuracy_after", "final_entropy"} <= set(out)
+    lines = (tmp_path / mode / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("reward", "sample_accuracy", "entropy", "kl", "clip_fraction", "kept_groups"):
+        assert all(np.isfinite(r[key]) for r in records), key
+    # On-policy first step: the policy is the reference, the ratio is 1 (nothing clipped).
+    assert abs(records[0]["kl"]) < 1e-5 and records[0]["clip_fraction"] == 0.0
+    assert (tmp_path / mode / "curves.png").stat().st_size > 0

@@ -211,6 +211,7 @@ def test_bad_input_is_rejected_before_compiling():
         (dict(group_size=0), ("group_size",)),
         (dict(where=PROMPT_WHERE & np.array([[1], [0], [1]], bool)), ("prompt_where", "[1]")),
         (dict(prompts=PROMPTS.astype(np.float32)), ("prompt_tokens",)),
+        (dict(prompts=np.where(PROMPTS == 9, 24, PROMPTS)), ("prompt_tokens", "24")),
         (dict(where=PROMPT_WHERE[:, :4]), ("prompt_where",)),
     ]
     for case, names in cases:

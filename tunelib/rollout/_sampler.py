@@ -148,7 +148,9 @@ def sample(
     Raises:
       ValueError: before compiling, for a config the vocabulary cannot satisfy (stop or
         forbidden ids out of range, every token forbidden, top-p outside (0, 1], ...), a
-        prompt longer than the cache, an empty prompt, or a bad `group_size`.
+        prompt longer than the cache, an empty prompt or a prompt token id outside the
+        vocabulary (both checked when the prompts are concrete, not traced), or a bad
+        `group_size`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -205,12 +207,20 @@ def sample(
             f"need {needed} cache slots, but cache_length is {config.cache_length}."
         )
     if not isinstance(prompt_where, jax.core.Tracer):
-        empty = np.flatnonzero(~np.asarray(prompt_where).any(axis=1))
+        real = np.asarray(prompt_where)
+        empty = np.flatnonzero(~real.any(axis=1))
         if empty.size:
             raise ValueError(
                 f"prompt_where has no real token in rows {empty[:10].tolist()}: every prompt "
                 "needs at least one token to condition on (start empty prompts with a BOS)."
             )
+        if not isinstance(prompt_tokens, jax.core.Tracer):
+            ids = np.asarray(prompt_tokens)[real]
+            if ids.size and not (ids.min() >= 0 and ids.max() < model_config.vocab_size):
+                raise ValueError(
+                    f"prompt_tokens must lie in [0, {model_config.vocab_size}) where "
+                    f"prompt_where is True, got ids from {ids.min()} to {ids.max()}."
+                )
     return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
 
 

@@ -1,0 +1,229 @@
+"""GRPO of the SFT model, rewarded by the task's verifier; DAPO and Dr. GRPO by flag.
+
+    python recipes/grpo.py                    # trains recipes/sft.py first if its model is absent
+    python recipes/grpo.py --mode dapo        # clip-higher, token mean, overlong, dynamic sampling
+    python recipes/grpo.py --mode dr_grpo     # unscaled advantages, token sum / max length
+    python recipes/grpo.py --resume           # continue a killed run from its last checkpoint
+
+Each step samples `--group-size` completions for each of `--batch-size` training prompts
+with the KV-cache sampler of `tunelib.rollout`, scores them with the task's verifier (1 for
+the exact answer, plus `--format-weight` for a well-formed one: digits, ended by EOS), and
+takes `--updates-per-batch` Optax steps on the clipped surrogate of `tunelib.losses` with
+group-relative advantages from `tunelib.advantages`. The behaviour log-probs are the sampler's; the
+reference policy (for the KL term) is the SFT model, frozen.
+"""
+
+import sys
+from pathlib import Path
+
+import common
+import dpo
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tunelib import advantages, logprobs, losses, rollout
+from tunelib.data import encode_prompts, verify_answer
+
+# What each mode sets; every value can be overridden by its flag.
+MODES = {
+    # Shao et al. 2024: group-normalised advantages, symmetric clip, k3 KL, per-sequence mean.
+    "grpo": {"scale": "group", "aggregation": "seq_mean_token_mean", "epsilon_high": 0.2,
+             "kl_beta": 0.04, "overlong_buffer": 0, "dynamic_sampling": False},
+    # Yu et al. 2025: clip-higher, no KL, token mean, soft overlong penalty, dynamic sampling.
+    "dapo": {"scale": "group", "aggregation": "token_mean", "epsilon_high": 0.28,
+             "kl_beta": 0.0, "overlong_buffer": 2, "dynamic_sampling": True},
+    # Liu et al. 2025: advantages not divided by the std, token sum / max length, no KL.
+    "dr_grpo": {"scale": "none", "aggregation": "seq_mean_token_sum_norm", "epsilon_high": 0.2,
+                "kl_beta": 0.0, "overlong_buffer": 0, "dynamic_sampling": False},
+}  # fmt: skip
+
+
+def build_parser():
+    p = common.parser(__doc__.splitlines()[0], steps=150, batch_size=64, learning_rate=1e-4)
+    p.set_defaults(eval_every=50, checkpoint_every=50)
+    p.add_argument("--mode", choices=sorted(MODES), default="grpo")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt, G")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--epsilon-low", type=float, default=0.2)
+    p.add_argument("--epsilon-high", type=float, default=None, help="default: the mode's")
+    p.add_argument("--kl-beta", type=float, default=None, help="k3 KL weight; default: the mode's")
+    p.add_argument(
+        "--updates-per-batch",
+        type=int,
+        default=1,
+        help="optimizer steps on each batch of rollouts (PPO epochs); > 1 makes the clip bind",
+    )
+    p.add_argument(
+        "--format-weight", type=float, default=0.1, help="reward of a well-formed answer"
+    )
+    p.add_argument("--num-prompts", type=int, default=9000, help="training prompts sampled from")
+    p.add_argument("--sft-steps", type=int, default=None, help="steps of the SFT run if needed")
+    p.add_argument("--sft-dir", type=Path, default=None, help="default runs/sft-seed<seed>/model")
+    return p
+
+
+def well_formed(text: str, truncated: bool) -> bool:
+    """An answer of digits (with an optional leading minus) that ended with EOS."""
+    return not truncated and text.lstrip("-").isdigit() and text.count("-") <= 1
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    mode = {**MODES[args.mode]}
+    mode["epsilon_high"] = (
+        args.epsilon_high if args.epsilon_high is not None else mode["epsilon_high"]
+    )
+    mode["kl_beta"] = args.kl_beta if args.kl_beta is not None else mode["kl_beta"]
+    sft_folder = dpo.ensure_sft_model(args)
+    run = common.Run(f"grpo-{args.mode}" if args.mode != "grpo" else "grpo", args)
+    task = common.task(args, num_train=args.num_prompts)
+    tok = task.tokenizer
+    config, graphdef, ref_params = common.load_model(sft_folder)
+    group = args.group_size
+    sampling = rollout.SamplingConfig(
+        max_new_tokens=task.max_length - task.max_length // 2,
+        temperature=args.temperature,
+        stop_tokens=(tok.eos_id,),
+        pad_token=tok.pad_id,
+    )
+    new_tokens = sampling.max_new_tokens
+    prompts = grain.MapDataset.range(len(task.train)).shuffle(seed=args.seed).repeat()
+    batches = iter(prompts.batch(args.batch_size).to_iter_dataset())
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(
+            optax.warmup_constant_schedule(0.0, args.learning_rate, max(1, args.steps // 10)),
+            weight_decay=0.0,
+        ),
+    )
+
+    def completion_logps(params, batch):
+        """Log-probs `[R, N]` and entropies of the completion tokens under `params`."""
+        model = nnx.merge(graphdef, params)
+        tokens = jnp.concatenate([batch["prompt_tokens"], batch["tokens"]], axis=1)
+        where = jnp.concatenate([batch["prompt_where"], batch["where"]], axis=1)
+        hidden = model(tokens, attention_where=where)
+        prompt_len = batch["prompt_tokens"].shape[1]
+        # Left-padded prompts: position P - 1 + j predicts completion token j.
+        hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + new_tokens]
+        return logprobs.fused_token_logps(
+            hidden,
+            model.unembedding(),
+            batch["tokens"],
+            temperature=args.temperature,
+            with_entropy=True,
+            where=batch["where"],
+            implementation=args.logprobs,
+        )
+
+    def loss_fn(params, batch):
+        token_logps, entropy = completion_logps(params, batch)
+        where = batch["where"] & batch["keep"][:, None]
+        adv = advantages.group_advantages(
+            batch["rewards"].reshape(-1, group), scale=mode["scale"]
+        ).reshape(-1)
+        clip = {"epsilon_low": args.epsilon_low, "epsilon_high": mode["epsilon_high"]}
+        old = batch["logps"]
+        per_token = losses.policy_gradient_loss(token_logps, old, adv, **clip, where=where)
+        ref_logps, _ = jax.lax.stop_gradient(completion_logps(ref_params, batch))
+        kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=where)
+        per_token = per_token + mode["kl_beta"] * kl
+        norm = new_tokens if mode["aggregation"] == "seq_mean_token_sum_norm" else None
+        loss = losses.aggregate(
+            per_token, mode=mode["aggregation"], norm_constant=norm, where=where
+        ).mean()
+        fractions = losses.clip_fractions(token_logps, old, adv, **clip, where=where)
+        token_mean = lambda x: losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()  # noqa: E731
+        return loss, {
+            "entropy": token_mean(entropy),
+            "kl": token_mean(kl),
+            "clip_fraction": fractions.region,
+        }
+
+    @jax.jit
+    def update(state, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **metrics}
+
+    def train_step(state, indices):
+        """Sample and score a group per prompt on the host, then one jitted update."""
+        records = [task.train[i] for i in np.asarray(indices)]
+        prompt_tokens, prompt_where = encode_prompts(
+            [r["prompt"] for r in records], tok, max_length=task.max_length // 2
+        )
+        key, sample_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        out = rollout.sample(
+            graphdef, state["params"], prompt_tokens, prompt_where, sample_key, sampling,
+            group_size=group,
+        )  # fmt: skip
+        texts = [tok.decode(row) for row in np.asarray(out.tokens).tolist()]
+        truncated = np.asarray(out.truncated)
+        correct = np.array(
+            [verify_answer(t, records[i // group]["answer"]) for i, t in enumerate(texts)]
+        )
+        formed = np.array([well_formed(t, c) for t, c in zip(texts, truncated, strict=True)])
+        rewards = correct + args.format_weight * formed
+        if mode["overlong_buffer"]:
+            rewards = rewards + np.asarray(
+                advantages.overlong_penalty(
+                    out.lengths, max_length=new_tokens, buffer_length=mode["overlong_buffer"]
+                )
+            )
+        rewards = rewards.astype(np.float32)
+        keep = np.ones(len(texts), bool)
+        if mode["dynamic_sampling"]:  # groups whose rewards all agree carry no signal
+            spread = advantages.dynamic_sampling_mask(rewards.reshape(-1, group))
+            keep = np.repeat(np.asarray(spread), group)
+        batch = {
+            "prompt_tokens": np.repeat(prompt_tokens, group, axis=0),
+            "prompt_where": np.repeat(prompt_where, group, axis=0),
+            "tokens": out.tokens,
+            "where": out.where,
+            "logps": out.logps,
+            "rewards": rewards,
+            "keep": keep,
+        }
+        state = {**state, "rng": jax.random.key_data(key)}
+        for _ in range(args.updates_per_batch):
+            state, metrics = update(state, batch)
+        return state, {
+            **metrics,
+            "reward": rewards.mean(),
+            "sample_accuracy": correct.mean(),
+            "length": np.asarray(out.lengths).mean(),
+            "kept_groups": keep.mean(),
+        }
+
+    def evaluate(params):
+        return {"accuracy": common.accuracy(graphdef, params, task)}
+
+    accuracy_before = evaluate(ref_params)["accuracy"]
+    state = {
+        "params": ref_params,
+        "opt_state": optimizer.init(ref_params),
+        "rng": common.key_data(args.seed),
+    }
+    state = run.train(state=state, batches=batches, step_fn=train_step, evaluate=evaluate)
+    common.save_model(run.folder / "model", config, state["params"])
+    last = run.records()[-1]
+    return run.finish(
+        {
+            "seed": args.seed,
+            "mode": args.mode,
+            "steps": args.steps,
+            "accuracy_before": accuracy_before,
+            "accuracy_after": last["accuracy"],
+            "final_reward": last["reward"],
+            "final_entropy": last["entropy"],
+        }
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
