@@ -257,3 +257,21 @@ def test_sharded_greedy_equals_single_device():
     np.testing.assert_array_equal(out.tokens, expected.tokens)
     assert_close(out.logps, expected.logps, rtol=1e-4, atol=1e-4)
     assert dict(TENSOR_PARALLEL_RULES)["q_heads"] == "model"
+
+
+def test_state_params_and_scanned_layers_give_the_same_completions():
+    config = dataclasses.replace(CONFIG, scan_layers=True)
+    graphdef, pure = make_model(8, config)
+    state = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))[1]
+    nnx.replace_by_pure_dict(state, pure)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.9)
+    a = sample(graphdef, pure, PROMPTS, PROMPT_WHERE, jax.random.key(1), sampling)
+    b = sample(graphdef, state, PROMPTS, PROMPT_WHERE, jax.random.key(1), sampling)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    loop = make_model(8)  # the same weights unstacked: the loop over layers
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    stacked = sample(graphdef, pure, PROMPTS, PROMPT_WHERE, jax.random.key(0), greedy)
+    unstacked_pure = {**pure, "layers": {i: jax.tree.map(lambda x, i=i: x[i], pure["layers"])
+                                         for i in range(config.num_hidden_layers)}}  # fmt: skip
+    unstacked = sample(loop[0], unstacked_pure, PROMPTS, PROMPT_WHERE, jax.random.key(0), greedy)
+    np.testing.assert_array_equal(stacked.tokens, unstacked.tokens)

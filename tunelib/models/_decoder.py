@@ -214,32 +214,31 @@ class Decoder(nnx.Module):
         x = jnp.take(embedding, jnp.where(where, tokens, 0), axis=0).astype(c.compute_dtype)
         keys, values, index = (None, None, None) if cache is None else cache
 
-        def run(layer, x, cos, sin, allowed, fill, keys, values, index):
-            layer_cache = None if keys is None else (keys, values, index)
+        def run(layer, carry, cos, sin, allowed, fill, i, index):
+            x, keys, values = carry
+            layer_cache = None if keys is None else (keys, values, i, index)
             x, layer_cache = layer(x, cos, sin, allowed, fill, layer_cache)
-            return x, (None, None) if layer_cache is None else layer_cache[:2]
+            return (x, None, None) if layer_cache is None else (x, *layer_cache[:2])
 
         if c.remat:
             run = nnx.remat(run)
+        carry = (x, keys, values)
         if not c.scan_layers:
-            written = []
             for i, layer in enumerate(self.layers):
-                layer_kv = (None, None) if keys is None else (keys[i], values[i])
-                x, kv = run(layer, x, cos, sin, allowed, fill, *layer_kv, index)
-                written.append(kv)
-            if keys is None:
-                return x, (None, None)
-            return x, (jnp.stack([k for k, _ in written]), jnp.stack([w for _, w in written]))
+                carry = run(layer, carry, cos, sin, allowed, fill, i, index)
+            return carry[0], carry[1:]
 
         @nnx.scan(
-            in_axes=(nnx.Carry, 0, None, None, None, None, 0, 0, None),
-            out_axes=(nnx.Carry, 0),
+            in_axes=(nnx.Carry, 0, None, None, None, None, 0, None),
+            out_axes=nnx.Carry,
             transform_metadata={nnx.PARTITION_NAME: "layers"},
         )
-        def scan(x, layer, cos, sin, allowed, fill, keys, values, index):
-            return run(layer, x, cos, sin, allowed, fill, keys, values, index)
+        def scan(carry, layer, cos, sin, allowed, fill, i, index):
+            return run(layer, carry, cos, sin, allowed, fill, i, index)
 
-        return scan(x, self.layers, cos, sin, allowed, fill, keys, values, index)
+        layer_ids = jnp.arange(c.num_hidden_layers)
+        carry = scan(carry, self.layers, cos, sin, allowed, fill, layer_ids, index)
+        return carry[0], carry[1:]
 
     def unembedding(self) -> Float[Array, "H V"]:
         """The `[H, V]` unembedding matrix $U$ in the compute dtype.

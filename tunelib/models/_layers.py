@@ -17,8 +17,9 @@ from tunelib.models._config import DecoderConfig
 from tunelib.models._rope import apply_rope
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
-# One layer's cached keys and values `[B, S, K, D]` and the slot the next tokens go to.
-LayerCache = tuple[jax.Array, jax.Array, jax.Array]
+# Every layer's cached keys and values `[L, B, S, K, D]`, the layer an attention block reads
+# and writes, and the slot the next tokens go to.
+LayerCache = tuple[jax.Array, jax.Array, jax.Array | int, jax.Array]
 
 
 def param(
@@ -132,10 +133,12 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, LayerCache | None]:
         """Attention of `x [B, T, H]`; with a `cache`, over the cached keys and these.
 
-        `cache` is `(keys, values, index)`: `[B, S, K, D]` keys and values of this layer and
-        the slot at which this call's `T` keys and values are written; the queries then
-        attend over all `S` slots (`allowed` is `[B, 1, 1, T, S]`). Returns the output and
-        the updated cache (None without one).
+        `cache` is `(keys, values, layer, index)`: the `[L, B, S, K, D]` keys and values of
+        every layer, this layer's index in them, and the slot at which this call's `T` keys
+        and values are written. The queries then attend over all `S` slots of this layer
+        (`allowed` is `[B, 1, 1, T, S]`). Writing into the whole-model arrays, rather than
+        into a slice of them, lets XLA update the cache in place inside a decode loop.
+        Returns the output and the updated cache (None without one).
         """
         b, t, _ = x.shape
         k_heads, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -146,12 +149,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            cached_k, cached_v, index = cache
-            k = jax.lax.dynamic_update_slice_in_dim(cached_k, k.astype(cached_k.dtype), index, 1)
-            val = jax.lax.dynamic_update_slice_in_dim(
-                cached_v, val.astype(cached_v.dtype), index, 1
-            )
-            cache = (k, val, index)
+            all_k, all_v, layer, index = cache
+            start = (layer, 0, index, 0, 0)
+            all_k = jax.lax.dynamic_update_slice(all_k, k.astype(all_k.dtype)[None], start)
+            all_v = jax.lax.dynamic_update_slice(all_v, val.astype(all_v.dtype)[None], start)
+            k, val = all_k[layer], all_v[layer]
+            cache = (all_k, all_v, layer, index)
         # Query head n = kv_head * groups + g reads key/value head kv_head.
         q = q.reshape(b, t, k_heads, groups, d)
         high = v.compute_dtype(self.dtype)

@@ -226,6 +226,8 @@ def sample(
 
 @jax.jit(static_argnums=(0, 5, 6))
 def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size):
+    if isinstance(params, nnx.State):  # plain arrays: the loop body merges them again
+        params = nnx.to_pure_dict(params)
     model = nnx.merge(graphdef, params)
     batch, prompt_len = prompt_tokens.shape
     new = config.max_new_tokens
