@@ -4,6 +4,7 @@ from collections.abc import Sequence
 
 import jax
 from flax import nnx
+from jaxtyping import PyTree
 
 # Megatron-style tensor parallelism over a "model" mesh axis: attention heads, MLP width and
 # the vocabulary are split; the residual stream ("embed") and the stacked-layer axis are not.
@@ -20,10 +21,10 @@ TENSOR_PARALLEL_RULES: tuple[tuple[str, str | None], ...] = (
 
 def param_shardings(
     graphdef: nnx.GraphDef,
-    params,
+    params: PyTree,
     mesh: jax.sharding.Mesh,
     rules: Sequence[tuple[str, str | None]] = TENSOR_PARALLEL_RULES,
-):
+) -> PyTree[jax.sharding.NamedSharding]:
     """A `NamedSharding` for every parameter, from its logical axis names and `rules`.
 
     Every weight of `tunelib.models.Decoder` names its axes ("layers", "vocab", "embed",
@@ -51,9 +52,14 @@ def param_shardings(
       ...                     num_hidden_layers=1, num_attention_heads=2, head_dim=16)
       >>> graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
       >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
-      >>> shardings = param_shardings(graphdef, params, mesh)
-      >>> print(shardings["layers"][0]["mlp"]["up_proj"]["kernel"].spec)
-      P(None, 'model')
+      >>> shardings = param_shardings(graphdef, nnx.to_pure_dict(params), mesh)
+      >>> for path, sharding in jax.tree_util.tree_leaves_with_path(shardings):
+      ...     name = jax.tree_util.keystr(path, simple=True, separator="/")
+      ...     if name.startswith("layers/0/mlp"):
+      ...         print(name, sharding.spec)
+      layers/0/mlp/down_proj/kernel P('model', None)
+      layers/0/mlp/gate_proj/kernel P(None, 'model')
+      layers/0/mlp/up_proj/kernel P(None, 'model')
     """
     state = nnx.state(nnx.merge(graphdef, params))
     with nnx.logical_axis_rules(list(rules)):

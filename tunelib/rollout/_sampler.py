@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
 from tunelib.rollout._processors import check_sampling_args, forbid_tokens, process_logits
@@ -99,7 +99,7 @@ class Rollout(NamedTuple):
 
 def sample(
     graphdef: nnx.GraphDef,
-    params,
+    params: PyTree,
     prompt_tokens: Int[ArrayLike, "B P"],
     prompt_where: Bool[ArrayLike, "B P"],
     key: jax.Array,

@@ -3,9 +3,12 @@
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
+from jaxtyping import PyTree
 
 
-def sync_weights(params, shardings, *, dtype: DTypeLike | None = None):
+def sync_weights(
+    params: PyTree, shardings: PyTree | jax.sharding.Sharding, *, dtype: DTypeLike | None = None
+) -> PyTree:
     """Copy `params` onto the devices and layout of `shardings`, optionally cast to `dtype`.
 
     In disaggregated RL the trainer and the sampler hold the weights on different meshes,
