@@ -130,14 +130,18 @@ def main(argv: list[str] | None = None) -> dict:
         old = batch["logps"]
         per_token = losses.policy_gradient_loss(token_logps, old, adv, **clip, where=where)
         ref_logps, _ = jax.lax.stop_gradient(completion_logps(ref_params, batch))
-        kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=where)
+        # Over every completion (dropped groups included) for the log; `aggregate` masks it.
+        kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=batch["where"])
         per_token = per_token + mode["kl_beta"] * kl
         norm = new_tokens if mode["aggregation"] == "seq_mean_token_sum_norm" else None
         loss = losses.aggregate(
             per_token, mode=mode["aggregation"], norm_constant=norm, where=where
         ).mean()
         fractions = losses.clip_fractions(token_logps, old, adv, **clip, where=where)
-        token_mean = lambda x: losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()  # noqa: E731
+
+        def token_mean(x):
+            return losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()
+
         return loss, {
             "entropy": token_mean(entropy),
             "kl": token_mean(kl),
