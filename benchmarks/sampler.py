@@ -1,6 +1,6 @@
 r"""Tokens per second of the KV-cache sampler against re-running the full forward per token.
 
-    python benchmarks/sampler.py                   # the default case, ~45 min on 2 CPU cores
+    python benchmarks/sampler.py                   # the default case, 35-40 min on 2 cores
     python benchmarks/sampler.py --size smoke      # seconds; what the tests run
     python benchmarks/sampler.py --batch 16 --new-tokens 128 --json-out result.json
 
@@ -445,7 +445,9 @@ def table(result: dict) -> str:
         row.append(fmt(speedups.get(r["batch"]), ".1f") if r["variant"] == "greedy" else "")
         lines.append(row)
     widths = [max(len(x) for x in column) for column in zip(*lines, strict=True)]
-    text = [" | ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)) for row in lines]
+    text = [
+        " | ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in lines
+    ]
     text.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(text)
 
