@@ -1,7 +1,11 @@
 """Assertions and strategies shared by the test modules."""
 
 import contextlib
+import importlib.util
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
 
 import chex
 import hypothesis.extra.numpy as hnp
@@ -73,3 +77,18 @@ def assert_traced_once(fn: Callable, calls: Sequence[tuple[tuple, dict]]) -> Non
 
 def assert_close(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol, atol=atol)
+
+
+def user_env() -> dict:
+    """The environment a user's script runs in: one CPU device, not the test session's eight."""
+    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out["JAX_PLATFORMS"] = "cpu"
+    return out
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import a script that is not part of a package (a benchmark) as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,29 +1,15 @@
 """`benchmarks/logprobs.py` end to end at its smoke size, as a user runs it, and its gate."""
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests._helpers import load_script, user_env
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "logprobs.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("logprobs_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def env() -> dict:
-    """The user's environment: one CPU device, not the test session's eight."""
-    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out["JAX_PLATFORMS"] = "cpu"
-    return out
 
 
 @pytest.mark.slow
@@ -38,7 +24,7 @@ def test_smoke_size_end_to_end(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=env(),
+        env=user_env(),
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -75,7 +61,7 @@ def test_smoke_size_end_to_end(tmp_path):
 
 
 def test_gate_compares_each_error_with_the_naive_paths_own():
-    bench = load_script()
+    bench = load_script(SCRIPT, "logprobs_benchmark")
     naive = {"errors": {"loss": 1e-7, "d_hidden": 4e-7, "d_unembedding": 2e-7}}
     close = {"errors": {"loss": 1e-7, "d_hidden": 9e-6, "d_unembedding": 3e-7}}
     wrong = {"errors": {"loss": 1e-7, "d_hidden": 1e-7, "d_unembedding": 0.5}}
@@ -97,7 +83,7 @@ def test_gate_compares_each_error_with_the_naive_paths_own():
 
 def test_relative_error_is_normwise_and_streams_rows():
     np = pytest.importorskip("numpy")
-    bench = load_script()
+    bench = load_script(SCRIPT, "logprobs_benchmark")
     ref = np.arange(12.0).reshape(3, 4) - 5.0  # max |ref| = 6
     x = ref.astype(np.float32).copy()
     x[2, 3] += 0.3

@@ -1,8 +1,6 @@
 """`benchmarks/sampler.py` end to end at its smoke size, as a user runs it, and its check."""
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,21 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._helpers import load_script, user_env
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sampler_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def env() -> dict:
-    """The user's environment: one CPU device, not the test session's eight."""
-    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out["JAX_PLATFORMS"] = "cpu"
-    return out
 
 
 @pytest.mark.slow
@@ -36,7 +22,7 @@ def test_smoke_size_end_to_end(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=env(),
+        env=user_env(),
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -112,7 +98,7 @@ def test_smoke_size_end_to_end(tmp_path):
 def test_check_compares_greedy_tokens_with_the_no_cache_generators():
     from tunelib.rollout import Rollout
 
-    bench = load_script()
+    bench = load_script(SCRIPT, "sampler_benchmark")
     size = bench.SIZES["smoke"]._replace(new_tokens=4)
     tokens = np.array([[3, 1, 4, 1], [5, 9, 2, 6]], np.int32)
     where = np.ones(tokens.shape, bool)
@@ -132,7 +118,7 @@ def test_check_compares_greedy_tokens_with_the_no_cache_generators():
 
 
 def test_variants_cover_the_three_tables_once():
-    bench = load_script()
+    bench = load_script(SCRIPT, "sampler_benchmark")
     size = bench.SIZES["default"]
     listed = bench.variants(size)
     assert len(listed) == len(set(listed))

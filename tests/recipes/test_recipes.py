@@ -1,7 +1,6 @@
 """End-to-end runs of the recipes as a user runs them: `python recipes/<name>.py`."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,16 +11,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests._helpers import user_env
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # A small, fast configuration of the task; the model is the recipes' own.
 SMALL = ["--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no-progress"]
-
-
-def env() -> dict:
-    """The user's environment: no simulated devices, JAX on the CPU."""
-    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out["JAX_PLATFORMS"] = "cpu"
-    return out
 
 
 def run_recipe(name: str, *args: str, timeout: float = 300, headline: str | None = None) -> dict:
@@ -30,7 +24,7 @@ def run_recipe(name: str, *args: str, timeout: float = 300, headline: str | None
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env(),
+        env=user_env(),
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -102,7 +96,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         [sys.executable, str(RECIPES / "sft.py"), *SMALL, *args, "--out", str(killed)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=env(),
+        env=user_env(),
     )
     checkpoints = killed / "checkpoints"
     deadline = time.monotonic() + 240
@@ -125,7 +119,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=env(),
+        env=user_env(),
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
