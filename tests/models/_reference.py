@@ -87,11 +87,7 @@ def ref_attention(x, p, cfg, positions, where, freqs):
     t_len = x.shape[0]
 
     def project(name, width):
-        proj = p[name]
-        y = x @ proj["kernel"]
-        if "bias" in proj:
-            y = y + proj["bias"]
-        return y.reshape(t_len, width, d)
+        return dense(x, p[name]).reshape(t_len, width, d)
 
     q, k, v = project("q_proj", n_heads), project("k_proj", n_kv), project("v_proj", n_kv)
     heads = []
@@ -104,7 +100,8 @@ def ref_attention(x, p, cfg, positions, where, freqs):
         qn, kn = ref_rope(qn, positions, freqs), ref_rope(kn, positions, freqs)
         out = np.zeros((t_len, d))
         for t in range(t_len):
-            visible = [s for s in range(t + 1) if where[s]]
+            window = cfg.sliding_window or t + 1
+            visible = [s for s in range(t + 1) if where[s] and t - s < window]
             if not visible:
                 continue
             scores = np.array([qn[t] @ kn[s] for s in visible]) / math.sqrt(d)
@@ -112,12 +109,17 @@ def ref_attention(x, p, cfg, positions, where, freqs):
             weights /= weights.sum()
             out[t] = weights @ vn[visible]
         heads.append(out)
-    return np.concatenate(heads, axis=-1) @ p["o_proj"]["kernel"]
+    return dense(np.concatenate(heads, axis=-1), p["o_proj"])
+
+
+def dense(x, p):
+    """`x @ kernel`, plus the bias where the projection has one."""
+    return x @ p["kernel"] + p["bias"] if "bias" in p else x @ p["kernel"]
 
 
 def ref_mlp(x, p):
-    gate = x @ p["gate_proj"]["kernel"]
-    return (gate / (1 + np.exp(-gate)) * (x @ p["up_proj"]["kernel"])) @ p["down_proj"]["kernel"]
+    gate = dense(x, p["gate_proj"])
+    return dense(gate / (1 + np.exp(-gate)) * dense(x, p["up_proj"]), p["down_proj"])
 
 
 def ref_decoder(params, cfg, tokens, where=None, positions=None):

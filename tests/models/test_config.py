@@ -21,6 +21,7 @@ def test_defaults_follow_hugging_face():
     assert config.head_dim == 8  # None means hidden_size / num_attention_heads
     assert config.rms_norm_eps == 1e-6 and config.rope_theta == 10000.0
     assert not config.tie_word_embeddings and not config.attention_bias
+    assert not config.o_proj_bias and not config.mlp_bias and config.sliding_window is None
     assert config.initializer_range == 0.02
     assert config.compute_dtype == jnp.float32 and config.storage_dtype == jnp.float32
     assert make_config(dtype="bfloat16").compute_dtype == jnp.bfloat16
@@ -63,6 +64,10 @@ BAD = [
     ({"tie_word_embeddings": 1}, "tie_word_embeddings", TypeError),
     ({"attention_bias": "yes"}, "attention_bias", TypeError),
     ({"use_qk_norm": None}, "use_qk_norm", TypeError),
+    ({"o_proj_bias": 1}, "o_proj_bias", TypeError),
+    ({"mlp_bias": "no"}, "mlp_bias", TypeError),
+    ({"sliding_window": 0}, "sliding_window", ValueError),
+    ({"sliding_window": 4.0}, "sliding_window", TypeError),
     ({"scan_layers": 0}, "scan_layers", TypeError),
     ({"remat": 1}, "remat", TypeError),
     ({"dtype": "float8"}, "dtype", ValueError),

@@ -41,6 +41,10 @@ VARIANTS = {
     "untied_mha": {"tie_word_embeddings": False, "num_key_value_heads": 4},
     "llama3_rope": {"rope_scaling": LLAMA3, "rope_theta": 500000.0},
     "linear_rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    # Llama with attention_bias and mlp_bias: every projection but lm_head has a bias.
+    "all_biases": {"attention_bias": True, "o_proj_bias": True, "mlp_bias": True},
+    # Mistral: a window shorter than the rows, so padding and the window interact.
+    "sliding_window": {"sliding_window": 3},
 }
 
 # Three rows: all real, right-padded (last two), left-padded (first three, with -100 ids).

@@ -50,8 +50,15 @@ class DecoderConfig:
         round-tripping `config.json`, the forward pass does not read it.
       tie_word_embeddings: whether the unembedding is the transposed token embedding (no
         separate `lm_head`).
-      attention_bias: whether the q/k/v projections have biases (Qwen2; the output
-        projection never has one).
+      attention_bias: whether the q/k/v projections have biases (Qwen2 always; Llama and
+        Qwen3 with their `attention_bias`, which also sets `o_proj_bias`).
+      o_proj_bias: ours: whether the attention output projection has a bias (Hugging Face's
+        Llama and Qwen3 give it one exactly when `attention_bias`; Qwen2 never).
+      mlp_bias: whether the gate, up and down projections of the MLP have biases (Llama).
+      sliding_window: None (full causal attention) or $W$: query $t$ sees only the keys at
+        slots $s$ with $t - W < s \le t$, itself and the $W - 1$ slots before it (Mistral;
+        Qwen2 and Qwen3 when every layer slides). Slots are columns of the input (or of the
+        KV cache), padding included, as in Hugging Face.
       initializer_range: standard deviation of the normal initialisation of every matmul
         kernel and the embedding.
       use_qk_norm: ours (Qwen3 has it, with no `config.json` flag): an RMSNorm over
@@ -78,6 +85,9 @@ class DecoderConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
     initializer_range: float | int = 0.02
     use_qk_norm: bool = False
     scan_layers: bool = False
@@ -111,6 +121,8 @@ class DecoderConfig:
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         _check_positive_int(self.head_dim, "head_dim")
+        if self.sliding_window is not None:
+            _check_positive_int(self.sliding_window, "sliding_window")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
@@ -118,6 +130,8 @@ class DecoderConfig:
         for name in (
             "tie_word_embeddings",
             "attention_bias",
+            "o_proj_bias",
+            "mlp_bias",
             "use_qk_norm",
             "scan_layers",
             "remat",

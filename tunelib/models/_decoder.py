@@ -32,10 +32,10 @@ class Decoder(nnx.Module):
 
     where attention head $n$ uses key/value head $\lfloor n / (N/K) \rfloor$ (grouped-query
     attention), queries and keys are (optionally RMS-normalised over the head, then) rotated
-    by RoPE at their positions, and query $t$ of a row attends to key $s$ iff $s \le t$ and
-    `attention_where[s]`. Tokens $x$ = `tokens`, $U$ = `unembedding()` ($E^\top$ when
-    `config.tie_word_embeddings`). The architecture and the Hugging Face name of every
-    weight are in `docs/models.md`.
+    by RoPE at their positions, and query $t$ of a row attends to key $s$ iff $s \le t$,
+    `attention_where[s]` and, with `config.sliding_window` $W$, $t - s < W$. Tokens $x$ =
+    `tokens`, $U$ = `unembedding()` ($E^\top$ when `config.tie_word_embeddings`). The
+    architecture and the Hugging Face name of every weight are in `docs/models.md`.
 
     Calling the model returns `out`; `unembed(out)` gives the logits, kept separate so that a
     chunked log-prob computation can take `out` and `unembedding()` without ever forming
@@ -126,7 +126,7 @@ class Decoder(nnx.Module):
             v.check_shape(positions, "positions", tokens.shape, f"tokens {tokens.shape}")
 
         high = v.compute_dtype(c.compute_dtype)
-        allowed, fill = _attention_mask(where, high)
+        allowed, fill = _attention_mask(where, high, c.sliding_window)
         x, _ = self._run_layers(tokens, where, positions, allowed, fill)
         return self.norm(x)
 
@@ -195,7 +195,10 @@ class Decoder(nnx.Module):
         key_where = jax.lax.dynamic_update_slice_in_dim(cache.where, where, cache.index, 1)
         query_slots = cache.index + jnp.arange(t)
         causal = jnp.arange(slots)[None, :] <= query_slots[:, None]  # [T, S]
-        allowed = (causal & key_where[:, None, :])[:, None, None]
+        allowed = causal & key_where[:, None, :]
+        if c.sliding_window is not None:
+            allowed &= _in_window(query_slots, jnp.arange(slots), c.sliding_window)
+        allowed = allowed[:, None, None]
         lowest = jnp.finfo(v.compute_dtype(c.compute_dtype)).min
         fill = jnp.where(causal, 0.5 * lowest, lowest).astype(v.compute_dtype(c.compute_dtype))
         x, (keys, values) = self._run_layers(
@@ -295,18 +298,29 @@ class KVCache(NamedTuple):
     index: Int[Array, ""]
 
 
-def _attention_mask(where: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+def _attention_mask(
+    where: jax.Array, dtype: jnp.dtype, window: int | None
+) -> tuple[jax.Array, jax.Array]:
     """Which keys each query sees, `[B, 1, 1, T, S]`, and the scores of the others, `[T, S]`.
 
-    A query sees the real keys at or before it. The scores of unseen keys are finite, so a
-    padded query with no visible key still gives finite outputs; future keys score far below
-    padded ones, so such a query attends to the padded keys before it and stays causal.
+    A query sees the real keys at or before it (and, with a sliding `window`, less than
+    `window` slots before it). The scores of unseen keys are finite, so a padded query with no
+    visible key still gives finite outputs; future keys score far below padded ones, so such
+    a query attends to the padded keys before it and stays causal.
     """
     t = where.shape[-1]
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-    allowed = (causal & where[:, None, :])[:, None, None]  # broadcast over kv heads, groups
+    allowed = causal & where[:, None, :]
+    if window is not None:
+        allowed &= _in_window(jnp.arange(t), jnp.arange(t), window)
     lowest = jnp.finfo(dtype).min
-    return allowed, jnp.where(causal, 0.5 * lowest, lowest).astype(dtype)
+    fill = jnp.where(causal, 0.5 * lowest, lowest).astype(dtype)
+    return allowed[:, None, None], fill  # broadcast over kv heads, groups
+
+
+def _in_window(query_slots: jax.Array, key_slots: jax.Array, window: int) -> jax.Array:
+    """`[T, S]`: True where key slot s lies less than `window` slots before query slot t."""
+    return key_slots[None, :] > query_slots[:, None] - window
 
 
 def _stacked_layers(config: DecoderConfig, rngs: nnx.Rngs) -> DecoderLayer:

@@ -95,7 +95,7 @@ class Dense(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, optional q/k/v bias and optional QK-norm."""
+    """Grouped-query self-attention with RoPE, optional biases and optional QK-norm."""
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = config
@@ -117,7 +117,7 @@ class Attention(nnx.Module):
             c.hidden_size, kv_width, ("embed", "kv_heads"), c, use_bias=bias, rngs=rngs
         )
         self.o_proj = Dense(
-            q_width, c.hidden_size, ("q_heads", "embed"), c, use_bias=False, rngs=rngs
+            q_width, c.hidden_size, ("q_heads", "embed"), c, use_bias=c.o_proj_bias, rngs=rngs
         )
         self.q_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
@@ -171,9 +171,10 @@ class MLP(nnx.Module):
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = config
         h, f = c.hidden_size, c.intermediate_size
-        self.gate_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=False, rngs=rngs)
-        self.up_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=False, rngs=rngs)
-        self.down_proj = Dense(f, h, ("mlp", "embed"), c, use_bias=False, rngs=rngs)
+        bias = c.mlp_bias
+        self.gate_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=bias, rngs=rngs)
+        self.up_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=bias, rngs=rngs)
+        self.down_proj = Dense(f, h, ("mlp", "embed"), c, use_bias=bias, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
