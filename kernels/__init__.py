@@ -6,10 +6,14 @@ against it in interpret mode on CPU:
 - `fused_token_logps_pallas`: per-token log-probs (and entropy) straight from hidden states
   and the unembedding, the kernel behind `tunelib.logprobs.fused_token_logps(...,
   implementation="pallas")`, with GPU (Triton) and TPU (Mosaic) lowerings.
+- `nf4_matmul_pallas`: a matrix product with an NF4 weight decoded tile by tile (Triton
+  lowering), behind `tunelib.peft` products with `NF4Tensor`s built with `matmul="pallas"`.
 """
 
 from tunelib.kernels._fused_logps import fused_token_logps_pallas
+from tunelib.kernels._nf4_matmul import nf4_matmul_pallas
 
 __all__ = [
     "fused_token_logps_pallas",
+    "nf4_matmul_pallas",
 ]

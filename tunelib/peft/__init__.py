@@ -1,0 +1,75 @@
+"""Parameter-efficient fine-tuning: LoRA adapters on any JAX function, NF4 / int8 base weights.
+
+Select weights with `LoraRule`s (regular expressions over parameter paths), create adapters
+with `init_lora` (their own pytree; `lora_labels` drives `optax.partition`), and run any model
+function through `lora(fn)` on `apply_lora(params, adapters)`: matrix products compute
+$xW + s\\,(xA)B$ without forming $W + s\\,AB$, and products with quantised base weights
+(`quantize_params`: NF4 as in QLoRA and bitsandbytes, or int8) dequantise per layer under a
+custom VJP. `merge_lora` folds adapters in for export; `save_adapters` / `restore_adapters`
+(Orbax) and `export_peft` / `import_peft` (the Hugging Face PEFT format) store them.
+"""
+
+from tunelib.peft._adapters import (
+    LoraAdapter,
+    init_lora,
+    lora_labels,
+    lora_mask,
+    merge_lora,
+    unmerge_lora,
+)
+from tunelib.peft._export import (
+    decoder_module_name,
+    export_peft,
+    import_peft,
+    restore_adapters,
+    save_adapters,
+)
+from tunelib.peft._int8 import Int8Tensor, int8_quantize
+from tunelib.peft._nf4 import (
+    DYNAMIC_MAP,
+    NF4_VALUES,
+    NF4Tensor,
+    bits_per_parameter,
+    nf4_quantize,
+    pack_nibbles,
+    signed_dynamic_map,
+    stored_bytes,
+    unpack_nibbles,
+)
+from tunelib.peft._quantized import QUANT_FORMATS, dequantize_params, quantize_params
+from tunelib.peft._rules import LoraRule, UnmatchedRuleWarning
+from tunelib.peft._weights import LoraWeight, MaterializationWarning, apply_lora, lora
+
+__all__ = [
+    "DYNAMIC_MAP",
+    "NF4_VALUES",
+    "QUANT_FORMATS",
+    "Int8Tensor",
+    "LoraAdapter",
+    "LoraRule",
+    "LoraWeight",
+    "MaterializationWarning",
+    "NF4Tensor",
+    "UnmatchedRuleWarning",
+    "apply_lora",
+    "bits_per_parameter",
+    "decoder_module_name",
+    "dequantize_params",
+    "export_peft",
+    "import_peft",
+    "init_lora",
+    "int8_quantize",
+    "lora",
+    "lora_labels",
+    "lora_mask",
+    "merge_lora",
+    "nf4_quantize",
+    "pack_nibbles",
+    "quantize_params",
+    "restore_adapters",
+    "save_adapters",
+    "signed_dynamic_map",
+    "stored_bytes",
+    "unmerge_lora",
+    "unpack_nibbles",
+]

@@ -1,0 +1,356 @@
+"""Adapters on disk: Orbax checkpoints of their own, and the Hugging Face PEFT format."""
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jaxtyping import PyTree
+
+from tunelib.peft._adapters import LoraAdapter, adapter_leaves, check_adapters, set_nested
+from tunelib.peft._rules import array_keys, array_leaves, keyed_leaves
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_FACTOR = re.compile(r"(.+)\.lora_(A|B)\.weight")
+
+
+# ----------------------------------------------------------------------------- Orbax
+
+
+def save_adapters(directory: str | os.PathLike, adapters: PyTree) -> None:
+    """Save adapters alone (arrays and metadata) as an Orbax checkpoint at `directory`.
+
+    Orbax writes into a temporary folder and renames it into place when complete, so a crash
+    mid-save never leaves a partial checkpoint under `directory`; an existing one is replaced
+    only by a complete new one.
+
+    Examples:
+      >>> import tempfile, jax.numpy as jnp
+      >>> from tunelib import peft
+      >>> adapters = {"w": peft.LoraAdapter(a=jnp.ones((3, 1)), b=jnp.zeros((1, 2)), alpha=4.0)}
+      >>> folder = tempfile.mkdtemp() + "/adapters"
+      >>> peft.save_adapters(folder, adapters)
+      >>> restored = peft.restore_adapters(folder)
+      >>> print(restored["w"].alpha, restored["w"].a.shape)
+      4.0 (3, 1)
+    """
+    found = adapter_leaves(adapters)
+    keys = keyed_leaves(adapters, is_leaf=lambda x: isinstance(x, LoraAdapter))
+    metadata = {
+        "format": "tunelib.peft.adapters/1",
+        "adapters": [
+            {
+                "keys": list(keys[path][0]),
+                "a": {"shape": list(a.a.shape), "dtype": jnp.dtype(a.a.dtype).name},
+                "b": {"shape": list(a.b.shape), "dtype": jnp.dtype(a.b.dtype).name},
+                "alpha": a.alpha,
+                "rslora": a.rslora,
+                "dropout": a.dropout,
+                "layout": a.layout,
+            }
+            for path, a in found.items()
+        ],
+    }
+    arrays = {str(i): {"a": a.a, "b": a.b} for i, a in enumerate(found.values())}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(
+            Path(directory).resolve(),
+            args=ocp.args.Composite(
+                arrays=ocp.args.StandardSave(arrays), metadata=ocp.args.JsonSave(metadata)
+            ),
+            force=True,
+        )
+
+
+def restore_adapters(directory: str | os.PathLike) -> dict:
+    """Adapters saved by `save_adapters`, rebuilt with their nesting and metadata."""
+    directory = Path(directory).resolve()
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        metadata = checkpointer.restore(
+            directory, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+        )["metadata"]
+        if metadata.get("format") != "tunelib.peft.adapters/1":
+            raise ValueError(f"{directory} does not hold adapters saved by save_adapters.")
+        template = {
+            str(i): {
+                part: jax.ShapeDtypeStruct(tuple(entry[part]["shape"]), entry[part]["dtype"])
+                for part in ("a", "b")
+            }
+            for i, entry in enumerate(metadata["adapters"])
+        }
+        arrays = checkpointer.restore(
+            directory, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(template))
+        )["arrays"]
+    out: dict = {}
+    for i, entry in enumerate(metadata["adapters"]):
+        adapter = LoraAdapter(
+            a=arrays[str(i)]["a"],
+            b=arrays[str(i)]["b"],
+            alpha=entry["alpha"],
+            rslora=entry["rslora"],
+            dropout=entry["dropout"],
+            layout=entry["layout"],
+        )
+        set_nested(out, tuple(entry["keys"]), adapter)
+    return out
+
+
+# ----------------------------------------------------------------------------- PEFT
+
+
+def decoder_module_name(path: str) -> str:
+    """The Hugging Face module of a `tunelib.models.Decoder` weight path.
+
+    `layers/3/self_attn/q_proj/kernel` is `model.layers.3.self_attn.q_proj`;
+    `lm_head/kernel` is `lm_head` (see `docs/models.md`).
+    """
+    *modules, _ = path.split("/")
+    name = ".".join(modules)
+    return name if modules[0] == "lm_head" else "model." + name
+
+
+def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str]) -> list[str]:
+    """The module names of a weight: one, or one per layer of a stacked `[L, ...]` weight
+    (the layer index goes after the path's first key, where `nnx.scan` stacks it)."""
+    if len(shape) == 2:
+        return [module_name(path)]
+    if len(shape) != 3:
+        raise ValueError(f"{path!r} has shape {shape}; only one stacking axis can be exported.")
+    first, rest = path.split("/", 1)
+    return [module_name(f"{first}/{layer}/{rest}") for layer in range(shape[0])]
+
+
+def _factors(adapter: LoraAdapter) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's `lora_A.weight [..., r, in]` and `lora_B.weight [..., out, r]`."""
+    a, b = np.asarray(adapter.a), np.asarray(adapter.b)
+    if adapter.layout == "in_out":  # delta [in, out] = A B, so delta^T = B^T A^T
+        return np.swapaxes(a, -1, -2), np.swapaxes(b, -1, -2)
+    return b, a  # delta [out, in] = A B: PEFT's B is our A
+
+
+def export_peft(
+    directory: str | os.PathLike,
+    adapters: PyTree,
+    params: PyTree,
+    *,
+    module_name: Callable[[str], str] = decoder_module_name,
+    base_model_name_or_path: str | None = None,
+) -> None:
+    """Write adapters in the Hugging Face PEFT format: `adapter_config.json` and
+    `adapter_model.safetensors`.
+
+    Tensors are named `base_model.model.<module>.lora_A.weight` (`[r, in]`) and
+    `...lora_B.weight` (`[out, r]`), the layout of `peft.LoraModel`; a stacked adapter
+    `[L, ...]` is written per layer. The config holds `r` and `lora_alpha` (the most common
+    among the adapters, with `rank_pattern` / `alpha_pattern` for the others), `use_rslora`,
+    `lora_dropout`, and `target_modules`: the list of module suffixes when every module of
+    the base with those suffixes is adapted, else a regular expression of exactly the
+    adapted modules. The directory is written in full next to `directory` and renamed into
+    place, so a crash never leaves a partial export.
+
+    Args:
+      directory: the output directory (replaced if it exists).
+      adapters: the adapters to export (float32 or float16; other dtypes as float32).
+      params: the base parameters they belong to (for shapes and the module list).
+      module_name: maps an unstacked `/`-joined weight path to its Hugging Face module name;
+        the default is `decoder_module_name`, for `tunelib.models.Decoder`.
+      base_model_name_or_path: recorded in the config for `peft.PeftModel.from_pretrained`.
+    """
+    from safetensors.numpy import save_file
+
+    found = check_adapters(params, adapters)
+    if not found:
+        raise ValueError("adapters holds no LoraAdapter to export.")
+    if len({a.rslora for a in found.values()}) > 1:
+        raise ValueError("PEFT has one use_rslora for all adapters; these mix both.")
+    tensors: dict[str, np.ndarray] = {}
+    ranks, alphas, dropouts = {}, {}, Counter()
+    for path, adapter in found.items():
+        lora_a, lora_b = _factors(adapter)
+        names = _modules(path, (*adapter.a.shape[:-1], adapter.b.shape[-1]), module_name)
+        if lora_a.ndim == 3:
+            parts = zip(names, lora_a, lora_b, strict=True)
+        else:
+            parts = [(names[0], lora_a, lora_b)]
+        for name, part_a, part_b in parts:
+            for factor, value in (("A", part_a), ("B", part_b)):
+                if value.dtype not in (np.float16, np.float32):
+                    value = value.astype(np.float32)
+                tensors[f"{_PREFIX}{name}.lora_{factor}.weight"] = np.ascontiguousarray(value)
+            ranks[name], alphas[name] = adapter.rank, adapter.alpha
+        dropouts[adapter.dropout] += 1
+    r = Counter(ranks.values()).most_common(1)[0][0]
+    alpha = Counter(alphas.values()).most_common(1)[0][0]
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": dropouts.most_common(1)[0][0],
+        "use_rslora": next(iter(found.values())).rslora,
+        "target_modules": _target_modules(set(ranks), params, module_name),
+        "rank_pattern": {re.escape(n): k for n, k in ranks.items() if k != r},
+        "alpha_pattern": {re.escape(n): k for n, k in alphas.items() if k != alpha},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_dora": False,
+        "inference_mode": True,
+    }
+    directory = Path(directory).resolve()
+    staging = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex}")
+    staging.mkdir(parents=True)
+    try:
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex}")
+            directory.rename(old)
+            staging.rename(directory)
+            shutil.rmtree(old)
+        else:
+            staging.rename(directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _target_modules(adapted: set[str], params: PyTree, module_name) -> list[str] | str:
+    every = [
+        name
+        for path, leaf in array_leaves(params).items()
+        if len(leaf.shape) in (2, 3)
+        for name in _modules(path, tuple(leaf.shape), module_name)
+    ]
+    suffixes = sorted({name.rsplit(".", 1)[-1] for name in adapted})
+    covered = {name for name in every if name.rsplit(".", 1)[-1] in suffixes}
+    if covered == adapted:
+        return suffixes
+    return "|".join(re.escape(name) for name in sorted(adapted))
+
+
+def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    """PEFT's lookup: the first key matching the end of the module name at a dot boundary."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def import_peft(
+    directory: str | os.PathLike,
+    params: PyTree,
+    *,
+    module_name: Callable[[str], str] = decoder_module_name,
+    layout: str = "in_out",
+) -> dict:
+    """Adapters read from a Hugging Face PEFT LoRA directory, for the weights of `params`.
+
+    The inverse of `export_peft`: every `lora_A` / `lora_B` pair is matched to the weight of
+    `params` whose module name it carries, transposed into `[in, r]` / `[r, out]` factors
+    (for `layout="in_out"` weights) and stacked where `params` stacks layers (layers the
+    file has no adapter for get zero factors, which change nothing). `r`, `lora_alpha`,
+    `rank_pattern`, `alpha_pattern` and `use_rslora` give each adapter's scale. A tensor for
+    a module `params` does not have, a factor without its partner, or a shape that does not
+    fit is an error naming it.
+
+    Args:
+      directory: a directory with `adapter_config.json` and `adapter_model.safetensors`.
+      params: the base parameters the adapters are for.
+      module_name: as in `export_peft`.
+      layout: how the weights of `params` are applied, as in `LoraRule`.
+
+    Returns:
+      A nested dict of `LoraAdapter`s keyed like `params` (as `init_lora` returns).
+    """
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{directory} holds a {config['peft_type']} adapter, not LORA.")
+    if config.get("use_dora"):
+        raise ValueError(f"{directory} holds a DoRA adapter, which tunelib does not implement.")
+    tensors = load_file(str(directory / WEIGHTS_FILE))
+    factors: dict[str, dict[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        match = _FACTOR.fullmatch(name.removeprefix(_PREFIX))
+        if not name.startswith(_PREFIX) or match is None:
+            raise ValueError(f"{WEIGHTS_FILE} has a tensor {name!r} that is not a LoRA factor.")
+        factors.setdefault(match.group(1), {})[match.group(2)] = value
+    for module, pair in factors.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"module {module!r} has lora_{next(iter(pair))} but not its partner.")
+    weights = array_leaves(params)
+    where = {}  # module name -> (weight path, layer index or None)
+    for path, leaf in weights.items():
+        if len(leaf.shape) in (2, 3):
+            names = _modules(path, tuple(leaf.shape), module_name)
+            for i, name in enumerate(names):
+                where[name] = (path, i if len(leaf.shape) == 3 else None)
+    unknown = sorted(set(factors) - set(where))
+    if unknown:
+        raise ValueError(f"{WEIGHTS_FILE} has adapters for modules params lacks: {unknown}.")
+    per_path: dict[str, dict[int | None, tuple[np.ndarray, np.ndarray, str]]] = {}
+    for module, pair in factors.items():
+        path, layer = where[module]
+        per_path.setdefault(path, {})[layer] = (pair["A"], pair["B"], module)
+    keys = array_keys(params)
+    out: dict = {}
+    for path, layers in per_path.items():
+        shape = tuple(weights[path].shape)
+        ranks = {a.shape[0] for a, _, _ in layers.values()}
+        alphas = {
+            _pattern_value(config.get("alpha_pattern", {}), m, config["lora_alpha"])
+            for _, _, m in layers.values()
+        }
+        if len(ranks) > 1 or len(alphas) > 1:
+            raise ValueError(f"the layers of stacked {path!r} have different ranks or alphas.")
+        r, alpha = ranks.pop(), alphas.pop()
+        per_layer = [None] if len(shape) == 2 else list(range(shape[0]))
+        a_parts, b_parts = [], []
+        for layer in per_layer:
+            matrix = shape[-2:]
+            if layer in layers:
+                lora_a, lora_b, module = layers[layer]
+                a, b = _ours(lora_a, lora_b, layout)
+                if a.shape != (matrix[0], r) or b.shape != (r, matrix[1]):
+                    raise ValueError(
+                        f"the factors of {module!r} ({lora_a.shape}, {lora_b.shape}) do not fit "
+                        f"its weight {path!r} of shape {matrix}."
+                    )
+            else:
+                dtype = next(iter(layers.values()))[0].dtype
+                a, b = np.zeros((matrix[0], r), dtype), np.zeros((r, matrix[1]), dtype)
+            a_parts.append(a)
+            b_parts.append(b)
+        a = a_parts[0] if len(shape) == 2 else np.stack(a_parts)
+        b = b_parts[0] if len(shape) == 2 else np.stack(b_parts)
+        adapter = LoraAdapter(
+            a=jnp.asarray(a),
+            b=jnp.asarray(b),
+            alpha=float(alpha),
+            rslora=bool(config.get("use_rslora", False)),
+            dropout=float(config.get("lora_dropout", 0.0)),
+            layout=layout,
+        )
+        set_nested(out, keys[path], adapter)
+    return out
+
+
+def _ours(lora_a: np.ndarray, lora_b: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    if layout == "in_out":
+        return lora_a.T, lora_b.T
+    return lora_b, lora_a
