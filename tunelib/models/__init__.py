@@ -3,19 +3,34 @@
 `Decoder(config, rngs=...)` maps token ids to final-norm hidden states; `unembed` and
 `unembedding` turn them into logits separately, so that log-probs can be computed in chunks
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
-`config.json`.
+`config.json`; `load_hf_checkpoint` and `save_hf_checkpoint` read and write Hugging Face
+checkpoints (safetensors, one file or sharded) of the Llama, Mistral, Qwen2 and Qwen3 families.
 """
 
 from tunelib.models._config import DecoderConfig
 from tunelib.models._decoder import Decoder, KVCache
+from tunelib.models._hf_checkpoint import (
+    COPIED_FILES,
+    HFCheckpoint,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from tunelib.models._hf_config import MODEL_TYPES, config_from_hf, config_to_hf
 from tunelib.models._rope import rope_frequencies
 from tunelib.models._sharding import TENSOR_PARALLEL_RULES, param_shardings
 
 __all__ = [
+    "COPIED_FILES",
+    "MODEL_TYPES",
     "TENSOR_PARALLEL_RULES",
     "Decoder",
     "DecoderConfig",
+    "HFCheckpoint",
     "KVCache",
+    "config_from_hf",
+    "config_to_hf",
+    "load_hf_checkpoint",
     "param_shardings",
     "rope_frequencies",
+    "save_hf_checkpoint",
 ]

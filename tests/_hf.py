@@ -1,0 +1,244 @@
+"""Tiny Hugging Face checkpoints, tokenizers and chat templates, built by the tests themselves.
+
+Nothing downloads: `transformers` writes randomly initialised models of each family into a
+temporary directory, and `tokenizers` trains a small byte-level BPE on a fixed text. Tests that
+need `torch` and `transformers` get them from `hf_modules()`, which skips (naming both) when
+they are missing, and fails instead when `TUNELIB_REQUIRE_HF=1` (as `.ci/run` sets), so CI
+cannot pass with these tests skipped.
+
+Typical use, for example by a recipe test:
+
+    directory = write_tiny_checkpoint(tmp_path / "model", "qwen2")   # weights + tokenizer
+    write_chat_jsonl(tmp_path / "data.jsonl", 16)                    # SFT records
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REQUIRE_HF = "TUNELIB_REQUIRE_HF"
+# The special tokens of the test tokenizer, ChatML-style as in Qwen.
+PAD, BOS, IM_START, IM_END = "<pad>", "<s>", "<|im_start|>", "<|im_end|>"
+# A ChatML template that marks assistant turns with {% generation %} and exercises what
+# transformers' rendering does: trim_blocks / lstrip_blocks, loop variables, raise_exception,
+# bos_token and the generation prompt.
+CHAT_TEMPLATE = """\
+{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' + message['role']) }}
+    {% endif %}
+    {% if loop.first %}{{ bos_token }}{% endif %}
+<|im_start|>{{ message['role'] }}
+{% if message['role'] == 'assistant' %}
+{% generation %}{{ message['content'] | trim }}<|im_end|>{% endgeneration %}
+
+{% else %}
+{{ message['content'] | trim }}<|im_end|>
+
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+# The same template without {% generation %} blocks (masks then come from rendering prefixes).
+PLAIN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace(
+    "{% endgeneration %}", ""
+)
+VOCAB_SIZE = 320  # model rows; the tokenizer has TOKENIZER_SIZE ids, fewer, as in Qwen
+TOKENIZER_SIZE = 300
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog. ",
+    "what is 12 + 7? the answer is 19. ",
+    "hello, how are you today? i am fine, thank you! ",
+    "user assistant system: answer the question in one word. ",
+    "0123456789 + - * = ( ) , . ? ! ",
+]
+# Tiny configs (hidden 64, 2 layers), transformers' field names; each family's distinguishing
+# options are on: Llama 3 RoPE scaling and every bias, Qwen2 q/k/v biases (implied) with tied
+# embeddings, Qwen3 QK-norm (implied) with N * D != H, Mistral a sliding window shorter than
+# the test sequences.
+COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=3,
+    pad_token_id=0,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(rope_parameters=LLAMA3_ROPE, attention_bias=True, mlp_bias=True),
+    "qwen2": dict(
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+    ),
+    "qwen3": dict(
+        head_dim=32, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
+    ),
+    "mistral": dict(sliding_window=5),
+}
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def hf_modules() -> tuple[Any, Any]:
+    """`(torch, transformers)`; skips the test without them, or fails under `TUNELIB_REQUIRE_HF`."""
+    try:
+        import torch
+        import transformers
+    except ImportError as error:
+        if os.environ.get(REQUIRE_HF) == "1":
+            raise ImportError(
+                f"{REQUIRE_HF}=1 but torch (CPU) and transformers are not importable ({error}); "
+                "install the test extra: pip install -e '.[test]'"
+            ) from error
+        pytest.skip(
+            f"needs torch (CPU) and transformers, from the test extra ({error}); "
+            "pip install -e '.[test]'"
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return torch, transformers
+
+
+def model_class(family: str) -> Any:
+    """The `transformers` causal-LM class of `family`."""
+    _, transformers = hf_modules()
+    return getattr(transformers, _CLASSES[family][1])
+
+
+def tiny_hf_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised `transformers` model of `family`, in float32 eval mode.
+
+    Norm scales and biases are randomised too (transformers initialises them to 1 and 0), so
+    that a weight loaded into the wrong place changes the outputs.
+    """
+    torch, transformers = hf_modules()
+    config_class = getattr(transformers, _CLASSES[family][0])
+    config = config_class(**{**COMMON, **FAMILIES[family], **overrides})
+    torch.manual_seed(seed)
+    model = model_class(family)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+    return model
+
+
+def write_tokenizer(
+    directory: Path, *, chat_template: str = CHAT_TEMPLATE, add_bos: bool = False
+) -> Path:
+    """`tokenizer.json` (a byte-level BPE of `TOKENIZER_SIZE` ids) and `tokenizer_config.json`.
+
+    The special tokens are pad (id 0), BOS (1), `<|im_start|>` (2) and `<|im_end|>` (3), the
+    EOS. With `add_bos` the tokenizer's post-processor prepends BOS, as Llama's does.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_SIZE,
+        special_tokens=[PAD, BOS, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 20, trainer)
+    if add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 1)]
+        )
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": {"content": IM_END, "special": True, "__type": "AddedToken"},
+        "pad_token": PAD,
+        "chat_template": chat_template,
+        "model_max_length": 256,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def write_tiny_checkpoint(
+    directory: Path,
+    family: str = "qwen2",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: int | str | None = None,
+    tokenizer: bool = True,
+    **overrides: Any,
+) -> Path:
+    """A tiny checkpoint of `family` written by `transformers`, with a tokenizer and template.
+
+    Args:
+      directory: where to write (created).
+      family: "llama", "qwen2", "qwen3" or "mistral" (see `FAMILIES`).
+      seed: torch seed of the weights.
+      dtype: "float32" or "bfloat16", the dtype the weights are saved in.
+      max_shard_size: shard the weights (`save_pretrained`'s argument), e.g. 20_000 bytes.
+      tokenizer: also write `tokenizer.json` and `tokenizer_config.json` (`write_tokenizer`).
+      **overrides: config fields.
+    """
+    torch, _ = hf_modules()
+    model = tiny_hf_model(family, seed=seed, **overrides)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    if tokenizer:
+        write_tokenizer(directory)
+    return directory
+
+
+def write_chat_jsonl(path: Path, num_records: int, *, seed: int = 0) -> Path:
+    """`num_records` chat SFT records (`{"messages": [...]}`) of arithmetic, one per line."""
+    rng = np.random.default_rng(seed)
+    with path.open("w") as f:
+        for _ in range(num_records):
+            a, b = (int(x) for x in rng.integers(0, 50, size=2))
+            messages = [
+                {"role": "system", "content": "answer the question in one word."},
+                {"role": "user", "content": f"what is {a} + {b}?"},
+                {"role": "assistant", "content": f"the answer is {a + b}."},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def hf_logits(model: Any, tokens: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """`model`'s float32 logits with tunelib's default positions (real tokens counted)."""
+    torch, _ = hf_modules()
+    positions = np.maximum(np.cumsum(where, axis=-1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(np.where(where, tokens, 0), dtype=torch.long),
+            attention_mask=torch.tensor(where.astype(np.int64)),
+            position_ids=torch.tensor(positions, dtype=torch.long),
+        )
+    return out.logits.float().numpy()

@@ -1,0 +1,206 @@
+"""Reading Hugging Face `config.json` files of each family (both layouts) and writing them."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests._helpers import raises_naming
+from tunelib.models import MODEL_TYPES, DecoderConfig, config_from_hf, config_to_hf
+
+SIZES = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def hf(model_type: str, **fields) -> dict:
+    return {"model_type": model_type, **SIZES, **fields}
+
+
+def test_new_and_old_rope_layouts_read_the_same():
+    new = hf("llama", rope_parameters={**LLAMA3, "rope_theta": 500000.0})
+    old = hf("llama", rope_theta=500000.0, rope_scaling=dict(LLAMA3))
+    legacy_key = hf("llama", rope_theta=500000.0, rope_scaling={**LLAMA3, "type": "llama3"})
+    del legacy_key["rope_scaling"]["rope_type"]
+    configs = [config_from_hf(c) for c in (new, old, legacy_key)]
+    assert configs[0] == configs[1] == configs[2]
+    assert configs[0].rope_theta == 500000.0 and configs[0].rope_scaling == LLAMA3
+    linear_new = hf(
+        "qwen2", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}
+    )
+    linear_old = hf("qwen2", rope_theta=1e6, rope_scaling={"type": "linear", "factor": 4.0})
+    assert config_from_hf(linear_new) == config_from_hf(linear_old)
+    assert config_from_hf(linear_new).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    for plain in (
+        hf("mistral", rope_theta=1e6),
+        hf("mistral", rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ):
+        config = config_from_hf(plain)
+        assert config.rope_theta == 1e6 and config.rope_scaling is None
+    assert config_from_hf(hf("llama")).rope_theta == 10000.0
+
+
+def test_llama3_context_defaults_to_max_position_embeddings():
+    scaling = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+    config = config_from_hf(hf("llama", max_position_embeddings=4096, rope_scaling=scaling))
+    assert config.rope_scaling["original_max_position_embeddings"] == 4096
+
+
+def test_family_specifics():
+    llama = config_from_hf(hf("llama", attention_bias=True, mlp_bias=True))
+    assert llama.attention_bias and llama.o_proj_bias and llama.mlp_bias and not llama.use_qk_norm
+    qwen2 = config_from_hf(hf("qwen2", attention_bias=False, mlp_bias=True))  # keys Qwen2 ignores
+    assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.mlp_bias
+    qwen3 = config_from_hf(hf("qwen3", attention_bias=True))
+    assert qwen3.use_qk_norm and qwen3.o_proj_bias and qwen3.head_dim == 128  # Qwen3's default
+    mistral = config_from_hf(hf("mistral", attention_bias=True))
+    assert not mistral.attention_bias and mistral.sliding_window == 4096  # Mistral's default
+    assert config_from_hf(hf("mistral", sliding_window=None)).sliding_window is None
+    # transformers' defaults for fields left out, per family.
+    no_kv = {k: v for k, v in SIZES.items() if k != "num_key_value_heads"}
+    assert config_from_hf({"model_type": "llama", **no_kv}).num_key_value_heads == 4
+    with raises_naming("num_key_value_heads", error=ValueError):  # Mistral's default, 8, > 4
+        config_from_hf({"model_type": "mistral", **no_kv})
+
+
+def test_qwen_sliding_window_on_every_layer_or_an_error():
+    assert config_from_hf(hf("qwen2", sliding_window=64)).sliding_window is None  # not used
+    every = hf("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    assert config_from_hf(every).sliding_window == 64
+    assert config_from_hf({**every, "max_window_layers": 3}).sliding_window is None
+    listed = hf(
+        "qwen3", use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 3
+    )
+    assert config_from_hf(listed).sliding_window == 8
+    with raises_naming("layer_types", "some layers", error=ValueError):
+        config_from_hf({**every, "max_window_layers": 1})
+    with raises_naming("layer_types", error=ValueError):
+        config_from_hf({**listed, "layer_types": ["full_attention"]})
+
+
+def test_the_checkpoint_dtype_does_not_choose_ours():
+    config = config_from_hf(hf("llama", torch_dtype="bfloat16", dtype="bfloat16"))
+    assert config.dtype == "float32" and config.param_dtype == "float32"
+    config = config_from_hf(
+        hf("llama"), dtype="bfloat16", param_dtype="bfloat16", scan_layers=True, remat=True
+    )
+    assert (config.dtype, config.param_dtype, config.scan_layers, config.remat) == (
+        "bfloat16",
+        "bfloat16",
+        True,
+        True,
+    )
+
+
+BAD = [
+    ({"model_type": "gemma"}, "model_type"),
+    ({"model_type": None}, "model_type"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_dropout": 0.1}, "attention_dropout"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "dynamic"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "factor"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta": 1}}, "beta"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "nested"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
+    ({"attention_bias": "yes"}, "attention_bias"),
+    ({"num_attention_heads": 3}, "num_attention_heads"),
+    ({"rope_theta": "big"}, "rope_theta"),
+    ({"sliding_window": 0}, "sliding_window"),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), BAD)
+def test_unsupported_values_are_errors_naming_the_field(fields, named):
+    with raises_naming(named, error=ValueError):
+        config_from_hf({**hf("mistral" if "sliding_window" in fields else "llama"), **fields})
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers"])
+def test_missing_required_field_is_named(field):
+    config = hf("qwen3")
+    del config[field]
+    with raises_naming(field, "missing", error=ValueError):
+        config_from_hf(config)
+
+
+EXPRESSIBLE = {
+    "llama": dict(attention_bias=True, o_proj_bias=True, mlp_bias=True),
+    "mistral": dict(sliding_window=16),
+    "qwen2": dict(attention_bias=True, sliding_window=32),
+    "qwen3": dict(use_qk_norm=True, head_dim=32, attention_bias=True, o_proj_bias=True),
+}
+
+
+@given(
+    model_type=st.sampled_from(MODEL_TYPES),
+    tie=st.booleans(),
+    theta=st.sampled_from([1e4, 5e5, 1e6]),
+    scaling=st.sampled_from([None, {"rope_type": "linear", "factor": 2.0}, LLAMA3]),
+    eps=st.sampled_from([1e-5, 1e-6]),
+)
+def test_config_to_hf_round_trips(model_type, tie, theta, scaling, eps):
+    config = DecoderConfig(
+        **SIZES,
+        **EXPRESSIBLE[model_type],
+        tie_word_embeddings=tie,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=eps,
+    )
+    written = config_to_hf(config, model_type=model_type, dtype="bfloat16")
+    assert written["torch_dtype"] == written["dtype"] == "bfloat16"
+    assert config_from_hf(written) == config
+    # Either RoPE layout alone reads the same (old and new transformers read one each).
+    old = {k: v for k, v in written.items() if k != "rope_parameters"}
+    new = {k: v for k, v in written.items() if k not in ("rope_theta", "rope_scaling")}
+    assert config_from_hf(old) == config_from_hf(new) == config
+
+
+def test_config_to_hf_keeps_base_metadata_and_rewrites_architecture():
+    base = hf(
+        "qwen2",
+        bos_token_id=None,
+        eos_token_id=151645,
+        rope_theta=1.0,
+        layer_types=["x"],
+        transformers_version="4.40.0",
+    )
+    config = DecoderConfig(**SIZES, attention_bias=True, rope_theta=1e6)
+    written = config_to_hf(config, model_type="qwen2", base=base)
+    assert written["eos_token_id"] == 151645 and written["rope_theta"] == 1e6
+    assert (
+        written["layer_types"] == ["full_attention"] * 3 and "transformers_version" not in written
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "named"),
+    [
+        ("llama", {"use_qk_norm": True}, "use_qk_norm"),
+        ("llama", {"attention_bias": True}, "o_proj_bias"),
+        ("llama", {"sliding_window": 8}, "sliding_window"),
+        ("mistral", {"mlp_bias": True}, "mlp_bias"),
+        ("qwen2", {}, "attention_bias"),
+        ("qwen2", {"attention_bias": True, "o_proj_bias": True}, "o_proj_bias"),
+        ("qwen3", {}, "use_qk_norm"),
+        ("gemma", {}, "model_type"),
+    ],
+)
+def test_config_to_hf_refuses_what_the_family_cannot_express(model_type, overrides, named):
+    config = DecoderConfig(**SIZES, **overrides)
+    with raises_naming(named, error=ValueError):
+        config_to_hf(config, model_type=model_type)

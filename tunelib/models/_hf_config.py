@@ -1,0 +1,392 @@
+"""Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3."""
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from tunelib.models._config import DTYPE_NAMES, DecoderConfig
+
+# The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+
+# transformers' defaults (its config classes) for the fields a config.json may leave out; None
+# for num_key_value_heads and head_dim means "derive it" (N, and H / N).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+    "mistral": {
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+}
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "layer_types": None,
+}
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+# The extra keys of each RoPE type in `rope_parameters` / `rope_scaling`, besides its type and
+# `rope_theta`.
+_ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ),
+}
+
+
+def config_from_hf(
+    hf_config: Mapping[str, Any],
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    scan_layers: bool = False,
+    remat: bool = False,
+) -> DecoderConfig:
+    """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3).
+
+    Reads the fields that the `transformers` model of the config's `model_type` reads, with
+    `transformers`' defaults for the ones left out, so the decoder computes what that model
+    computes. Both config layouts load: current `transformers` releases write RoPE settings
+    as `rope_parameters = {"rope_type", "rope_theta", ...}`, older ones as top-level
+    `rope_theta` and `rope_scaling`. The families differ as in `transformers`:
+
+    | `model_type` | biases | QK-norm | sliding window |
+    |---|---|---|---|
+    | `llama` | q/k/v/o with `attention_bias`, MLP with `mlp_bias` | no | no |
+    | `mistral` | none | no | `sliding_window` (default 4096) |
+    | `qwen2` | q/k/v always | no | `use_sliding_window`, all layers |
+    | `qwen3` | q/k/v/o with `attention_bias` | yes | `use_sliding_window`, all layers |
+
+    A value the decoder cannot reproduce is an error naming the field, never ignored: an
+    activation other than SiLU, dropout, a RoPE type other than default / linear / llama3,
+    partial rotary embeddings, sliding windows on some layers only, or quantised weights.
+    Keys the `transformers` model does not read (token ids, `torch_dtype`, generation
+    settings) are ignored, as there.
+
+    Args:
+      hf_config: the parsed `config.json`.
+      dtype: the compute dtype, chosen by the caller (the checkpoint's `torch_dtype` / `dtype`
+        is only its storage dtype).
+      param_dtype: the dtype the weights are stored in.
+      scan_layers: store the layers stacked (see `DecoderConfig`).
+      remat: rematerialise each layer in the backward pass.
+
+    Returns:
+      The `DecoderConfig`.
+
+    Raises:
+      ValueError: naming the field, for a missing required field, an unsupported
+        `model_type`, or a value the decoder does not support.
+
+    Examples:
+      >>> from tunelib.models import config_from_hf
+      >>> hf = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+      ...       "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+      ...       "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+      ...                           "factor": 8.0, "low_freq_factor": 1.0,
+      ...                           "high_freq_factor": 4.0,
+      ...                           "original_max_position_embeddings": 64}}
+      >>> config = config_from_hf(hf)
+      >>> config.num_key_value_heads, config.head_dim, config.rope_theta
+      (4, 16, 500000.0)
+      >>> config.rope_scaling["rope_type"]
+      'llama3'
+      >>> old = {**hf, "rope_theta": 500000.0, "rope_scaling": hf["rope_parameters"]}
+      >>> del old["rope_parameters"], old["rope_scaling"]["rope_theta"]
+      >>> config_from_hf(old) == config
+      True
+    """
+    if not isinstance(hf_config, Mapping):
+        raise TypeError(f"hf_config must be a dict, got {type(hf_config).__name__}.")
+    model_type = hf_config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"config.json: model_type must be one of {MODEL_TYPES}, got {model_type!r}."
+        )
+    architectures = hf_config.get("architectures")
+    if architectures is not None and list(architectures) != [ARCHITECTURES[model_type]]:
+        raise ValueError(
+            f"config.json: architectures is {architectures!r}; only the causal LM "
+            f"[{ARCHITECTURES[model_type]!r}] is supported for model_type {model_type!r}."
+        )
+    for name in _REQUIRED:
+        if name not in hf_config:
+            raise ValueError(f"config.json: the required field {name!r} is missing.")
+    if hf_config.get("quantization_config") is not None:
+        raise ValueError(
+            "config.json: quantization_config is set; quantised checkpoints are not supported."
+        )
+
+    def get(name: str) -> Any:
+        value = hf_config.get(name)
+        if value is None and name not in hf_config:
+            return _DEFAULTS[model_type].get(name, _COMMON_DEFAULTS.get(name))
+        return value
+
+    if get("hidden_act") not in ("silu", "swish"):
+        raise ValueError(
+            f"config.json: hidden_act must be 'silu' (SwiGLU), got {get('hidden_act')!r}."
+        )
+    if get("attention_dropout") not in (0, 0.0):
+        raise ValueError(
+            f"config.json: attention_dropout is {get('attention_dropout')!r}; the decoder has no "
+            "dropout, so only 0 is supported."
+        )
+    theta, scaling = _rope(hf_config, get("max_position_embeddings"))
+
+    biases = {"attention_bias": False, "o_proj_bias": False, "mlp_bias": False}
+    if model_type == "llama":
+        bias = _bool(get("attention_bias"), "attention_bias")
+        biases = {
+            "attention_bias": bias,
+            "o_proj_bias": bias,
+            "mlp_bias": _bool(get("mlp_bias"), "mlp_bias"),
+        }
+    elif model_type == "qwen2":
+        biases["attention_bias"] = True
+    elif model_type == "qwen3":
+        bias = _bool(get("attention_bias"), "attention_bias")
+        biases.update(attention_bias=bias, o_proj_bias=bias)
+
+    return DecoderConfig(
+        vocab_size=get("vocab_size"),
+        hidden_size=get("hidden_size"),
+        intermediate_size=get("intermediate_size"),
+        num_hidden_layers=get("num_hidden_layers"),
+        num_attention_heads=get("num_attention_heads"),
+        num_key_value_heads=get("num_key_value_heads"),
+        head_dim=get("head_dim"),
+        rms_norm_eps=get("rms_norm_eps"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=get("max_position_embeddings"),
+        tie_word_embeddings=get("tie_word_embeddings"),
+        initializer_range=get("initializer_range"),
+        use_qk_norm=model_type == "qwen3",
+        sliding_window=_sliding_window(model_type, get),
+        scan_layers=scan_layers,
+        remat=remat,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        **biases,
+    )
+
+
+def config_to_hf(
+    config: DecoderConfig,
+    *,
+    model_type: str,
+    base: Mapping[str, Any] | None = None,
+    dtype: str | None = None,
+) -> dict[str, Any]:
+    """The `config.json` dict of `config` for a Hugging Face `model_type`.
+
+    Starts from `base` (for example the `config.json` a checkpoint was loaded from, so token
+    ids and other metadata survive) and writes every architectural field. RoPE settings are
+    written in both layouts, `rope_parameters` for current `transformers` releases and
+    top-level `rope_theta` / `rope_scaling` for older ones, so either reads the same model.
+
+    Args:
+      config: the decoder's config.
+      model_type: "llama", "mistral", "qwen2" or "qwen3"; the config must be one this family
+        can express (Qwen2 needs q/k/v biases and no output bias, Qwen3 needs QK-norm, ...).
+      base: fields to start from; architectural ones are overwritten.
+      dtype: the storage dtype of the saved weights, written as `torch_dtype` and `dtype`;
+        None means `config.param_dtype`.
+
+    Returns:
+      A JSON-serialisable dict.
+
+    Raises:
+      ValueError: naming the field that `model_type` cannot express.
+
+    Examples:
+      >>> from tunelib.models import DecoderConfig, config_from_hf, config_to_hf
+      >>> config = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+      ...                        num_hidden_layers=2, num_attention_heads=4,
+      ...                        num_key_value_heads=2, attention_bias=True)
+      >>> hf = config_to_hf(config, model_type="qwen2")
+      >>> hf["architectures"], hf["rope_parameters"]
+      (['Qwen2ForCausalLM'], {'rope_type': 'default', 'rope_theta': 10000.0})
+      >>> config_from_hf(hf) == config
+      True
+    """
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}.")
+    dtype = config.param_dtype if dtype is None else dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}.")
+    _check_expressible(config, model_type)
+    out = dict(base or {})
+    stale_keys = ("rope_scaling", "rope_parameters", "rope_theta", "layer_types", "rope_type")
+    for stale in (*stale_keys, "transformers_version"):
+        out.pop(stale, None)
+    scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
+    out.update(
+        architectures=[ARCHITECTURES[model_type]],
+        model_type=model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_dropout=0.0,
+        rope_theta=config.rope_theta,
+        rope_scaling=scaling,
+        rope_parameters={
+            "rope_type": "default" if scaling is None else scaling["rope_type"],
+            "rope_theta": config.rope_theta,
+            **({} if scaling is None else {k: x for k, x in scaling.items() if k != "rope_type"}),
+        },
+        torch_dtype=dtype,
+        dtype=dtype,
+    )
+    if model_type == "llama":
+        out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+    elif model_type == "mistral":
+        out.update(sliding_window=config.sliding_window)
+    else:
+        sliding = config.sliding_window is not None
+        out.update(
+            use_sliding_window=sliding,
+            sliding_window=config.sliding_window,
+            max_window_layers=0 if sliding else config.num_hidden_layers,
+            layer_types=[("sliding" if sliding else "full") + "_attention"]
+            * config.num_hidden_layers,
+        )
+        if model_type == "qwen3":
+            out.update(attention_bias=config.attention_bias)
+    return out
+
+
+def _check_expressible(config: DecoderConfig, model_type: str) -> None:
+    """Raise naming the first field of `config` that `model_type` cannot express."""
+    need: dict[str, Any] = {"use_qk_norm": model_type == "qwen3"}
+    if model_type == "llama":
+        need.update(o_proj_bias=config.attention_bias, sliding_window=None)
+    elif model_type == "mistral":
+        need.update(attention_bias=False, o_proj_bias=False, mlp_bias=False)
+    elif model_type == "qwen2":
+        need.update(attention_bias=True, o_proj_bias=False, mlp_bias=False)
+    else:
+        need.update(o_proj_bias=config.attention_bias, mlp_bias=False)
+    for name, value in need.items():
+        if getattr(config, name) != value:
+            raise ValueError(
+                f"model_type {model_type!r} cannot express {name}={getattr(config, name)!r} "
+                f"(it needs {name}={value!r} with this config)."
+            )
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json: {name} must be true or false, got {value!r}.")
+    return value
+
+
+def _rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None]:
+    """`(rope_theta, rope_scaling)` from either config layout, as `transformers` reads them."""
+    nested = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if not isinstance(nested, Mapping):
+        raise ValueError(f"config.json: {field} must be a dict, got {nested!r}.")
+    params = dict(nested)
+    if any(isinstance(x, Mapping) for x in params.values()):
+        raise ValueError(
+            f"config.json: {field} is nested per layer type ({sorted(params)}); only one RoPE "
+            "for every layer is supported."
+        )
+    theta = params.pop("rope_theta", None)
+    theta = hf.get("rope_theta", 10000.0) if theta is None else theta
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (1, 1.0, None):
+        raise ValueError(
+            f"config.json: partial_rotary_factor is {partial!r}; only full rotary embeddings "
+            "(1.0) are supported."
+        )
+    if rope_type not in _ROPE_KEYS:
+        raise ValueError(
+            f"config.json: {field} has rope_type {rope_type!r}; supported: {tuple(_ROPE_KEYS)}."
+        )
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", max_positions)
+    expected = set(_ROPE_KEYS[rope_type])
+    if set(params) != expected:
+        extra, missing = sorted(set(params) - expected), sorted(expected - set(params))
+        raise ValueError(
+            f"config.json: {field} of rope_type {rope_type!r} has unexpected keys {extra} and "
+            f"lacks {missing}."
+        )
+    if not isinstance(theta, int | float) or not math.isfinite(theta):
+        raise ValueError(f"config.json: rope_theta must be a number, got {theta!r}.")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **params}
+
+
+def _sliding_window(model_type: str, get: Any) -> int | None:
+    """The window every layer uses, or None; an error when only some layers slide."""
+    if model_type == "llama":
+        return None
+    if model_type == "mistral":
+        return get("sliding_window")
+    window = (
+        get("sliding_window") if _bool(get("use_sliding_window"), "use_sliding_window") else None
+    )
+    layers = get("num_hidden_layers")
+    types = get("layer_types")
+    if types is None:
+        first = get("max_window_layers")
+        types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(layers)
+        ]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"config.json: layer_types must list 'full_attention' or 'sliding_attention' for "
+            f"each of the {layers} layers, got {types!r}."
+        )
+    windows = {window if t == "sliding_attention" else None for t in types}
+    if len(windows) > 1:
+        raise ValueError(
+            "config.json: use_sliding_window, max_window_layers and layer_types give a sliding "
+            f"window on some layers only ({types}); the decoder needs one attention for all."
+        )
+    return windows.pop()
