@@ -275,10 +275,10 @@ def tokens_in_spans(
 
     This is `transformers`' rule for assistant masks: a token cut by a span boundary counts.
     """
-    where = np.zeros(len(offsets), np.bool_)
-    for i, (token_start, token_end) in enumerate(offsets):
-        where[i] = any(token_start < end and token_end > start for start, end in spans)
-    return where
+    tokens = np.asarray(offsets, np.int64).reshape(-1, 2)
+    ranges = np.asarray(spans, np.int64).reshape(-1, 2)
+    overlap = (tokens[:, :1] < ranges[None, :, 1]) & (tokens[:, 1:] > ranges[None, :, 0])
+    return overlap.any(axis=1)
 
 
 def encode_chat(

@@ -394,7 +394,7 @@ def hf_prompts(
                 check_messages(index, "prompt", prompt)
                 ids = encode_chat(tokenizer, prompt, add_generation_prompt=True)[0].tolist()
             except RecordError as error:
-                raise ValueError(f"prompts[{index}]: {str(error).split(': ', 1)[1]}") from None
+                raise ValueError(f"prompts[{index}]: {error.detail}") from None
             except TemplateError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
         if not ids:

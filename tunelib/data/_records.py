@@ -25,7 +25,8 @@ class RecordError(ValueError):
     Attributes:
       index: position of the record in the input.
       field: the offending field, or None when the record is not a dict.
-      reason: one of `REASONS`, the key it is counted under when skipping.
+      reason: one of `REASONS` (or `HF_REASONS`), the key it is counted under when skipping.
+      detail: the message without the record index.
     """
 
     def __init__(self, index: int, field: str | None, reason: str, detail: str):
@@ -33,6 +34,7 @@ class RecordError(ValueError):
         self.index = index
         self.field = field
         self.reason = reason
+        self.detail = detail
 
 
 @dataclasses.dataclass(frozen=True)

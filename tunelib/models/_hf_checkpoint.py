@@ -180,7 +180,7 @@ def load_hf_checkpoint(
         raise ValueError("pass mesh or shardings, not both.")
     if shardings is None:
         if mesh is None:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             shardings = jax.tree.map(lambda _: device, abstract)
         else:
             shardings = param_shardings(graphdef, abstract, mesh, rules)
@@ -309,8 +309,9 @@ def save_hf_checkpoint(
     Args:
       directory: where the checkpoint goes; it must not exist unless `overwrite`.
       graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder`.
-      params: its parameters, an `nnx.State` or a pure dict (on any devices; each tensor is
-        fetched to the host when its file is written). LoRA adapters must be merged first.
+      params: its parameters, an `nnx.State` or a pure dict, on any devices of this process
+        (each tensor is fetched to the host when its file is written). Merge LoRA adapters
+        first.
       model_type: "llama", "mistral", "qwen2" or "qwen3"; None means `hf_config`'s.
       hf_config: the `config.json` the model was loaded from (`HFCheckpoint.hf_config`):
         its token ids and other metadata are kept, architectural fields rewritten.
@@ -326,8 +327,8 @@ def save_hf_checkpoint(
 
     Raises:
       FileExistsError: if `directory` exists and not `overwrite`.
-      ValueError: if `params` are not the parameters of `graphdef`'s config, or
-        `model_type` cannot express the config.
+      ValueError: if `params` are not the parameters of `graphdef`'s config or span several
+        processes, or `model_type` cannot express the config.
 
     Examples:
       >>> import json, os, tempfile
@@ -365,6 +366,11 @@ def save_hf_checkpoint(
         if got.get(w.path) != w.shape:
             name = "/".join(map(str, w.path))
             raise ValueError(f"params[{name!r}] has shape {got.get(w.path)}, expected {w.shape}.")
+    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
+        raise ValueError(
+            "params are spread over several processes; gather them into one (for example "
+            "with jax.experimental.multihost_utils.process_allgather) and save from it."
+        )
     if max_shard_size < 1:
         raise ValueError(f"max_shard_size must be >= 1 byte, got {max_shard_size}.")
     if directory.exists() and not overwrite:
