@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from tunelib import rollout
+from tunelib import peft, rollout
 from tunelib.data import CharTokenizer, arithmetic_split, encode_prompts, verify_answer
 from tunelib.logprobs import IMPLEMENTATIONS
 from tunelib.models import Decoder, DecoderConfig
@@ -29,17 +29,39 @@ RUNS = Path(os.environ.get("TUNELIB_RUNS", "runs"))
 
 
 def parser(
-    description: str, *, steps: int, batch_size: int, learning_rate: float
+    description: str,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    lora_learning_rate: float | None = None,
 ) -> argparse.ArgumentParser:
-    """Flags every recipe takes; each recipe adds its own."""
+    """Flags every recipe takes; each recipe adds its own.
+
+    Recipes that fine-tune an existing model pass `lora_learning_rate` and get the LoRA /
+    QLoRA flags; `--learning-rate` then defaults to the one of the chosen mode.
+    """
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the data split, init and order")
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=batch_size)
-    p.add_argument("--learning-rate", type=float, default=learning_rate)
+    if lora_learning_rate is None:
+        p.add_argument("--learning-rate", type=float, default=learning_rate)
+    else:
+        p.add_argument(
+            "--learning-rate",
+            type=float,
+            default=None,
+            help=f"default {learning_rate} for full fine-tuning, {lora_learning_rate} with LoRA",
+        )
+        p.set_defaults(default_learning_rates=(learning_rate, lora_learning_rate))
+        add_lora_flags(p)
     p.add_argument("--max-digits", type=int, default=2, help="operand digits of the task")
+    p.add_argument(
+        "--operations", default="+", help="the task's operations, any of '+-*' (e.g. '-*')"
+    )
     p.add_argument("--num-train", type=int, default=1000, help="problems with demonstrations")
     p.add_argument("--num-heldout", type=int, default=300, help="held-out problems for accuracy")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="base")
@@ -60,9 +82,40 @@ def parser(
     return p
 
 
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="> 0: train LoRA adapters of this rank on every attention and MLP projection "
+        "and keep the other weights frozen (0: train every weight)",
+    )
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; default 2 x rank")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on adapter inputs")
+    p.add_argument(
+        "--qlora",
+        action="store_true",
+        help="with --lora-rank: store the frozen projections in NF4 with double quantisation",
+    )
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`p.parse_args(argv)` with the LoRA flags checked and the learning rate resolved."""
+    args = p.parse_args(argv)
+    if hasattr(args, "lora_rank"):
+        if args.lora_rank < 0:
+            p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
+        if args.qlora and not args.lora_rank:
+            p.error("--qlora trains LoRA adapters on the NF4 base: give --lora-rank too")
+        if args.learning_rate is None:
+            full, lora = args.default_learning_rates
+            args.learning_rate = lora if args.lora_rank else full
+    return args
+
+
 def forward_flags(args: argparse.Namespace, *names: str) -> list[str]:
     """Flags that pass this run's values of `names` (and `--no-progress`) to another recipe."""
-    out = [x for name in names for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    out = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in names]
     return out + (["--no-progress"] if args.no_progress else [])
 
 
@@ -88,6 +141,7 @@ def task(args: argparse.Namespace, num_train: int | None = None) -> Task:
         num_train=args.num_train if num_train is None else num_train,
         num_heldout=args.num_heldout,
         max_digits=args.max_digits,
+        operations=tuple(args.operations),
     )
     max_length = 4 * args.max_digits + 8
     return Task(CharTokenizer(), train, heldout, max_length)
@@ -143,6 +197,57 @@ def load_model(path: Path) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
 
 def has_model(path: Path) -> bool:
     return (path / "config.json").exists() and (path / "params").exists()
+
+
+# ----------------------------------------------------------------------------- LoRA / QLoRA
+
+# Every attention and MLP projection of every layer: QLoRA adapts all linear layers but the head.
+LORA_TARGETS = r"layers/.*_proj/kernel"
+
+
+def lora_setup(args: argparse.Namespace, params: dict) -> tuple[dict, dict | None]:
+    """`(trainable, base)`: the weights themselves and no base for a full fine-tune; with
+    `--lora-rank`, fresh adapters and the frozen base (in NF4 with `--qlora`)."""
+    if not getattr(args, "lora_rank", 0):
+        return params, None
+    rule = peft.LoraRule(
+        pattern=LORA_TARGETS,
+        rank=args.lora_rank,
+        alpha=args.lora_alpha or 2.0 * args.lora_rank,
+        dropout=args.lora_dropout,
+    )
+    adapters = peft.init_lora(params, [rule], key=jax.random.key(args.seed + 1))
+    base = peft.quantize_params(params, [LORA_TARGETS]) if args.qlora else params
+    return adapters, base
+
+
+def model_params(trainable: dict, base: dict | None, dropout_key: jax.Array | None = None):
+    """The parameters a forward pass runs with: the trainable weights, or the base with the
+    adapters applied (call the forward through `peft.lora`)."""
+    return trainable if base is None else peft.apply_lora(base, trainable, dropout_key=dropout_key)
+
+
+def dense_params(trainable: dict, base: dict | None) -> dict:
+    """Plain weights for evaluation, sampling and saving: the adapters merged into the base."""
+    return trainable if base is None else peft.merge_lora(base, trainable)
+
+
+def tuning_headline(args: argparse.Namespace, trainable: dict, base: dict | None) -> dict:
+    """What was trained, for the final JSON line: the mode and the trainable parameter count."""
+    mode = "full" if base is None else "qlora" if args.qlora else "lora"
+    count = sum(x.size for x in jax.tree.leaves(trainable))
+    out = {"tuning": mode, "trainable_params": int(count)}
+    if base is not None:
+        out["base_bits_per_param"] = round(peft.bits_per_parameter(base), 3)
+    return out
+
+
+def save_adapters(folder: Path, trainable: dict, base: dict | None) -> None:
+    """With LoRA, the adapters alone: an Orbax checkpoint and the Hugging Face PEFT format."""
+    if base is None:
+        return
+    peft.save_adapters(folder / "adapters", trainable)
+    peft.export_peft(folder / "peft_adapter", trainable, base)
 
 
 # ----------------------------------------------------------------------------- evaluation

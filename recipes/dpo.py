@@ -3,13 +3,18 @@
     python recipes/dpo.py                   # trains recipes/sft.py first if its model is absent
     python recipes/dpo.py --loss ipo --beta 0.5
     python recipes/dpo.py --resume          # continue a killed run from its last checkpoint
+    python recipes/dpo.py --lora-rank 16    # LoRA adapters on the frozen SFT model (--qlora: NF4)
 
 Where the SFT model answers a training prompt correctly, the rejected answer is a near miss.
 The reference policy is the SFT model, frozen. The train step below is ordinary user code:
 one forward pass over chosen and rejected completions, sequence log-probs from
-`tunelib.logprobs`, a pairwise loss from `tunelib.losses`, and an Optax update.
+`tunelib.logprobs`, a pairwise loss from `tunelib.losses`, and an Optax update. With
+`--lora-rank` the policy is the SFT model with LoRA adapters (`tunelib.peft`) and the
+reference is the same frozen base without them (in NF4 with `--qlora`), as TRL does for PEFT
+models, so policy and reference start equal.
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -20,7 +25,7 @@ import optax
 import sft
 from flax import nnx
 
-from tunelib import logprobs, losses
+from tunelib import logprobs, losses, peft
 from tunelib.data import preference_dataset, preference_pairs
 
 # Pairwise losses that share DPO's signature: (chosen, rejected, ref_chosen, ref_rejected).
@@ -40,7 +45,13 @@ PAIRWISE = {
 
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], steps=300, batch_size=64, learning_rate=1e-4)
+    p = common.parser(
+        __doc__.splitlines()[0],
+        steps=300,
+        batch_size=64,
+        learning_rate=1e-4,
+        lora_learning_rate=1e-3,
+    )
     p.add_argument("--loss", choices=sorted(PAIRWISE), default="dpo")
     p.add_argument("--beta", type=float, default=1.0)
     p.add_argument(
@@ -83,18 +94,29 @@ def ensure_sft_model(args) -> Path:
     folder = args.sft_dir or common.RUNS / f"sft-seed{args.seed}" / "model"
     if not common.has_model(folder):
         print(f"no SFT model at {folder}: training it first with recipes/sft.py", flush=True)
-        same = ("seed", "num_train", "num_heldout", "max_digits", "logprobs", "model_size")
+        same = (
+            "seed",
+            "num_train",
+            "num_heldout",
+            "max_digits",
+            "operations",
+            "logprobs",
+            "model_size",
+        )
         steps = ["--steps", str(args.sft_steps)] if args.sft_steps else []
         sft.main(common.forward_flags(args, *same) + steps + ["--out", str(folder.parent)])
     return folder
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    args = common.parse(build_parser(), argv)
     sft_folder = ensure_sft_model(args)
     run = common.Run("dpo", args)
     task = common.task(args, num_train=args.num_prompts)
     config, graphdef, ref_params = common.load_model(sft_folder)
+    trainable, base = common.lora_setup(args, ref_params)
+    # With LoRA the reference is the frozen base without adapters: the policy's start.
+    frozen = {"base": base, "reference": ref_params if base is None else base}
     pairs = preference_pairs(task.train, seed=args.seed)
     if args.rejected == "model":
         # On-policy negatives: where the SFT model answers a training prompt wrongly, prefer the
@@ -143,10 +165,11 @@ def main(argv: list[str] | None = None) -> dict:
         )
         return token, both["where"]
 
-    def loss_fn(params, batch):
-        token, where = token_logps(params, batch)
+    def loss_fn(trainable, frozen, batch, dropout_key):
+        params = common.model_params(trainable, frozen["base"], dropout_key)
+        token, where = peft.lora(token_logps)(params, batch)
         chosen, rejected = jnp.split(logprobs.sequence_sum(token, where=where), 2)
-        ref_token, _ = jax.lax.stop_gradient(token_logps(ref_params, batch))
+        ref_token, _ = jax.lax.stop_gradient(peft.lora(token_logps)(frozen["reference"], batch))
         ref_chosen, ref_rejected = jnp.split(logprobs.sequence_sum(ref_token, where=where), 2)
         per_pair = pairwise_loss(chosen, rejected, ref_chosen, ref_rejected, beta=args.beta)
         # The NLL of the chosen answer, per token (Llama 3 adds it to DPO with weight 0.2).
@@ -162,29 +185,41 @@ def main(argv: list[str] | None = None) -> dict:
         return per_pair.mean(), metrics
 
     @jax.jit
-    def train_step(state, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+    def train_step(frozen, state, batch):
+        key, dropout_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        dropout_key = dropout_key if args.lora_dropout else None
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], frozen, batch, dropout_key
+        )
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **metrics}
+        state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+        return state, {"loss": loss, **metrics}
 
-    def evaluate(params):
-        return {"accuracy": common.accuracy(graphdef, params, task)}
+    def evaluate(trainable):
+        return {"accuracy": common.accuracy(graphdef, common.dense_params(trainable, base), task)}
 
-    accuracy_before = evaluate(ref_params)["accuracy"]
+    accuracy_before = evaluate(trainable)["accuracy"]
     state = {
-        "params": ref_params,
-        "opt_state": optimizer.init(ref_params),
+        "params": trainable,
+        "opt_state": optimizer.init(trainable),
         "rng": common.key_data(args.seed),
     }
-    state = run.train(state=state, batches=batches, step_fn=train_step, evaluate=evaluate)
-    common.save_model(run.folder / "model", config, state["params"])
+    state = run.train(
+        state=state,
+        batches=batches,
+        step_fn=functools.partial(train_step, frozen),
+        evaluate=evaluate,
+    )
+    common.save_model(run.folder / "model", config, common.dense_params(state["params"], base))
+    common.save_adapters(run.folder, state["params"], base)
     last = run.records()[-1]
     return run.finish(
         {
             "seed": args.seed,
             "loss": args.loss,
             "steps": args.steps,
+            **common.tuning_headline(args, trainable, base),
             "accuracy_before": accuracy_before,
             "accuracy_after": last["accuracy"],
             "final_reward_accuracy": last["reward_accuracy"],

@@ -4,15 +4,19 @@
     python recipes/grpo.py --mode dapo        # clip-higher, token mean, overlong, dynamic sampling
     python recipes/grpo.py --mode dr_grpo     # unscaled advantages, token sum / max length
     python recipes/grpo.py --resume           # continue a killed run from its last checkpoint
+    python recipes/grpo.py --lora-rank 16     # LoRA adapters on the frozen SFT model (--qlora)
 
 Each step samples `--group-size` completions for each of `--batch-size` training prompts
 with the KV-cache sampler of `tunelib.rollout`, scores them with the task's verifier (1 for
 the exact answer, plus `--format-weight` for a well-formed one: digits, ended by EOS), and
 takes `--updates-per-batch` Optax steps on the clipped surrogate of `tunelib.losses` with
 group-relative advantages from `tunelib.advantages`. The behaviour log-probs are the sampler's; the
-reference policy (for the KL term) is the SFT model, frozen.
+reference policy (for the KL term) is the SFT model, frozen. With `--lora-rank` only LoRA
+adapters train (`tunelib.peft`), the reference is the frozen base without them, and the sampler
+gets the adapters merged into the base before each batch of rollouts.
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -25,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from tunelib import advantages, logprobs, losses, rollout
+from tunelib import advantages, logprobs, losses, peft, rollout
 from tunelib.data import encode_prompts, verify_answer
 
 # What each mode sets; every value can be overridden by its flag.
@@ -43,7 +47,13 @@ MODES = {
 
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], steps=150, batch_size=64, learning_rate=1e-4)
+    p = common.parser(
+        __doc__.splitlines()[0],
+        steps=150,
+        batch_size=64,
+        learning_rate=1e-4,
+        lora_learning_rate=1e-3,
+    )
     p.set_defaults(eval_every=50, checkpoint_every=50)
     p.add_argument("--mode", choices=sorted(MODES), default="grpo")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt, G")
@@ -72,7 +82,7 @@ def well_formed(text: str, truncated: bool) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    args = common.parse(build_parser(), argv)
     mode = {**MODES[args.mode]}
     mode["epsilon_high"] = (
         args.epsilon_high if args.epsilon_high is not None else mode["epsilon_high"]
@@ -83,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
     task = common.task(args, num_train=args.num_prompts)
     tok = task.tokenizer
     config, graphdef, ref_params = common.load_model(sft_folder)
+    trainable, base = common.lora_setup(args, ref_params)
+    # With LoRA the reference is the frozen base without adapters: the policy's start.
+    frozen = {"base": base, "reference": ref_params if base is None else base}
     group = args.group_size
     sampling = rollout.SamplingConfig(
         max_new_tokens=task.max_length - task.max_length // 2,
@@ -120,8 +133,9 @@ def main(argv: list[str] | None = None) -> dict:
             implementation=args.logprobs,
         )
 
-    def loss_fn(params, batch):
-        token_logps, entropy = completion_logps(params, batch)
+    def loss_fn(trainable, frozen, batch, dropout_key):
+        params = common.model_params(trainable, frozen["base"], dropout_key)
+        token_logps, entropy = peft.lora(completion_logps)(params, batch)
         where = batch["where"] & batch["keep"][:, None]
         adv = advantages.group_advantages(
             batch["rewards"].reshape(-1, group), scale=mode["scale"]
@@ -129,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
         clip = {"epsilon_low": args.epsilon_low, "epsilon_high": mode["epsilon_high"]}
         old = batch["logps"]
         per_token = losses.policy_gradient_loss(token_logps, old, adv, **clip, where=where)
-        ref_logps, _ = jax.lax.stop_gradient(completion_logps(ref_params, batch))
+        ref_logps, _ = jax.lax.stop_gradient(
+            peft.lora(completion_logps)(frozen["reference"], batch)
+        )
         # Over every completion (dropped groups included) for the log; `aggregate` masks it.
         kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=batch["where"])
         per_token = per_token + mode["kl_beta"] * kl
@@ -149,21 +165,26 @@ def main(argv: list[str] | None = None) -> dict:
         }
 
     @jax.jit
-    def update(state, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+    def update(frozen, state, batch, dropout_key):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], frozen, batch, dropout_key
+        )
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **metrics}
 
-    def train_step(state, indices):
+    def train_step(frozen, state, indices):
         """Sample and score a group per prompt on the host, then one jitted update."""
         records = [task.train[i] for i in np.asarray(indices)]
         prompt_tokens, prompt_where = encode_prompts(
             [r["prompt"] for r in records], tok, max_length=task.max_length // 2
         )
-        key, sample_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        rng = jax.random.wrap_key_data(state["rng"])
+        key, sample_key = jax.random.split(rng)
+        dropout_key = jax.random.fold_in(rng, 1)
+        policy = common.dense_params(state["params"], frozen["base"])  # adapters merged on sync
         out = rollout.sample(
-            graphdef, state["params"], prompt_tokens, prompt_where, sample_key, sampling,
+            graphdef, policy, prompt_tokens, prompt_where, sample_key, sampling,
             group_size=group,
         )  # fmt: skip
         texts = [tok.decode(row) for row in np.asarray(out.tokens).tolist()]
@@ -194,8 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
             "keep": keep,
         }
         state = {**state, "rng": jax.random.key_data(key)}
-        for _ in range(args.updates_per_batch):
-            state, metrics = update(state, batch)
+        for i in range(args.updates_per_batch):
+            step_key = jax.random.fold_in(dropout_key, i) if args.lora_dropout else None
+            state, metrics = update(frozen, state, batch, step_key)
         return state, {
             **metrics,
             "reward": rewards.mean(),
@@ -204,23 +226,30 @@ def main(argv: list[str] | None = None) -> dict:
             "kept_groups": keep.mean(),
         }
 
-    def evaluate(params):
-        return {"accuracy": common.accuracy(graphdef, params, task)}
+    def evaluate(trainable):
+        return {"accuracy": common.accuracy(graphdef, common.dense_params(trainable, base), task)}
 
-    accuracy_before = evaluate(ref_params)["accuracy"]
+    accuracy_before = evaluate(trainable)["accuracy"]
     state = {
-        "params": ref_params,
-        "opt_state": optimizer.init(ref_params),
+        "params": trainable,
+        "opt_state": optimizer.init(trainable),
         "rng": common.key_data(args.seed),
     }
-    state = run.train(state=state, batches=batches, step_fn=train_step, evaluate=evaluate)
-    common.save_model(run.folder / "model", config, state["params"])
+    state = run.train(
+        state=state,
+        batches=batches,
+        step_fn=functools.partial(train_step, frozen),
+        evaluate=evaluate,
+    )
+    common.save_model(run.folder / "model", config, common.dense_params(state["params"], base))
+    common.save_adapters(run.folder, state["params"], base)
     last = run.records()[-1]
     return run.finish(
         {
             "seed": args.seed,
             "mode": args.mode,
             "steps": args.steps,
+            **common.tuning_headline(args, trainable, base),
             "accuracy_before": accuracy_before,
             "accuracy_after": last["accuracy"],
             "final_reward": last["reward"],

@@ -1,26 +1,45 @@
-"""Supervised fine-tuning of the reference decoder, from scratch, on the arithmetic task.
+"""Supervised fine-tuning of the reference decoder on the arithmetic task, from scratch or not.
 
-    python recipes/sft.py                 # quick default, about a minute on 2 CPU cores
+    python recipes/sft.py                 # quick default, from scratch: about a minute on 2 CPUs
     python recipes/sft.py --steps 3000    # longer
     python recipes/sft.py --resume        # continue a killed run from its last checkpoint
+    python recipes/sft.py --model runs/sft-minus/model --lora-rank 16   # LoRA on a trained model
+    python recipes/sft.py --model runs/sft-minus/model --lora-rank 16 --qlora
 
 The train step below is ordinary user code: a forward pass, `tunelib.losses.nll_loss` on the
-completion tokens, `aggregate` for the token mean, and an Optax update.
+completion tokens, `aggregate` for the token mean, and an Optax update. With `--lora-rank` the
+same loss runs through `tunelib.peft.lora` on the frozen base with adapters applied, and only
+the adapters are differentiated and updated.
 """
 
+import functools
 import sys
+from pathlib import Path
 
 import common
 import jax
 import optax
 from flax import nnx
 
-from tunelib import logprobs, losses
+from tunelib import logprobs, losses, peft
 from tunelib.data import sft_dataset
 
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], steps=1000, batch_size=64, learning_rate=3e-3)
+    p = common.parser(
+        __doc__.splitlines()[0],
+        steps=1000,
+        batch_size=64,
+        learning_rate=3e-3,
+        lora_learning_rate=3e-3,
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="start from the model in this folder (a recipe's model/ output) instead of a "
+        "random initialisation",
+    )
     p.add_argument(
         "--label-smoothing", type=float, default=0.0, help="> 0 computes the full logits"
     )
@@ -29,11 +48,15 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    args = common.parse(build_parser(), argv)
     run = common.Run("sft", args)
     task = common.task(args)
-    config = common.model_config(task.tokenizer, args.model_size)
-    graphdef, params = common.init_model(config, args.seed)
+    if args.model is None:
+        config = common.model_config(task.tokenizer, args.model_size)
+        graphdef, params = common.init_model(config, args.seed)
+    else:
+        config, graphdef, params = common.load_model(args.model)
+    trainable, base = common.lora_setup(args, params)
     records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in task.train]
     batches = iter(
         sft_dataset(
@@ -73,28 +96,44 @@ def main(argv: list[str] | None = None) -> dict:
         return losses.aggregate(per_token, mode="token_mean", where=batch["where"]).mean()
 
     @jax.jit
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+    def train_step(base, state, batch):
+        key, dropout_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+
+        def objective(trainable):  # the weights, or the adapters on the frozen base
+            params = common.model_params(
+                trainable, base, dropout_key if args.lora_dropout else None
+            )
+            return peft.lora(loss_fn)(params, batch)
+
+        loss, grads = jax.value_and_grad(objective)(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss}
+        state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+        return state, {"loss": loss}
 
-    def evaluate(params):
-        return {"accuracy": common.accuracy(graphdef, params, task)}
+    def evaluate(trainable):
+        return {"accuracy": common.accuracy(graphdef, common.dense_params(trainable, base), task)}
 
-    accuracy_before = evaluate(params)["accuracy"]
+    accuracy_before = evaluate(trainable)["accuracy"]
     state = {
-        "params": params,
-        "opt_state": optimizer.init(params),
+        "params": trainable,
+        "opt_state": optimizer.init(trainable),
         "rng": common.key_data(args.seed),
     }
-    state = run.train(state=state, batches=batches, step_fn=train_step, evaluate=evaluate)
-    common.save_model(run.folder / "model", config, state["params"])
+    state = run.train(
+        state=state,
+        batches=batches,
+        step_fn=functools.partial(train_step, base),
+        evaluate=evaluate,
+    )
+    common.save_model(run.folder / "model", config, common.dense_params(state["params"], base))
+    common.save_adapters(run.folder, state["params"], base)
     last = run.records()[-1]
     return run.finish(
         {
             "seed": args.seed,
             "steps": args.steps,
+            **common.tuning_headline(args, trainable, base),
             "accuracy_before": accuracy_before,
             "accuracy_after": last["accuracy"],
             "final_loss": last["loss"],
