@@ -1,7 +1,7 @@
 """Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3."""
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tunelib.models._config import DTYPE_NAMES, DecoderConfig
@@ -361,7 +361,7 @@ def _rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, A
     return float(theta), {"rope_type": rope_type, **params}
 
 
-def _sliding_window(model_type: str, get: Any) -> int | None:
+def _sliding_window(model_type: str, get: Callable[[str], Any]) -> int | None:
     """The window every layer uses, or None; an error when only some layers slide."""
     if model_type == "llama":
         return None
