@@ -16,7 +16,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
 from tunelib.peft._int8 import Int8Tensor, int8_quantize
-from tunelib.peft._nf4 import NF4_VALUES, NF4Tensor, nf4_quantize
+from tunelib.peft._nf4 import NF4_VALUES, NF4Tensor, nf4_quantize, unpack_nibbles
 from tunelib.peft._rules import Layout, match_rules, path_string
 
 QuantFormat = Literal["nf4", "int8"]
@@ -179,12 +179,63 @@ def _register(cls) -> None:
         del params
         return x.with_dtype(new_dtype)
 
+    @quax.register(lax.gather_p)
+    def _lookup(operand: cls, indices: ArrayLike, **params) -> Array:
+        return _gather(operand, indices, **params)
+
     @quax.register(lax.transpose_p)
     def _transpose(x: cls, *, permutation) -> cls | Array:
         n = len(permutation)
         if n >= 2 and tuple(permutation) == (*range(n - 2), n - 1, n - 2):
             return x.transpose()
         return lax.transpose(x.dequantize(), permutation)
+
+
+def _gathers_rows(weight, indices, dimension_numbers, slice_sizes) -> bool:
+    """Whether a gather takes whole rows of a 2-D weight, as an embedding lookup does."""
+    numbers = dimension_numbers
+    return (
+        weight.ndim == 2
+        and tuple(slice_sizes) == (1, weight.shape[1])
+        and tuple(numbers.offset_dims) == (indices.ndim - 1,)
+        and tuple(numbers.collapsed_slice_dims) == (0,)
+        and tuple(numbers.start_index_map) == (0,)
+        and not numbers.operand_batching_dims
+        and indices.shape[-1] == 1
+    )
+
+
+def _row_values(weight, rows: Array) -> Array:
+    """Rows `rows` (in range) of a quantised weight, dequantising only those rows."""
+    if isinstance(weight, Int8Tensor):
+        scale = weight.scale[rows][..., None] if weight.channel_axis == -2 else weight.scale
+        return (weight.values[rows].astype(jnp.float32) * scale).astype(weight.dtype)
+    m, n = weight.stored_shape
+    codes = unpack_nibbles(weight.codes.reshape(m, n // 2)[rows], n)
+    absmax = weight.block_absmax().reshape(m, n // weight.block_size)[rows]
+    values = jnp.asarray(NF4_VALUES)[codes.astype(jnp.int32)]
+    values = values.reshape(*rows.shape, -1, weight.block_size) * absmax[..., None]
+    return values.reshape(*rows.shape, n).astype(weight.dtype)
+
+
+def _gather(weight, indices, *, dimension_numbers, slice_sizes, mode, fill_value, **params):
+    """An embedding lookup in a quantised table dequantises the looked-up rows only."""
+    indices = jnp.asarray(indices)
+    whole_blocks = isinstance(weight, Int8Tensor) or (
+        not weight.transposed and weight.stored_shape[1] % weight.block_size == 0
+    )
+    if not (whole_blocks and _gathers_rows(weight, indices, dimension_numbers, slice_sizes)):
+        return lax.gather(
+            weight.dequantize(), indices, dimension_numbers, tuple(slice_sizes),
+            mode=mode, fill_value=fill_value, **params,
+        )  # fmt: skip
+    rows = indices[..., 0]
+    inside = (rows >= 0) & (rows < weight.shape[0])
+    out = _row_values(weight, jnp.clip(rows, 0, weight.shape[0] - 1))
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        fill = jnp.nan if fill_value is None else fill_value
+        out = jnp.where(inside[..., None], out, jnp.asarray(fill, out.dtype))
+    return out
 
 
 for _cls in (NF4Tensor, Int8Tensor):

@@ -1,0 +1,384 @@
+r"""Side by side: a full fine-tune step, LoRA and QLoRA steps, and their naive versions.
+
+    python benchmarks/peft.py                  # the `cpu` size: memory and time
+    python benchmarks/peft.py --size smoke     # seconds; what the tests run
+    python benchmarks/peft.py --size llama-1b  # memory of a Llama-3.2-1B-shaped decoder only
+
+Every variant takes one AdamW step on the token-mean NLL of a batch through the reference
+decoder (`tunelib.models.Decoder`) and the fused log-prob head:
+
+- ``full``: every weight trains (float32 weights, AdamW state for all of them);
+- ``lora_merged`` (naive LoRA): adapters of rank `--rank` on every attention and MLP
+  projection, applied by forming $W + s\,AB$ inside the step (`merge_lora`, differentiated);
+- ``lora``: the same adapters through `tunelib.peft.lora`: $xW + s\,(xA)B$, nothing formed;
+- ``qlora_dequantized`` (naive QLoRA): the projections stored in NF4 with double
+  quantisation, the whole model dequantised at the start of the step, then as ``lora_merged``;
+- ``qlora``: the NF4 base through `tunelib.peft.lora`: each layer's product dequantises under
+  a custom VJP that saves only the codes.
+
+The parent process only orchestrates; each variant runs in a fresh worker subprocess
+(`--variant X --size S --json-out FILE`). First every LoRA variant's loss and adapter
+gradients are checked against its naive twin on the same inputs (relative error
+$\max|x - x_{ref}| / \max|x_{ref}|$ at most `TOLERANCE`), then each variant is measured:
+`memory_analysis()` of the compiled step (temporary, argument and output bytes), the bytes of
+its stored parameters and of its optimizer state (counted from the arrays), the worker's peak
+RSS, and the median wall time of `--repeats` steps after a warm-up (sizes that `run` only).
+
+Stored parameters are reported against the same model in bfloat16: the NF4 base with the
+embedding and norms left in bfloat16 (as QLoRA and bitsandbytes do), and with the embedding
+quantised too (`qlora_bits` counts both). The script prints a table and ends with one JSON
+line; ratios are reported, never asserted.
+"""
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tunelib import logprobs, losses, peft
+from tunelib.models import Decoder, DecoderConfig
+
+
+class Size(NamedTuple):
+    config: dict
+    batch: int
+    tokens: int
+    run: bool  # False: compile only (memory); the weights are never allocated
+
+
+def _decoder(hidden, mlp, layers, heads, kv_heads, vocab):
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        tie_word_embeddings=True,
+    )
+
+
+SIZES = {
+    "smoke": Size(_decoder(64, 192, 2, 4, 2, 256), batch=2, tokens=16, run=True),
+    "cpu": Size(_decoder(512, 1536, 4, 8, 4, 8192), batch=8, tokens=128, run=True),
+    "llama-1b": Size(_decoder(2048, 8192, 16, 32, 8, 128_256), batch=4, tokens=1024, run=False),
+}
+VARIANTS = ("full", "lora_merged", "lora", "qlora_dequantized", "qlora")
+NAIVE_TWIN = {"lora": "lora_merged", "qlora": "qlora_dequantized"}
+TOLERANCE = 1e-4
+TARGETS = r"layers/.*_proj/kernel"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--size", choices=sorted(SIZES), default="cpu")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5, help="timed steps after one warm-up")
+    p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
+    worker = p.add_argument_group("worker mode (started by the parent)")
+    worker.add_argument("--variant", choices=VARIANTS, default=None)
+    worker.add_argument("--check", action="store_true", help="loss and gradients, no timing")
+    return p
+
+
+# ----------------------------------------------------------------------------- one variant
+
+
+def setup(size: Size, variant: str, rank: int):
+    """`(step, trainable, frozen, batch)`; abstract shapes for sizes that are not run."""
+    config = DecoderConfig(**size.config)
+
+    def build():
+        graphdef, state = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+        params = nnx.to_pure_dict(state)
+        if variant == "full":
+            return graphdef, params, None
+        rule = peft.LoraRule(pattern=TARGETS, rank=rank, alpha=2.0 * rank)
+        adapters = peft.init_lora(params, [rule], key=jax.random.key(1))
+        adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # as if trained: B != 0
+        base = peft.quantize_params(params, [TARGETS]) if variant.startswith("qlora") else params
+        return graphdef, adapters, base
+
+    if size.run:
+        graphdef, trainable, frozen = build()
+    else:
+        out = nnx.eval_shape(lambda: jax.tree.map(jnp.asarray, build()[1:]))
+        graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))[0]
+        trainable, frozen = out
+    rng = np.random.default_rng(0)
+    shape = (size.batch, size.tokens)
+    batch = {
+        "tokens": rng.integers(0, config.vocab_size, shape).astype(np.int32),
+        "targets": rng.integers(0, config.vocab_size, shape).astype(np.int32),
+    }
+    optimizer = optax.adamw(1e-4)
+
+    def nll(params, batch):
+        model = nnx.merge(graphdef, params)
+        hidden = model(batch["tokens"])
+        token = logprobs.fused_token_logps(hidden, model.unembedding(), batch["targets"])
+        return losses.aggregate(-token, mode="token_mean").mean()
+
+    def loss(trainable, frozen, batch):
+        if variant == "full":
+            return nll(trainable, batch)
+        if variant == "lora_merged":
+            return nll(peft.merge_lora(frozen, trainable), batch)
+        if variant == "qlora_dequantized":
+            return nll(peft.merge_lora(peft.dequantize_params(frozen), trainable), batch)
+        return peft.lora(nll)(peft.apply_lora(frozen, trainable), batch)
+
+    def step(trainable, opt_state, frozen, batch):
+        value, grads = jax.value_and_grad(loss)(trainable, frozen, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, value
+
+    def gradients(trainable, frozen, batch):
+        return jax.value_and_grad(loss)(trainable, frozen, batch)
+
+    opt_state = jax.eval_shape(optimizer.init, trainable)
+    if size.run:
+        opt_state = optimizer.init(trainable)
+    # The step updates the trainable weights and the optimizer state in place, as a train
+    # loop does (donated buffers).
+    step = jax.jit(step, donate_argnums=(0, 1))
+    return step, jax.jit(gradients), trainable, opt_state, frozen, batch
+
+
+def stored(tree) -> int:
+    return 0 if tree is None else peft.stored_bytes(tree)
+
+
+def measure(size: Size, variant: str, rank: int, repeats: int) -> dict:
+    step, _, trainable, opt_state, frozen, batch = setup(size, variant, rank)
+    compiled = step.lower(trainable, opt_state, frozen, batch).compile()
+    memory = compiled.memory_analysis()
+    params = trainable if frozen is None else frozen
+    out = {
+        "temp_bytes": memory.temp_size_in_bytes,
+        "argument_bytes": memory.argument_size_in_bytes,
+        "output_bytes": memory.output_size_in_bytes,
+        # Everything the step holds at once: inputs, new outputs (donated ones reuse their
+        # inputs' buffers) and temporaries.
+        "total_bytes": memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes,
+        "stored_param_bytes": stored(params) + (0 if frozen is None else stored(trainable)),
+        "trainable_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trainable))),
+        "optimizer_bytes": stored(opt_state),
+    }
+    if size.run:
+        trainable, opt_state, _ = compiled(trainable, opt_state, frozen, batch)
+        jax.block_until_ready(trainable)
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            trainable, opt_state, value = compiled(trainable, opt_state, frozen, batch)
+            jax.block_until_ready(value)
+            seconds.append(time.perf_counter() - start)
+        out["median_ms"] = 1e3 * statistics.median(seconds)
+        out["runs_ms"] = [round(1e3 * s, 2) for s in seconds]
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def check(size: Size, variant: str, rank: int) -> dict:
+    """Loss and adapter gradients of one step, for comparison with the naive twin."""
+    _, gradients, trainable, _, frozen, batch = setup(size, variant, rank)
+    value, grads = gradients(trainable, frozen, batch)
+    return {
+        "loss": float(value),
+        "grads": [np.asarray(g, np.float64).ravel().tolist() for g in jax.tree.leaves(grads)],
+    }
+
+
+def bits(size: Size) -> dict:
+    """Stored bits per parameter of the base: bfloat16, NF4 projections, NF4 everything."""
+    config = DecoderConfig(**size.config)
+
+    def count(quantize_embedding: bool):
+        def build():
+            params = nnx.to_pure_dict(nnx.state(Decoder(config, rngs=nnx.Rngs(0))))
+            params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+            base = peft.quantize_params(params, [TARGETS])
+            if quantize_embedding:
+                base = peft.quantize_params(base, ["embed_tokens/embedding"], layout="out_in")
+            return base
+
+        tree = nnx.eval_shape(build) if not size.run else build()
+        return peft.bits_per_parameter(tree), peft.stored_bytes(tree)
+
+    bf16_bits = 16.0
+    projections, projections_bytes = count(False)
+    everything, everything_bytes = count(True)
+    return {
+        "bf16_bits": bf16_bits,
+        "nf4_projections_bits": projections,
+        "nf4_all_bits": everything,
+        "bf16_over_nf4_projections": bf16_bits / projections,
+        "bf16_over_nf4_all": bf16_bits / everything,
+        "nf4_projections_bytes": projections_bytes,
+        "nf4_all_bytes": everything_bytes,
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    size = SIZES[args.size]
+    if args.check:
+        result = check(size, args.variant, args.rank)
+    else:
+        result = measure(size, args.variant, args.rank, args.repeats)
+        if args.variant == "qlora":
+            result["bits"] = bits(size)
+    args.json_out.write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def run_worker(args: argparse.Namespace, variant: str, folder: Path, check: bool) -> dict:
+    out = folder / f"{variant}-{'check' if check else 'measure'}.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--variant", variant]
+    command += ["--size", args.size, "--rank", str(args.rank), "--repeats", str(args.repeats)]
+    command += ["--json-out", str(out)] + (["--check"] if check else [])
+    print(f"[{variant}] {'check' if check else 'measure'} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
+    return json.loads(out.read_text())
+
+
+def relative_error(ours: dict, naive: dict) -> float:
+    errors = [abs(ours["loss"] - naive["loss"]) / abs(naive["loss"])]
+    for x, y in zip(ours["grads"], naive["grads"], strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        errors.append(float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30)))
+    return max(errors)
+
+
+def ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def summarise(args, variants: dict, errors: dict) -> dict:
+    def get(name, key):
+        return variants.get(name, {}).get(key)
+
+    full, lora, qlora = (variants.get(n, {}) for n in ("full", "lora", "qlora"))
+    result = {
+        "size": args.size,
+        "rank": args.rank,
+        "config": SIZES[args.size].config,
+        "correct": all(e is not None and e <= TOLERANCE for e in errors.values()),
+        "errors": errors,
+        "variants": variants,
+        "bits": qlora.get("bits"),
+        "lora_temp_over_full": ratio(lora.get("temp_bytes"), full.get("temp_bytes")),
+        "lora_optimizer_over_full": ratio(lora.get("optimizer_bytes"), full.get("optimizer_bytes")),
+        "qlora_temp_over_full": ratio(qlora.get("temp_bytes"), full.get("temp_bytes")),
+        "lora_total_over_full": ratio(lora.get("total_bytes"), full.get("total_bytes")),
+        "qlora_total_over_full": ratio(qlora.get("total_bytes"), full.get("total_bytes")),
+        "naive_lora_temp_over_lora": ratio(
+            get("lora_merged", "temp_bytes"), get("lora", "temp_bytes")
+        ),
+        "naive_qlora_temp_over_qlora": ratio(
+            get("qlora_dequantized", "temp_bytes"), get("qlora", "temp_bytes")
+        ),
+        "lora_time_over_full": ratio(get("lora", "median_ms"), get("full", "median_ms")),
+        "qlora_time_over_lora": ratio(get("qlora", "median_ms"), get("lora", "median_ms")),
+    }
+    return result
+
+
+def table(result: dict) -> str:
+    def mb(x):
+        return "" if x is None else f"{x / 2**20:,.1f}"
+
+    rows = [
+        "| variant | trainable params | stored params MB | optimizer MB | temp MB | step total MB "
+        "| peak RSS MB | median ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["variants"].items():
+        if "failed" in r:
+            rows.append(f"| {name} | failed | | | | | | |")
+            continue
+        ms = r.get("median_ms")
+        rows.append(
+            f"| {name} | {r['trainable_params']:,} | {mb(r['stored_param_bytes'])} | "
+            f"{mb(r['optimizer_bytes'])} | {mb(r['temp_bytes'])} | {mb(r['total_bytes'])} | "
+            f"{mb(r['peak_rss_bytes'])} | "
+            f"{'' if ms is None else f'{ms:,.1f}'} |"
+        )
+    bits = result["bits"] or {}
+    lines = ["\n".join(rows)]
+    if bits:
+        lines.append(
+            f"stored bits per parameter: bf16 16, NF4 projections "
+            f"{bits['nf4_projections_bits']:.3f} ({bits['bf16_over_nf4_projections']:.2f}x "
+            f"smaller), NF4 projections and embedding {bits['nf4_all_bits']:.3f} "
+            f"({bits['bf16_over_nf4_all']:.2f}x smaller)"
+        )
+    for key in (
+        "lora_temp_over_full",
+        "lora_optimizer_over_full",
+        "qlora_temp_over_full",
+        "lora_total_over_full",
+        "qlora_total_over_full",
+        "naive_lora_temp_over_lora",
+        "naive_qlora_temp_over_qlora",
+        "lora_time_over_full",
+        "qlora_time_over_lora",
+    ):
+        if result[key] is not None:
+            lines.append(f"{key}: {result[key]:.3f}")
+    lines.append(f"correct (vs naive twins, tolerance {TOLERANCE}): {result['correct']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.variant is not None:
+        if args.json_out is None:
+            raise SystemExit("worker mode needs --json-out.")
+        worker(args)
+        return 0
+    size = SIZES[args.size]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        errors = {}
+        if size.run:
+            for ours, naive in NAIVE_TWIN.items():
+                a, b = run_worker(args, ours, folder, True), run_worker(args, naive, folder, True)
+                failed = "failed" in a or "failed" in b
+                errors[ours] = None if failed else relative_error(a, b)
+        variants = {name: run_worker(args, name, folder, False) for name in VARIANTS}
+    result = summarise(args, variants, errors)
+    print(table(result))
+    line = json.dumps({k: v for k, v in result.items()})
+    print(line)
+    if args.json_out is not None:
+        args.json_out.write_text(line + "\n")
+    crashed = any("failed" in r for r in variants.values())
+    return 0 if (result["correct"] or not size.run) and not crashed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

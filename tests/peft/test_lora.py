@@ -1,0 +1,346 @@
+"""LoRA adapters: the forward against a float64 reference, on the decoder and on user models."""
+
+import warnings
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+
+from tests._helpers import assert_traced_once, raises_naming
+from tunelib import peft
+from tunelib.models import Decoder, DecoderConfig, param_shardings
+
+CONFIG = dict(
+    vocab_size=32,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+    use_qk_norm=True,
+    attention_bias=True,
+)
+TOKENS = jnp.array([[3, 17, 9, 30, 1, 22], [5, 5, 12, 0, 31, 7]])
+WHERE = jnp.array([[True] * 6, [True] * 4 + [False] * 2])
+ALL_PROJECTIONS = [peft.LoraRule(pattern=r".*_proj/kernel", rank=4, alpha=8)]
+
+
+def decoder(**overrides):
+    graphdef, state = nnx.split(Decoder(DecoderConfig(**{**CONFIG, **overrides}), rngs=nnx.Rngs(0)))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def trained(adapters, seed=7, size=0.1):
+    """Adapters with random non-zero factors, as after some training."""
+    leaves, tree = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(
+        tree,
+        [size * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)],
+    )
+
+
+def run_lora(graphdef, params, adapters, **kwargs):
+    def forward(p, tokens):
+        return nnx.merge(graphdef, p)(tokens, attention_where=WHERE)
+
+    return jax.jit(lambda p, a: peft.lora(forward)(peft.apply_lora(p, a, **kwargs), TOKENS))(
+        params, adapters
+    )
+
+
+def run_dense(graphdef, params):
+    return jax.jit(lambda p: nnx.merge(graphdef, p)(TOKENS, attention_where=WHERE))(params)
+
+
+# ----------------------------------------------------------------------------- the product
+
+
+def reference(x, w, a, b, scale):
+    """x W + s (x A) B in float64."""
+    x, w, a, b = (np.asarray(t, np.float64) for t in (x, w, a, b))
+    return x @ w + scale * (x @ a) @ b
+
+
+@settings(max_examples=10)
+@given(
+    m=st.integers(1, 5),
+    d0=st.integers(1, 9),
+    d1=st.integers(1, 9),
+    rank=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_products_equal_the_float64_reference(m, d0, d1, rank, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, d0)).astype(np.float32)
+    w = rng.standard_normal((d0, d1)).astype(np.float32)
+    a = rng.standard_normal((d0, rank)).astype(np.float32)
+    b = rng.standard_normal((rank, d1)).astype(np.float32)
+    weight = peft.apply_lora({"w": w}, {"w": peft.LoraAdapter(a=a, b=b, alpha=3.0)})
+    expected = reference(x, w, a, b, 3.0 / rank)
+    forms = {
+        "matmul": lambda p, x: x @ p["w"],
+        "einsum": lambda p, x: jnp.einsum("mi,io->mo", x, p["w"]),
+        "left": lambda p, x: (p["w"].T @ x.T).T,
+        "transposed": lambda p, x: x @ p["w"].T.T,
+        "dot_general_left": lambda p, x: jax.lax.dot_general(p["w"], x, (((0,), (1,)), ((), ()))).T,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", peft.MaterializationWarning)
+        for name, fn in forms.items():
+            out = peft.lora(fn)(weight, x)
+            np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_stacked_weights_under_scan_and_batched_products():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 6, 5)).astype(np.float32)
+    a = rng.standard_normal((3, 6, 2)).astype(np.float32)
+    b = rng.standard_normal((3, 2, 5)).astype(np.float32)
+    x = rng.standard_normal((3, 4, 6)).astype(np.float32)
+    weight = peft.apply_lora({"w": w}, {"w": peft.LoraAdapter(a=a, b=b, alpha=2.0)})
+    expected = np.stack([reference(x[i], w[i], a[i], b[i], 1.0) for i in range(3)])
+
+    def scanned(p, x):
+        return jax.lax.scan(lambda c, wx: (c, wx[1] @ wx[0]), 0.0, (p["w"], x))[1]
+
+    def batched(p, x):
+        return jnp.einsum("lmi,lio->lmo", x, p["w"])
+
+    for fn in (scanned, batched):
+        np.testing.assert_allclose(peft.lora(fn)(weight, x), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_other_operations_materialise_with_a_warning():
+    w, a, b = jnp.ones((3, 2)), jnp.ones((3, 1)), jnp.ones((1, 2))
+    weight = peft.apply_lora({"w": w}, {"w": peft.LoraAdapter(a=a, b=b, alpha=1.0)})
+    with pytest.warns(peft.MaterializationWarning, match="shape"):
+        out = peft.lora(lambda p: p["w"].reshape(-1) * 2)(weight)
+    np.testing.assert_array_equal(out, np.full(6, 4.0))
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_zero_b_gives_the_base_outputs_bit_for_bit(scan_layers):
+    graphdef, params = decoder(scan_layers=scan_layers)
+    adapters = peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1))
+    base = run_dense(graphdef, params)
+    np.testing.assert_array_equal(run_lora(graphdef, params, adapters), base)
+    # Dropout sees only the adapter's input, so with B = 0 it changes nothing either.
+    dropped = [dict(rule.__dict__, dropout=0.5) for rule in ALL_PROJECTIONS]
+    with_dropout = peft.init_lora(
+        params, [peft.LoraRule(**r) for r in dropped], key=jax.random.key(1)
+    )
+    out = run_lora(graphdef, params, with_dropout, dropout_key=jax.random.key(2))
+    np.testing.assert_array_equal(out, base)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_merged_and_unmerged_forwards_agree(scan_layers):
+    graphdef, params = decoder(scan_layers=scan_layers)
+    adapters = trained(peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1)))
+    unmerged = run_lora(graphdef, params, adapters)
+    merged = run_dense(graphdef, peft.merge_lora(params, adapters))
+    base = run_dense(graphdef, params)
+    assert float(jnp.abs(unmerged - base).max()) > 0.1  # the adapters do change the model
+    np.testing.assert_allclose(unmerged, merged, rtol=1e-5, atol=1e-5)
+    restored = peft.unmerge_lora(peft.merge_lora(params, adapters), adapters)
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_bf16_compute_is_close_to_float32():
+    graphdef, params = decoder()
+    adapters = trained(peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1)))
+    graphdef16, _ = decoder(dtype="bfloat16")
+    out16 = run_lora(graphdef16, params, adapters)
+    assert out16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        out16.astype(np.float32), run_lora(graphdef, params, adapters), atol=0.1, rtol=0.05
+    )
+
+
+def test_gradients_flow_into_adapters_only():
+    graphdef, params = decoder()
+    adapters = peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1))
+
+    def loss(adapters, params):
+        out = peft.lora(lambda p: nnx.merge(graphdef, p)(TOKENS, attention_where=WHERE))(
+            peft.apply_lora(params, adapters)
+        )
+        return jnp.sum(out[..., :8] ** 2)
+
+    grads = jax.jit(jax.grad(loss))(adapters, params)
+    for adapter in jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, peft.LoraAdapter)):
+        # At B = 0 the gradient of A is exactly zero (it is multiplied by B); B's is not.
+        np.testing.assert_array_equal(adapter.a, 0.0)
+        assert float(jnp.abs(adapter.b).max()) > 0
+    # One tree with base and adapters, labelled for optax.partition: the base never moves.
+    tree = {"base": params, "lora": trained(adapters)}
+    labels = peft.lora_labels(tree)
+    optimizer = optax.partition({"lora": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+    state = optimizer.init(tree)
+    full_grads = jax.grad(lambda t: loss(t["lora"], t["base"]), allow_int=True)(tree)
+    updates, _ = optimizer.update(full_grads, state, tree)
+    new = optax.apply_updates(tree, updates)
+    for x, y in zip(jax.tree.leaves(new["base"]), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(x, y)
+    moved = [
+        not np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(new["lora"]), jax.tree.leaves(tree["lora"]), strict=True)
+    ]
+    assert all(moved)
+    mask = peft.lora_mask(tree)
+    assert not any(jax.tree.leaves(mask["base"])) and all(jax.tree.leaves(mask["lora"]))
+
+
+def test_dropout_is_inverted_and_keyed():
+    w = jnp.zeros((8, 4))
+    adapter = peft.LoraAdapter(a=jnp.ones((8, 1)), b=jnp.ones((1, 4)), alpha=1.0, dropout=0.5)
+    x = jnp.ones((256, 8))
+
+    def out(key):
+        return peft.lora(lambda p: x @ p["w"])(
+            peft.apply_lora({"w": w}, {"w": adapter}, dropout_key=key)
+        )
+
+    plain = out(None)
+    np.testing.assert_allclose(plain, 8.0)
+    one, same, other = out(jax.random.key(0)), out(jax.random.key(0)), out(jax.random.key(1))
+    np.testing.assert_array_equal(one, same)
+    assert not np.array_equal(one, other)
+    # Each output is 2 x (number of kept inputs of 8): mean 8, values even.
+    np.testing.assert_allclose(float(one.mean()), 8.0, rtol=0.05)
+    np.testing.assert_array_equal(np.asarray(one) % 2, 0)
+
+
+def test_second_call_with_new_adapters_does_not_retrace():
+    graphdef, params = decoder()
+    adapters = peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1))
+
+    def forward(params, adapters):
+        fn = peft.lora(lambda p: nnx.merge(graphdef, p)(TOKENS, attention_where=WHERE))
+        return fn(peft.apply_lora(params, adapters))
+
+    assert_traced_once(forward, [((params, adapters), {}), ((params, trained(adapters)), {})])
+
+
+def test_sharded_over_8_devices_equals_one_device():
+    graphdef, params = decoder()
+    adapters = trained(peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1)))
+    expected = run_lora(graphdef, params, adapters)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sharded = jax.device_put(params, param_shardings(graphdef, params, mesh))
+    replicated = jax.device_put(adapters, jax.sharding.NamedSharding(mesh, jax.P()))
+    np.testing.assert_allclose(run_lora(graphdef, sharded, replicated), expected, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- user models
+
+
+def test_a_plain_jax_function_and_an_nnx_module_unchanged():
+    def mlp(params, x):  # a user's function in the PyTorch layout: y = x W^T
+        return jax.nn.gelu(x @ params["fc1"]["weight"].T) @ params["fc2"]["weight"].T
+
+    rng = np.random.default_rng(0)
+    params = {
+        "fc1": {"weight": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)},
+        "fc2": {"weight": jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)},
+    }
+    rules = [peft.LoraRule(pattern=r"fc\d/weight", rank=2, alpha=4, layout="out_in")]
+    adapters = peft.init_lora(params, rules, key=jax.random.key(0))
+    assert float(jnp.abs(adapters["fc1"]["weight"].a).max()) == 0  # the output-side factor
+    x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+    np.testing.assert_array_equal(
+        peft.lora(mlp)(peft.apply_lora(params, adapters), x), mlp(params, x)
+    )
+    adapters = trained(adapters)
+    np.testing.assert_allclose(
+        peft.lora(mlp)(peft.apply_lora(params, adapters), x),
+        mlp(peft.merge_lora(params, adapters), x),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+    class Net(nnx.Module):  # a user's NNX module built from Flax layers
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+            self.down = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+
+    graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+    state = nnx.to_pure_dict(state)
+    adapters = trained(
+        peft.init_lora(state, [peft.LoraRule(pattern=r".*/kernel", rank=2)], key=jax.random.key(0))
+    )
+    out = peft.lora(lambda s, x: nnx.merge(graphdef, s)(x))(peft.apply_lora(state, adapters), x)
+    np.testing.assert_allclose(
+        out, nnx.merge(graphdef, peft.merge_lora(state, adapters))(x), rtol=1e-5, atol=1e-5
+    )
+
+
+# ----------------------------------------------------------------------------- rules and init
+
+
+def test_rules_first_match_wins_and_unmatched_rules_are_errors():
+    _, params = decoder()
+    rules = [
+        peft.LoraRule(pattern=r"layers/0/self_attn/q_proj/kernel", rank=2),
+        peft.LoraRule(pattern=r".*q_proj/kernel", rank=4),
+    ]
+    adapters = peft.init_lora(params, rules, key=jax.random.key(0))
+    assert adapters["layers"][0]["self_attn"]["q_proj"]["kernel"].rank == 2
+    assert adapters["layers"][1]["self_attn"]["q_proj"]["kernel"].rank == 4
+    assert set(adapters["layers"][0]["self_attn"]) == {"q_proj"}
+    with raises_naming("nothing", "mlp/missing_proj"):
+        peft.init_lora(params, [peft.LoraRule(pattern="mlp/missing_proj")], key=jax.random.key(0))
+    shadowed = [peft.LoraRule(pattern=r".*_proj/kernel"), peft.LoraRule(pattern=r".*q_proj/kernel")]
+    with raises_naming("earlier", "q_proj"):
+        peft.init_lora(params, shadowed, key=jax.random.key(0))
+    with pytest.warns(peft.UnmatchedRuleWarning):
+        peft.init_lora(params, shadowed, key=jax.random.key(0), allow_unmatched=True)
+    with raises_naming("norm/scale", "2 or more dimensions"):
+        peft.init_lora(params, [peft.LoraRule(pattern="norm/scale")], key=jax.random.key(0))
+    with raises_naming("rank"):
+        peft.LoraRule(pattern="x", rank=0)
+    with raises_naming("dropout"):
+        peft.LoraRule(pattern="x", dropout=1.0)
+    with raises_naming("pattern"):
+        peft.LoraRule(pattern="(unclosed")
+
+
+def test_adapters_that_do_not_fit_the_weights_are_errors():
+    params = {"w": jnp.ones((4, 3))}
+    with raises_naming("'v'"):
+        peft.apply_lora(params, {"v": peft.LoraAdapter(a=jnp.ones((4, 1)), b=jnp.ones((1, 3)))})
+    with raises_naming("'w'", "(4, 3)"):
+        peft.apply_lora(params, {"w": peft.LoraAdapter(a=jnp.ones((3, 1)), b=jnp.ones((1, 3)))})
+
+
+def test_initialisation_follows_peft():
+    params = {"w": jnp.ones((2, 512, 256))}  # stacked: one adapter per leading index
+    kaiming = peft.init_lora(
+        params, [peft.LoraRule(pattern="w", rank=16, alpha=32)], key=jax.random.key(0)
+    )
+    a = np.asarray(kaiming["w"].a)
+    bound = 1 / np.sqrt(512)
+    assert a.shape == (2, 512, 16) and np.abs(a).max() <= bound
+    np.testing.assert_allclose(a.std(), bound / np.sqrt(3), rtol=0.03)  # U(-b, b) has std b/sqrt 3
+    assert not np.array_equal(a[0], a[1])
+    np.testing.assert_array_equal(kaiming["w"].b, 0.0)
+    assert kaiming["w"].scale == 2.0
+    rule = peft.LoraRule(pattern="w", rank=16, alpha=32, init="gaussian", scaling="rslora")
+    gaussian = peft.init_lora(params, [rule], key=jax.random.key(0))["w"]
+    np.testing.assert_allclose(np.asarray(gaussian.a).std(), 1 / 16, rtol=0.03)
+    assert gaussian.scale == 32 / 4
