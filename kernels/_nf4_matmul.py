@@ -211,7 +211,8 @@ def nf4_matmul_pallas(
       table: the 16 code values (static).
       block_size: elements per quantisation block, even; `K` must be a multiple.
       out_dtype: the output dtype (default: `x`'s).
-      block_m, block_n: rows of `x` and of `W` per program (powers of two >= 16 on GPU).
+      block_m: rows of `x` per program (a power of two >= 16 on GPU).
+      block_n: rows of `W` per program (a power of two >= 16 on GPU).
       interpret: run in the Pallas interpreter; None means on CPU only.
 
     Returns:
