@@ -1,5 +1,6 @@
 r"""8-bit absmax quantisation with one scale per output channel."""
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -43,7 +44,8 @@ class Int8Tensor(quax.ArrayValue):
         return self.dequantize()
 
     def with_dtype(self, dtype: DTypeLike) -> "Int8Tensor":
-        return eqx.tree_at(lambda t: t.value_dtype, self, jnp.dtype(dtype))
+        """The same tensor, dequantising to `dtype`."""
+        return dataclasses.replace(self, value_dtype=jnp.dtype(dtype))
 
     def transpose(self) -> "Int8Tensor":
         """The transposed array: values swapped, the channel axis follows."""
