@@ -60,6 +60,8 @@ class Size(NamedTuple):
 
 
 def _decoder(hidden, mlp, layers, heads, kv_heads, vocab):
+    # Layers scanned and rematerialised, as a model of some size is trained: activations stay
+    # small and each layer's dequantised weights exist only inside its step of the scan.
     return dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -69,6 +71,8 @@ def _decoder(hidden, mlp, layers, heads, kv_heads, vocab):
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
         tie_word_embeddings=True,
+        scan_layers=True,
+        remat=True,
     )
 
 

@@ -344,3 +344,36 @@ def test_initialisation_follows_peft():
     gaussian = peft.init_lora(params, [rule], key=jax.random.key(0))["w"]
     np.testing.assert_allclose(np.asarray(gaussian.a).std(), 1 / 16, rtol=0.03)
     assert gaussian.scale == 32 / 4
+
+
+def test_remat_and_custom_vjp_regions_keep_the_weights_adapted():
+    """`remat=True` layers and the fused log-prob head (a custom VJP) inside `lora(fn)`:
+    nothing is materialised, and values and gradients equal those of merged weights."""
+    from tunelib import logprobs
+
+    targets = jnp.roll(TOKENS, -1, axis=1)
+    graphdef, params = decoder(scan_layers=True, remat=True)
+    adapters = trained(peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1)))
+    base = peft.quantize_params(params, [r".*_proj/kernel"])
+
+    def loss(params):
+        model = nnx.merge(graphdef, params)
+        hidden = model(TOKENS, attention_where=WHERE)
+        token = logprobs.fused_token_logps(hidden, model.unembedding(), targets, where=WHERE)
+        return -token.sum()
+
+    @jax.jit
+    def adapted(adapters, base):
+        return jax.value_and_grad(lambda a: peft.lora(loss)(peft.apply_lora(base, a)))(adapters)
+
+    @jax.jit
+    def merged(adapters, base):
+        return jax.value_and_grad(lambda a: loss(peft.merge_lora(base, a)))(adapters)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", peft.MaterializationWarning)
+        for frozen in (params, base):
+            got, want = adapted(adapters, frozen), merged(adapters, peft.dequantize_params(frozen))
+            np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+            for x, y in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

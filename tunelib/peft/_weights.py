@@ -19,11 +19,11 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
-from tunelib.peft import _custom_vjp
+from tunelib.peft import _transforms
 from tunelib.peft._adapters import check_adapters
 from tunelib.peft._rules import path_string
 
-_custom_vjp.install()
+_transforms.install()
 
 
 class MaterializationWarning(UserWarning):
