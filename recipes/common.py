@@ -21,9 +21,16 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from tunelib import peft, rollout
-from tunelib.data import CharTokenizer, arithmetic_split, encode_prompts, verify_answer
+from tunelib.data import (
+    CharTokenizer,
+    HFTokenizer,
+    arithmetic_split,
+    encode_prompts,
+    read_records,
+    verify_answer,
+)
 from tunelib.logprobs import IMPLEMENTATIONS
-from tunelib.models import Decoder, DecoderConfig
+from tunelib.models import Decoder, DecoderConfig, load_hf_checkpoint, save_hf_checkpoint
 
 RUNS = Path(os.environ.get("TUNELIB_RUNS", "runs"))
 
@@ -71,6 +78,19 @@ def parser(
         "--out", type=Path, default=None, help="run folder (default runs/<recipe>-seed<seed>)"
     )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="train on this .jsonl / .json / .parquet file of Hugging Face-style records "
+        "instead of the built-in task (needs a Hugging Face checkpoint with a tokenizer)",
+    )
+    p.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="with --data: skip and count invalid records instead of stopping at the first",
+    )
+    p.add_argument("--max-length", type=int, default=256, help="with --data: tokens per sequence")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument(
         "--logprobs",
@@ -196,7 +216,74 @@ def load_model(path: Path) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
 
 
 def has_model(path: Path) -> bool:
-    return (path / "config.json").exists() and (path / "params").exists()
+    return (path / "config.json").exists() and (
+        (path / "params").exists() or is_hf_checkpoint(path)
+    )
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def is_hf_checkpoint(path: Path) -> bool:
+    """A Hugging Face checkpoint folder: its `config.json` names a `model_type`."""
+    config = path / "config.json"
+    return config.exists() and "model_type" in json.loads(config.read_text())
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """The model a recipe starts from: a recipe's `model/` folder or a Hugging Face one."""
+
+    config: DecoderConfig
+    graphdef: nnx.GraphDef
+    params: dict
+    folder: Path
+    hf_config: dict | None  # set for a Hugging Face checkpoint
+
+    def tokenizer(self) -> HFTokenizer:
+        if self.hf_config is None:
+            raise SystemExit(f"--data needs a Hugging Face checkpoint; {self.folder} is not one.")
+        return HFTokenizer.from_directory(self.folder)
+
+
+def load_start(path: Path) -> Start:
+    """The model in `path`: a Hugging Face checkpoint (`config.json` with a `model_type`,
+    safetensors weights) or the `model/` folder a recipe saved."""
+    if is_hf_checkpoint(path):
+        checkpoint = load_hf_checkpoint(path)
+        return Start(
+            checkpoint.config, checkpoint.graphdef, checkpoint.params, path, checkpoint.hf_config
+        )
+    config, graphdef, params = load_model(path)
+    return Start(config, graphdef, params, path, None)
+
+
+def save_outputs(folder: Path, start: Start, params: dict, trainable: dict, base) -> None:
+    """The final weights (Orbax, and a Hugging Face checkpoint when the run started from
+    one, LoRA adapters merged) and, with LoRA, the adapters alone."""
+    save_model(folder / "model", start.config, params)
+    save_adapters(folder, trainable, base)
+    if start.hf_config is not None:
+        save_hf_checkpoint(
+            folder / "hf_model",
+            start.graphdef,
+            params,
+            hf_config=start.hf_config,
+            copy_files_from=start.folder,
+            overwrite=True,
+        )
+
+
+def data_records(args: argparse.Namespace, kind: str) -> tuple[list, list]:
+    """`(train, heldout)` records of `--data`: the first `--num-heldout` (at most a fifth of
+    the file) are held out for evaluation."""
+    records, report = read_records(
+        args.data, kind=kind, on_invalid="skip" if args.skip_invalid else "raise"
+    )
+    if report.skipped:
+        print(f"{args.data}: kept {report.kept} records, skipped {dict(report.skipped)}")
+    heldout = min(args.num_heldout, len(records) // 5)
+    return records[heldout:], records[:heldout]
 
 
 # ----------------------------------------------------------------------------- LoRA / QLoRA

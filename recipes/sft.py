@@ -5,11 +5,14 @@
     python recipes/sft.py --resume        # continue a killed run from its last checkpoint
     python recipes/sft.py --model runs/sft-minus/model --lora-rank 16   # LoRA on a trained model
     python recipes/sft.py --model runs/sft-minus/model --lora-rank 16 --qlora
+    python recipes/sft.py --model HF_CHECKPOINT --data chats.jsonl    # your model and data
 
 The train step below is ordinary user code: a forward pass, `tunelib.losses.nll_loss` on the
 completion tokens, `aggregate` for the token mean, and an Optax update. With `--lora-rank` the
 same loss runs through `tunelib.peft.lora` on the frozen base with adapters applied, and only
-the adapters are differentiated and updated.
+the adapters are differentiated and updated. With `--data` the records of a file (chat
+`messages`, or `prompt` / `completion`) are tokenized with the checkpoint's own tokenizer and
+chat template, the loss covers the assistant turns, and the held-out metric is the loss.
 """
 
 import functools
@@ -22,7 +25,7 @@ import optax
 from flax import nnx
 
 from tunelib import logprobs, losses, peft
-from tunelib.data import sft_dataset
+from tunelib.data import hf_sft_dataset, sft_dataset
 
 
 def build_parser():
@@ -37,8 +40,8 @@ def build_parser():
         "--model",
         type=Path,
         default=None,
-        help="start from the model in this folder (a recipe's model/ output) instead of a "
-        "random initialisation",
+        help="start from the model in this folder (a Hugging Face checkpoint, or a recipe's "
+        "model/ output) instead of a random initialisation",
     )
     p.add_argument(
         "--label-smoothing", type=float, default=0.0, help="> 0 computes the full logits"
@@ -50,23 +53,35 @@ def build_parser():
 def main(argv: list[str] | None = None) -> dict:
     args = common.parse(build_parser(), argv)
     run = common.Run("sft", args)
-    task = common.task(args)
     if args.model is None:
+        task = common.task(args)
         config = common.model_config(task.tokenizer, args.model_size)
-        graphdef, params = common.init_model(config, args.seed)
+        start = common.Start(config, *common.init_model(config, args.seed), None, None)
     else:
-        config, graphdef, params = common.load_model(args.model)
-    trainable, base = common.lora_setup(args, params)
-    records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in task.train]
-    batches = iter(
-        sft_dataset(
-            records,
-            task.tokenizer,
-            max_length=task.max_length,
-            batch_size=args.batch_size,
-            seed=args.seed,
+        start = common.load_start(args.model)
+    graphdef = start.graphdef
+    trainable, base = common.lora_setup(args, start.params)
+    if args.data is None:
+        task = common.task(args)
+        records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in task.train]
+        batches = iter(
+            sft_dataset(
+                records,
+                task.tokenizer,
+                max_length=task.max_length,
+                batch_size=args.batch_size,
+                seed=args.seed,
+            )
         )
-    )
+    else:
+        tokenizer = start.tokenizer()
+        train, heldout = common.data_records(args, "sft")
+        data = functools.partial(
+            hf_sft_dataset, tokenizer=tokenizer, max_length=args.max_length,
+            batch_size=args.batch_size, seed=args.seed,
+        )  # fmt: skip
+        batches = iter(data(train))
+        heldout_batches = list(data(heldout, shuffle=False, num_epochs=1, drop_remainder=False))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.learning_rate, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps
     )
@@ -111,10 +126,20 @@ def main(argv: list[str] | None = None) -> dict:
         state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
         return state, {"loss": loss}
 
-    def evaluate(trainable):
-        return {"accuracy": common.accuracy(graphdef, common.dense_params(trainable, base), task)}
+    heldout_loss = jax.jit(loss_fn)
 
-    accuracy_before = evaluate(trainable)["accuracy"]
+    def evaluate(trainable):
+        params = common.dense_params(trainable, base)
+        if args.data is None:
+            return {"accuracy": common.accuracy(graphdef, params, task)}
+        # The token mean over every held-out token: batch means weighted by their tokens.
+        counts = [float(b["where"].sum()) for b in heldout_batches]
+        total = sum(
+            float(heldout_loss(params, b)) * n for b, n in zip(heldout_batches, counts, strict=True)
+        )
+        return {"heldout_loss": total / sum(counts) if sum(counts) else float("nan")}
+
+    before = evaluate(trainable)
     state = {
         "params": trainable,
         "opt_state": optimizer.init(trainable),
@@ -126,16 +151,17 @@ def main(argv: list[str] | None = None) -> dict:
         step_fn=functools.partial(train_step, base),
         evaluate=evaluate,
     )
-    common.save_model(run.folder / "model", config, common.dense_params(state["params"], base))
-    common.save_adapters(run.folder, state["params"], base)
+    params = common.dense_params(state["params"], base)
+    common.save_outputs(run.folder, start, params, state["params"], base)
     last = run.records()[-1]
+    metric = "accuracy" if args.data is None else "heldout_loss"
     return run.finish(
         {
             "seed": args.seed,
             "steps": args.steps,
             **common.tuning_headline(args, trainable, base),
-            "accuracy_before": accuracy_before,
-            "accuracy_after": last["accuracy"],
+            f"{metric}_before": before[metric],
+            f"{metric}_after": last[metric],
             "final_loss": last["loss"],
         }
     )
