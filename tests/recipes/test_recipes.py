@@ -193,3 +193,67 @@ def test_grpo_modes_train_their_sft_start_and_run(tmp_path, mode):
     # On-policy first step: the policy is the reference, the ratio is 1 (nothing clipped).
     assert abs(records[0]["kl"]) < 1e-5 and records[0]["clip_fraction"] == 0.0
     assert (tmp_path / mode / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_lora_and_qlora_recipes_train_the_adapters_only(tmp_path):
+    """SFT with LoRA from a trained model, DPO with QLoRA, GRPO with LoRA: only the
+    projections change, the adapters are saved alone and in the PEFT format."""
+    from tunelib import peft
+
+    run_recipe("sft", "--steps", "6", "--eval-every", "6", "--out", str(tmp_path / "start"))
+    start = tmp_path / "start" / "model"
+    out = run_recipe(
+        "sft", "--steps", "6", "--eval-every", "6", "--model", str(start),
+        "--lora-rank", "4", "--operations=-", "--out", str(tmp_path / "lora"),
+    )  # fmt: skip
+    # Rank 4 on 7 projections of 2 layers (H = 128, F = 384, K D = 64): r (d_in + d_out) each.
+    per_layer = 4 * ((128 + 128) * 2 + (128 + 64) * 2 + (128 + 384) * 2 + (384 + 128))
+    assert (out["tuning"], out["trainable_params"]) == ("lora", 2 * per_layer)
+    assert 0.0 <= out["accuracy_before"] <= 1.0 and 0.0 <= out["accuracy_after"] <= 1.0
+    before, after = load_params(tmp_path / "start"), load_params(tmp_path / "lora")
+    import jax
+
+    changed = {
+        jax.tree_util.keystr(path)
+        for (path, x), y in zip(
+            jax.tree_util.tree_leaves_with_path(before), leaves(after), strict=True
+        )
+        if not np.array_equal(np.asarray(x), y)
+    }
+    assert changed and all("_proj" in p and "kernel" in p for p in changed), changed
+    adapters = peft.restore_adapters(tmp_path / "lora" / "adapters")
+    assert adapters["layers"][0]["mlp"]["up_proj"]["kernel"].rank == 4
+    config = json.loads((tmp_path / "lora" / "peft_adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+
+    out = run_recipe(
+        "dpo", "--num-prompts", "256", "--steps", "3", "--eval-every", "3",
+        "--sft-dir", str(start), "--lora-rank", "4", "--qlora", "--out", str(tmp_path / "dpo"),
+    )  # fmt: skip
+    assert out["tuning"] == "qlora" and out["base_bits_per_param"] < 8
+    records = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(records[0]["loss"] - np.log(2)) < 1e-5  # the reference is the NF4 base itself
+
+    out = run_recipe(
+        "grpo", "--sft-dir", str(start), "--num-prompts", "256", "--group-size", "4",
+        "--steps", "2", "--eval-every", "2", "--lora-rank", "4", "--out", str(tmp_path / "grpo"),
+        headline="grpo",
+    )  # fmt: skip
+    assert out["tuning"] == "lora"
+    records = [
+        json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert abs(records[0]["kl"]) < 1e-5 and records[0]["clip_fraction"] == 0.0
+
+
+def test_qlora_without_a_rank_is_refused():
+    proc = subprocess.run(
+        [sys.executable, str(RECIPES / "sft.py"), "--qlora"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=user_env(),
+        check=False,
+    )
+    assert proc.returncode == 2 and "--lora-rank" in proc.stderr
