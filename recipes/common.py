@@ -351,20 +351,39 @@ def greedy_config(task: Task) -> rollout.SamplingConfig:
     )
 
 
+def greedy_texts(
+    graphdef: nnx.GraphDef,
+    params: dict,
+    prompts: list,
+    encode: Callable[[list], tuple[np.ndarray, np.ndarray]],
+    decode: Callable[[list[int]], str],
+    config: rollout.SamplingConfig,
+) -> list[str]:
+    """The completions of `prompts` under `config` (greedy), in bounded batches.
+
+    `encode` turns a list of prompts into left-padded `(tokens, where)`; `decode` a row of
+    completion ids into text.
+    """
+    texts = []
+    for first in range(0, len(prompts), 512):  # bounded batches, few distinct shapes
+        tokens, where = encode(prompts[first : first + 512])
+        out = rollout.sample(graphdef, params, tokens, where, jax.random.key(0), config)
+        texts += [decode(row.tolist()) for row in np.asarray(out.tokens)]
+    return texts
+
+
 def greedy_answers(
     graphdef: nnx.GraphDef, params: dict, task: Task, records: list[dict]
 ) -> list[str]:
     """The model's greedy completion of each record's prompt, cut at EOS (KV-cache sampler)."""
-    answers = []
-    for start in range(0, len(records), 512):  # bounded batches, few distinct shapes
-        chunk = records[start : start + 512]
-        prompts = [r["prompt"] for r in chunk]
-        tokens, where = encode_prompts(prompts, task.tokenizer, max_length=task.max_length // 2)
-        out = rollout.sample(
-            graphdef, params, tokens, where, jax.random.key(0), greedy_config(task)
-        )
-        answers += [task.tokenizer.decode(row.tolist()) for row in np.asarray(out.tokens)]
-    return answers
+
+    def encode(prompts):
+        return encode_prompts(prompts, task.tokenizer, max_length=task.max_length // 2)
+
+    prompts = [r["prompt"] for r in records]
+    return greedy_texts(
+        graphdef, params, prompts, encode, task.tokenizer.decode, greedy_config(task)
+    )
 
 
 def accuracy(graphdef: nnx.GraphDef, params: dict, task: Task) -> float:

@@ -4,6 +4,7 @@
     python recipes/dpo.py --loss ipo --beta 0.5
     python recipes/dpo.py --resume          # continue a killed run from its last checkpoint
     python recipes/dpo.py --lora-rank 16    # LoRA adapters on the frozen SFT model (--qlora: NF4)
+    python recipes/dpo.py --model HF_CHECKPOINT --data pairs.jsonl   # your model and pairs
 
 Where the SFT model answers a training prompt correctly, the rejected answer is a near miss.
 The reference policy is the SFT model, frozen. The train step below is ordinary user code:
@@ -11,7 +12,9 @@ one forward pass over chosen and rejected completions, sequence log-probs from
 `tunelib.logprobs`, a pairwise loss from `tunelib.losses`, and an Optax update. With
 `--lora-rank` the policy is the SFT model with LoRA adapters (`tunelib.peft`) and the
 reference is the same frozen base without them (in NF4 with `--qlora`), as TRL does for PEFT
-models, so policy and reference start equal.
+models, so policy and reference start equal. With `--data` the pairs of a file (`prompt` /
+`chosen` / `rejected`, as strings or chat messages) are tokenized with the checkpoint's own
+tokenizer, and the held-out metric is the implicit-reward accuracy on held-out pairs.
 """
 
 import functools
@@ -26,7 +29,7 @@ import sft
 from flax import nnx
 
 from tunelib import logprobs, losses, peft
-from tunelib.data import preference_dataset, preference_pairs
+from tunelib.data import hf_preference_dataset, preference_dataset, preference_pairs
 
 # Pairwise losses that share DPO's signature: (chosen, rejected, ref_chosen, ref_rejected).
 PAIRWISE = {
@@ -82,9 +85,12 @@ def build_parser():
     )
     p.add_argument(
         "--sft-dir",
+        "--model",
+        dest="sft_dir",
         type=Path,
         default=None,
-        help="the SFT model folder (default runs/sft-seed<seed>/model)",
+        help="the model to start from, also the reference: a recipe's SFT model folder or a "
+        "Hugging Face checkpoint (default runs/sft-seed<seed>/model, trained if absent)",
     )
     return p
 
@@ -92,6 +98,8 @@ def build_parser():
 def ensure_sft_model(args) -> Path:
     """The SFT model of this seed, trained first (quick default) when it is absent."""
     folder = args.sft_dir or common.RUNS / f"sft-seed{args.seed}" / "model"
+    if not common.has_model(folder) and args.data is not None:
+        raise SystemExit(f"no model at {folder}: --data needs --model, a Hugging Face checkpoint.")
     if not common.has_model(folder):
         print(f"no SFT model at {folder}: training it first with recipes/sft.py", flush=True)
         same = (
@@ -112,29 +120,39 @@ def main(argv: list[str] | None = None) -> dict:
     args = common.parse(build_parser(), argv)
     sft_folder = ensure_sft_model(args)
     run = common.Run("dpo", args)
-    task = common.task(args, num_train=args.num_prompts)
-    config, graphdef, ref_params = common.load_model(sft_folder)
+    start = common.load_start(sft_folder)
+    graphdef, ref_params = start.graphdef, start.params
     trainable, base = common.lora_setup(args, ref_params)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": base, "reference": ref_params if base is None else base}
-    pairs = preference_pairs(task.train, seed=args.seed)
-    if args.rejected == "model":
-        # On-policy negatives: where the SFT model answers a training prompt wrongly, prefer the
-        # correct answer over exactly that mistake.
-        answers = common.greedy_answers(graphdef, ref_params, task, task.train)
-        pairs = [
-            {**pair, "rejected": answer} if answer and answer != pair["chosen"] else pair
-            for pair, answer in zip(pairs, answers, strict=True)
-        ]
-    batches = iter(
-        preference_dataset(
-            pairs,
-            task.tokenizer,
-            max_length=task.max_length,
-            batch_size=args.batch_size,
-            seed=args.seed,
+    if args.data is None:
+        task = common.task(args, num_train=args.num_prompts)
+        pairs = preference_pairs(task.train, seed=args.seed)
+        if args.rejected == "model":
+            # On-policy negatives: where the SFT model answers a training prompt wrongly,
+            # prefer the correct answer over exactly that mistake.
+            answers = common.greedy_answers(graphdef, ref_params, task, task.train)
+            pairs = [
+                {**pair, "rejected": answer} if answer and answer != pair["chosen"] else pair
+                for pair, answer in zip(pairs, answers, strict=True)
+            ]
+        batches = iter(
+            preference_dataset(
+                pairs,
+                task.tokenizer,
+                max_length=task.max_length,
+                batch_size=args.batch_size,
+                seed=args.seed,
+            )
         )
-    )
+    else:
+        train, heldout = common.data_records(args, "preference")
+        data = functools.partial(
+            hf_preference_dataset, tokenizer=start.tokenizer(), max_length=args.max_length,
+            batch_size=args.batch_size, seed=args.seed,
+        )  # fmt: skip
+        batches = iter(data(train))
+        heldout_batches = list(data(heldout, shuffle=False, num_epochs=1, drop_remainder=False))
     optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.adamw(
@@ -196,10 +214,23 @@ def main(argv: list[str] | None = None) -> dict:
         state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
         return state, {"loss": loss, **metrics}
 
-    def evaluate(trainable):
-        return {"accuracy": common.accuracy(graphdef, common.dense_params(trainable, base), task)}
+    heldout_metrics = jax.jit(
+        lambda trainable, frozen, batch: loss_fn(trainable, frozen, batch, None)[1]
+    )
 
-    accuracy_before = evaluate(trainable)["accuracy"]
+    def evaluate(trainable):
+        if args.data is None:
+            params = common.dense_params(trainable, base)
+            return {"accuracy": common.accuracy(graphdef, params, task)}
+        # The share of held-out pairs whose chosen answer gets the higher implicit reward.
+        rows = [len(b["chosen"]["tokens"]) for b in heldout_batches]
+        right = sum(
+            float(heldout_metrics(trainable, frozen, b)["reward_accuracy"]) * n
+            for b, n in zip(heldout_batches, rows, strict=True)
+        )
+        return {"heldout_reward_accuracy": right / sum(rows) if rows else float("nan")}
+
+    before = evaluate(trainable)
     state = {
         "params": trainable,
         "opt_state": optimizer.init(trainable),
@@ -211,17 +242,18 @@ def main(argv: list[str] | None = None) -> dict:
         step_fn=functools.partial(train_step, frozen),
         evaluate=evaluate,
     )
-    common.save_model(run.folder / "model", config, common.dense_params(state["params"], base))
-    common.save_adapters(run.folder, state["params"], base)
+    params = common.dense_params(state["params"], base)
+    common.save_outputs(run.folder, start, params, state["params"], base)
     last = run.records()[-1]
+    metric = "accuracy" if args.data is None else "heldout_reward_accuracy"
     return run.finish(
         {
             "seed": args.seed,
             "loss": args.loss,
             "steps": args.steps,
             **common.tuning_headline(args, trainable, base),
-            "accuracy_before": accuracy_before,
-            "accuracy_after": last["accuracy"],
+            f"{metric}_before": before[metric],
+            f"{metric}_after": last[metric],
             "final_reward_accuracy": last["reward_accuracy"],
         }
     )

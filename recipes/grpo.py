@@ -5,6 +5,7 @@
     python recipes/grpo.py --mode dr_grpo     # unscaled advantages, token sum / max length
     python recipes/grpo.py --resume           # continue a killed run from its last checkpoint
     python recipes/grpo.py --lora-rank 16     # LoRA adapters on the frozen SFT model (--qlora)
+    python recipes/grpo.py --model HF_CHECKPOINT --data problems.jsonl   # your model and prompts
 
 Each step samples `--group-size` completions for each of `--batch-size` training prompts
 with the KV-cache sampler of `tunelib.rollout`, scores them with the task's verifier (1 for
@@ -13,9 +14,13 @@ takes `--updates-per-batch` Optax steps on the clipped surrogate of `tunelib.los
 group-relative advantages from `tunelib.advantages`. The behaviour log-probs are the sampler's; the
 reference policy (for the KL term) is the SFT model, frozen. With `--lora-rank` only LoRA
 adapters train (`tunelib.peft`), the reference is the frozen base without them, and the sampler
-gets the adapters merged into the base before each batch of rollouts.
+gets the adapters merged into the base before each batch of rollouts. With `--data` the
+prompts of a file (`prompt` / `answer` records) are sampled with the checkpoint's tokenizer and
+stop tokens, a completion earns 1 when its text equals the answer (both stripped), and the
+held-out metric is the greedy exact-match accuracy.
 """
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -30,7 +35,7 @@ import optax
 from flax import nnx
 
 from tunelib import advantages, logprobs, losses, peft, rollout
-from tunelib.data import encode_prompts, verify_answer
+from tunelib.data import encode_prompts, hf_prompts, verify_answer
 
 # What each mode sets; every value can be overridden by its flag.
 MODES = {
@@ -72,7 +77,18 @@ def build_parser():
     )
     p.add_argument("--num-prompts", type=int, default=9000, help="training prompts sampled from")
     p.add_argument("--sft-steps", type=int, default=None, help="steps of the SFT run if needed")
-    p.add_argument("--sft-dir", type=Path, default=None, help="default runs/sft-seed<seed>/model")
+    p.add_argument(
+        "--sft-dir",
+        "--model",
+        dest="sft_dir",
+        type=Path,
+        default=None,
+        help="the model to start from, also the reference: a recipe's SFT model folder or a "
+        "Hugging Face checkpoint (default runs/sft-seed<seed>/model, trained if absent)",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, help="with --data: tokens per completion"
+    )
     return p
 
 
@@ -90,21 +106,45 @@ def main(argv: list[str] | None = None) -> dict:
     mode["kl_beta"] = args.kl_beta if args.kl_beta is not None else mode["kl_beta"]
     sft_folder = dpo.ensure_sft_model(args)
     run = common.Run(f"grpo-{args.mode}" if args.mode != "grpo" else "grpo", args)
-    task = common.task(args, num_train=args.num_prompts)
-    tok = task.tokenizer
-    config, graphdef, ref_params = common.load_model(sft_folder)
+    start = common.load_start(sft_folder)
+    graphdef, ref_params = start.graphdef, start.params
     trainable, base = common.lora_setup(args, ref_params)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": base, "reference": ref_params if base is None else base}
     group = args.group_size
-    sampling = rollout.SamplingConfig(
-        max_new_tokens=task.max_length - task.max_length // 2,
-        temperature=args.temperature,
-        stop_tokens=(tok.eos_id,),
-        pad_token=tok.pad_id,
-    )
+    if args.data is None:  # the built-in task: its verifier and a reward for the format
+        task = common.task(args, num_train=args.num_prompts)
+        tok, train, heldout = task.tokenizer, task.train, task.heldout
+        greedy = common.greedy_config(task)
+
+        def encode(prompts):
+            return encode_prompts(prompts, tok, max_length=task.max_length // 2)
+
+        def correct(text, record):
+            return verify_answer(text, record["answer"])
+
+        format_weight = args.format_weight
+    else:  # a file of prompts and answers: exact match, the checkpoint's stop tokens
+        tok = start.tokenizer()
+        train, heldout = common.data_records(args, "rl")
+        greedy = rollout.SamplingConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=0.0,
+            stop_tokens=tok.stop_ids,
+            pad_token=tok.pad_id,
+            forbidden_tokens=tuple(range(tok.vocab_size, start.config.vocab_size)),
+        )
+
+        def encode(prompts):
+            return hf_prompts(prompts, tok, max_length=args.max_length)
+
+        def correct(text, record):
+            return text.strip() == str(record["answer"]).strip()
+
+        format_weight = 0.0  # `well_formed` describes the built-in task's answers
+    sampling = dataclasses.replace(greedy, temperature=args.temperature)
     new_tokens = sampling.max_new_tokens
-    prompts = grain.MapDataset.range(len(task.train)).shuffle(seed=args.seed).repeat()
+    prompts = grain.MapDataset.range(len(train)).shuffle(seed=args.seed).repeat()
     batches = iter(prompts.batch(args.batch_size).to_iter_dataset())
     optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -175,10 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def train_step(frozen, state, indices):
         """Sample and score a group per prompt on the host, then one jitted update."""
-        records = [task.train[i] for i in np.asarray(indices)]
-        prompt_tokens, prompt_where = encode_prompts(
-            [r["prompt"] for r in records], tok, max_length=task.max_length // 2
-        )
+        records = [train[i] for i in np.asarray(indices)]
+        prompt_tokens, prompt_where = encode([r["prompt"] for r in records])
         rng = jax.random.wrap_key_data(state["rng"])
         key, sample_key = jax.random.split(rng)
         dropout_key = jax.random.fold_in(rng, 1)
@@ -189,11 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
         )  # fmt: skip
         texts = [tok.decode(row) for row in np.asarray(out.tokens).tolist()]
         truncated = np.asarray(out.truncated)
-        correct = np.array(
-            [verify_answer(t, records[i // group]["answer"]) for i, t in enumerate(texts)]
-        )
+        right = np.array([correct(t, records[i // group]) for i, t in enumerate(texts)])
         formed = np.array([well_formed(t, c) for t, c in zip(texts, truncated, strict=True)])
-        rewards = correct + args.format_weight * formed
+        rewards = right + format_weight * formed
         if mode["overlong_buffer"]:
             rewards = rewards + np.asarray(
                 advantages.overlong_penalty(
@@ -221,13 +257,18 @@ def main(argv: list[str] | None = None) -> dict:
         return state, {
             **metrics,
             "reward": rewards.mean(),
-            "sample_accuracy": correct.mean(),
+            "sample_accuracy": right.mean(),
             "length": np.asarray(out.lengths).mean(),
             "kept_groups": keep.mean(),
         }
 
     def evaluate(trainable):
-        return {"accuracy": common.accuracy(graphdef, common.dense_params(trainable, base), task)}
+        """Greedy exact-match accuracy on the held-out prompts."""
+        params = common.dense_params(trainable, base)
+        prompts = [r["prompt"] for r in heldout]
+        texts = common.greedy_texts(graphdef, params, prompts, encode, tok.decode, greedy)
+        hits = [correct(t, r) for t, r in zip(texts, heldout, strict=True)]
+        return {"accuracy": float(np.mean(hits)) if hits else float("nan")}
 
     accuracy_before = evaluate(trainable)["accuracy"]
     state = {
@@ -241,8 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
         step_fn=functools.partial(train_step, frozen),
         evaluate=evaluate,
     )
-    common.save_model(run.folder / "model", config, common.dense_params(state["params"], base))
-    common.save_adapters(run.folder, state["params"], base)
+    params = common.dense_params(state["params"], base)
+    common.save_outputs(run.folder, start, params, state["params"], base)
     last = run.records()[-1]
     return run.finish(
         {

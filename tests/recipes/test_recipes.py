@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 from tests._helpers import user_env
 
@@ -257,3 +258,75 @@ def test_qlora_without_a_rank_is_refused():
         check=False,
     )
     assert proc.returncode == 2 and "--lora-rank" in proc.stderr
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.slow
+def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path):
+    """SFT, DPO and GRPO from a transformers checkpoint on JSON-lines files; the fine-tuned
+    checkpoints (LoRA merged, or the PEFT adapter on the base) load in transformers."""
+    from tests._hf import hf_logits, hf_modules, write_chat_jsonl, write_tiny_checkpoint
+    from tunelib.models import load_hf_checkpoint
+
+    torch, transformers = hf_modules()
+    peft_hf = pytest.importorskip("peft", reason="the Hugging Face peft package")
+    source = write_tiny_checkpoint(tmp_path / "model", "qwen2", seed=1)
+    chats = write_chat_jsonl(tmp_path / "chats.jsonl", 40)
+    flags = ["--model", str(source), "--batch-size", "4", "--eval-every", "4"]
+
+    full = run_recipe(
+        "sft", *flags, "--data", str(chats), "--steps", "8", "--out", str(tmp_path / "full")
+    )
+    assert full["heldout_loss_after"] < full["heldout_loss_before"] - 1.0  # it learned
+    lora = run_recipe(
+        "sft", *flags, "--data", str(chats), "--steps", "4", "--lora-rank", "4",
+        "--out", str(tmp_path / "lora"),
+    )  # fmt: skip
+    assert lora["tuning"] == "lora" and lora["heldout_loss_after"] < lora["heldout_loss_before"]
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 300, size=(2, 9))
+    where = np.ones((2, 9), bool)
+    where[1, 6:] = False
+    for name in ("full", "lora"):
+        ours = load_hf_checkpoint(tmp_path / name / "hf_model")
+        model = nnx.merge(ours.graphdef, ours.params)
+        logits = np.asarray(model.unembed(model(tokens, attention_where=where)))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name / "hf_model")
+        np.testing.assert_allclose(
+            hf_logits(theirs.eval(), tokens, where)[where], logits[where], atol=1e-4
+        )
+    # The PEFT adapter on the original checkpoint is the merged LoRA model.
+    base = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    adapted = peft_hf.PeftModel.from_pretrained(base, tmp_path / "lora" / "peft_adapter").eval()
+    np.testing.assert_allclose(hf_logits(adapted, tokens, where)[where], logits[where], atol=1e-4)
+
+    pairs = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {"prompt": f"{a} + {a} = ", "chosen": str(2 * a), "rejected": str(2 * a + 1)}
+            for a in range(20)
+        ],
+    )
+    dpo = run_recipe(
+        "dpo", *flags, "--data", str(pairs), "--steps", "2", "--out", str(tmp_path / "dpo")
+    )
+    assert 0.0 <= dpo["heldout_reward_accuracy_after"] <= 1.0
+    problems = write_jsonl(
+        tmp_path / "problems.jsonl",
+        [
+            {"prompt": [{"role": "user", "content": f"{a} + {a}?"}], "answer": str(2 * a)}
+            for a in range(20)
+        ],
+    )
+    grpo = run_recipe(
+        "grpo", *flags, "--data", str(problems), "--steps", "2", "--group-size", "2",
+        "--max-new-tokens", "6", "--out", str(tmp_path / "grpo"),
+    )  # fmt: skip
+    assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()
+    with pytest.raises(AssertionError, match="needs --model"):  # a data file needs a checkpoint
+        run_recipe("dpo", "--data", str(pairs), "--sft-dir", str(tmp_path / "none"))
