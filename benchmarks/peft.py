@@ -17,10 +17,12 @@ decoder (`tunelib.models.Decoder`) and the fused log-prob head:
   a custom VJP that saves only the codes.
 
 The parent process only orchestrates; each variant runs in a fresh worker subprocess
-(`--variant X --size S --json-out FILE`). First every LoRA variant's loss and adapter
-gradients are checked against its naive twin on the same inputs (the loss's relative error,
-and the gradients' $\max|g - g_{ref}| / \max|g_{ref}|$ over all adapters, at most
-`TOLERANCE`), then each variant is measured:
+(`--variant X --size S --json-out FILE`). First the loss and adapter gradients of
+every LoRA variant and of its naive twin are compared with a float64 reference on the same
+inputs (the merged weights formed in float64, the model run in float64): the loss's relative
+error and the gradients' $\max|g - g_{ref}| / \max|g_{ref}|$ over all adapters. A variant
+passes when its error is at most twice its naive twin's plus `TOLERANCE` (float32 rounding
+alone reaches about 1e-3 of the largest entry at the `cpu` size). Then each variant is measured:
 `memory_analysis()` of the compiled step (temporary, argument and output bytes), the bytes of
 its stored parameters and of its optimizer state (counted from the arrays), the worker's peak
 RSS, and the median wall time of `--repeats` steps after a warm-up (sizes that `run` only).
@@ -32,6 +34,7 @@ line; ratios are reported, never asserted.
 """
 
 import argparse
+import functools
 import json
 import resource
 import statistics
@@ -83,7 +86,7 @@ SIZES = {
 }
 VARIANTS = ("full", "lora_merged", "lora", "qlora_dequantized", "qlora")
 NAIVE_TWIN = {"lora": "lora_merged", "qlora": "qlora_dequantized"}
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5
 TARGETS = r"layers/.*_proj/kernel"
 
 
@@ -99,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = p.add_argument_group("worker mode (started by the parent)")
     worker.add_argument("--variant", choices=VARIANTS, default=None)
     worker.add_argument("--check", action="store_true", help="loss and gradients, no timing")
+    worker.add_argument("--float64", action="store_true", help="with --check: the reference")
     return p
 
 
@@ -204,9 +208,30 @@ def measure(size: Size, variant: str, rank: int, repeats: int) -> dict:
     return out
 
 
-def check(size: Size, variant: str, rank: int) -> dict:
-    """Loss and adapter gradients of one step, for comparison with the naive twin."""
+def check(size: Size, variant: str, rank: int, float64: bool = False) -> dict:
+    """Loss and adapter gradients of one step. With `float64`, the reference for `variant`'s
+    inputs: $W + s\\,AB$ formed in float64 (a quantised base dequantised first) and the model
+    run in float64 (JAX x64)."""
+    if float64:
+        jax.config.update("jax_enable_x64", True)
     _, gradients, trainable, _, frozen, batch = setup(size, variant, rank)
+    if float64:
+        config = DecoderConfig(**{**size.config, "dtype": "float64", "param_dtype": "float64"})
+        graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))[0]
+        to64 = functools.partial(jax.tree.map, lambda x: jnp.asarray(x, jnp.float64))
+        trainable, frozen = to64(trainable), to64(peft.dequantize_params(frozen))
+
+        @jax.jit
+        def gradients(trainable, frozen, batch):
+            def loss(trainable):
+                model = nnx.merge(graphdef, peft.merge_lora(frozen, trainable))
+                token = logprobs.fused_token_logps(
+                    model(batch["tokens"]), model.unembedding(), batch["targets"]
+                )
+                return -token.mean()
+
+            return jax.value_and_grad(loss)(trainable)
+
     value, grads = gradients(trainable, frozen, batch)
     return {
         "loss": float(value),
@@ -247,7 +272,7 @@ def bits(size: Size) -> dict:
 def worker(args: argparse.Namespace) -> None:
     size = SIZES[args.size]
     if args.check:
-        result = check(size, args.variant, args.rank)
+        result = check(size, args.variant, args.rank, float64=args.float64)
     else:
         result = measure(size, args.variant, args.rank, args.repeats)
         if args.variant == "qlora":
@@ -258,12 +283,16 @@ def worker(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- parent
 
 
-def run_worker(args: argparse.Namespace, variant: str, folder: Path, check: bool) -> dict:
-    out = folder / f"{variant}-{'check' if check else 'measure'}.json"
+def run_worker(
+    args: argparse.Namespace, variant: str, folder: Path, check: bool, float64: bool = False
+) -> dict:
+    mode = "reference" if float64 else "check" if check else "measure"
+    out = folder / f"{variant}-{mode}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--variant", variant]
     command += ["--size", args.size, "--rank", str(args.rank), "--repeats", str(args.repeats)]
     command += ["--json-out", str(out)] + (["--check"] if check else [])
-    print(f"[{variant}] {'check' if check else 'measure'} ...", file=sys.stderr, flush=True)
+    command += ["--float64"] if float64 else []
+    print(f"[{variant}] {mode} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
@@ -293,7 +322,15 @@ def summarise(args, variants: dict, errors: dict) -> dict:
         "size": args.size,
         "rank": args.rank,
         "config": SIZES[args.size].config,
-        "correct": all(e is not None and e <= TOLERANCE for e in errors.values()),
+        # Ours may be at most TOLERANCE less accurate than the naive path (float32 rounding
+        # alone reaches 1e-3 of the largest gradient entry at the cpu size).
+        "correct": bool(errors)
+        and all(
+            errors.get(ours) is not None
+            and errors.get(naive) is not None
+            and errors[ours] <= 2 * errors[naive] + TOLERANCE
+            for ours, naive in NAIVE_TWIN.items()
+        ),
         "errors": errors,
         "variants": variants,
         "bits": qlora.get("bits"),
@@ -356,7 +393,9 @@ def table(result: dict) -> str:
     ):
         if result[key] is not None:
             lines.append(f"{key}: {result[key]:.3f}")
-    lines.append(f"correct (vs naive twins, tolerance {TOLERANCE}): {result['correct']}")
+    errors = ", ".join(f"{k} {v:.2e}" for k, v in result["errors"].items() if v is not None)
+    lines.append(f"errors against float64 (largest entry): {errors}")
+    lines.append(f"correct (at most 2 x the naive error + {TOLERANCE}): {result['correct']}")
     return "\n".join(lines)
 
 
@@ -373,9 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         errors = {}
         if size.run:
             for ours, naive in NAIVE_TWIN.items():
-                a, b = run_worker(args, ours, folder, True), run_worker(args, naive, folder, True)
-                failed = "failed" in a or "failed" in b
-                errors[ours] = None if failed else relative_error(a, b)
+                ref = run_worker(args, ours, folder, True, float64=True)
+                for name in (ours, naive):
+                    result = run_worker(args, name, folder, True)
+                    failed = "failed" in result or "failed" in ref
+                    errors[name] = None if failed else relative_error(result, ref)
         variants = {name: run_worker(args, name, folder, False) for name in VARIANTS}
     result = summarise(args, variants, errors)
     print(table(result))

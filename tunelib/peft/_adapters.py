@@ -11,6 +11,7 @@ import quax
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PyTree
 
+from tunelib._validation import compute_dtype
 from tunelib.peft._rules import LoraRule, array_keys, array_leaves, match_rules, path_string
 
 
@@ -48,10 +49,10 @@ class LoraAdapter:
         """$s = \\alpha / r$, or $\\alpha / \\sqrt r$ with rsLoRA."""
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
-    def delta(self) -> Float[Array, "*S d0 d1"]:
-        """$s\\,AB$ in float32."""
-        a, b = self.a.astype(jnp.float32), self.b.astype(jnp.float32)
-        return self.scale * (a @ b)
+    def delta(self, dtype: DTypeLike | None = None) -> Float[Array, "*S d0 d1"]:
+        """$s\\,AB$ in `dtype`; by default at least float32 (float64 for float64 factors)."""
+        dtype = compute_dtype(self.a.dtype, self.b.dtype) if dtype is None else dtype
+        return self.scale * (self.a.astype(dtype) @ self.b.astype(dtype))
 
 
 def init_lora(
@@ -188,17 +189,20 @@ def _replace(params: PyTree, adapters: PyTree, fn) -> PyTree:
     )
 
 
-def _dense(weight) -> tuple[jax.Array, jnp.dtype]:
+def _dense(weight, adapter: LoraAdapter) -> tuple[jax.Array, jnp.dtype]:
+    """The weight in the dtype its sum with the adapter is computed in, and its own dtype."""
+    dtype = compute_dtype(weight.dtype, adapter.a.dtype, adapter.b.dtype)
     if isinstance(weight, quax.ArrayValue):
-        return weight.dequantize(jnp.float32), weight.dtype
-    return weight.astype(jnp.float32), weight.dtype
+        return weight.dequantize(dtype), weight.dtype
+    return weight.astype(dtype), weight.dtype
 
 
 def merge_lora(params: PyTree, adapters: PyTree) -> PyTree:
     r"""The parameters with every adapter folded in: $W \leftarrow W + s\,AB$.
 
-    The sum is computed in float32 and cast to the weight's dtype; a quantised base weight is
-    dequantised first, so the merged weight is dense. Use it to export a fine-tuned model or
+    The sum is computed in float32 (float64 when weight or adapter is float64) and cast to the
+    weight's dtype; a quantised base weight is dequantised first, so the merged weight is
+    dense. Use it to export a fine-tuned model or
     to hand plain weights to a sampler.
 
     Args:
@@ -220,19 +224,20 @@ def merge_lora(params: PyTree, adapters: PyTree) -> PyTree:
     """
 
     def merge(weight, adapter):
-        dense, dtype = _dense(weight)
-        return (dense + adapter.delta()).astype(dtype)
+        dense, dtype = _dense(weight, adapter)
+        return (dense + adapter.delta(dense.dtype)).astype(dtype)
 
     return _replace(params, adapters, merge)
 
 
 def unmerge_lora(merged: PyTree, adapters: PyTree) -> PyTree:
-    r"""The inverse of `merge_lora` on dense weights: $W \leftarrow W - s\,AB$ (in float32)."""
+    r"""The inverse of `merge_lora` on dense weights: $W \leftarrow W - s\,AB$ (same dtypes)."""
 
     def unmerge(weight, adapter):
         if isinstance(weight, quax.ArrayValue):
             raise TypeError("unmerge_lora takes merged (dense) weights, not quantised tensors.")
-        return (weight.astype(jnp.float32) - adapter.delta()).astype(weight.dtype)
+        dense, dtype = _dense(weight, adapter)
+        return (dense - adapter.delta(dense.dtype)).astype(dtype)
 
     return _replace(merged, adapters, unmerge)
 

@@ -19,6 +19,7 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
+from tunelib._validation import compute_dtype
 from tunelib.peft import _transforms
 from tunelib.peft._adapters import check_adapters
 from tunelib.peft._rules import path_string
@@ -58,10 +59,11 @@ class LoraWeight(quax.ArrayValue):
         return jax.core.ShapedArray(tuple(self.w.shape), self.w.dtype)
 
     def dense(self) -> Array:
-        r"""$W + s\,AB$, computed in float32 and cast to $W$'s dtype."""
+        r"""$W + s\,AB$, computed in at least float32 and cast to $W$'s dtype."""
         w = _dense(self.w)
-        delta = self.scale * (self.a.astype(jnp.float32) @ self.b.astype(jnp.float32))
-        return (w.astype(jnp.float32) + delta).astype(w.dtype)
+        high = compute_dtype(w.dtype, self.a.dtype, self.b.dtype)
+        delta = self.scale * (self.a.astype(high) @ self.b.astype(high))
+        return (w.astype(high) + delta).astype(w.dtype)
 
     def materialise(self) -> Array:
         warnings.warn(
