@@ -119,6 +119,25 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_start_flags(p: argparse.ArgumentParser) -> None:
+    """The model a fine-tuning recipe (DPO, GRPO) starts from, and its SFT run if absent."""
+    p.add_argument(
+        "--sft-dir",
+        "--model",
+        dest="sft_dir",
+        type=Path,
+        default=None,
+        help="the model to start from, also the reference: a recipe's SFT model folder or a "
+        "Hugging Face checkpoint (default runs/sft-seed<seed>/model, trained if absent)",
+    )
+    p.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help="steps of the SFT run when the SFT model must be trained first (default: sft.py's)",
+    )
+
+
 def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """`p.parse_args(argv)` with the LoRA flags checked and the learning rate resolved."""
     args = p.parse_args(argv)

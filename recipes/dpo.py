@@ -77,21 +77,7 @@ def build_parser():
         default=9000,
         help="training prompts the preference pairs are built on",
     )
-    p.add_argument(
-        "--sft-steps",
-        type=int,
-        default=None,
-        help="steps of the SFT run when the SFT model must be trained first (default: sft.py's)",
-    )
-    p.add_argument(
-        "--sft-dir",
-        "--model",
-        dest="sft_dir",
-        type=Path,
-        default=None,
-        help="the model to start from, also the reference: a recipe's SFT model folder or a "
-        "Hugging Face checkpoint (default runs/sft-seed<seed>/model, trained if absent)",
-    )
+    common.add_start_flags(p)
     return p
 
 

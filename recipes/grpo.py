@@ -23,7 +23,6 @@ held-out metric is the greedy exact-match accuracy.
 import dataclasses
 import functools
 import sys
-from pathlib import Path
 
 import common
 import dpo
@@ -76,16 +75,7 @@ def build_parser():
         "--format-weight", type=float, default=0.1, help="reward of a well-formed answer"
     )
     p.add_argument("--num-prompts", type=int, default=9000, help="training prompts sampled from")
-    p.add_argument("--sft-steps", type=int, default=None, help="steps of the SFT run if needed")
-    p.add_argument(
-        "--sft-dir",
-        "--model",
-        dest="sft_dir",
-        type=Path,
-        default=None,
-        help="the model to start from, also the reference: a recipe's SFT model folder or a "
-        "Hugging Face checkpoint (default runs/sft-seed<seed>/model, trained if absent)",
-    )
+    common.add_start_flags(p)
     p.add_argument(
         "--max-new-tokens", type=int, default=64, help="with --data: tokens per completion"
     )
