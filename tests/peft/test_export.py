@@ -1,5 +1,6 @@
 """Adapters on disk: Orbax round trips, the PEFT format, and parity with Hugging Face PEFT."""
 
+import functools
 import json
 
 import jax
@@ -29,16 +30,22 @@ RULES = [
 ]
 
 
-def decoder_params(**overrides):
-    model = Decoder(DecoderConfig(**{**CONFIG, **overrides}), rngs=nnx.Rngs(0))
+@functools.cache
+def _decoder_params(overrides: tuple):
+    model = Decoder(DecoderConfig(**{**CONFIG, **dict(overrides)}), rngs=nnx.Rngs(0))
     return nnx.to_pure_dict(nnx.state(model))
 
 
+def decoder_params(**overrides):
+    """The test decoder's parameters (built once per configuration)."""
+    return _decoder_params(tuple(sorted(overrides.items())))
+
+
 def trained(adapters, seed=3):
-    leaves, tree = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(
-        tree, [0.1 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+    """Adapters with random non-zero factors, as after some training."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), adapters
     )
 
 
