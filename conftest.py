@@ -2,10 +2,13 @@
 
 Runs before anything imports JAX or tunelib: simulates 8 CPU devices, turns on runtime shape
 and dtype checking of every annotated tunelib function (jaxtyping + beartype), and registers
-the hypothesis profiles.
+the hypothesis profiles. It also makes one JAX compilation cache for the session, which the
+recipe runs the tests start as subprocesses share (`tests._helpers.user_env`).
 """
 
 import os
+import shutil
+import tempfile
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -27,3 +30,22 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=200, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# The session's compilation cache: most recipe runs in the tests compile the same train and
+# evaluation steps, and compiling is most of a short run's time. Made by the main process
+# (pytest-xdist's workers inherit the variable) and removed at the end of the session.
+_CACHE_VARIABLE = "TUNELIB_TEST_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and _CACHE_VARIABLE not in os.environ:
+        os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="tunelib-test-jax-cache-")
+        config._tunelib_cache = os.environ[_CACHE_VARIABLE]
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_tunelib_cache", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        del os.environ[_CACHE_VARIABLE]

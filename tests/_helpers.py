@@ -80,9 +80,20 @@ def assert_close(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-6) ->
 
 
 def user_env() -> dict:
-    """The environment a user's script runs in: one CPU device, not the test session's eight."""
+    """The environment a user's script runs in: one CPU device, not the test session's eight.
+
+    The scripts share the session's JAX compilation cache (made in `conftest.py`), so a
+    train step that one recipe run compiled loads from disk in the next. The cache is bounded,
+    which makes JAX lock it while it reads and writes: the xdist workers' runs share it safely.
+    """
     out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out["JAX_PLATFORMS"] = "cpu"
+    cache = os.environ.get("TUNELIB_TEST_COMPILATION_CACHE")
+    if cache:
+        out["JAX_COMPILATION_CACHE_DIR"] = cache
+        out["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
+        out["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        out["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     return out
 
 
