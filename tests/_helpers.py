@@ -79,17 +79,18 @@ def assert_close(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-6) ->
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol, atol=atol)
 
 
-def user_env() -> dict:
+def user_env(*, compilation_cache: bool = False) -> dict:
     """The environment a user's script runs in: one CPU device, not the test session's eight.
 
-    The scripts share the session's JAX compilation cache (made in `conftest.py`), so a
-    train step that one recipe run compiled loads from disk in the next. The cache is bounded,
-    which makes JAX lock it while it reads and writes: the xdist workers' runs share it safely.
+    With `compilation_cache`, the script shares the session's JAX compilation cache (made in
+    `conftest.py`), so a train step that one recipe run compiled loads from disk in the next.
+    The cache is bounded, which makes JAX lock it while it reads and writes, so the xdist
+    workers' runs share it safely. Benchmarks run without it: they time their compilations.
     """
     out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out["JAX_PLATFORMS"] = "cpu"
     cache = os.environ.get("TUNELIB_TEST_COMPILATION_CACHE")
-    if cache:
+    if compilation_cache and cache:
         out["JAX_COMPILATION_CACHE_DIR"] = cache
         out["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
         out["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

@@ -25,7 +25,7 @@ def run_recipe(name: str, *args: str, timeout: float = 300, headline: str | None
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=user_env(),
+        env=user_env(compilation_cache=True),
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -90,7 +90,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         [sys.executable, str(RECIPES / "sft.py"), *SMALL, *args, "--out", str(killed)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=user_env(),
+        env=user_env(compilation_cache=True),
     )
     checkpoints = killed / "checkpoints"
     deadline = time.monotonic() + 240
@@ -113,7 +113,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=user_env(),
+        env=user_env(compilation_cache=True),
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -232,7 +232,7 @@ def test_qlora_without_a_rank_is_refused():
         capture_output=True,
         text=True,
         timeout=120,
-        env=user_env(),
+        env=user_env(compilation_cache=True),
         check=False,
     )
     assert proc.returncode == 2 and "--lora-rank" in proc.stderr
