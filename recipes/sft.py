@@ -53,16 +53,17 @@ def build_parser():
 def main(argv: list[str] | None = None) -> dict:
     args = common.parse(build_parser(), argv)
     run = common.Run("sft", args)
+    task = common.task(args) if args.data is None else None
     if args.model is None:
-        task = common.task(args)
+        if task is None:
+            raise SystemExit("--data needs --model, a Hugging Face checkpoint with a tokenizer.")
         config = common.model_config(task.tokenizer, args.model_size)
         start = common.Start(config, *common.init_model(config, args.seed), None, None)
     else:
         start = common.load_start(args.model)
     graphdef = start.graphdef
     trainable, base = common.lora_setup(args, start.params)
-    if args.data is None:
-        task = common.task(args)
+    if task is not None:
         records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in task.train]
         batches = iter(
             sft_dataset(

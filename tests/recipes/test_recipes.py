@@ -303,5 +303,8 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path):
         "--max-new-tokens", "6", "--out", str(tmp_path / "grpo"),
     )  # fmt: skip
     assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()
-    with pytest.raises(AssertionError, match="needs --model"):  # a data file needs a checkpoint
+    # A data file needs a checkpoint with a tokenizer.
+    with pytest.raises(AssertionError, match="needs --model"):
         run_recipe("dpo", "--data", str(pairs), "--sft-dir", str(tmp_path / "none"))
+    with pytest.raises(AssertionError, match="needs --model"):
+        run_recipe("sft", "--data", str(chats), "--out", str(tmp_path / "no-model"))

@@ -53,7 +53,7 @@ def _remat(*args: ArrayLike | quax.ArrayValue, jaxpr, prevent_cse, differentiate
 
 
 def install() -> None:
-    """Give Quax the two rules, unless it already has its own."""
+    """Give Quax the two rules (the custom-VJP one unless its trace has its own)."""
     trace = _trace._QuaxTrace
     if trace.process_custom_vjp_call is core.Trace.process_custom_vjp_call:
         trace.process_custom_vjp_call = _process_custom_vjp_call
