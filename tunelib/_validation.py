@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 
@@ -43,6 +44,31 @@ def bool_array(x: ArrayLike, name: str) -> jax.Array:
     return x
 
 
+def mask_like(x: ArrayLike, name: str) -> jax.Array:
+    """A mask as a boolean array: booleans as they are, integer 0/1 converted (1 = counts).
+
+    Integer masks are what TRL and Tunix pass (`attention_mask`, `completion_mask`). A
+    concrete integer mask holding any value but 0 and 1 is a `ValueError`; a traced one cannot
+    be inspected, and there every nonzero value counts. Any other dtype is a `TypeError`.
+    """
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        return x
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(
+            f"{name} must be a boolean mask (True = counts) or an integer mask of 0 and 1, "
+            f"got dtype {x.dtype}."
+        )
+    if not isinstance(x, jax.core.Tracer):
+        values = np.unique(np.asarray(x))
+        bad = values[(values != 0) & (values != 1)]
+        if bad.size:
+            raise ValueError(
+                f"{name} is an integer mask, so it must hold only 0 and 1, got {bad[0]}."
+            )
+    return x != 0
+
+
 def check_ndim(x: jax.Array, name: str, *, at_least: int) -> None:
     if x.ndim < at_least:
         raise ValueError(f"{name} must have at least {at_least} dimensions, got shape {x.shape}.")
@@ -66,10 +92,11 @@ def same_shape(**arrays: jax.Array) -> tuple[int, ...]:
 
 
 def mask_array(where: ArrayLike | None, shape: Sequence[int], name: str = "where") -> jax.Array:
-    """The boolean mask `where` checked against `shape`; all True when `where` is None."""
+    """The mask `where` (boolean, or integer 0/1) as booleans checked against `shape`; all
+    True when `where` is None."""
     if where is None:
         return jnp.ones(shape, dtype=jnp.bool_)
-    where = bool_array(where, name)
+    where = mask_like(where, name)
     check_shape(where, name, shape, "the data it masks")
     return where
 
