@@ -1,160 +1,157 @@
-"""Knowledge distillation: a small student learns from a larger SFT teacher, chunk by chunk.
+"""Knowledge distillation: a small student learns from a larger SFT teacher's distributions.
 
-    python recipes/distill.py                        # teacher (trained first if absent), the
-                                                     # distilled student, and the SFT student
-    python recipes/distill.py --divergence jsd --beta 0.5 --temperature 2.0
-    python recipes/distill.py --alpha 1.0            # soft targets only, no hard labels
+    python recipes/distill.py                        # the teacher (trained first if absent),
+                                                     # the distilled student, the SFT student
+    python recipes/distill.py --divergence jsd --mix 0.5 --temperature 2.0
+    python recipes/distill.py --soft-weight 1.0      # soft targets only, no hard labels
 
-The teacher (the recipes' "base" decoder, trained by `recipes/sft.py` on more demonstrations)
-labels a transfer set of prompts with its greedy answers; the student (the "student" decoder,
-a quarter of the teacher's parameters) learns on those sequences from the teacher's full
-next-token distributions, computed by `tunelib.losses.fused_distillation_loss` from both
-models' hidden states without any `[B, T, V]` logits, mixed with the cross-entropy of the
-teacher's tokens. The same student trained by SFT alone on the demonstrations, for the same
-number of steps, is the baseline.
+The data: a transfer set of the built-in task's prompts, each with the teacher's greedy
+answer. The loss: the divergence between the student's and the teacher's next-token
+distributions over the whole vocabulary, computed from both models' hidden states by
+`tunelib.logprobs.fused_divergence` without any `[B, T, V]` logits, mixed with the
+cross-entropy of the teacher's tokens. The teacher is the recipes' "base" decoder trained by
+`recipes/sft.py` on more demonstrations; the student is the "student" decoder, a quarter of
+its parameters. The baseline is the same student trained by SFT alone on the demonstrations,
+for the same number of steps, in the run's `baseline/` folder.
 """
 
-import sys
+import dataclasses
 from pathlib import Path
+from typing import Literal
 
-import common
-import jax
-import optax
-import sft
-from flax import nnx
-
-from tunelib import logprobs, losses
-from tunelib.data import sft_dataset
+import kit
+from kit.config import Run, Task, flag
+from kit.errors import UserError
 
 
-def build_parser():
-    p = common.parser(__doc__.splitlines()[0], steps=1000, batch_size=64, learning_rate=3e-3)
-    p.add_argument(
-        "--divergence", choices=["forward_kl", "reverse_kl", "jsd"], default="forward_kl"
+@dataclasses.dataclass(kw_only=True)
+class DistillConfig(Run, Task):
+    RECIPE = "distill"
+    LEARNING_RATE = 3e-3
+
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = flag(
+        "forward_kl", "the divergence from the teacher's distribution"
     )
-    p.add_argument("--beta", type=float, default=0.5, help="JSD's teacher weight")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument(
-        "--alpha", type=float, default=0.5,
-        help="weight of the soft (teacher distribution) term; 1 - alpha on the hard labels",
+    mix: float = flag(0.5, "JSD's mixture weight of the teacher", aliases=("--beta",))
+    temperature: float = flag(1.0, "softmax temperature of both distributions")
+    soft_weight: float = flag(
+        0.5, "weight of the soft (teacher distribution) term; 1 - it on the hard labels",
+        aliases=("--alpha",),
     )  # fmt: skip
-    p.add_argument(
-        "--num-prompts", type=int, default=3000,
-        help="transfer-set prompts the teacher labels for the student",
-    )  # fmt: skip
-    p.add_argument(
-        "--teacher-demonstrations", type=int, default=6000,
-        help="demonstrations the teacher is trained on, when it must be trained first",
-    )  # fmt: skip
-    p.add_argument(
-        "--teacher-steps", type=int, default=2000,
-        help="steps of the teacher's SFT when it must be trained first",
-    )  # fmt: skip
-    p.add_argument(
-        "--teacher-dir",
-        type=Path,
-        default=None,
-        help="the teacher model folder (default runs/teacher-seed<seed>/model)",
+    num_prompts: int = flag(3000, "transfer-set prompts the teacher answers for the student")
+    teacher: Path | None = flag(
+        None,
+        "the teacher: a run folder or model folder (default runs/teacher-seed<seed>, trained "
+        "first with recipes/sft.py if it is not there)",
+        aliases=("--teacher-dir",),
     )
-    p.add_argument("--no-baseline", action="store_true", help="skip the SFT-only student")
-    return p
+    teacher_demonstrations: int = flag(6000, "demonstrations of the teacher's SFT run")
+    teacher_steps: int = flag(2000, "steps of the teacher's SFT run")
+    no_baseline: bool = flag(False, "skip the SFT-only student")
+
+    def check(self) -> None:
+        super().check()
+        if not 0.0 <= self.mix <= 1.0:
+            raise UserError(f"--mix must lie in [0, 1], got {self.mix}")
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise UserError(f"--soft-weight must lie in [0, 1], got {self.soft_weight}")
+        if not self.temperature > 0:
+            raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        kit.config.at_least("num_prompts", self.num_prompts, 1)
+        kit.config.at_least("teacher_steps", self.teacher_steps, 1)
+        kit.config.at_least("teacher_demonstrations", self.teacher_demonstrations, 1)
+        if self.teacher is not None:
+            from kit.models import model_folder
+
+            model_folder(self.teacher, "--teacher")
 
 
-def ensure_teacher(args) -> Path:
-    folder = args.teacher_dir or common.RUNS / f"teacher-seed{args.seed}" / "model"
-    if not common.has_model(folder):
-        print(f"no teacher at {folder}: training it first with recipes/sft.py", flush=True)
-        flags = common.forward_flags(args, "seed", "num_heldout", "max_digits", "logprobs")
-        demonstrations = ["--num-train", str(args.teacher_demonstrations)]
-        demonstrations += ["--steps", str(args.teacher_steps)]
-        sft.main([*flags, *demonstrations, "--model-size", "base", "--out", str(folder.parent)])
-    return folder
+def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+    import optax
+    from flax import nnx
 
+    from kit import chain, data, evaluate, loop, models, optim
+    from tunelib import logprobs, losses
+    from tunelib.data import CharTokenizer
 
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    teacher_folder = ensure_teacher(args)
-    run = common.Run("distill", args)
-    task = common.task(args, num_train=args.num_prompts)
-    _, teacher_graphdef, teacher_params = common.load_model(teacher_folder)
-    config = common.model_config(task.tokenizer, "student")
-    graphdef, params = common.init_model(config, args.seed)
+    teacher_flags = chain.sft_flags(
+        config, num_train=config.teacher_demonstrations, steps=config.teacher_steps,
+        model_size="base",
+    )  # fmt: skip
+    folder, teacher_seconds = chain.ensure_model(
+        config.teacher, kit.cli.default_out("teacher", config.seed), teacher_flags,
+        what="teacher",
+    )  # fmt: skip
+    teacher = models.load_model(folder)
+    student = models.new_model(CharTokenizer(), "student", config.seed)
+    task = data.load_task(config, "sft", teacher.tokenizer, num_train=config.num_prompts)
+    vocab_size = student.config.vocab_size
 
     # The transfer set: the teacher's own greedy answers to the prompts (where it gives one).
-    answers = common.greedy_answers(teacher_graphdef, teacher_params, task, task.train)
-    records = [
-        {"prompt": r["prompt"], "completion": a}
-        for r, a in zip(task.train, answers, strict=True)
-        if a
-    ]
-    batches = iter(
-        sft_dataset(
-            records, task.tokenizer, max_length=task.max_length, batch_size=args.batch_size,
-            seed=args.seed,
-        )
-    )  # fmt: skip
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps
-    )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
-    )
+    sampling = evaluate.greedy_config(task, vocab_size)
+    answers = evaluate.completions(teacher.graphdef, teacher.params, task, task.train, sampling)
+    transfer = [{**r, "completion": a} for r, a in zip(task.train, answers, strict=True) if a]
+    task = dataclasses.replace(task, train=transfer)
+    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
 
     def loss_fn(params, batch):
-        teacher = nnx.merge(teacher_graphdef, teacher_params)
+        teacher_model = nnx.merge(teacher.graphdef, teacher.params)
         teacher_hidden = jax.lax.stop_gradient(
-            teacher(batch["tokens"], attention_where=batch["attention_where"])
+            teacher_model(batch["tokens"], where=batch["attention_where"])
         )
-        student = nnx.merge(graphdef, params)
-        hidden = student(batch["tokens"], attention_where=batch["attention_where"])
-        soft = losses.fused_distillation_loss(
-            hidden, student.unembedding(), teacher_hidden, teacher.unembedding(),
-            divergence=args.divergence, beta=args.beta, temperature=args.temperature,
+        model = nnx.merge(student.graphdef, params)
+        hidden = model(batch["tokens"], where=batch["attention_where"])
+        soft = logprobs.fused_divergence(
+            hidden, model.unembedding(), teacher_hidden, teacher_model.unembedding(),
+            divergence=config.divergence, mix=config.mix, temperature=config.temperature,
             where=batch["where"],
         )  # fmt: skip
         hard = -logprobs.fused_token_logps(
-            hidden, student.unembedding(), batch["targets"], where=batch["where"],
-            implementation=args.logprobs,
+            hidden, model.unembedding(), batch["targets"], where=batch["where"],
+            implementation=config.logprobs,
         )  # fmt: skip
-        per_token = args.alpha * soft + (1 - args.alpha) * hard
-        mean = lambda x: losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()  # noqa: E731
+
+        def mean(x):
+            return losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()
+
+        per_token = config.soft_weight * soft + (1 - config.soft_weight) * hard
         return mean(per_token), {"soft": mean(soft), "hard": mean(hard)}
 
     @jax.jit
     def train_step(state, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **metrics}
+        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
 
-    def evaluate(params):
-        return {"accuracy": common.accuracy(graphdef, params, task)}
+    def evaluate_fn(params):
+        return {"accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size)}
 
-    accuracy_before = evaluate(params)["accuracy"]
     state = {
-        "params": params,
-        "opt_state": optimizer.init(params),
-        "rng": common.key_data(args.seed),
+        "params": student.params,
+        "opt_state": optimizer.init(student.params),
+        "rng": jax.random.key_data(jax.random.key(config.seed)),
     }
-    state = run.train(state=state, batches=batches, step_fn=train_step, evaluate=evaluate)
-    common.save_model(run.folder / "model", config, state["params"])
+    state = loop.train(
+        run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
+        batches=data.batches(task, config, kind="sft"),
+    )  # fmt: skip
+    models.save_model(run.path / "model", student, state["params"])
+    before, after = loop.first_and_last(run, "accuracy")
     headline = {
-        "seed": args.seed,
-        "steps": args.steps,
-        "divergence": args.divergence,
-        "teacher_accuracy": common.accuracy(teacher_graphdef, teacher_params, task),
-        "accuracy_before": accuracy_before,
-        "accuracy_after": run.records()[-1]["accuracy"],
+        "divergence": config.divergence,
+        "teacher_accuracy": evaluate.accuracy(teacher.graphdef, teacher.params, task, vocab_size),
+        "accuracy_before": before,
+        "accuracy_after": after,
     }
-    if not args.no_baseline:
-        same = ("seed", "steps", "learning_rate", "batch_size", "num_train", "num_heldout",
-                "max_digits", "eval_every", "logprobs")  # fmt: skip
-        out = ["--model-size", "student", "--out", str(run.folder / "sft-student")]
-        headline["sft_accuracy_after"] = sft.main(common.forward_flags(args, *same) + out)[
-            "accuracy_after"
-        ]
-    return run.finish(headline)
+    chained = {"teacher_seconds": teacher_seconds}
+    if not config.no_baseline:
+        seconds, result = chain.baseline(run, config, model_size="student")
+        chained["baseline_seconds"] = seconds
+        headline["sft_accuracy_after"] = result["accuracy_after"]
+    return loop.finish(run, config, headline, chained=chained)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    kit.cli.main(DistillConfig, train, __doc__)

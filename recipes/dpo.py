@@ -1,249 +1,169 @@
-"""DPO of the SFT model on verifier-labelled pairs: the correct answer against its own mistake.
+"""DPO (or a DPO-family loss) of an SFT model on preference pairs.
 
-    python recipes/dpo.py                   # trains recipes/sft.py first if its model is absent
+    python recipes/dpo.py                     # trains recipes/sft.py first if its model is absent
     python recipes/dpo.py --loss ipo --beta 0.5
-    python recipes/dpo.py --resume          # continue a killed run from its last checkpoint
-    python recipes/dpo.py --lora-rank 16    # LoRA adapters on the frozen SFT model (--qlora: NF4)
+    python recipes/dpo.py --resume            # continue the run from its last checkpoint
+    python recipes/dpo.py --lora-rank 16      # LoRA adapters on the frozen SFT model (--qlora: NF4)
     python recipes/dpo.py --model HF_CHECKPOINT --data pairs.jsonl   # your model and pairs
 
-Where the SFT model answers a training prompt correctly, the rejected answer is a near miss.
-The reference policy is the SFT model, frozen. The train step below is ordinary user code:
-one forward pass over chosen and rejected completions, sequence log-probs from
-`tunelib.logprobs`, a pairwise loss from `tunelib.losses`, and an Optax update. With
-`--lora-rank` the policy is the SFT model with LoRA adapters (`tunelib.peft`) and the
-reference is the same frozen base without them (in NF4 with `--qlora`), as TRL does for PEFT
-models, so policy and reference start equal. With `--data` the pairs of a file (`prompt` /
-`chosen` / `rejected`, as strings or chat messages) are tokenized with the checkpoint's own
-tokenizer, and the held-out metric is the implicit-reward accuracy on held-out pairs.
+The data: pairs of a prompt, a chosen and a rejected completion. On the built-in task the
+chosen answer is the right one and the rejected one is the SFT model's own wrong greedy
+answer to that prompt (a near miss where it is right); with `--data`, a file's
+`prompt`/`chosen`/`rejected` records. The loss: a pairwise loss of `tunelib.losses` on the
+sequence log-probs of policy and reference (the SFT model, frozen), from one forward pass over
+both sides. The step: an Optax update of the weights, or of LoRA adapters on the frozen base,
+whose reference is that same base without adapters (as TRL does for PEFT models). Held-out:
+the share of pairs whose chosen side gets the higher implicit reward, and the greedy accuracy
+on the built-in task.
 """
 
-import functools
-import sys
-from pathlib import Path
+import dataclasses
+from typing import Literal
 
-import common
-import jax
-import jax.numpy as jnp
-import optax
-import sft
-from flax import nnx
+import kit
+from kit.config import DataFile, Lora, Run, SFTStart, Task, flag
+from kit.errors import UserError
 
-from tunelib import logprobs, losses, peft
-from tunelib.data import hf_preference_dataset, preference_dataset, preference_pairs
-
-# Pairwise losses that share DPO's signature: (chosen, rejected, ref_chosen, ref_rejected).
-PAIRWISE = {
-    "dpo": losses.dpo_loss,
-    "robust_dpo": losses.robust_dpo_loss,
-    "ipo": losses.ipo_loss,
-    "hinge": losses.hinge_loss,
-    "exo": losses.exo_loss,
-    "nca": losses.nca_loss,
-    "bco_pair": losses.bco_pair_loss,
-    "sppo_hard": losses.sppo_hard_loss,
-    "apo_zero": losses.apo_zero_loss,
-    "apo_down": losses.apo_down_loss,
-    "discopop": losses.discopop_loss,
-}
+LOSSES = (
+    "dpo", "robust_dpo", "ipo", "hinge", "exo", "nca", "bco_pair", "sppo_hard", "apo_zero",
+    "apo_down", "discopop",
+)  # fmt: skip
 
 
-def build_parser():
-    p = common.parser(
-        __doc__.splitlines()[0],
-        steps=300,
-        batch_size=64,
-        learning_rate=1e-4,
-        lora_learning_rate=1e-3,
+@dataclasses.dataclass(kw_only=True)
+class DPOConfig(Run, Task, DataFile, SFTStart, Lora):
+    RECIPE = "dpo"
+    LEARNING_RATE = 1e-4
+    LORA_LEARNING_RATE = 1e-3
+
+    steps: int = flag(300, "optimizer steps")
+    loss: Literal[LOSSES] = flag("dpo", "the pairwise loss of tunelib.losses")
+    beta: float = flag(1.0, "the loss's strength beta")
+    rejected: Literal["model", "near_miss"] = flag(
+        "model",
+        "built-in task: rejected answers are the SFT model's own wrong greedy answers (near "
+        "misses where it is right), or near misses only",
     )
-    p.add_argument("--loss", choices=sorted(PAIRWISE), default="dpo")
-    p.add_argument("--beta", type=float, default=1.0)
-    p.add_argument(
-        "--rejected",
-        choices=["model", "near_miss"],
-        default="model",
-        help="rejected answers: the SFT model's own wrong greedy answers (near misses where it "
-        "is right), or near misses only",
+    nll_weight: float = flag(
+        0.0, "weight of the chosen answers' per-token NLL added to the loss (Llama 3: 0.2)"
     )
-    p.add_argument(
-        "--nll-weight",
-        type=float,
-        default=0.0,
-        help="weight of the chosen answers' per-token NLL added to the pairwise loss "
-        "(0 = the pairwise loss alone)",
-    )
-    p.add_argument(
-        "--num-prompts",
-        type=int,
-        default=9000,
-        help="training prompts the preference pairs are built on",
-    )
-    common.add_start_flags(p)
-    return p
+    num_prompts: int = flag(9000, "built-in task: training prompts the pairs are built on")
+    packing: bool = flag(False, "pack several pairs into each row (--batch-size rows)")
+
+    def check(self) -> None:
+        super().check()
+        if not self.beta > 0:
+            raise UserError(f"--beta must be > 0, got {self.beta}")
+        if self.nll_weight < 0:
+            raise UserError(f"--nll-weight must be >= 0, got {self.nll_weight}")
 
 
-def ensure_sft_model(args) -> Path:
-    """The SFT model of this seed, trained first (quick default) when it is absent."""
-    folder = args.sft_dir or common.RUNS / f"sft-seed{args.seed}" / "model"
-    if not common.has_model(folder) and args.data is not None:
-        raise SystemExit(f"no model at {folder}: --data needs --model, a Hugging Face checkpoint.")
-    if not common.has_model(folder):
-        print(f"no SFT model at {folder}: training it first with recipes/sft.py", flush=True)
-        same = (
-            "seed",
-            "num_train",
-            "num_heldout",
-            "max_digits",
-            "operations",
-            "logprobs",
-            "model_size",
-        )
-        steps = ["--steps", str(args.sft_steps)] if args.sft_steps else []
-        sft.main(common.forward_flags(args, *same) + steps + ["--out", str(folder.parent)])
-    return folder
+def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
 
+    from kit import chain, data, evaluate, loop, lora, models, optim, pairs
+    from tunelib import losses, metrics, peft
 
-def main(argv: list[str] | None = None) -> dict:
-    args = common.parse(build_parser(), argv)
-    sft_folder = ensure_sft_model(args)
-    run = common.Run("dpo", args)
-    start = common.load_start(sft_folder)
-    graphdef, ref_params = start.graphdef, start.params
-    trainable, base = common.lora_setup(args, ref_params)
+    folder, sft_seconds = chain.sft_start(config)
+    model = models.load_model(folder)
+    graphdef, vocab_size = model.graphdef, model.config.vocab_size
+    task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
+    if task.name == "arithmetic" and config.rejected == "model":
+        # On-policy negatives: where the SFT model answers a prompt wrongly, prefer the right
+        # answer over exactly that mistake.
+        sampling = evaluate.greedy_config(task, vocab_size)
+        answers = evaluate.completions(graphdef, model.params, task, task.train, sampling)
+        train = [
+            {**pair, "rejected": answer} if answer and answer != pair["chosen"] else pair
+            for pair, answer in zip(task.train, answers, strict=True)
+        ]
+        task = dataclasses.replace(task, train=train)
+    tuning = lora.tuning(config, model.params)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
-    frozen = {"base": base, "reference": ref_params if base is None else base}
-    if args.data is None:
-        task = common.task(args, num_train=args.num_prompts)
-        pairs = preference_pairs(task.train, seed=args.seed)
-        if args.rejected == "model":
-            # On-policy negatives: where the SFT model answers a training prompt wrongly,
-            # prefer the correct answer over exactly that mistake.
-            answers = common.greedy_answers(graphdef, ref_params, task, task.train)
-            pairs = [
-                {**pair, "rejected": answer} if answer and answer != pair["chosen"] else pair
-                for pair, answer in zip(pairs, answers, strict=True)
-            ]
-        batches = iter(
-            preference_dataset(
-                pairs,
-                task.tokenizer,
-                max_length=task.max_length,
-                batch_size=args.batch_size,
-                seed=args.seed,
-            )
-        )
-    else:
-        train, heldout = common.data_records(args, "preference")
-        data = functools.partial(
-            hf_preference_dataset, tokenizer=start.tokenizer(), max_length=args.max_length,
-            batch_size=args.batch_size, seed=args.seed,
-        )  # fmt: skip
-        batches = iter(data(train))
-        heldout_batches = list(data(heldout, shuffle=False, num_epochs=1, drop_remainder=False))
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(
-            optax.warmup_cosine_decay_schedule(
-                0.0,
-                args.learning_rate,
-                warmup_steps=max(1, args.steps // 10),
-                decay_steps=args.steps,
-            ),
-            weight_decay=0.0,
-        ),
-    )
-    pairwise_loss = PAIRWISE[args.loss]
+    frozen = {"base": tuning.base, "reference": tuning.base or model.params}
+    optimizer = optim.adamw(config, warmup=0.1)
+    pairwise_loss = getattr(losses, f"{config.loss}_loss")
 
-    def token_logps(params, batch):
-        """Completion token log-probs `[2B, T]` of chosen then rejected, in one forward pass."""
-        both = jax.tree.map(
-            lambda c, r: jnp.concatenate([c, r]), batch["chosen"], batch["rejected"]
-        )
-        model = nnx.merge(graphdef, params)
-        hidden = model(both["tokens"], attention_where=both["attention_where"])
-        token = logprobs.fused_token_logps(
-            hidden,
-            model.unembedding(),
-            both["targets"],
-            where=both["where"],
-            implementation=args.logprobs,
-        )
-        return token, both["where"]
+    def sequence_logps(params, batch):
+        return pairs.pair_logps(
+            graphdef, params, batch, implementation=config.logprobs,
+            max_segments=data.MAX_SEGMENTS,
+        )  # fmt: skip
 
     def loss_fn(trainable, frozen, batch, dropout_key):
-        params = common.model_params(trainable, frozen["base"], dropout_key)
-        token, where = peft.lora(token_logps)(params, batch)
-        chosen, rejected = jnp.split(logprobs.sequence_sum(token, where=where), 2)
-        ref_token, _ = jax.lax.stop_gradient(peft.lora(token_logps)(frozen["reference"], batch))
-        ref_chosen, ref_rejected = jnp.split(logprobs.sequence_sum(ref_token, where=where), 2)
-        per_pair = pairwise_loss(chosen, rejected, ref_chosen, ref_rejected, beta=args.beta)
-        # The NLL of the chosen answer, per token (Llama 3 adds it to DPO with weight 0.2).
-        chosen_nll = -jnp.split(logprobs.sequence_mean(token, where=where), 2)[0]
-        per_pair = per_pair + args.nll_weight * chosen_nll
-        chosen_rewards = losses.implicit_rewards(chosen, ref_chosen, beta=args.beta)
-        rejected_rewards = losses.implicit_rewards(rejected, ref_rejected, beta=args.beta)
-        metrics = {
-            "reward_accuracy": losses.preference_accuracy(chosen_rewards, rejected_rewards),
-            "reward_margin": losses.reward_margins(chosen_rewards, rejected_rewards).mean(),
-            "chosen_logps": chosen.mean(),
+        params = tuning.params(trainable, dropout_key)
+        policy = peft.lora(sequence_logps)(params, batch)
+        ref = jax.lax.stop_gradient(peft.lora(sequence_logps)(frozen["reference"], batch))
+        real, beta = policy.real, config.beta
+        per_pair = pairwise_loss(
+            policy.chosen, policy.rejected, ref.chosen, ref.rejected, beta=beta, where=real
+        )
+        # The chosen answer's per-token NLL (Llama 3 adds it to DPO with weight 0.2).
+        per_pair = per_pair - config.nll_weight * jnp.where(real, policy.chosen_mean, 0.0)
+        count = jnp.maximum(real.sum(), 1)
+        chosen_rewards = metrics.implicit_rewards(policy.chosen, ref.chosen, beta=beta, where=real)
+        rejected_rewards = metrics.implicit_rewards(
+            policy.rejected, ref.rejected, beta=beta, where=real
+        )
+        margins = metrics.reward_margins(chosen_rewards, rejected_rewards, where=real)
+        return per_pair.sum() / count, {
+            "reward_accuracy": metrics.preference_accuracy(
+                chosen_rewards, rejected_rewards, where=real
+            ),
+            "reward_margin": margins.sum() / count,
+            "chosen_logps": jnp.where(real, policy.chosen, 0.0).sum() / count,
         }
-        return per_pair.mean(), metrics
 
     @jax.jit
     def train_step(frozen, state, batch):
         key, dropout_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
-        dropout_key = dropout_key if args.lora_dropout else None
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        dropout_key = dropout_key if config.lora_dropout else None
+        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], frozen, batch, dropout_key
         )
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
-        return state, {"loss": loss, **metrics}
+        return state, {"loss": loss, **out}
 
-    heldout_metrics = jax.jit(
-        lambda trainable, frozen, batch: loss_fn(trainable, frozen, batch, None)[1]
-    )
+    heldout = data.heldout_batches(task, config, kind="preference")
+    heldout_metrics = jax.jit(lambda trainable, batch: loss_fn(trainable, frozen, batch, None)[1])
 
-    def evaluate(trainable):
-        if args.data is None:
-            params = common.dense_params(trainable, base)
-            return {"accuracy": common.accuracy(graphdef, params, task)}
-        # The share of held-out pairs whose chosen answer gets the higher implicit reward.
-        rows = [len(b["chosen"]["tokens"]) for b in heldout_batches]
-        right = sum(
-            float(heldout_metrics(trainable, frozen, b)["reward_accuracy"]) * n
-            for b, n in zip(heldout_batches, rows, strict=True)
-        )
-        return {"heldout_reward_accuracy": right / sum(rows) if rows else float("nan")}
-
-    before = evaluate(trainable)
-    state = {
-        "params": trainable,
-        "opt_state": optimizer.init(trainable),
-        "rng": common.key_data(args.seed),
-    }
-    state = run.train(
-        state=state,
-        batches=batches,
-        step_fn=functools.partial(train_step, frozen),
-        evaluate=evaluate,
-    )
-    params = common.dense_params(state["params"], base)
-    common.save_outputs(run.folder, start, params, state["params"], base)
-    last = run.records()[-1]
-    metric = "accuracy" if args.data is None else "heldout_reward_accuracy"
-    return run.finish(
-        {
-            "seed": args.seed,
-            "loss": args.loss,
-            "steps": args.steps,
-            **common.tuning_headline(args, trainable, base),
-            f"{metric}_before": before[metric],
-            f"{metric}_after": last[metric],
-            "final_reward_accuracy": last["reward_accuracy"],
+    def evaluate_fn(trainable):
+        out = {
+            "heldout_reward_accuracy": evaluate.weighted_mean(
+                lambda b: heldout_metrics(trainable, b)["reward_accuracy"],
+                heldout,
+                lambda b: len(b["chosen"]["tokens"]),
+            )
         }
-    )
+        if task.problems:
+            out["accuracy"] = evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)
+        return out
+
+    state = {
+        "params": tuning.trainable,
+        "opt_state": optimizer.init(tuning.trainable),
+        "rng": jax.random.key_data(jax.random.key(config.seed)),
+    }
+    state = loop.train(
+        run, config, state=state, evaluate=evaluate_fn,
+        step_fn=lambda state, batch: train_step(frozen, state, batch),
+        batches=data.batches(task, config, kind="preference", packing=config.packing),
+    )  # fmt: skip
+    models.save_model(run.path / "model", model, tuning.dense(state["params"]))
+    tuning.save(run.path, model)
+    headline = {"loss": config.loss, **tuning.headline()}
+    for metric in ("accuracy", "heldout_reward_accuracy"):
+        if any(metric in r for r in run.records()):
+            headline[f"{metric}_before"], headline[f"{metric}_after"] = loop.first_and_last(
+                run, metric
+            )
+    headline["final_reward_accuracy"] = loop.first_and_last(run, "reward_accuracy")[1]
+    return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    kit.cli.main(DPOConfig, train, __doc__)

@@ -1,113 +1,122 @@
-"""ORPO from scratch in one stage, compared with SFT alone at the same step budget.
+"""ORPO in one stage, without a reference model, against SFT alone at the same budget.
 
-    python recipes/orpo.py                 # ORPO, then the SFT baseline with the same steps
+    python recipes/orpo.py                 # a new model: ORPO, then the SFT baseline
     python recipes/orpo.py --no-baseline   # ORPO only
-    python recipes/orpo.py --resume        # continue a killed run from its last checkpoint
+    python recipes/orpo.py --resume        # continue the run from its last checkpoint
+    python recipes/orpo.py --model HF_CHECKPOINT --data pairs.jsonl   # your model and pairs
 
-ORPO needs no reference model: its loss is the NLL of the chosen completion plus a penalty on
-the log odds ratio of chosen over rejected, both from length-normalised log-probs. The train
-step below is ordinary user code composed from `tunelib.logprobs` and `tunelib.losses`.
+The data: preference pairs (on the built-in task the right answer against a near miss; with
+`--data`, a file's `prompt`/`chosen`/`rejected` records). The loss: the NLL of the chosen
+completion plus a penalty on the log odds ratio of chosen over rejected, both from
+length-normalised log-probs (`tunelib.losses.orpo_loss`), from one forward pass over both
+sides. The step: one Optax update. The baseline (built-in task only) is `recipes/sft.py` with
+the same seed, steps, learning rate and batch size, in the run's `baseline/` folder.
 """
 
-import sys
+import dataclasses
+from pathlib import Path
+from typing import Literal
 
-import common
-import jax
-import jax.numpy as jnp
-import optax
-import sft
-from flax import nnx
-
-from tunelib import logprobs, losses
-from tunelib.data import preference_dataset, preference_pairs
+import kit
+from kit.config import DataFile, Run, Start, Task, flag
+from kit.errors import UserError
 
 
-def build_parser():
-    p = common.parser(__doc__.splitlines()[0], steps=1000, batch_size=64, learning_rate=3e-3)
-    p.add_argument(
-        "--lambda", dest="lambda_", type=float, default=0.1, help="weight of the odds-ratio term"
+@dataclasses.dataclass(kw_only=True)
+class ORPOConfig(Run, Task, DataFile, Start):
+    RECIPE = "orpo"
+    LEARNING_RATE = 3e-3
+
+    model: Path | None = flag(
+        None, "start from this model instead of a new one (a run folder, its model/, or a "
+        "Hugging Face checkpoint)",
+    )  # fmt: skip
+    model_size: Literal["student", "base", "teacher"] = flag("base", "the size of a new model")
+    odds_ratio_weight: float = flag(
+        0.1, "weight of the odds-ratio term, ORPO's lambda", aliases=("--lambda",)
     )
-    p.add_argument(
-        "--no-baseline",
-        action="store_true",
-        help="skip the SFT-only run with the same steps, seed and learning rate",
-    )
-    return p
+    no_baseline: bool = flag(False, "skip the SFT run with the same budget (built-in task)")
+
+    def check(self) -> None:
+        super().check()
+        if self.data is not None and self.model is None:
+            raise UserError("--data needs --model: a model whose tokenizer reads the file's text")
+        if self.odds_ratio_weight < 0:
+            raise UserError(f"--odds-ratio-weight must be >= 0, got {self.odds_ratio_weight}")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    run = common.Run("orpo", args)
-    task = common.task(args)
-    config = common.model_config(task.tokenizer, args.model_size)
-    graphdef, params = common.init_model(config, args.seed)
-    pairs = preference_pairs(task.train, seed=args.seed)
-    batches = iter(
-        preference_dataset(
-            pairs,
-            task.tokenizer,
-            max_length=task.max_length,
-            batch_size=args.batch_size,
-            seed=args.seed,
-        )
-    )
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps
-    )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
-    )
+def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+    import optax
+
+    from kit import chain, data, evaluate, loop, models, optim, pairs
+    from tunelib import losses
+    from tunelib.data import CharTokenizer
+
+    if config.model is None:
+        model = models.new_model(CharTokenizer(), config.model_size, config.seed)
+    else:
+        model = models.load_model(config.model)
+    graphdef, vocab_size = model.graphdef, model.config.vocab_size
+    task = data.load_task(config, "preference", model.tokenizer)
+    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
 
     def loss_fn(params, batch):
-        both = jax.tree.map(
-            lambda c, r: jnp.concatenate([c, r]), batch["chosen"], batch["rejected"]
+        both = pairs.pair_logps(
+            graphdef, params, batch, implementation=config.logprobs, max_segments=1
         )
-        model = nnx.merge(graphdef, params)
-        hidden = model(both["tokens"], attention_where=both["attention_where"])
-        token = logprobs.fused_token_logps(
-            hidden,
-            model.unembedding(),
-            both["targets"],
-            where=both["where"],
-            implementation=args.logprobs,
+        per_pair = losses.orpo_loss(
+            both.chosen_mean, both.rejected_mean, odds_ratio_weight=config.odds_ratio_weight
         )
-        chosen, rejected = jnp.split(logprobs.sequence_mean(token, where=both["where"]), 2)
-        per_pair = losses.orpo_loss(chosen, rejected, lambda_=args.lambda_)
-        log_odds_ratio = losses.orpo_log_odds_ratio(chosen, rejected)
-        return per_pair.mean(), {"nll": -chosen.mean(), "log_odds_ratio": log_odds_ratio.mean()}
+        log_odds_ratio = losses.orpo_log_odds_ratio(both.chosen_mean, both.rejected_mean)
+        return per_pair.mean(), {
+            "nll": -both.chosen_mean.mean(),
+            "log_odds_ratio": log_odds_ratio.mean(),
+        }
 
     @jax.jit
     def train_step(state, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **metrics}
+        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
 
-    def evaluate(params):
-        return {"accuracy": common.accuracy(graphdef, params, task)}
+    heldout = data.heldout_batches(task, config, kind="preference")
+    heldout_loss = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
 
-    accuracy_before = evaluate(params)["accuracy"]
+    def evaluate_fn(params):
+        out = {
+            "heldout_loss": evaluate.weighted_mean(
+                lambda b: heldout_loss(params, b), heldout, lambda b: len(b["chosen"]["tokens"])
+            )
+        }
+        if task.problems:
+            out["accuracy"] = evaluate.accuracy(graphdef, params, task, vocab_size)
+        return out
+
     state = {
-        "params": params,
-        "opt_state": optimizer.init(params),
-        "rng": common.key_data(args.seed),
+        "params": model.params,
+        "opt_state": optimizer.init(model.params),
+        "rng": jax.random.key_data(jax.random.key(config.seed)),
     }
-    state = run.train(state=state, batches=batches, step_fn=train_step, evaluate=evaluate)
-    common.save_model(run.folder / "model", config, state["params"])
-    headline = {
-        "seed": args.seed,
-        "steps": args.steps,
-        "accuracy_before": accuracy_before,
-        "accuracy_after": run.records()[-1]["accuracy"],
-    }
-    if not args.no_baseline:
-        same = ("seed", "steps", "learning_rate", "batch_size", "num_train", "num_heldout",
-                "max_digits", "eval_every", "logprobs", "model_size")  # fmt: skip
-        out = ["--out", str(run.folder / "sft-baseline")]
-        baseline = sft.main(common.forward_flags(args, *same) + out)
-        headline["sft_accuracy_after"] = baseline["accuracy_after"]
-    return run.finish(headline)
+    state = loop.train(
+        run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
+        batches=data.batches(task, config, kind="preference"),
+    )  # fmt: skip
+    models.save_model(run.path / "model", model, state["params"])
+    headline = {}
+    for metric in ("accuracy", "heldout_loss"):
+        if any(metric in r for r in run.records()):
+            headline[f"{metric}_before"], headline[f"{metric}_after"] = loop.first_and_last(
+                run, metric
+            )
+    chained = {}
+    if not config.no_baseline and task.name == "arithmetic":
+        seconds, result = chain.baseline(run, config, model_size=config.model_size)
+        chained["baseline_seconds"] = seconds
+        headline["sft_accuracy_after"] = result["accuracy_after"]
+    return loop.finish(run, config, headline, chained=chained)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    kit.cli.main(ORPOConfig, train, __doc__)

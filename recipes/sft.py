@@ -1,125 +1,106 @@
-"""Supervised fine-tuning of the reference decoder on the arithmetic task, from scratch or not.
+"""Supervised fine-tuning: a new model on the arithmetic task, or your model on your data.
 
-    python recipes/sft.py                 # quick default, from scratch: about a minute on 2 CPUs
-    python recipes/sft.py --steps 3000    # longer
-    python recipes/sft.py --resume        # continue a killed run from its last checkpoint
-    python recipes/sft.py --model runs/sft-minus/model --lora-rank 16   # LoRA on a trained model
-    python recipes/sft.py --model runs/sft-minus/model --lora-rank 16 --qlora
-    python recipes/sft.py --model HF_CHECKPOINT --data chats.jsonl    # your model and data
+    python recipes/sft.py                      # a new model on the built-in task, ~2 min on 2 CPUs
+    python recipes/sft.py --steps 3000         # longer
+    python recipes/sft.py --resume             # continue the run from its last checkpoint
+    python recipes/sft.py --model runs/sft-minus --lora-rank 16 [--qlora]   # LoRA on a model
+    python recipes/sft.py --model HF_CHECKPOINT --data chats.jsonl          # your model and data
+    python recipes/sft.py --config sft.toml    # flags from a TOML file (flags override it)
 
-The train step below is ordinary user code: a forward pass, `tunelib.losses.nll_loss` on the
-completion tokens, `aggregate` for the token mean, and an Optax update. With `--lora-rank` the
-same loss runs through `tunelib.peft.lora` on the frozen base with adapters applied, and only
-the adapters are differentiated and updated. With `--data` the records of a file (chat
-`messages`, or `prompt` / `completion`) are tokenized with the checkpoint's own tokenizer and
-chat template, the loss covers the assistant turns, and the held-out metric is the loss.
+The data: records of a prompt and its completion (the built-in task's "12+7=" and "19", or a
+file's chat `messages` / `prompt`-`completion` records), tokenized with the model's own
+tokenizer and chat template. The loss: the mean negative log-likelihood of the completion
+tokens (and EOS), from the fused log-prob head, so no `[B, T, V]` logits exist. The step: one
+Optax update of the weights, or of LoRA adapters on the frozen base with `--lora-rank`.
+Held-out: the loss, and the greedy accuracy where the records have answers.
 """
 
-import functools
-import sys
+import dataclasses
 from pathlib import Path
+from typing import Literal
 
-import common
-import jax
-import optax
-from flax import nnx
-
-from tunelib import logprobs, losses, peft
-from tunelib.data import hf_sft_dataset, sft_dataset
+import kit
+from kit.config import DataFile, Lora, Run, Start, Task, flag
+from kit.errors import UserError
 
 
-def build_parser():
-    p = common.parser(
-        __doc__.splitlines()[0],
-        steps=1000,
-        batch_size=64,
-        learning_rate=3e-3,
-        lora_learning_rate=3e-3,
+@dataclasses.dataclass(kw_only=True)
+class SFTConfig(Run, Task, DataFile, Start, Lora):
+    RECIPE = "sft"
+    LEARNING_RATE = 3e-3
+    LORA_LEARNING_RATE = 3e-3
+
+    steps: int = flag(1000, "optimizer steps")
+    model: Path | None = flag(
+        None,
+        "start from this model (a run folder, its model/, or a Hugging Face checkpoint) "
+        "instead of a new one",
     )
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="start from the model in this folder (a Hugging Face checkpoint, or a recipe's "
-        "model/ output) instead of a random initialisation",
+    model_size: Literal["student", "base", "teacher"] = flag(
+        "base", "the size of a new model (without --model)"
     )
-    p.add_argument(
-        "--label-smoothing", type=float, default=0.0, help="> 0 computes the full logits"
-    )
-    p.add_argument("--z-loss-weight", type=float, default=0.0, help="> 0 computes the full logits")
-    return p
+    packing: bool = flag(False, "pack several sequences into each row (--batch-size rows)")
+    label_smoothing: float = flag(0.0, "label smoothing (> 0 computes the full logits)")
+    z_loss_weight: float = flag(0.0, "weight of the z-loss (> 0 computes the full logits)")
+
+    def check(self) -> None:
+        super().check()
+        if self.data is not None and self.model is None:
+            raise UserError("--data needs --model: a model whose tokenizer reads the file's text")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise UserError(f"--label-smoothing must lie in [0, 1), got {self.label_smoothing}")
+        if self.z_loss_weight < 0:
+            raise UserError(f"--z-loss-weight must be >= 0, got {self.z_loss_weight}")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = common.parse(build_parser(), argv)
-    run = common.Run("sft", args)
-    task = common.task(args) if args.data is None else None
-    if args.model is None:
-        if task is None:
-            raise SystemExit("--data needs --model, a Hugging Face checkpoint with a tokenizer.")
-        config = common.model_config(task.tokenizer, args.model_size)
-        start = common.Start(config, *common.init_model(config, args.seed), None, None)
+def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+    import optax
+    from flax import nnx
+
+    from kit import data, evaluate, loop, lora, models, optim
+    from tunelib import logprobs, losses, peft
+    from tunelib.data import CharTokenizer
+
+    if config.model is None:
+        model = models.new_model(CharTokenizer(), config.model_size, config.seed)
     else:
-        start = common.load_start(args.model)
-    graphdef = start.graphdef
-    trainable, base = common.lora_setup(args, start.params)
-    if task is not None:
-        records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in task.train]
-        batches = iter(
-            sft_dataset(
-                records,
-                task.tokenizer,
-                max_length=task.max_length,
-                batch_size=args.batch_size,
-                seed=args.seed,
-            )
-        )
-    else:
-        tokenizer = start.tokenizer()
-        train, heldout = common.data_records(args, "sft")
-        data = functools.partial(
-            hf_sft_dataset, tokenizer=tokenizer, max_length=args.max_length,
-            batch_size=args.batch_size, seed=args.seed,
-        )  # fmt: skip
-        batches = iter(data(train))
-        heldout_batches = list(data(heldout, shuffle=False, num_epochs=1, drop_remainder=False))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps
-    )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
-    )
+        model = models.load_model(config.model)
+    task = data.load_task(config, "sft", model.tokenizer)
+    tuning = lora.tuning(config, model.params)
+    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
+    graphdef = model.graphdef
 
     def loss_fn(params, batch):
+        """The token mean of the completion tokens' negative log-likelihood."""
         model = nnx.merge(graphdef, params)
-        hidden = model(batch["tokens"], attention_where=batch["attention_where"])
-        if args.label_smoothing or args.z_loss_weight:  # these need every logit
+        packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+        hidden = model(batch["tokens"], where=batch["attention_where"], **packed)
+        if config.label_smoothing or config.z_loss_weight:  # these need every logit
             per_token = losses.nll_loss(
                 model.unembed(hidden),
                 batch["targets"],
-                label_smoothing=args.label_smoothing,
-                z_loss_weight=args.z_loss_weight,
+                label_smoothing=config.label_smoothing,
+                z_loss_weight=config.z_loss_weight,
                 where=batch["where"],
             )
-        else:  # the NLL from the fused head: no [B, T, V] logits
+        else:  # the fused head: no [B, T, V] logits
             per_token = -logprobs.fused_token_logps(
                 hidden,
                 model.unembedding(),
                 batch["targets"],
                 where=batch["where"],
-                implementation=args.logprobs,
+                implementation=config.logprobs,
             )
         return losses.aggregate(per_token, mode="token_mean", where=batch["where"]).mean()
 
     @jax.jit
-    def train_step(base, state, batch):
+    def train_step(state, batch):
         key, dropout_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        dropout_key = dropout_key if config.lora_dropout else None
 
         def objective(trainable):  # the weights, or the adapters on the frozen base
-            params = common.model_params(
-                trainable, base, dropout_key if args.lora_dropout else None
-            )
-            return peft.lora(loss_fn)(params, batch)
+            return peft.lora(loss_fn)(tuning.params(trainable, dropout_key), batch)
 
         loss, grads = jax.value_and_grad(objective)(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -127,46 +108,40 @@ def main(argv: list[str] | None = None) -> dict:
         state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
         return state, {"loss": loss}
 
+    heldout = data.heldout_batches(task, config, kind="sft")
     heldout_loss = jax.jit(loss_fn)
 
-    def evaluate(trainable):
-        params = common.dense_params(trainable, base)
-        if args.data is None:
-            return {"accuracy": common.accuracy(graphdef, params, task)}
-        # The token mean over every held-out token: batch means weighted by their tokens.
-        counts = [float(b["where"].sum()) for b in heldout_batches]
-        total = sum(
-            float(heldout_loss(params, b)) * n for b, n in zip(heldout_batches, counts, strict=True)
-        )
-        return {"heldout_loss": total / sum(counts) if sum(counts) else float("nan")}
-
-    before = evaluate(trainable)
-    state = {
-        "params": trainable,
-        "opt_state": optimizer.init(trainable),
-        "rng": common.key_data(args.seed),
-    }
-    state = run.train(
-        state=state,
-        batches=batches,
-        step_fn=functools.partial(train_step, base),
-        evaluate=evaluate,
-    )
-    params = common.dense_params(state["params"], base)
-    common.save_outputs(run.folder, start, params, state["params"], base)
-    last = run.records()[-1]
-    metric = "accuracy" if args.data is None else "heldout_loss"
-    return run.finish(
-        {
-            "seed": args.seed,
-            "steps": args.steps,
-            **common.tuning_headline(args, trainable, base),
-            f"{metric}_before": before[metric],
-            f"{metric}_after": last[metric],
-            "final_loss": last["loss"],
+    def evaluate_fn(trainable):
+        params = tuning.dense(trainable)
+        out = {
+            "heldout_loss": evaluate.weighted_mean(
+                lambda b: heldout_loss(params, b), heldout, lambda b: b["where"].sum()
+            )
         }
-    )
+        if task.problems:
+            out["accuracy"] = evaluate.accuracy(graphdef, params, task, model.config.vocab_size)
+        return out
+
+    state = {
+        "params": tuning.trainable,
+        "opt_state": optimizer.init(tuning.trainable),
+        "rng": jax.random.key_data(jax.random.key(config.seed)),
+    }
+    state = loop.train(
+        run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
+        batches=data.batches(task, config, kind="sft", packing=config.packing),
+    )  # fmt: skip
+    models.save_model(run.path / "model", model, tuning.dense(state["params"]))
+    tuning.save(run.path, model)
+    headline = tuning.headline()
+    for metric in ("accuracy", "heldout_loss"):
+        if any(metric in r for r in run.records()):
+            headline[f"{metric}_before"], headline[f"{metric}_after"] = loop.first_and_last(
+                run, metric
+            )
+    headline["final_loss"] = loop.first_and_last(run, "loss")[1]
+    return loop.finish(run, config, headline)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    kit.cli.main(SFTConfig, train, __doc__)

@@ -1,0 +1,22 @@
+"""The recipe kit: what every recipe shares, each part in its own module.
+
+- `config`: one dataclass per recipe is its flags, `--help`, `--config file.toml` and the
+  `config.toml` of its run; flag groups (`Run`, `Task`, `DataFile`, `Start`, `Lora`).
+- `cli`: the entry point: parse and check before JAX is imported, one-line errors, Ctrl-C.
+- `runs`: run folders that are never replaced without `--overwrite` or `--resume`.
+- `chain`: the SFT runs a recipe trains first (its start, a teacher, a baseline).
+- `models`: the start model (new, a recipe's `model/`, a Hugging Face checkpoint) and saving.
+- `data`: the built-in task or a data file, as records and batches.
+- `lora`: full fine-tuning or LoRA / QLoRA adapters.
+- `optim`: the optimizer.
+- `evaluate`: greedy accuracy and held-out means.
+- `loop`: the train loop (resume, evaluate, log, checkpoint, Ctrl-C) and the result line.
+- `logs`, `plots`, `checkpoints`: metrics writers, the curves, Orbax checkpoints.
+
+Only `config`, `cli`, `runs`, `errors` are imported before the flags are checked; they do not
+import JAX.
+"""
+
+from kit import cli, config, errors, runs
+
+__all__ = ["cli", "config", "errors", "runs"]

@@ -1,0 +1,90 @@
+"""Runs a recipe trains first: the SFT start of DPO and GRPO, the teacher of distillation,
+the SFT baseline of ORPO.
+
+A chained run is an ordinary run of `recipes/sft.py`, started as its own process with its
+own run folder, so it can be inspected, resumed or reused like any other. It is trained only
+at the default location a recipe owns (`runs/sft-seed<seed>`, ...), never at a path the user
+named: a `--model` that does not exist is an error, not a request to train one.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kit.errors import UserError
+from kit.models import model_folder
+
+RECIPES = Path(__file__).resolve().parents[1]
+
+
+def train_sft(out: Path, flags: list[str], *, what: str) -> float:
+    """Run `recipes/sft.py --out OUT FLAGS` to the end; its wall time in seconds."""
+    print(f"{what}: training it first with recipes/sft.py --out {out}", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(RECIPES / "sft.py"), "--out", str(out), *flags])
+    if proc.returncode == 130:
+        raise KeyboardInterrupt
+    if proc.returncode != 0:
+        raise UserError(
+            f"{what}: the SFT run in {out} stopped (exit {proc.returncode}); see its message above"
+        )
+    return time.perf_counter() - started
+
+
+def ensure_model(named: Path | None, default_run: Path, flags: list[str], *, what: str):
+    """`(model folder, seconds spent training it)`: the named model, or the default run's
+    model, trained first (seconds > 0) when that run has none."""
+    if named is not None:
+        return model_folder(named), None
+    if (default_run / "model" / "config.json").is_file():
+        return default_run / "model", None
+    if (default_run / "metrics.jsonl").exists() and not (default_run / "model").exists():
+        raise UserError(
+            f"{what}: {default_run} holds an unfinished run; finish it with "
+            f"python recipes/sft.py --out {default_run} --resume, or name a model with --model"
+        )
+    seconds = train_sft(default_run, flags, what=f"no {what} at {default_run}")
+    return default_run / "model", seconds
+
+
+def result_of(run: Path) -> dict:
+    return json.loads((run / "result.json").read_text())
+
+
+def sft_flags(config, **values) -> list[str]:
+    """Flags of an SFT run on this run's task (seed, problems, operands, log-probs, progress
+    bar), with `values` added or replacing them (`steps=2000`, `model_size="student"`)."""
+    task = {
+        "seed": config.seed, "num_train": config.num_train, "num_heldout": config.num_heldout,
+        "max_digits": config.max_digits, "operations": config.operations,
+        "logprobs": config.logprobs,
+    }  # fmt: skip
+    task.update(values)
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in task.items()]
+    return flags + (["--no-progress"] if config.no_progress else [])
+
+
+def sft_start(config) -> tuple[Path, float | None]:
+    """The start model of DPO and GRPO: `--model`, or this seed's SFT run, trained first
+    (on this run's task, for `--sft-steps`) when it is not there."""
+    from kit.cli import default_out
+
+    steps = {} if config.sft_steps is None else {"steps": config.sft_steps}
+    return ensure_model(
+        config.model, default_out("sft", config.seed), sft_flags(config, **steps),
+        what="SFT model",
+    )  # fmt: skip
+
+
+def baseline(run, config, *, model_size: str) -> tuple[float, dict]:
+    """An SFT run with this run's seed, task and budget in `<run>/baseline`: its seconds and
+    its result."""
+    flags = sft_flags(
+        config, steps=config.steps, learning_rate=config.learning_rate,
+        batch_size=config.batch_size, eval_every=config.eval_every, model_size=model_size,
+    )  # fmt: skip
+    folder = run.path / "baseline"
+    seconds = train_sft(folder, [*flags, "--overwrite"], what="the SFT baseline")
+    return seconds, result_of(folder)

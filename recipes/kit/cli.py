@@ -1,0 +1,84 @@
+"""The entry point every recipe shares: parse, check the run folder, train, and turn every
+failure the user can cause into one line.
+
+    if __name__ == "__main__":
+        kit.cli.main(SFTConfig, train, __doc__)
+
+where `SFTConfig.RECIPE = "sft"` names the script and the default run folder.
+
+`train(config, run)` is the recipe's own function; it imports JAX itself, so that `--help`
+and flag errors never wait for it. Exit status: 0 done, 2 a bad flag, path or data file,
+130 interrupted (after saving a checkpoint when there was a step to save).
+"""
+
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kit.config import Run, parse
+from kit.errors import UserError
+from kit.runs import RunFolder
+
+RUNS = Path("runs")
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training, after the loop saved a checkpoint of `step` (None: nothing)."""
+
+    def __init__(self, step: int | None):
+        super().__init__(step)
+        self.step = step
+
+
+def runs_root() -> Path:
+    """Where runs go by default: `$TUNELIB_RUNS`, else `runs/` in the working folder."""
+    import os
+
+    return Path(os.environ.get("TUNELIB_RUNS", RUNS))
+
+
+def default_out(name: str, seed: int) -> Path:
+    return runs_root() / f"{name}-seed{seed}"
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same flags, `--resume`, no `--overwrite`."""
+    kept = [a for a in argv if a not in ("--overwrite", "--resume")]
+    return shlex.join(["python", sys.argv[0] or "recipe.py", *kept, "--resume"])
+
+
+def main(
+    config_type: type,
+    train: Callable[[Any, RunFolder], Any],
+    doc: str,
+    *,
+    argv: list[str] | None = None,
+) -> Any:
+    """Parse `argv` into `config_type`, open the run folder and call `train(config, run)`."""
+    argv = sys.argv[1:] if argv is None else argv
+    prog = f"{config_type.RECIPE}.py"
+    description = doc.strip().splitlines()[0]
+    config = parse(config_type, argv, description=description, prog=prog)
+    try:
+        if not isinstance(config, Run):  # a script without a run folder (generate.py)
+            return train(config, None)
+        out = config.out or default_out(config.run_name(), config.seed)
+        run = RunFolder(out, resume=config.resume, overwrite=config.overwrite)
+        return train(config, run)
+    except UserError as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        sys.exit(2)
+    except Interrupted as stop:
+        if stop.step is None:
+            sys.stderr.write(f"\n{prog}: interrupted before the first step; nothing to resume\n")
+        else:
+            sys.stderr.write(
+                f"\n{prog}: interrupted; step {stop.step} is saved: continue with "
+                f"{resume_command(argv)}\n"
+            )
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\n{prog}: interrupted before training started; nothing was saved\n")
+        sys.exit(130)

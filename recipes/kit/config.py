@@ -1,0 +1,388 @@
+"""Recipe configurations: one dataclass per recipe is its command line, its `--help`, its
+`--config file.toml` and the `config.toml` saved in its run folder.
+
+A recipe composes the flag groups it uses (`Run`, `Task`, `DataFile`, `Start`, `Lora`, ...) by
+inheriting from them; a field is a flag (`steps` -> `--steps`) whose type, default and help
+come from the dataclass. Values come from the defaults, then from `--config FILE` (a TOML
+table of the same names), then from the flags. `check()` validates the whole configuration
+before anything is imported that takes time (JAX): `--help` and every flag error answer at
+once, in one line.
+
+Nothing here imports JAX.
+"""
+
+import argparse
+import dataclasses
+import sys
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from kit.errors import UserError
+
+
+def flag(default: Any, help: str, **metadata: Any) -> Any:
+    """A dataclass field that is a command-line flag with this help text."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+class Config:
+    """The base of every configuration: `check()` collects the groups' checks.
+
+    A recipe's configuration sets `RECIPE`, its script's name (`"sft"`), which is also the
+    default run folder's prefix (`run_name()`).
+    """
+
+    RECIPE: typing.ClassVar[str] = "recipe"
+    # The default `--learning-rate` for full fine-tuning and for LoRA adapters.
+    LEARNING_RATE: typing.ClassVar[float] = 1e-3
+    LORA_LEARNING_RATE: typing.ClassVar[float] = 1e-3
+
+    def run_name(self) -> str:
+        return self.RECIPE
+
+    def check(self) -> None:
+        """Raise a `UserError` for the first bad value. Groups extend this."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run(Config):
+    """What every recipe takes: seed, budget, run folder, logging."""
+
+    GROUP: typing.ClassVar[str] = "run"
+
+    seed: int = flag(0, "seed of the data split, the initialisation and the data order")
+    steps: int = flag(1000, "optimizer steps")
+    batch_size: int = flag(64, "rows (examples, pairs or prompts) per step")
+    learning_rate: float | None = flag(None, "peak learning rate")
+    out: Path | None = flag(None, "run folder (default runs/<recipe>-seed<seed>)")
+    resume: bool = flag(
+        False, "continue the run in --out from its last checkpoint", command_line_only=True
+    )
+    overwrite: bool = flag(
+        False, "replace the run in --out (its files only) with a new one", command_line_only=True
+    )
+    eval_every: int = flag(100, "steps between held-out evaluations")
+    checkpoint_every: int = flag(100, "steps between checkpoints")
+    log_to: str = flag(
+        "jsonl",
+        "where metrics go, comma-separated: jsonl (always), tensorboard, wandb "
+        "(wandb honours WANDB_MODE, e.g. offline)",
+    )
+    logprobs: Literal["auto", "chunked", "pallas", "naive"] = flag(
+        "auto",
+        "how log-probs are computed from hidden states: the fused chunked head ('auto' "
+        "picks the Pallas kernel on TPU), or 'naive' materialised logits",
+    )
+    no_progress: bool = flag(False, "hide the progress bar")
+
+    def check(self) -> None:
+        super().check()
+        at_least("steps", self.steps, 1)
+        at_least("batch_size", self.batch_size, 1)
+        at_least("eval_every", self.eval_every, 1)
+        at_least("checkpoint_every", self.checkpoint_every, 1)
+        if self.learning_rate is None:
+            lora = getattr(self, "lora_rank", 0)
+            self.learning_rate = self.LORA_LEARNING_RATE if lora else self.LEARNING_RATE
+        if not self.learning_rate > 0:
+            raise UserError(f"--learning-rate must be > 0, got {self.learning_rate}")
+        if self.resume and self.overwrite:
+            raise UserError("--resume continues a run and --overwrite replaces it: pass one")
+        if not 0 <= self.seed < 2**31:
+            raise UserError(f"--seed must lie in [0, 2**31), got {self.seed}")
+        unknown = set(self.log_targets()) - {"jsonl", "tensorboard", "wandb"}
+        if unknown:
+            raise UserError(
+                f"--log-to: unknown target {sorted(unknown)[0]!r}; use jsonl, tensorboard, wandb"
+            )
+
+    def log_targets(self) -> list[str]:
+        return [t.strip() for t in self.log_to.split(",") if t.strip()]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Task(Config):
+    """The built-in arithmetic task: problems "a+b=" with a verifier."""
+
+    GROUP: typing.ClassVar[str] = "built-in task"
+
+    operations: str = flag("+", "the task's operations, any of '+-*' (e.g. '-*')")
+    max_digits: int = flag(2, "operand digits of the task")
+    num_train: int = flag(1000, "training problems")
+    num_heldout: int = flag(300, "held-out problems (or records of --data) for evaluation")
+
+    def check(self) -> None:
+        super().check()
+        if not self.operations or set(self.operations) - set("+-*"):
+            raise UserError(f"--operations must use only '+', '-', '*', got {self.operations!r}")
+        if len(set(self.operations)) != len(self.operations):
+            raise UserError(f"--operations lists an operation twice: {self.operations!r}")
+        at_least("max_digits", self.max_digits, 1)
+        at_least("num_train", self.num_train, 1)
+        at_least("num_heldout", self.num_heldout, 0)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataFile(Config):
+    """Your own records instead of the built-in task (needs a model with a tokenizer)."""
+
+    GROUP: typing.ClassVar[str] = "data file"
+
+    data: Path | None = flag(
+        None,
+        "train on this .jsonl / .json / .parquet file of Hugging Face-style records instead "
+        "of the built-in task (needs --model with a tokenizer)",
+    )
+    skip_invalid: bool = flag(False, "with --data: skip and count invalid records")
+    max_length: int = flag(256, "with --data: the most tokens of a sequence")
+
+    def check(self) -> None:
+        super().check()
+        if self.data is not None:
+            existing_file("data", self.data)
+            if self.data.suffix.lower() not in (".jsonl", ".json", ".parquet"):
+                raise UserError(f"--data must be a .jsonl, .json or .parquet file: {self.data}")
+        at_least("max_length", self.max_length, 2)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Lora(Config):
+    """LoRA / QLoRA on the attention and MLP projections; the rest frozen."""
+
+    GROUP: typing.ClassVar[str] = "lora"
+
+    lora_rank: int = flag(0, "> 0: train LoRA adapters of this rank (0: train every weight)")
+    lora_alpha: float | None = flag(None, "LoRA alpha (default 2 x rank)")
+    lora_dropout: float = flag(0.0, "dropout on the adapters' inputs")
+    qlora: bool = flag(False, "with --lora-rank: keep the frozen projections in NF4")
+
+    def check(self) -> None:
+        super().check()
+        at_least("lora_rank", self.lora_rank, 0)
+        if self.qlora and not self.lora_rank:
+            raise UserError("--qlora trains LoRA adapters on the NF4 base: give --lora-rank too")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UserError(f"--lora-dropout must lie in [0, 1), got {self.lora_dropout}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise UserError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Start(Config):
+    """The model to start from."""
+
+    GROUP: typing.ClassVar[str] = "start model"
+
+    model: Path | None = flag(
+        None,
+        "the model to start from: a run folder, its model/ folder, or a Hugging Face "
+        "checkpoint",
+    )
+
+    def check(self) -> None:
+        super().check()
+        if self.model is not None:
+            from kit.models import model_folder
+
+            model_folder(self.model)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SFTStart(Start):
+    """The model to start from and keep as the frozen reference: an SFT model."""
+
+    model: Path | None = flag(
+        None,
+        "the start model, also the frozen reference: a run folder, its model/, or a Hugging "
+        "Face checkpoint (default runs/sft-seed<seed>, trained first with recipes/sft.py if "
+        "it is not there)",
+        aliases=("--sft-dir",),
+    )
+    sft_steps: int | None = flag(None, "steps of that SFT run when it is trained first")
+
+    def check(self) -> None:
+        super().check()
+        if self.sft_steps is not None:
+            at_least("sft_steps", self.sft_steps, 1)
+        if getattr(self, "data", None) is not None and self.model is None:
+            raise UserError("--data needs --model: a model whose tokenizer reads the file's text")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def at_least(name: str, value: int | float, low: int | float) -> None:
+    if value < low:
+        raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def existing_file(name: str, path: Path) -> None:
+    if not path.exists():
+        raise UserError(f"--{name.replace('_', '-')} {path}: no such file")
+    if not path.is_file():
+        raise UserError(f"--{name.replace('_', '-')} {path}: not a file")
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """The type of a field without `| None`, and whether None is allowed."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def _convert(kind: Any, text: str) -> Any:
+    if typing.get_origin(kind) is Literal:
+        return text
+    return kind(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `recipe.py: error: ...`, exit status 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _Flag(argparse.Action):
+    """Stores a flag's value (True for a switch); a deprecated alias warns once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string != self.option_strings[0]:
+            sys.stderr.write(
+                f"{parser.prog}: {option_string} is deprecated; use {self.option_strings[0]}\n"
+            )
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser(config_type: type, description: str, prog: str) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog,
+        description=description,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="a TOML file of flag values (names with underscores); flags override it",
+    )
+    # One group per flag group, the recipe's own options first, then in the order of its bases.
+    groups = {}
+    for owner in config_type.__mro__:
+        if not (dataclasses.is_dataclass(owner) and issubclass(owner, Config)):
+            continue
+        if owner is config_type:
+            groups[owner] = parser.add_argument_group(f"{config_type.RECIPE} options")
+        elif "GROUP" in vars(owner):
+            doc = (owner.__doc__ or "").strip().splitlines()[0]
+            groups[owner] = parser.add_argument_group(owner.GROUP, doc)
+    hints = typing.get_type_hints(config_type)
+    for field in dataclasses.fields(config_type):
+        owner = next(
+            c
+            for c in reversed(config_type.__mro__)
+            if field.name in getattr(c, "__annotations__", {})
+        )
+        if owner is not config_type:  # a group's subclass (SFTStart) joins its group
+            owner = next(c for c in owner.__mro__ if c in groups)
+        group = groups[owner]
+        kind, optional = _unwrap(hints[field.name])
+        names = [_flag(field.name), *field.metadata.get("aliases", ())]
+        help_text = field.metadata.get("help", "")
+        if field.name == "learning_rate":
+            lora = "lora_rank" in hints
+            help_text += f" (default {config_type.LEARNING_RATE}" + (
+                f"; {config_type.LORA_LEARNING_RATE} with LoRA)" if lora else ")"
+            )
+        if kind is bool:
+            group.add_argument(*names, action=_Flag, nargs=0, help=help_text)
+            continue
+        if typing.get_origin(kind) is tuple:  # a repeatable flag: each use adds a value
+            group.add_argument(*names, action="append", metavar=field.name.upper(), help=help_text)
+            continue
+        choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+        group.add_argument(
+            *names,
+            action=_Flag,
+            type=lambda text, kind=kind: _convert(kind, text),
+            choices=choices,
+            metavar=None if choices else field.name.upper(),
+            help=help_text + ("" if field.default is None else f" (default {field.default})"),
+        )
+    return parser
+
+
+def _from_toml(config_type: type, path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"--config {path}: no such file")
+    try:
+        table = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"--config {path} is not valid TOML: {error}") from None
+    hints = typing.get_type_hints(config_type)
+    names = {f.name for f in dataclasses.fields(config_type)}
+    command_line_only = {
+        f.name for f in dataclasses.fields(config_type) if f.metadata.get("command_line_only")
+    }
+    values = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            raise UserError(f"--config {path}: unknown setting {key!r} (see --help)")
+        if name in command_line_only:
+            raise UserError(f"--config {path}: {key} is a command-line flag only (--{key})")
+        kind, optional = _unwrap(hints[name])
+        if kind is Path and isinstance(value, str):
+            value = Path(value)
+        elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif typing.get_origin(kind) is Literal:
+            if value not in typing.get_args(kind):
+                raise UserError(
+                    f"--config {path}: {key} must be one of {typing.get_args(kind)}, got {value!r}"
+                )
+        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise UserError(
+                f"--config {path}: {key} must be {kind.__name__}, got {type(value).__name__}"
+            )
+        values[name] = value
+    return values
+
+
+def parse(config_type: type, argv: list[str] | None, *, description: str, prog: str):
+    """The configuration from defaults, `--config` and `argv`, checked; exits with one line
+    (status 2) on a bad flag or value."""
+    parser = build_parser(config_type, description, prog)
+    args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    try:
+        values = _from_toml(config_type, args.pop("config")) if "config" in args else {}
+        values.update({k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+        config = config_type(**values)
+        config.check()
+    except UserError as error:
+        parser.exit(2, f"{prog}: error: {error}\n")
+    return config
+
+
+def to_toml(config: Any) -> str:
+    """The configuration as TOML, loadable with `--config`: None values and the
+    command-line-only flags (`--resume`, `--overwrite`) are left out."""
+    import tomli_w
+
+    values = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None or field.metadata.get("command_line_only"):
+            continue
+        values[field.name] = str(value) if isinstance(value, Path) else value
+    return tomli_w.dumps(values)

@@ -1,0 +1,161 @@
+"""A recipe's data: the built-in arithmetic task or a file of records, as one `Task`.
+
+Either way a task is records in the usual shapes (`prompt`/`completion`, `messages`,
+`prompt`/`chosen`/`rejected`, `prompt`/`answer`) and the start model's tokenizer, so the
+recipes never ask where their data came from: `tunelib.data`'s pipelines take both.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from kit.errors import UserError
+
+
+def exact_match(text: str, record: dict) -> bool:
+    """A completion is right when it equals the record's answer, both stripped."""
+    return text.strip() == str(record["answer"]).strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Records for training and evaluation, and how to read and score them.
+
+    Attributes:
+      name: "arithmetic" or the data file.
+      tokenizer: the model's tokenizer.
+      train: the training records of the recipe's kind.
+      heldout: held-out records of the same kind.
+      problems: held-out `prompt`/`answer` records for greedy accuracy (empty when the data
+        has no answers).
+      correct: `correct(completion_text, problem) -> bool`, the verifier.
+      max_length: tokens of a training sequence.
+      prompt_length: tokens of a (left-padded) prompt for sampling.
+      max_new_tokens: tokens a completion may have when sampling.
+    """
+
+    name: str
+    tokenizer: object
+    train: list[dict]
+    heldout: list[dict]
+    problems: list[dict]
+    correct: Callable[[str, dict], bool]
+    max_length: int
+    prompt_length: int
+    max_new_tokens: int
+
+
+def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
+    from tunelib.data import arithmetic_split, preference_pairs, verify_answer
+
+    train, heldout = arithmetic_split(
+        seed=config.seed, num_train=num_train, num_heldout=config.num_heldout,
+        max_digits=config.max_digits, operations=tuple(config.operations),
+    )  # fmt: skip
+    problems = heldout
+    if kind == "sft":
+        train, heldout = (
+            [{"prompt": r["prompt"], "completion": r["answer"]} for r in records]
+            for records in (train, heldout)
+        )
+    elif kind == "preference":
+        train = preference_pairs(train, seed=config.seed)
+        heldout = preference_pairs(heldout, seed=config.seed)
+    # Lengths that fit every problem of these operands: "a+b=" and its answer, with room.
+    digits = config.max_digits
+    bos = 1 if tokenizer.add_bos else 0
+    longest_prompt = max(len(tokenizer.encode(r["prompt"])) for r in train + problems)
+    longest_answer = max(len(tokenizer.encode(r["answer"])) for r in problems)
+    prompt_length = max(2 * digits + 4, bos + longest_prompt)
+    max_new_tokens = max(2 * digits + 4, longest_answer + 1)
+    def correct(text: str, problem: dict) -> bool:
+        return verify_answer(text, problem["answer"])
+
+    return Task(
+        "arithmetic", tokenizer, train, heldout, problems, correct,
+        prompt_length + max_new_tokens, prompt_length, max_new_tokens,
+    )  # fmt: skip
+
+
+def _file(config, kind: str, tokenizer) -> Task:
+    from tunelib.data import RecordError, read_records
+
+    path = config.data
+    on_invalid = "skip" if config.skip_invalid else "raise"
+    try:
+        records, report = read_records(path, kind=kind, on_invalid=on_invalid)
+    except RecordError as error:
+        raise UserError(f"--data {path}: {error} (--skip-invalid drops invalid records)") from None
+    except (ValueError, OSError) as error:
+        raise UserError(f"--data {path}: {error}") from None
+    if report.num_skipped:
+        print(f"--data {path}: kept {report.kept} records, skipped {dict(report.skipped)}")
+    if not records:
+        raise UserError(f"--data {path} holds no valid {kind} record")
+    held = min(config.num_heldout, len(records) // 5)
+    heldout, train = records[:held], records[held:]
+    problems = heldout if kind == "rl" else []
+    max_new_tokens = getattr(config, "max_new_tokens", config.max_length)
+    return Task(
+        str(path), tokenizer, train, heldout, problems, exact_match,
+        config.max_length, config.max_length, max_new_tokens,
+    )  # fmt: skip
+
+
+def load_task(config, kind: str, tokenizer, *, num_train: int | None = None) -> Task:
+    """The task of `kind` ("sft", "preference" or "rl"): `--data`'s records, or the
+    built-in arithmetic task with `num_train` training problems (default `--num-train`)."""
+    data: Path | None = getattr(config, "data", None)
+    if data is not None:
+        task = _file(config, kind, tokenizer)
+    else:
+        task = _arithmetic(config, kind, tokenizer, num_train or config.num_train)
+    if len(task.train) < config.batch_size:
+        raise UserError(
+            f"--batch-size {config.batch_size} is larger than the {len(task.train)} training "
+            f"records of {task.name}; lower it"
+        )
+    return task
+
+
+def batches(task: Task, config, *, kind: str, packing: bool = False):
+    """The endless, shuffled training batches of `task` (a checkpointable Grain iterator)."""
+    from tunelib.data import RecordError, preference_dataset, sft_dataset
+
+    dataset = sft_dataset if kind == "sft" else preference_dataset
+    on_invalid = "skip" if getattr(config, "skip_invalid", False) else "raise"
+    try:
+        return iter(
+            dataset(
+                task.train, task.tokenizer, max_length=task.max_length,
+                batch_size=config.batch_size, seed=config.seed, packing=packing,
+                on_invalid=on_invalid,
+            )
+        )  # fmt: skip
+    except RecordError as error:
+        hint = "--skip-invalid drops invalid records" if task.name != "arithmetic" else ""
+        raise UserError(f"{task.name}: {error}" + (f" ({hint})" if hint else "")) from None
+
+
+def heldout_batches(task: Task, config, *, kind: str) -> list:
+    """The held-out records in order, once, as batches (the last one may be partial)."""
+    from tunelib.data import preference_dataset, sft_dataset
+
+    if not task.heldout:
+        return []
+    dataset = sft_dataset if kind == "sft" else preference_dataset
+    return list(
+        dataset(
+            task.heldout, task.tokenizer, max_length=task.max_length,
+            batch_size=config.batch_size, shuffle=False, num_epochs=1, drop_remainder=False,
+        )
+    )  # fmt: skip
+
+
+def prompts(task: Task, records: list[dict]):
+    """Left-padded `(tokens, where)` of the records' prompts, `task.prompt_length` wide."""
+    from tunelib.data import encode_prompts
+
+    return encode_prompts(
+        [r["prompt"] for r in records], task.tokenizer, max_length=task.prompt_length
+    )

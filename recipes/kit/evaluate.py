@@ -1,0 +1,56 @@
+"""Held-out evaluation: greedy accuracy with the task's verifier, and token-mean losses."""
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kit.data import Task, prompts
+
+
+def greedy_config(task: Task, vocab_size: int):
+    """Greedy decoding up to `task.max_new_tokens`, stopping at the tokenizer's stop ids;
+    embedding rows past the tokenizer's vocabulary are never sampled."""
+    from tunelib import rollout
+
+    tok = task.tokenizer
+    return rollout.SamplingConfig(
+        max_new_tokens=task.max_new_tokens,
+        temperature=0.0,
+        stop_tokens=tuple(tok.stop_ids),
+        pad_token=tok.pad_id,
+        forbidden_tokens=tuple(range(tok.vocab_size, vocab_size)),
+    )
+
+
+def completions(graphdef, params, task: Task, records: list[dict], sampling, key=None) -> list[str]:
+    """The decoded completions of the records' prompts under `sampling` (greedy by default),
+    in batches of at most 512 prompts (few distinct shapes to compile)."""
+    import jax
+
+    from tunelib import rollout
+
+    key = jax.random.key(0) if key is None else key
+    texts = []
+    for first in range(0, len(records), 512):
+        tokens, where = prompts(task, records[first : first + 512])
+        out = rollout.sample(graphdef, params, tokens, where, key, sampling)
+        texts += [task.tokenizer.decode(row) for row in np.asarray(out.tokens).tolist()]
+    return texts
+
+
+def accuracy(graphdef, params, task: Task, vocab_size: int) -> float:
+    """The share of held-out problems whose greedy completion the verifier accepts."""
+    if not task.problems:
+        return float("nan")
+    texts = completions(graphdef, params, task, task.problems, greedy_config(task, vocab_size))
+    return float(np.mean([task.correct(t, r) for t, r in zip(texts, task.problems, strict=True)]))
+
+
+def weighted_mean(metric: Callable, batches: list, weight: Callable) -> float:
+    """The mean of `metric(batch)` over batches, each weighted by `weight(batch)` (tokens,
+    rows): the exact mean over every held-out example."""
+    weights = [float(weight(b)) for b in batches]
+    if not sum(weights):
+        return float("nan")
+    total = sum(float(metric(b)) * w for b, w in zip(batches, weights, strict=True))
+    return total / sum(weights)

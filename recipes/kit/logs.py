@@ -1,0 +1,80 @@
+"""Where a run's metrics go: JSON lines always, TensorBoard and Weights & Biases on request.
+
+Every writer takes one record per step, `{"step": n, "loss": ..., ...}`, and `--log-to`
+picks the writers (`jsonl`, `tensorboard`, `wandb`). `metrics.jsonl` is always written: the
+result line, the plots and `--resume` read it back.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Protocol
+
+
+class Writer(Protocol):
+    def write(self, record: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonLines:
+    """`metrics.jsonl`: one JSON object per line, appended as the run goes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoard:
+    """Event files in `<run>/tensorboard/` (`tensorboard --logdir runs/`)."""
+
+    def __init__(self, folder: Path):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(folder))
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step":
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandB:
+    """A Weights & Biases run in `<run>/wandb/`, with the configuration attached.
+
+    The mode comes from `WANDB_MODE` (`offline` writes locally; `wandb sync` uploads later).
+    """
+
+    def __init__(self, folder: Path, name: str, config: object):
+        import wandb
+
+        folder.mkdir(parents=True, exist_ok=True)
+        values = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()}
+        self.run = wandb.init(project="tunelib", name=name, dir=str(folder), config=values)
+
+    def write(self, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_writers(run_folder: Path, name: str, config) -> list[Writer]:
+    """The writers `config.log_to` asks for; JSON lines first and always."""
+    writers: list[Writer] = [JsonLines(run_folder / "metrics.jsonl")]
+    targets = config.log_targets()
+    if "tensorboard" in targets:
+        writers.append(TensorBoard(run_folder / "tensorboard"))
+    if "wandb" in targets:
+        writers.append(WandB(run_folder / "wandb", name, config))
+    return writers

@@ -1,0 +1,137 @@
+"""The train loop every recipe shares: resume, step, evaluate, log, checkpoint, finish.
+
+    state = kit.loop.train(run, config, state=state, batches=batches, step_fn=train_step,
+                           evaluate=evaluate)
+    return kit.loop.finish(run, config, {"accuracy_after": ...})
+
+`step_fn(state, batch) -> (state, metrics)` is the recipe's step; `evaluate(params) -> metrics`
+its held-out evaluation, run before the first step (logged as step 0), every `--eval-every`
+steps and after the last. A checkpoint of the state and of the data iterator's position is
+saved every `--checkpoint-every` steps and after the last step, so `--resume --steps N` can
+extend a finished run. Ctrl-C saves the state of the last finished step and raises
+`Interrupted`, which the entry point turns into one line saying how to resume.
+"""
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from kit.checkpoints import Checkpoints
+from kit.cli import Interrupted
+from kit.errors import UserError
+from kit.logs import open_writers
+from kit.plots import plot
+from kit.runs import RunFolder
+
+
+def _number(value: Any) -> float:
+    return float(np.asarray(value))
+
+
+def train(
+    run: RunFolder,
+    config,
+    *,
+    state: dict,
+    batches: Iterator,
+    step_fn: Callable[[dict, Any], tuple[dict, dict]],
+    evaluate: Callable[[Any], dict],
+) -> dict:
+    """Run `step_fn` from step 0 (or the last checkpoint, with `--resume`) to `--steps`.
+
+    `state` is a pytree holding at least `params` (what `evaluate` receives); `batches` an
+    iterator with Grain's `get_state` / `set_state`, checkpointed with the state.
+    """
+    from tqdm import tqdm
+
+    name = config.run_name()
+    run.open(config)
+    checkpoints = Checkpoints(run.path / "checkpoints")
+    start = 0
+    if run.resume:
+        start, state, data_state = checkpoints.restore_latest(state)
+        if start >= config.steps:
+            checkpoints.close()
+            raise UserError(
+                f"--resume: {run.path} is at step {start} already; give --steps above {start} "
+                "to train it further"
+            )
+        batches.set_state(data_state)
+        print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
+        kept = [r for r in run.records() if r["step"] <= start]
+        run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    writers = open_writers(run.path, name, config)
+
+    def log(record: dict) -> None:
+        for writer in writers:
+            writer.write(record)
+
+    if not run.resume:
+        log({"step": 0, **{k: _number(v) for k, v in evaluate(state["params"]).items()}})
+    done, data_state = start, batches.get_state()
+    bar = tqdm(
+        total=config.steps, initial=start, desc=name, disable=config.no_progress,
+        dynamic_ncols=True,
+    )  # fmt: skip
+    try:
+        for step in range(start + 1, config.steps + 1):
+            state, metrics = step_fn(state, next(batches))
+            record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
+            if step % config.eval_every == 0 or step == config.steps:
+                record.update({k: _number(v) for k, v in evaluate(state["params"]).items()})
+            done, data_state = step, batches.get_state()
+            log(record)
+            bar.update(1)
+            bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k != "step"}, refresh=False)
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                checkpoints.save(step, state, data_state)
+    except KeyboardInterrupt:
+        bar.close()
+        if done > 0:
+            checkpoints.save(done, state, data_state)
+        checkpoints.close()
+        for writer in writers:
+            writer.close()
+        raise Interrupted(done if done > 0 else None) from None
+    bar.close()
+    checkpoints.close()
+    for writer in writers:
+        writer.close()
+    return state
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return round(value, 4)
+    return value
+
+
+def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = None) -> dict:
+    """Plot the curves, then write and print the final JSON line.
+
+    The line holds the recipe, the seed, the steps, the seconds this run took and, with
+    `chained`, the runs it trained first (`{"sft_seconds": ...}`), then `headline`; floats
+    are rounded to 4 decimals.
+    """
+    records = run.records()
+    plot(records, run.path / "curves.png", f"{config.run_name()} (seed {config.seed})")
+    result = {
+        "recipe": config.run_name(),
+        "seed": config.seed,
+        "steps": config.steps,
+        "seconds": round(run.seconds(), 1),
+        **(chained or {}),
+        **{k: _rounded(v) for k, v in headline.items()},
+    }
+    (run.path / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def first_and_last(run: RunFolder, key: str) -> tuple[float, float]:
+    """The first and the last logged value of `key` (before and after training)."""
+    values = [r[key] for r in run.records() if key in r]
+    return values[0], values[-1]

@@ -1,0 +1,67 @@
+"""Full fine-tuning or LoRA / QLoRA adapters on a model's projections, as `--lora-rank` says."""
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """What trains: `trainable` (the weights, or LoRA adapters) and the frozen `base` (None
+    for full fine-tuning; in NF4 with `--qlora`)."""
+
+    trainable: dict
+    base: dict | None
+    mode: str  # "full", "lora" or "qlora"
+
+    def params(self, trainable: dict, dropout_key=None) -> dict:
+        """The parameters a forward pass runs with (call the forward through `peft.lora`)."""
+        from tunelib import peft
+
+        if self.base is None:
+            return trainable
+        return peft.apply_lora(self.base, trainable, dropout_key=dropout_key)
+
+    def dense(self, trainable: dict) -> dict:
+        """Plain weights for evaluation, sampling and saving: adapters merged into the base."""
+        from tunelib import peft
+
+        return trainable if self.base is None else peft.merge_lora(self.base, trainable)
+
+    def headline(self) -> dict:
+        from tunelib import peft
+
+        out = {
+            "tuning": self.mode,
+            "trainable_params": int(sum(x.size for x in jax.tree.leaves(self.trainable))),
+        }
+        if self.base is not None:
+            out["base_bits_per_param"] = round(peft.bits_per_parameter(self.base), 3)
+        return out
+
+    def save(self, folder, model) -> None:
+        """With LoRA, the adapters alone: Orbax (`adapters/`) and the PEFT format."""
+        from tunelib import peft
+
+        if self.base is None:
+            return
+        peft.save_adapters(folder / "adapters", self.trainable)
+        peft.export_peft(folder / "peft_adapter", self.trainable, self.base)
+
+
+def tuning(config, params: dict) -> Tuning:
+    """Full fine-tuning, or fresh adapters on every attention and MLP projection."""
+    from tunelib import peft
+    from tunelib.models import LORA_TARGETS
+
+    if not config.lora_rank:
+        return Tuning(params, None, "full")
+    rule = peft.LoraRule(
+        pattern=LORA_TARGETS,
+        rank=config.lora_rank,
+        alpha=config.lora_alpha or 2.0 * config.lora_rank,
+        dropout=config.lora_dropout,
+    )
+    adapters = peft.init_lora(params, [rule], key=jax.random.key(config.seed + 1))
+    base = peft.quantize_params(params, [LORA_TARGETS]) if config.qlora else params
+    return Tuning(adapters, base, "qlora" if config.qlora else "lora")

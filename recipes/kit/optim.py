@@ -1,0 +1,18 @@
+"""The optimizer every recipe uses: AdamW after global-norm clipping, with a warmup."""
+
+
+def adamw(config, *, schedule: str = "cosine", warmup: float = 0.05, weight_decay: float = 0.0):
+    """`clip_by_global_norm(1) -> adamw` at `config.learning_rate`, warmed up linearly over
+    `warmup` of `config.steps`, then `"cosine"` decay to 0 or `"constant"`."""
+    import optax
+
+    warmup_steps = max(1, int(config.steps * warmup))
+    if schedule == "cosine":
+        rate = optax.warmup_cosine_decay_schedule(
+            0.0, config.learning_rate, warmup_steps=warmup_steps, decay_steps=config.steps
+        )
+    else:
+        rate = optax.warmup_constant_schedule(0.0, config.learning_rate, warmup_steps)
+    return optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=weight_decay)
+    )

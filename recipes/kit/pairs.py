@@ -1,0 +1,56 @@
+"""The log-probs of both sides of preference pairs, from one forward pass.
+
+A padded preference batch has a `chosen` and a `rejected` side of `[B, T]` rows; a packed one
+(`packing=True`) is one set of rows in which pair k is segments 2k + 1 (chosen) and 2k + 2
+(rejected). Either way the result is per pair.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class PairLogps(NamedTuple):
+    """Per pair `[P]`: the sequence log-probs (sums over the completion tokens) and their
+    per-token means of each side, and `real`, False for the empty slots of packed rows."""
+
+    chosen: jax.Array
+    rejected: jax.Array
+    chosen_mean: jax.Array
+    rejected_mean: jax.Array
+    real: jax.Array
+
+
+def pair_logps(graphdef, params, batch: dict, *, implementation: str, max_segments: int) -> PairLogps:
+    """`PairLogps` of a padded or packed preference batch under `params`."""
+    from flax import nnx
+
+    from tunelib import logprobs
+
+    model = nnx.merge(graphdef, params)
+    if "segment_ids" in batch:
+        rows = batch
+    else:  # chosen rows, then rejected rows
+        rows = jax.tree.map(
+            lambda c, r: jnp.concatenate([c, r]), batch["chosen"], batch["rejected"]
+        )
+    packed = {k: rows[k] for k in ("segment_ids", "positions") if k in rows}
+    hidden = model(rows["tokens"], where=rows["attention_where"], **packed)
+    token = logprobs.fused_token_logps(
+        hidden, model.unembedding(), rows["targets"], where=rows["where"],
+        implementation=implementation,
+    )  # fmt: skip
+    if not packed:
+        sums = jnp.split(logprobs.sequence_sum(token, where=rows["where"]), 2)
+        means = jnp.split(logprobs.sequence_mean(token, where=rows["where"]), 2)
+        return PairLogps(*sums, *means, jnp.ones(sums[0].shape, bool))
+    segments = {"segment_ids": rows["segment_ids"], "num_segments": max_segments}
+    sums = logprobs.sequence_sum(token, where=rows["where"], **segments)
+    means = logprobs.sequence_mean(token, where=rows["where"], **segments)
+    counts = logprobs.sequence_sum(rows["where"].astype(jnp.float32), **segments)
+
+    def sides(x):  # [B, S] -> chosen [B * S / 2], rejected [B * S / 2]
+        return x[:, 0::2].reshape(-1), x[:, 1::2].reshape(-1)
+
+    return PairLogps(*sides(sums), *sides(means), sides(counts)[0] > 0)

@@ -1,0 +1,60 @@
+"""Running the recipes in the tests: as a user runs them (a process of their own), without
+JAX where nothing should need it, or in this process where only the errors matter."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests._helpers import load_script, user_env
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+if str(RECIPES) not in sys.path:
+    sys.path.insert(0, str(RECIPES))
+
+# Runs a recipe with `import jax` (and everything that would bring it in) made impossible.
+_WITHOUT_JAX = """
+import runpy, sys
+for name in ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tunelib"):
+    sys.modules[name] = None
+sys.path.insert(0, {recipes!r})
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def run_without_jax(recipe: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python recipes/<recipe>.py ARGS` in a process where importing JAX or tunelib fails."""
+    script = str(RECIPES / f"{recipe}.py")
+    code = _WITHOUT_JAX.format(recipes=str(RECIPES), script=script)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=60, env=user_env(), cwd=cwd, check=False,
+    )  # fmt: skip
+
+
+def run_recipe_process(recipe: str, *args: str, timeout: float = 300, cwd=None, env=None):
+    """`python recipes/<recipe>.py ARGS` as a user runs it (one CPU device)."""
+    environment = user_env(compilation_cache=True)
+    environment.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(RECIPES / f"{recipe}.py"), *args],
+        capture_output=True, text=True, timeout=timeout, env=environment, cwd=cwd,
+        check=False,
+    )  # fmt: skip
+
+
+def recipe_module(recipe: str):
+    """The recipe script as a module, to call its `train` through `kit.cli.main` here."""
+    return load_script(RECIPES / f"{recipe}.py", f"recipe_{recipe}")
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under `folder` with its size and modification time."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(root) / name
+            stat = path.stat()
+            out[str(path.relative_to(folder))] = (stat.st_size, stat.st_mtime_ns)
+    return out
