@@ -106,7 +106,7 @@ class SamplingConfig:
 
 class Rollout(NamedTuple):
     """Completions from `sample`, one row per completion: a pytree of arrays, so it passes
-    through `jax.jit` and `jax.tree.map`.
+    through `jax.jit` (every field but the scalar `temperature` has a row per completion).
 
     Attributes:
       tokens: `[B, N]` completion token ids, `pad_token` after each completion ends.
