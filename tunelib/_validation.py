@@ -4,6 +4,8 @@ Every check runs on shapes and dtypes only, so it costs nothing inside `jax.jit`
 before any computation with a message that names the argument.
 """
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -132,3 +134,138 @@ def unit_interval(x: ArrayLike, name: str, *, closed: bool = True) -> None:
         if not ok:
             interval = "[0, 1]" if closed else "(0, 1)"
             raise ValueError(f"{name} must lie in {interval}, got {x}.")
+
+
+# -----------------------------------------------------------------------------------------------
+# Static values and value arrays: real numbers, intervals, ints, token ids, real-valued arrays.
+#
+# A hyperparameter or a configuration field given as a Python or NumPy number is checked when
+# the function runs (or is traced); a traced value (a JAX array) cannot be seen and passes
+# the value checks unchecked. Each check raises a `TypeError` for a value of the wrong kind and
+# a `ValueError` for one out of range, with a message that names the argument and the value.
+
+
+def is_real_number(x: object) -> bool:
+    """A Python or NumPy real number (not a bool, not an array); a traced value is not."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def is_int(x: object) -> bool:
+    """A Python or NumPy integer (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def real_number(x: object, name: str) -> None:
+    """Reject anything but a Python or NumPy real number (a `TypeError` naming `name`)."""
+    if not is_real_number(x):
+        raise TypeError(f"{name} must be a real number, got {x!r} of type {type(x).__name__}.")
+
+
+def static_int(x: object, name: str, *, what: str = "an int") -> None:
+    """Reject anything but a Python or NumPy integer; `what` describes the value expected."""
+    if not is_int(x):
+        raise TypeError(f"{name} must be {what}, got {x!r} of type {type(x).__name__}.")
+
+
+def number_in(
+    x: object,
+    name: str,
+    *,
+    low: float | int | None = None,
+    high: float | int | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    explain: str = "",
+    hint: str = "",
+) -> None:
+    """Reject a Python or NumPy number outside the interval from `low` to `high`.
+
+    A bound that is None is no bound; an open end excludes the bound itself. NaN lies in no
+    interval. Anything that is not such a number (a traced value) passes: combine with
+    `real_number` where a number is required. The message reads "`name` must lie in (low,
+    high], got x." (or "must be >= low", "must be < high" for one bound), with `explain` in
+    parentheses after the bound and `hint` after the value.
+
+    Examples:
+      >>> number_in(1.5, "top_p", low=0, high=1, low_open=True, hint="1 keeps every token")
+      Traceback (most recent call last):
+      ...
+      ValueError: top_p must lie in (0, 1], got 1.5; 1 keeps every token.
+    """
+    if not is_real_number(x):
+        return
+    above = low is None or (low < x if low_open else low <= x)
+    below = high is None or (x < high if high_open else x <= high)
+    if above and below:
+        return
+    if low is not None and high is not None:
+        bound = f"lie in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    elif low is not None:
+        bound = f"be {'>' if low_open else '>='} {low}"
+    else:
+        bound = f"be {'<' if high_open else '<='} {high}"
+    explain = f" ({explain})" if explain else ""
+    hint = f"; {hint}" if hint else ""
+    raise ValueError(f"{name} must {bound}{explain}, got {x}{hint}.")
+
+
+def finite_number(x: object, name: str) -> None:
+    """Reject a Python or NumPy number that is infinite or NaN; traced values pass."""
+    if is_real_number(x) and not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}.")
+
+
+def token_ids(ids: object, name: str, *, vocab_size: int | None = None) -> tuple[int, ...]:
+    """`ids`, a sequence of int token ids, as a tuple of Python ints.
+
+    Every id must be >= 0, and below `vocab_size` when it is given (where the vocabulary is
+    known). A string, a single int or an array is a `TypeError`; repeats are allowed.
+    """
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise TypeError(f"{name} must be a tuple of int token ids, got {ids!r}.")
+    for token in ids:
+        if not is_int(token):
+            raise TypeError(
+                f"{name} must hold int token ids, got {token!r} of type {type(token).__name__} "
+                f"in {name}={tuple(ids)!r}."
+            )
+        if vocab_size is None and token < 0:
+            raise ValueError(f"{name} holds token id {token}; token ids are >= 0.")
+        if vocab_size is not None and not 0 <= token < vocab_size:
+            raise ValueError(
+                f"{name} holds token id {token}, outside [0, {vocab_size}) for a vocabulary of "
+                f"{vocab_size} tokens."
+            )
+    return tuple(int(token) for token in ids)
+
+
+def check_ddof(ddof: object, name: str = "ddof") -> None:
+    """Accept the delta degrees of freedom of a variance: 0 (population) or 1 (Bessel)."""
+    if isinstance(ddof, bool) or ddof not in (0, 1):
+        raise ValueError(f"{name} must be 0 or 1, got {ddof!r}.")
+
+
+def real_array(x: ArrayLike, name: str) -> jax.Array:
+    """`x` as an integer or floating-point array; a `TypeError` naming `name` otherwise."""
+    x = jnp.asarray(x)
+    if not (jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
+        raise TypeError(
+            f"{name} must be an integer or floating-point array, got dtype {x.dtype}; "
+            f"convert a boolean array with `{name}.astype(float)`."
+        )
+    return x
+
+
+def finite_entries(x: ArrayLike, where: ArrayLike | None, name: str) -> tuple[jax.Array, jax.Array]:
+    """Real values in the compute dtype, 0 where they do not count, and the mask of those that do.
+
+    An entry counts when `where` (boolean or integer 0/1, checked against the shape of `x`;
+    None = every entry) keeps it and its value is finite: NaN or infinite marks a value that
+    could not be measured (a reward that could not be scored). Integer values are cast to
+    float, never truncated.
+    """
+    x = real_array(x, name)
+    where = mask_array(where, x.shape)
+    x = x.astype(compute_dtype(x.dtype))
+    valid = where & jnp.isfinite(x)
+    return jnp.where(valid, x, 0.0), valid

@@ -129,6 +129,38 @@ def test_holes_are_skipped_like_removed_tokens(episode):
     assert_close(np.asarray(full)[row, steps], np.asarray(packed)[0, : steps.size], atol=1e-5)
 
 
+@jax.jit
+def _all_estimators(rewards, values, where):
+    kwargs = {"gamma": 0.9, "where": where}
+    return (
+        advantages.gae(rewards, values, lambda_=0.7, **kwargs),
+        advantages.lambda_returns(rewards, values, lambda_=0.7, **kwargs),
+        advantages.discounted_returns(rewards, **kwargs),
+    )
+
+
+def test_where_none_makes_every_token_a_step_and_integer_masks_count_as_booleans():
+    rewards = np.asarray(jax.random.normal(jax.random.key(5), SHAPE))
+    values = np.asarray(jax.random.normal(jax.random.key(6), SHAPE))
+    every = np.ones(SHAPE, bool)
+    for out, expected in zip(
+        _all_estimators(rewards, values, None),
+        _all_estimators(rewards, values, every),
+        strict=True,
+    ):
+        assert_close(out, expected, rtol=0, atol=0)
+    assert_close(
+        _all_estimators(rewards, values, None)[0], ref_gae(rewards, values, every, 0.9, 0.7)
+    )
+    where = np.asarray(jax.random.bernoulli(jax.random.key(7), 0.7, SHAPE))
+    for out, expected in zip(
+        _all_estimators(rewards, values, where.astype(np.int32)),
+        _all_estimators(rewards, values, where),
+        strict=True,
+    ):
+        assert_close(out, expected, rtol=0, atol=0)
+
+
 def test_fully_masked_and_empty_rows_give_zero():
     rewards = jnp.full((2, 3), jnp.nan)
     values = jnp.full((2, 3), jnp.inf)
@@ -233,7 +265,7 @@ def test_errors_name_the_argument(fn):
     with raises_naming("values"):
         fn(rewards, jnp.zeros((2, 4)), where=where)
     with raises_naming("where"):
-        fn(rewards, values, where=jnp.ones((2, 3), int))
+        fn(rewards, values, where=jnp.ones((2, 3)))
     with own_checks():
         with raises_naming("values", "(2, 4)", "(2, 3)", error=ValueError):
             fn(rewards, jnp.zeros((2, 4)), where=where)
@@ -245,6 +277,8 @@ def test_errors_name_the_argument(fn):
             fn(rewards > 0, values, where=where)
         with raises_naming("where", "(3, 2)", error=ValueError):
             fn(rewards, values, where=jnp.ones((3, 2), bool))
+        with raises_naming("where", "0 and 1", error=ValueError):
+            fn(rewards, values, where=jnp.full((2, 3), 3))
         with raises_naming("bootstrap_value", "(3,)", error=ValueError):
             fn(rewards, values, bootstrap_value=jnp.zeros(3), where=where)
         with raises_naming("gamma", error=ValueError):

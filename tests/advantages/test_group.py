@@ -1,3 +1,5 @@
+import functools
+
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
@@ -17,11 +19,13 @@ from tests._helpers import (
 from tunelib import advantages
 from tunelib.advantages import SCALES
 
-group_advantages = jax.jit(advantages.group_advantages, static_argnames=("scale", "ddof"))
-multi_reward_advantages = jax.jit(
-    advantages.multi_reward_advantages, static_argnames=("combine", "scale", "ddof")
+group_advantages = jax.jit(
+    advantages.group_advantages, static_argnames=("group_size", "scale", "ddof")
 )
-rloo_advantages = jax.jit(advantages.rloo_advantages)
+multi_reward_advantages = jax.jit(
+    advantages.multi_reward_advantages, static_argnames=("group_size", "combine", "scale", "ddof")
+)
+rloo_advantages = jax.jit(advantages.rloo_advantages, static_argnames="group_size")
 
 
 def ref_group(rewards, where=None, scale="group", ddof=1, eps=1e-4):
@@ -253,9 +257,11 @@ def test_jit_vmap_and_no_retrace():
     where = np.asarray(jax.random.bernoulli(jax.random.key(2), 0.8, (3, 5)))
     expected = ref_group(rewards, where)
     assert_close(group_advantages(rewards, where=where), expected, atol=1e-5)
-    mapped = jax.jit(jax.vmap(lambda r, m: advantages.group_advantages(r, where=m)))
+    mapped = jax.jit(jax.vmap(lambda r, m: advantages.group_advantages(r, group_size=5, where=m)))
     assert_close(mapped(rewards, where), expected, atol=1e-5)
-    assert_close(jax.jit(jax.vmap(advantages.rloo_advantages))(rewards), ref_rloo(rewards))
+    # Each row of the vmap is one flat group: group_size says so.
+    rloo_rows = jax.vmap(functools.partial(advantages.rloo_advantages, group_size=5))
+    assert_close(jax.jit(rloo_rows)(rewards), ref_rloo(rewards))
     assert_traced_once(
         advantages.group_advantages,
         [((rewards,), {"eps": jnp.float32(e), "where": where}) for e in (1e-4, 1e-6, 0.0)],
@@ -332,10 +338,64 @@ def test_errors_name_the_argument():
         with raises_naming("where", "(2, 3)", "(2, 4)", error=ValueError):
             advantages.rloo_advantages(rewards, where=jnp.ones((2, 3), bool))
         with raises_naming("where", error=TypeError):
-            advantages.group_advantages(rewards, where=jnp.ones((2, 4), int))
+            advantages.group_advantages(rewards, where=jnp.ones((2, 4)))
+        with raises_naming("where", "0 and 1", "2", error=ValueError):
+            advantages.rloo_advantages(rewards, where=jnp.full((2, 4), 2))
         with raises_naming("combine", "'normalize_then_sum'", error=ValueError):
             advantages.multi_reward_advantages(rewards[..., None], combine="gdpo")
         with raises_naming("reward_weights", "(2,)", "(1,)", error=ValueError):
             advantages.multi_reward_advantages(rewards[..., None], reward_weights=jnp.ones(2))
         with raises_naming("rewards", "(4,)", error=ValueError):
             advantages.multi_reward_advantages(jnp.ones(4))
+
+
+def test_flat_rewards_with_group_size_equal_the_grouped_layout():
+    rewards = np.array([[1.0, 0.0, 0.5], [2.0, np.nan, 2.0], [3.0, 1.0, -1.0], [0, 0, 1]])
+    where = np.array([[1, 1, 0], [1, 1, 1], [1, 1, 1], [0, 1, 1]], np.int32)
+    flat, flat_where = rewards.reshape(-1), where.reshape(-1)
+    # "batch" and GDPO's batch step: statistics across groups see the same groups.
+    grouped = np.asarray(group_advantages(rewards, scale="batch", where=where))
+    out = group_advantages(flat, group_size=3, scale="batch", where=flat_where)
+    assert out.shape == (12,)
+    assert_close(out, grouped.reshape(-1), rtol=0, atol=0)
+    assert_close(grouped, ref_group(rewards, where.astype(bool), scale="batch"), atol=1e-5)
+    grouped = np.asarray(rloo_advantages(rewards, where=where))
+    out = rloo_advantages(flat, group_size=3, where=flat_where)
+    assert_close(out, grouped.reshape(-1), rtol=0, atol=0)
+    assert_close(out, ref_rloo(rewards, where.astype(bool)).reshape(-1), atol=1e-6)
+    several = np.stack([rewards, rewards[::-1]], axis=-1)  # [B, G, K]
+    gdpo = {"combine": "normalize_then_sum"}
+    grouped = np.asarray(multi_reward_advantages(several, **gdpo, where=where))
+    out = multi_reward_advantages(several.reshape(12, 2), group_size=3, **gdpo, where=flat_where)
+    assert out.shape == (12,)
+    assert_close(out, grouped.reshape(-1), rtol=0, atol=0)
+
+
+def test_groups_are_never_guessed():
+    flat = jnp.arange(6.0)
+    for fn in (advantages.group_advantages, advantages.rloo_advantages):
+        with raises_naming("rewards", "(6,)", "[B, G]", "[B*G]", "group_size=G", error=ValueError):
+            fn(flat)
+        with raises_naming("group_size=3", "(2, 3)", "drop group_size", error=ValueError):
+            fn(flat.reshape(2, 3), group_size=3)
+        with raises_naming("6 completions", "group_size=4", error=ValueError):
+            fn(flat, group_size=4)
+        with raises_naming("group_size", ">= 1", error=ValueError):
+            fn(flat, group_size=0)
+        with own_checks(), raises_naming("where", "(6,)", "(3,)", error=ValueError):
+            fn(flat, group_size=3, where=jnp.ones(3, bool))
+    with raises_naming("rewards", "(6, 2)", "[B, G, K]", "[B*G, K]", error=ValueError):
+        advantages.multi_reward_advantages(jnp.ones((6, 2)))
+    with raises_naming("group_size=3", "[B*G, K]", error=ValueError):
+        advantages.multi_reward_advantages(jnp.ones((2, 3, 2)), group_size=3)
+    with own_checks(), raises_naming("group_size", "int", error=TypeError):
+        advantages.group_advantages(flat, group_size=2.0)
+
+
+def test_integer_masks_equal_boolean_masks():
+    rewards = np.asarray(jax.random.normal(jax.random.key(5), (3, 4)))
+    where = np.array([[1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 0]], np.int8)
+    for fn in (group_advantages, rloo_advantages):
+        out = fn(rewards, where=where)
+        assert_close(out, fn(rewards, where=where.astype(bool)), rtol=0, atol=0)
+    assert_close(out, ref_rloo(rewards, where.astype(bool)), atol=1e-5)

@@ -16,10 +16,12 @@ from tests._helpers import (
 from tests.advantages.test_group import REWARD
 from tunelib import advantages
 
-sequence_rewards_to_tokens = jax.jit(advantages.sequence_rewards_to_tokens)
+sequence_rewards_to_tokens = jax.jit(
+    advantages.sequence_rewards_to_tokens, static_argnames="num_tokens"
+)
 overlong_penalty = jax.jit(advantages.overlong_penalty)
-truncation_mask = jax.jit(advantages.truncation_mask)
-dynamic_sampling_mask = jax.jit(advantages.dynamic_sampling_mask)
+truncation_mask = jax.jit(advantages.truncation_mask, static_argnames="num_tokens")
+dynamic_sampling_mask = jax.jit(advantages.dynamic_sampling_mask, static_argnames="group_size")
 group_advantages = jax.jit(advantages.group_advantages, static_argnames="scale")
 
 
@@ -103,6 +105,34 @@ def test_truncation_mask():
     out = truncation_mask(np.array([False, True, False]), where=where)
     assert out.dtype == jnp.bool_
     np.testing.assert_array_equal(out, [[True, True, False], [False] * 3, [True, False, False]])
+    # Integer 0/1 flags and masks, as TRL passes them, give the same mask.
+    ints = truncation_mask(np.array([0, 1, 0], np.int32), where=where.astype(np.int32))
+    np.testing.assert_array_equal(ints, out)
+    # Without `where`, every token of a completion that was not truncated counts.
+    everything = truncation_mask(np.array([0, 1, 0]), num_tokens=4)
+    np.testing.assert_array_equal(everything, [[True] * 4, [False] * 4, [True] * 4])
+
+
+def test_rewards_without_where_go_on_the_last_position():
+    rewards = np.array([3, -1, 7], np.int32)
+    out = sequence_rewards_to_tokens(rewards, num_tokens=4)
+    assert out.dtype == jnp.float32
+    assert_close(out, [[0, 0, 0, 3], [0, 0, 0, -1], [0, 0, 0, 7]], rtol=0, atol=0)
+    every = np.ones((3, 4), np.int32)
+    assert_close(sequence_rewards_to_tokens(rewards, where=every), out, rtol=0, atol=0)
+    both = sequence_rewards_to_tokens(rewards, num_tokens=4, where=every.astype(bool))
+    assert_close(both, out, rtol=0, atol=0)
+
+
+def test_flat_groups_give_a_mask_per_completion():
+    rewards = np.array([[1, 0, 1], [1, 1, 1], [0, np.nan, 0], [2, np.nan, 3]], np.float32)
+    where = np.array([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], np.int32)
+    grouped = np.asarray(dynamic_sampling_mask(rewards, where=where))
+    np.testing.assert_array_equal(grouped, [True, False, False, False])
+    flat = dynamic_sampling_mask(rewards.reshape(-1), group_size=3, where=where.reshape(-1))
+    np.testing.assert_array_equal(flat, np.repeat(grouped, 3))
+    with raises_naming("rewards", "(12,)", "group_size=G", error=ValueError):
+        advantages.dynamic_sampling_mask(rewards.reshape(-1))
 
 
 @given(hnp.arrays(np.float32, (5, 4), elements=REWARD), bool_arrays((5, 4)), bool_arrays((5, 4)))
@@ -129,7 +159,7 @@ def test_errors_name_the_argument():
     with raises_naming("rewards"):
         advantages.sequence_rewards_to_tokens(jnp.ones(3), where=where)
     with raises_naming("truncated"):
-        advantages.truncation_mask(jnp.ones(2, int), where=where)
+        advantages.truncation_mask(jnp.ones(2), where=where)
     with raises_naming("lengths"):
         advantages.overlong_penalty(jnp.ones((2, 2)), max_length=4, buffer_length=2)
     with own_checks():
@@ -140,7 +170,17 @@ def test_errors_name_the_argument():
         with raises_naming("rewards", error=TypeError):
             advantages.sequence_rewards_to_tokens(jnp.ones(2, bool), where=where)
         with raises_naming("where", error=TypeError):
-            advantages.sequence_rewards_to_tokens(jnp.ones(2), where=jnp.ones((2, 3), int))
+            advantages.sequence_rewards_to_tokens(jnp.ones(2), where=jnp.ones((2, 3)))
+        with raises_naming("where", "num_tokens", error=ValueError):
+            advantages.sequence_rewards_to_tokens(jnp.ones(2))
+        with raises_naming("where", "num_tokens", error=ValueError):
+            advantages.truncation_mask(jnp.ones(2, bool))
+        with raises_naming("num_tokens=4", "(2, 3)", error=ValueError):
+            advantages.truncation_mask(jnp.ones(2, bool), num_tokens=4, where=where)
+        with raises_naming("num_tokens", ">= 1", error=ValueError):
+            advantages.sequence_rewards_to_tokens(jnp.ones(2), num_tokens=0)
+        with raises_naming("truncated", "0 and 1", error=ValueError):
+            advantages.truncation_mask(jnp.array([0, 2]), where=where)
         with raises_naming("buffer_length", error=ValueError):
             advantages.overlong_penalty(jnp.ones(2), max_length=4, buffer_length=0)
         with raises_naming("buffer_length", "max_length", error=ValueError):

@@ -53,6 +53,8 @@ def test_fixed_values():
     assert_close(whiten(x, where=where, shift_mean=False), [[1.0, 2.0, 3.0, 0.0]], atol=1e-6)
     assert_close(whiten(x, where=where, ddof=0), [[-(1.5**0.5), 0.0, 1.5**0.5, 0.0]], atol=1e-6)
     assert_close(whiten(x, where=where, eps=3.0), [[-0.5, 0.0, 0.5, 0.0]], atol=1e-6)
+    integer_mask = whiten(x, where=where.astype(np.int32))  # TRL's 0/1 masks count the same
+    assert_close(integer_mask, whiten(x, where=where), rtol=0, atol=0)
 
 
 @given(masked_values(), st.sampled_from([0, 1]), st.booleans(), st.sampled_from([0.0, 1e-8, 1.0]))

@@ -104,7 +104,9 @@ def test_check_compares_greedy_tokens_with_the_no_cache_generators():
     where = np.ones(tokens.shape, bool)
 
     def rollout(tokens, where):
-        return Rollout(tokens, where, np.zeros(tokens.shape), where.sum(-1), ~where.any(-1))
+        return Rollout(
+            tokens, where, np.zeros(tokens.shape), where.sum(-1), ~where.any(-1), np.float32(1)
+        )
 
     assert bench.check(size, tokens, rollout(tokens, where)) == (True, None)
     other = tokens.copy()

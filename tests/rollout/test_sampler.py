@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._helpers import assert_close, raises_naming
+from tests._helpers import assert_close, own_checks, raises_naming
 from tunelib.models import TENSOR_PARALLEL_RULES, Decoder, DecoderConfig, param_shardings
-from tunelib.rollout import SamplingConfig, process_logits, sample
+from tunelib.rollout import Rollout, SamplingConfig, process_logits, sample
 from tunelib.rollout import _sampler as sampler_module
 
 CONFIG = DecoderConfig(
@@ -92,10 +92,12 @@ def test_temperature_zero_is_exact_greedy():
     logits = completion_logits(graphdef, params, out)
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
     assert np.asarray(out.where).all() and np.asarray(out.truncated).all()
-    # Finite log-probs: those of the untempered distribution.
+    # Finite log-probs: those of the untempered distribution, which the rollout records.
     expected = np.take_along_axis(log_softmax(logits), np.asarray(out.tokens)[..., None], -1)
     assert_close(out.logps, expected[..., 0], rtol=1e-4, atol=1e-4)
     assert np.isfinite(np.asarray(out.logps)).all()
+    assert out.temperature.dtype == jnp.float32 and out.temperature.shape == ()
+    assert out.temperature == 1.0
 
 
 @pytest.mark.parametrize("logps_of", ["tempered", "processed"])
@@ -104,7 +106,9 @@ def test_logps_are_those_of_the_stated_distribution(logps_of):
     config = SamplingConfig(max_new_tokens=6, temperature=0.7, top_k=5, logps_of=logps_of)
     out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(3), config, group_size=2)
     logits = completion_logits(graphdef, params, out, group=2)
-    tempered = logits / 0.7
+    # The rollout's own temperature is all a trainer needs to recompute the log-probs.
+    assert out.temperature.dtype == jnp.float32 and out.temperature == np.float32(0.7)
+    tempered = logits / np.float64(out.temperature)
     if logps_of == "processed":
         flat = jnp.asarray(logits.reshape(-1, logits.shape[-1]), jnp.float32)
         processed = process_logits(flat, temperature=0.7, top_k=5)
@@ -200,11 +204,9 @@ def test_bad_input_is_rejected_before_compiling():
     key = jax.random.key(0)
     ok = SamplingConfig(max_new_tokens=4)
     before = sampler_module._sample._cache_size()
+    # What depends on the prompts or the vocabulary; the rest fails when the config is made.
     cases = [
         (dict(config=dataclasses.replace(ok, cache_length=8)), ("cache_length", "9")),
-        (dict(config=dataclasses.replace(ok, top_p=1.5)), ("top_p",)),
-        (dict(config=dataclasses.replace(ok, top_p=0.0)), ("top_p",)),
-        (dict(config=dataclasses.replace(ok, temperature=-0.5)), ("temperature",)),
         (dict(config=dataclasses.replace(ok, stop_tokens=(24,))), ("stop_tokens", "24")),
         (dict(config=dataclasses.replace(ok, pad_token=30)), ("pad_token",)),
         (dict(config=dataclasses.replace(ok, forbidden_tokens=tuple(range(24)))), ("forbid",)),
@@ -219,11 +221,68 @@ def test_bad_input_is_rejected_before_compiling():
         with raises_naming(*names):
             sample(graphdef, params, args["prompts"], args["where"], key, args["config"],
                    group_size=args["group_size"])  # fmt: skip
-    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=2, stop_tokens=3),
-                dict(max_new_tokens=2, logps_of="raw")):  # fmt: skip
-        with pytest.raises((ValueError, TypeError)):
-            SamplingConfig(**bad)
     assert sampler_module._sample._cache_size() == before
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "names"),
+    [
+        (dict(max_new_tokens=0), ValueError, ("max_new_tokens", ">= 1", "got 0")),
+        (dict(max_new_tokens=2.0), TypeError, ("max_new_tokens", "int", "2.0")),
+        (dict(temperature=-1), ValueError, ("temperature", ">= 0", "greedy", "got -1")),
+        (dict(temperature=float("inf")), ValueError, ("temperature", "finite", "inf")),
+        (dict(temperature=float("nan")), ValueError, ("temperature", "got nan")),
+        (dict(temperature="1.0"), TypeError, ("temperature", "real number")),
+        (dict(top_k=0), ValueError, ("top_k", ">= 1", "got 0")),
+        (dict(top_k=2.5), TypeError, ("top_k", "int", "2.5")),
+        (dict(top_p=0), ValueError, ("top_p", "(0, 1]", "got 0")),
+        (dict(top_p=1.5), ValueError, ("top_p", "(0, 1]", "got 1.5")),
+        (dict(top_p="0.9"), TypeError, ("top_p", "real number")),
+        (dict(min_p=-0.1), ValueError, ("min_p", "[0, 1]", "got -0.1")),
+        (dict(min_p=2), ValueError, ("min_p", "[0, 1]", "got 2")),
+        (dict(forbidden_tokens=(1, -2)), ValueError, ("forbidden_tokens", "-2")),
+        (dict(forbidden_tokens=3), TypeError, ("forbidden_tokens", "tuple")),
+        (dict(stop_tokens=(-1,)), ValueError, ("stop_tokens", "-1")),
+        (dict(stop_tokens=("eos",)), TypeError, ("stop_tokens", "'eos'")),
+        (dict(pad_token=-1), ValueError, ("pad_token", ">= 0", "got -1")),
+        (dict(pad_token=None), TypeError, ("pad_token", "int")),
+        (dict(cache_length=4), ValueError, ("cache_length", ">= 5", "got 4", "max_new_tokens=4")),
+        (dict(cache_length=8.0), TypeError, ("cache_length", "int")),
+        (dict(logps_of="raw"), ValueError, ("logps_of", "'tempered'", "'raw'")),
+    ],
+)
+def test_sampling_config_checks_each_field_when_made(changes, error, names):
+    with own_checks(), raises_naming(*names, error=error):
+        SamplingConfig(**{"max_new_tokens": 4, **changes})
+
+
+def test_sampling_config_stores_plain_python_values():
+    with own_checks():  # NumPy numbers and lists, which the annotations do not advertise
+        config = SamplingConfig(
+            max_new_tokens=np.int64(4), temperature=np.float32(0.5), top_k=np.int32(3),
+            top_p=1, min_p=0, forbidden_tokens=[np.int64(1), 2], stop_tokens=[5],
+            cache_length=5,
+        )  # fmt: skip
+    assert config == SamplingConfig(
+        max_new_tokens=4, temperature=0.5, top_k=3, top_p=1.0, min_p=0.0,
+        forbidden_tokens=(1, 2), stop_tokens=(5,), cache_length=5,
+    )  # fmt: skip
+    assert type(config.max_new_tokens) is int and type(config.temperature) is float
+    assert type(config.forbidden_tokens[0]) is int and hash(config) is not None
+    greedy = SamplingConfig(max_new_tokens=1, temperature=0)  # 0 is greedy, not an error
+    assert greedy.temperature == 0.0
+
+
+def test_rollout_is_a_pytree_of_arrays_with_its_temperature():
+    rollout = Rollout(
+        tokens=jnp.zeros((2, 3), jnp.int32), where=jnp.ones((2, 3), bool),
+        logps=jnp.zeros((2, 3)), lengths=jnp.full(2, 3), truncated=jnp.zeros(2, bool),
+        temperature=jnp.float32(0.7),
+    )  # fmt: skip
+    assert len(jax.tree.leaves(rollout)) == len(Rollout._fields) == 6
+    out = jax.jit(lambda r: r._replace(logps=r.logps - 1 / r.temperature))(rollout)
+    assert isinstance(out, Rollout) and out.temperature == np.float32(0.7)
+    assert_close(out.logps, np.full((2, 3), -1 / np.float32(0.7)))
 
 
 def test_sampler_inside_a_users_jit():
@@ -232,10 +291,12 @@ def test_sampler_inside_a_users_jit():
 
     @jax.jit
     def run(params, prompts, where):
-        return sample(graphdef, params, prompts, where, jax.random.key(0), config).tokens
+        return sample(graphdef, params, prompts, where, jax.random.key(0), config)
 
     eager = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), config)
-    np.testing.assert_array_equal(run(params, PROMPTS, PROMPT_WHERE), eager.tokens)
+    jitted = run(params, PROMPTS, PROMPT_WHERE)
+    np.testing.assert_array_equal(jitted.tokens, eager.tokens)
+    assert isinstance(jitted, Rollout) and jitted.temperature == eager.temperature == 1.0
 
 
 def test_sharded_greedy_equals_single_device():

@@ -1,10 +1,12 @@
 """Advantage estimators, returns, whitening, reward shaping and data filters for RL.
 
 Group-relative estimators take the rewards of the G completions of each prompt on the last
-axis, `rewards [..., G]`, and return one advantage per completion. Per-token estimators take
-`[B, T]` arrays and a required completion mask `where` (True = counts), and skip masked
-tokens. Rewards that are NaN (unscorable) and masked entries get exactly 0; integer rewards are
-cast to float, never truncated; statistics run in float32 (float64 for float64 input).
+axis, `rewards [..., G]`, or flat, `rewards [B*G]` with `group_size=G` (never guessed), and
+return one advantage per completion in the layout they were given. Per-token estimators take
+`[B, T]` arrays and an optional completion mask `where` (True = counts; None = every token),
+and skip masked tokens. Masks may be boolean or integer 0/1. Rewards that are NaN (unscorable)
+and masked entries get exactly 0; integer rewards are cast to float, never truncated;
+statistics run in float32 (float64 for float64 input).
 """
 
 from tunelib.advantages._diagnostics import (

@@ -3,37 +3,37 @@ r"""Generalised advantage estimation and returns over the tokens of a completion
 Each estimator is written for one sequence as a reverse `lax.scan` over its tokens and batched
 over rows with `vmap`. Token $t$ is a step of the episode: the policy emits the token, receives
 the reward $r_t$ (`rewards_t`), and $V(s_t)$ (`values`) is the critic's estimate of the return
-from there. Only valid tokens (`where`) are steps. Masked tokens inside a completion (a tool's
-output, say) are skipped: the recursion links each valid token to the next valid one, as if
-the masked tokens were not there, and masked tokens get 0. After the last valid token the
-episode ends (value 0) unless `bootstrap_value` gives the value of the state it was cut in.
+from there. Only valid tokens (`where`) are steps; without `where` every token is one. Masked
+tokens inside a completion (a tool's output, say) are skipped: the recursion links each valid
+token to the next valid one, as if the masked tokens were not there, and masked tokens get 0.
+After the last valid token the episode ends (value 0) unless `bootstrap_value` gives the value
+of the state it was cut in.
 """
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Real
+from jaxtyping import Array, Float, Real
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.advantages._group import real_array
+from tunelib._typing import Mask, Scalar
 
 
 def _token_inputs(
     rewards_t: ArrayLike,
     values: ArrayLike | None,
     bootstrap_value: ArrayLike | None,
-    where: ArrayLike,
+    where: ArrayLike | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Checked `[B, T]` rewards, values (0 when None), where, and `[B]` bootstrap values.
+    """Checked `[B, T]` rewards, values (0 when None), where (all True when None), and `[B]`
+    bootstrap values.
 
     Rewards and values are in the compute dtype and 0 at masked tokens.
     """
-    rewards_t = real_array(rewards_t, "rewards_t")
+    rewards_t = v.real_array(rewards_t, "rewards_t")
     if rewards_t.ndim != 2:
         raise ValueError(f"rewards_t must have shape [B, T], got {rewards_t.shape}.")
-    where = v.bool_array(where, "where")
-    v.check_shape(where, "where", rewards_t.shape, f"rewards_t {rewards_t.shape}")
+    where = v.mask_array(where, rewards_t.shape)
     dtypes = [rewards_t.dtype]
     if values is not None:
         values = v.float_array(values, "values")
@@ -112,7 +112,7 @@ def gae(
     gamma: Scalar = 1.0,
     lambda_: Scalar = 1.0,
     bootstrap_value: Float[ArrayLike, " B"] | None = None,
-    where: Bool[ArrayLike, "B T"],
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""Generalised advantage estimates (GAE) of every valid token.
 
@@ -149,9 +149,11 @@ def gae(
       lambda_: GAE parameter $\lambda \in [0, 1]$; may be traced.
       bootstrap_value: `[B]` value of the state after each row's last valid token, for
         completions cut off before EOS; None (default) means 0 for every row.
-      where: `[B, T]` boolean mask of the tokens that are steps, True = counts (required: the
-        completion mask, EOS included). Masked entries give exactly 0 with zero gradient, even
-        when their rewards or values are NaN; a row without valid tokens gives 0.
+      where: `[B, T]` mask of the tokens that are steps (boolean, or integer 0/1), True =
+        counts: the completion mask, EOS included. None (default) makes every token of every
+        row a step, for rows without padding. Masked entries give exactly 0 with zero
+        gradient, even when their rewards or values are NaN; a row without valid tokens
+        gives 0.
 
     Returns:
       `[B, T]` advantages, float32 (float64 for float64 input), 0 at masked tokens.
@@ -188,7 +190,7 @@ def lambda_returns(
     gamma: Scalar = 1.0,
     lambda_: Scalar = 1.0,
     bootstrap_value: Float[ArrayLike, " B"] | None = None,
-    where: Bool[ArrayLike, "B T"],
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""The $\lambda$-returns, GAE's targets for the value function: $\hat{A}_t + V(s_t)$.
 
@@ -209,8 +211,8 @@ def lambda_returns(
       gamma: discount $\gamma \in [0, 1]$; may be traced.
       lambda_: $\lambda \in [0, 1]$; may be traced.
       bootstrap_value: `[B]` value after each row's last valid token; None means 0.
-      where: `[B, T]` boolean mask of the steps, True = counts (required). Masked entries
-        give exactly 0 with zero gradient.
+      where: `[B, T]` mask of the steps (boolean, or integer 0/1), True = counts; None
+        (default) makes every token a step. Masked entries give exactly 0 with zero gradient.
 
     Returns:
       `[B, T]` returns, float32 (float64 for float64 input), 0 at masked tokens.
@@ -220,8 +222,7 @@ def lambda_returns(
       >>> from tunelib.advantages import lambda_returns
       >>> rewards_t = jnp.array([[0.0, 0.0, 1.0]])
       >>> values = jnp.array([[0.5, 0.6, 0.8]])
-      >>> where = jnp.ones((1, 3), bool)
-      >>> print(lambda_returns(rewards_t, values, gamma=0.9, lambda_=0.5, where=where).round(4))
+      >>> print(lambda_returns(rewards_t, values, gamma=0.9, lambda_=0.5).round(4))  # all valid
       [[0.6345 0.81   1.    ]]
 
     References:
@@ -246,7 +247,7 @@ def discounted_returns(
     *,
     gamma: Scalar = 1.0,
     bootstrap_value: Float[ArrayLike, " B"] | None = None,
-    where: Bool[ArrayLike, "B T"],
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""Discounted reward-to-go of every valid token.
 
@@ -265,9 +266,9 @@ def discounted_returns(
       rewards_t: `[B, T]` per-token rewards, integer or float.
       gamma: discount $\gamma \in [0, 1]$; may be traced.
       bootstrap_value: `[B]` value after each row's last valid token; None means 0.
-      where: `[B, T]` boolean mask of the steps, True = counts (required). Masked entries
-        give exactly 0 with zero gradient, even when NaN; masked tokens are skipped, not
-        discounted.
+      where: `[B, T]` mask of the steps (boolean, or integer 0/1), True = counts; None
+        (default) makes every token a step. Masked entries give exactly 0 with zero gradient,
+        even when NaN; masked tokens are skipped, not discounted.
 
     Returns:
       `[B, T]` returns, float32 (float64 for float64 input), 0 at masked tokens.

@@ -1,22 +1,26 @@
 r"""Group-relative advantages: GRPO, Dr. GRPO, RLOO, and several rewards (GRPO or GDPO).
 
-Every estimator here sees the rewards of the $G$ completions sampled for one prompt, on the
-last axis of `rewards [..., G]`, and uses the other completions of the group as the baseline.
-A reward that is NaN or infinite marks a completion that could not be scored: it is left out of
-every statistic and gets an advantage of exactly 0, as does a completion masked out by `where`.
+Every estimator here sees the rewards of the $G$ completions sampled for one prompt and uses
+the other completions of the group as the baseline. The groups are never guessed: rewards come
+as `[..., G]`, the groups on the last axis, or flat as `[B*G]` (completion `g` of prompt `b` in
+row `b * G + g`, the layout `tunelib.rollout.sample(..., group_size=G)` returns) with
+`group_size=G`; the result has the layout the rewards came in. A reward that is NaN or infinite
+marks a completion that could not be scored: it is left out of every statistic and gets an
+advantage of exactly 0, as does a completion masked out by `where`.
 """
 
 import functools
 from typing import Literal
 
+import einops
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Real
+from jaxtyping import Array, Float, Real
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.advantages._whitening import check_ddof, masked_moments
+from tunelib._typing import Mask, Scalar
+from tunelib.advantages._whitening import masked_moments
 
 Scale = Literal["group", "batch", "none"]
 SCALES: tuple[str, ...] = Scale.__args__
@@ -24,30 +28,64 @@ Combine = Literal["sum_then_normalize", "normalize_then_sum"]
 COMBINES: tuple[str, ...] = Combine.__args__
 
 
-def real_array(x: ArrayLike, name: str) -> jax.Array:
-    """`x` as an integer or floating-point array; a `TypeError` naming `name` otherwise."""
-    x = jnp.asarray(x)
-    if not (jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
-        raise TypeError(
-            f"{name} must be an integer or floating-point array, got dtype {x.dtype}; "
-            f"convert boolean rewards with `{name}.astype(float)`."
+def split_groups(
+    x: jax.Array, group_size: int | None, *, name: str, trailing: int = 0
+) -> jax.Array:
+    """`x` with the completions of each group on an axis of their own, `[..., G, *E]`.
+
+    Without `group_size`, `x` must already be `[..., G, *E]` with at least one axis before the
+    group axis and is returned as it is; with `group_size=G` it must be flat, `[B*G, *E]`,
+    and is split into `[B, G, *E]`. `E` are the `trailing` axes after the group axis (the $K$
+    rewards of each completion). Anything else is a `ValueError` that names both layouts.
+    """
+    extra = ", K" if trailing else ""
+    if group_size is None:
+        if x.ndim < 2 + trailing:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}, which does not say which completions form "
+                f"a group. Pass {name} as [B, G{extra}], the G completions of each prompt on "
+                f"their own axis, or flat as [B*G{extra}] (completion g of prompt b in row "
+                f"b * G + g, as `sample(..., group_size=G)` returns them) with group_size=G."
+            )
+        return x
+    v.static_int(group_size, "group_size", what="a Python int >= 1 (a static value)")
+    v.number_in(group_size, "group_size", low=1)
+    if x.ndim != 1 + trailing:
+        raise ValueError(
+            f"group_size={group_size} is for flat {name} [B*G{extra}], but {name} has shape "
+            f"{tuple(x.shape)}: as [B, G{extra}] it holds its groups on axis {-1 - trailing} "
+            "already; drop group_size."
         )
-    return x
+    if x.shape[0] % group_size:
+        raise ValueError(
+            f"{name} has {x.shape[0]} completions (shape {tuple(x.shape)}), which is not a "
+            f"multiple of group_size={group_size}."
+        )
+    return einops.rearrange(x, "(b g) ... -> b g ...", g=group_size)
+
+
+def merge_groups(x: jax.Array, group_size: int | None) -> jax.Array:
+    """Undo `split_groups`: `[B, G, ...]` back to flat `[B*G, ...]` when `group_size` is set."""
+    if group_size is None:
+        return x
+    return einops.rearrange(x, "b g ... -> (b g) ...")
 
 
 def scored_rewards(
-    rewards: ArrayLike, where: ArrayLike | None, *, name: str = "rewards"
+    rewards: ArrayLike,
+    where: ArrayLike | None,
+    *,
+    group_size: int | None = None,
+    name: str = "rewards",
 ) -> tuple[jax.Array, jax.Array]:
     """Rewards `[..., G]` in the compute dtype (0 where invalid) and the valid mask.
 
-    A completion is valid when `where` keeps it and its reward is finite.
+    A completion is valid when `where` keeps it and its reward is finite. Flat rewards with
+    `group_size` come back split into `[B, G]` (see `split_groups`).
     """
-    rewards = real_array(rewards, name)
-    v.check_ndim(rewards, name, at_least=1)
-    where = v.mask_array(where, rewards.shape)
-    rewards = rewards.astype(v.compute_dtype(rewards.dtype))
-    valid = where & jnp.isfinite(rewards)
-    return jnp.where(valid, rewards, 0.0), valid
+    rewards, valid = v.finite_entries(rewards, where, name)
+    split = functools.partial(split_groups, group_size=group_size, name=name)
+    return split(rewards), split(valid)
 
 
 def has_spread(rewards: jax.Array, valid: jax.Array) -> jax.Array:
@@ -75,9 +113,8 @@ def _std(var: jax.Array) -> jax.Array:
 
 
 def _check_options(scale: str, ddof: int, eps: Scalar) -> None:
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}.")
-    check_ddof(ddof)
+    v.one_of(scale, "scale", SCALES)
+    v.check_ddof(ddof)
     v.non_negative(eps, "eps")
 
 
@@ -100,10 +137,11 @@ def _normalize(
 def group_advantages(
     rewards: Real[ArrayLike, "*B G"],
     *,
+    group_size: int | None = None,
     scale: Scale = "group",
     ddof: int = 1,
     eps: Scalar = 1e-4,
-    where: Bool[ArrayLike, "*B G"] | None = None,
+    where: Mask[ArrayLike, "*B G"] | None = None,
 ) -> Float[Array, "*B G"]:
     r"""Group-relative advantages of GRPO: each reward against its group's mean and spread.
 
@@ -111,8 +149,8 @@ def group_advantages(
     A_i = \frac{r_i - \operatorname{mean}(r_1, \dots, r_G)}{\sigma + \epsilon}
     $$
 
-    with $r$ = `rewards` (the last axis holds the $G$ completions of one prompt) and
-    $\epsilon$ = `eps`. The divisor $\sigma$ depends on `scale`:
+    with $r$ = `rewards` (the $G$ completions of one prompt) and $\epsilon$ = `eps`. The
+    divisor $\sigma$ depends on `scale`:
 
     * ``"group"`` (default; GRPO, Shao et al. 2024): the std of the group's rewards.
     * ``"batch"``: the std of all valid rewards of the array, around their global mean, while
@@ -138,16 +176,22 @@ def group_advantages(
 
     Args:
       rewards: `[..., G]` rewards, integer or float; the last axis is the group of
-        completions of one prompt, the leading axes index prompts.
+        completions of one prompt, the leading axes (at least one) index prompts. Or flat
+        `[B*G]`, completion `g` of prompt `b` in row `b * G + g`, with `group_size`.
+      group_size: None (default) for `[..., G]` rewards; $G$, a static int >= 1, for flat
+        `[B*G]` rewards. A 1-D `rewards` without `group_size` is a `ValueError`: one group
+        is never assumed.
       scale: ``"group"``, ``"batch"`` or ``"none"``, as above.
       ddof: 1 (default, sample std) or 0 (population std).
       eps: $\epsilon \ge 0$, added to the std; may be traced.
-      where: `[..., G]` boolean mask, True = counts; a masked completion is left out as if its
-        reward were NaN.
+      where: mask of the layout of `rewards` (boolean, or integer 0/1), True = counts; None
+        (default) keeps every completion. A masked completion is left out as if its reward
+        were NaN.
 
     Returns:
-      `[..., G]` advantages, float32 (float64 for float64 rewards), one per completion; spread
-      them over the completion's tokens (GRPO gives every token its sequence's advantage).
+      Advantages in the layout of `rewards` (`[..., G]`, or `[B*G]` with `group_size`),
+      float32 (float64 for float64 rewards), one per completion; spread them over the
+      completion's tokens (GRPO gives every token its sequence's advantage).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -161,6 +205,9 @@ def group_advantages(
       [[ 0.5 -0.5 -0.5  0.5]
        [ 0.   0.   0.   0. ]
        [ 1.  -1.   0.   0. ]]
+      >>> flat = jnp.array([1, 0, 0, 1, 2, 0])  # two prompts, three completions each
+      >>> print(group_advantages(flat, group_size=3, scale="none").round(4))
+      [ 0.6667 -0.3333 -0.3333  0.      1.     -1.    ]
 
     References:
       Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language
@@ -171,19 +218,20 @@ def group_advantages(
       https://arxiv.org/abs/2508.08221.
     """
     _check_options(scale, ddof, eps)
-    rewards, valid = scored_rewards(rewards, where)
-    return _normalize(rewards, valid, scale=scale, ddof=ddof, eps=eps)
+    rewards, valid = scored_rewards(rewards, where, group_size=group_size)
+    return merge_groups(_normalize(rewards, valid, scale=scale, ddof=ddof, eps=eps), group_size)
 
 
 def multi_reward_advantages(
     rewards: Real[ArrayLike, "*B G K"],
     *,
+    group_size: int | None = None,
     reward_weights: Real[ArrayLike, " K"] | None = None,
     combine: Combine = "sum_then_normalize",
     scale: Scale = "group",
     ddof: int = 1,
     eps: Scalar = 1e-4,
-    where: Bool[ArrayLike, "*B G"] | None = None,
+    where: Mask[ArrayLike, "*B G"] | None = None,
 ) -> Float[Array, "*B G"]:
     r"""Group-relative advantages from $K$ rewards per completion, combined in one of two orders.
 
@@ -221,7 +269,10 @@ def multi_reward_advantages(
 
     Args:
       rewards: `[..., G, K]` rewards, integer or float: $K$ rewards for each of the $G$
-        completions of each prompt.
+        completions of each prompt (at least one leading axis). Or flat `[B*G, K]`,
+        completion `g` of prompt `b` in row `b * G + g`, with `group_size`.
+      group_size: None (default) for `[..., G, K]` rewards; $G$, a static int >= 1, for flat
+        `[B*G, K]` rewards. A 2-D `rewards` without `group_size` is a `ValueError`.
       reward_weights: `[K]` weights $w_k$; None (default) weighs every reward 1, as TRL
         does. May be traced.
       combine: ``"sum_then_normalize"`` or ``"normalize_then_sum"``, as above.
@@ -229,10 +280,12 @@ def multi_reward_advantages(
         `group_advantages`).
       ddof: 1 (default) or 0, for every std.
       eps: $\epsilon \ge 0$, added to every std; may be traced.
-      where: `[..., G]` boolean mask over completions, True = counts.
+      where: mask over completions (boolean, or integer 0/1), `[..., G]` (or `[B*G]` with
+        `group_size`), True = counts; None (default) keeps every completion.
 
     Returns:
-      `[..., G]` advantages, float32 (float64 for float64 rewards).
+      Advantages `[..., G]` (or `[B*G]` with `group_size`), float32 (float64 for float64
+      rewards).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -252,11 +305,11 @@ def multi_reward_advantages(
       Models", 2024, https://arxiv.org/abs/2402.03300.
     """
     _check_options(scale, ddof, eps)
-    if combine not in COMBINES:
-        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}.")
-    rewards = real_array(rewards, "rewards")
-    v.check_ndim(rewards, "rewards", at_least=2)
+    v.one_of(combine, "combine", COMBINES)
+    rewards = v.real_array(rewards, "rewards")
     where = v.mask_array(where, rewards.shape[:-1])
+    rewards = split_groups(rewards, group_size, name="rewards", trailing=1)
+    where = split_groups(where, group_size, name="where")
     dtype = v.compute_dtype(rewards.dtype)
     rewards = rewards.astype(dtype)
     finite = jnp.isfinite(rewards)
@@ -267,24 +320,27 @@ def multi_reward_advantages(
     if reward_weights is None:
         weights = jnp.ones((num_rewards,), dtype)
     else:
-        weights = real_array(reward_weights, "reward_weights")
+        weights = v.real_array(reward_weights, "reward_weights")
         v.check_shape(weights, "reward_weights", (num_rewards,), f"rewards {rewards.shape}")
         weights = weights.astype(dtype)
-    if combine == "sum_then_normalize":
-        return _normalize(rewards @ weights, rows, scale=scale, ddof=ddof, eps=eps)
     normalize = functools.partial(_normalize, scale=scale, ddof=ddof, eps=eps)
+    if combine == "sum_then_normalize":
+        return merge_groups(normalize(rewards @ weights, rows), group_size)
     per_reward = jax.vmap(normalize, in_axes=-1, out_axes=-1)(rewards, entries)
     summed = per_reward @ weights
     if scale == "none":
-        return jnp.where(rows, summed, 0.0)
+        return merge_groups(jnp.where(rows, summed, 0.0), group_size)
     mean, var, _ = masked_moments(summed, rows, axis=None, ddof=ddof)
     advantages = _safe_divide(summed - mean, _std(var) + jnp.asarray(eps, dtype))
     keep = rows & has_spread(summed, rows)[..., None]
-    return jnp.where(keep, advantages, 0.0)
+    return merge_groups(jnp.where(keep, advantages, 0.0), group_size)
 
 
 def rloo_advantages(
-    rewards: Real[ArrayLike, "*B G"], *, where: Bool[ArrayLike, "*B G"] | None = None
+    rewards: Real[ArrayLike, "*B G"],
+    *,
+    group_size: int | None = None,
+    where: Mask[ArrayLike, "*B G"] | None = None,
 ) -> Float[Array, "*B G"]:
     r"""REINFORCE leave-one-out advantages: each reward against the mean of the others.
 
@@ -292,19 +348,22 @@ def rloo_advantages(
     A_i = r_i - \frac{1}{G - 1} \sum_{j \ne i} r_j = \frac{G}{G - 1}\,(r_i - \bar{r})
     $$
 
-    with $r$ = `rewards` (the last axis holds the $G$ completions of one prompt) and
-    $\bar{r}$ their mean. The baseline of each completion does not depend on its own reward,
-    so the policy-gradient estimate stays unbiased. Invalid completions (NaN or infinite
-    reward, or masked by `where`) are left out: $G$ counts the valid ones, and they get 0. A
-    group with fewer than 2 valid completions, or whose valid rewards are all equal, gives
-    exactly 0.
+    with $r$ = `rewards` (the $G$ completions of one prompt) and $\bar{r}$ their mean. The
+    baseline of each completion does not depend on its own reward, so the policy-gradient
+    estimate stays unbiased. Invalid completions (NaN or infinite reward, or masked by
+    `where`) are left out: $G$ counts the valid ones, and they get 0. A group with fewer than
+    2 valid completions, or whose valid rewards are all equal, gives exactly 0.
 
     Args:
-      rewards: `[..., G]` rewards, integer or float.
-      where: `[..., G]` boolean mask, True = counts.
+      rewards: `[..., G]` rewards, integer or float, the groups on the last axis (at least
+        one leading axis); or flat `[B*G]` with `group_size`, as in `group_advantages`.
+      group_size: None (default) for `[..., G]` rewards; $G$, a static int >= 1, for flat
+        `[B*G]` rewards. A 1-D `rewards` without it is a `ValueError`.
+      where: mask of the layout of `rewards` (boolean, or integer 0/1), True = counts; None
+        (default) keeps every completion.
 
     Returns:
-      `[..., G]` advantages, float32 (float64 for float64 rewards).
+      Advantages in the layout of `rewards`, float32 (float64 for float64 rewards).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -319,9 +378,9 @@ def rloo_advantages(
       Kool et al., "Buy 4 REINFORCE Samples, Get a Baseline for Free!", 2019,
       https://openreview.net/forum?id=r1lgTGL5DE.
     """
-    rewards, valid = scored_rewards(rewards, where)
+    rewards, valid = scored_rewards(rewards, where, group_size=group_size)
     mean, _, count = masked_moments(rewards, valid, axis=-1, ddof=0)
     count = count.astype(rewards.dtype)
     advantages = count / jnp.maximum(count - 1, 1) * (rewards - mean)
     keep = valid & has_spread(rewards, valid)[..., None]
-    return jnp.where(keep, advantages, 0.0)
+    return merge_groups(jnp.where(keep, advantages, 0.0), group_size)

@@ -1,16 +1,49 @@
 """Reward shaping and data filters: token placement, DAPO's overlong and sampling filters."""
 
+import einops
+import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Real
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.advantages._group import has_spread, real_array, scored_rewards
+from tunelib._typing import Mask, Scalar
+from tunelib.advantages._group import has_spread, scored_rewards
+
+
+def _completion_mask(
+    where: ArrayLike | None, num_tokens: int | None, *, rows: int, like: str, fn: str
+) -> jax.Array:
+    """The `[B, T]` mask `where` as booleans, or all True `[B, num_tokens]` when it is None."""
+    if num_tokens is not None:
+        v.static_int(num_tokens, "num_tokens", what="a Python int >= 1 (a static value)")
+        v.number_in(num_tokens, "num_tokens", low=1)
+    if where is None:
+        if num_tokens is None:
+            raise ValueError(
+                f"{fn} needs the number of tokens T of each row: pass where, the [B, T] "
+                "completion mask, or num_tokens=T when every token counts."
+            )
+        return jnp.ones((rows, num_tokens), jnp.bool_)
+    where = v.mask_like(where, "where")
+    if where.ndim != 2 or where.shape[0] != rows:
+        raise ValueError(
+            f"where has shape {where.shape} but must have shape [B, T] with B = {rows} to "
+            f"match {like}."
+        )
+    if num_tokens is not None and where.shape[1] != num_tokens:
+        raise ValueError(
+            f"num_tokens={num_tokens} does not match where of shape {where.shape} (T = "
+            f"{where.shape[1]}); pass one of them."
+        )
+    return where
 
 
 def sequence_rewards_to_tokens(
-    rewards: Real[ArrayLike, " B"], *, where: Bool[ArrayLike, "B T"]
+    rewards: Real[ArrayLike, " B"],
+    *,
+    num_tokens: int | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""Place each sequence's reward on its last valid token, 0 on every other token.
 
@@ -25,8 +58,12 @@ def sequence_rewards_to_tokens(
     Args:
       rewards: `[B]` sequence rewards, integer or float (cast, never truncated). A NaN reward
         on a row with valid tokens stays NaN on its last token: mask unscorable rows out.
-      where: `[B, T]` completion mask, True = counts (required). A row without valid tokens
-        gets no reward (all 0), whatever its reward.
+      num_tokens: $T$, a static int >= 1, for `where=None`: every token counts and each
+        reward lands on position $T - 1$ of its row. With `where` it may be left out (it must
+        equal `where.shape[1]` if given).
+      where: `[B, T]` completion mask (boolean, or integer 0/1), True = counts. A row without
+        valid tokens gets no reward (all 0), whatever its reward. None (default) counts every
+        token of `num_tokens`; one of the two is required.
 
     Returns:
       `[B, T]` token rewards, float32 (float64 for float64 rewards).
@@ -39,16 +76,20 @@ def sequence_rewards_to_tokens(
       [[ 0.  1.  0.]
        [ 0.  0. -2.]
        [ 0.  0.  0.]]
+      >>> print(sequence_rewards_to_tokens(jnp.array([1, -2]), num_tokens=3))
+      [[ 0.  0.  1.]
+       [ 0.  0. -2.]]
     """
-    rewards = real_array(rewards, "rewards")
+    rewards = v.real_array(rewards, "rewards")
     if rewards.ndim != 1:
         raise ValueError(f"rewards must have shape [B], got {rewards.shape}.")
-    where = v.bool_array(where, "where")
-    if where.ndim != 2 or where.shape[0] != rewards.shape[0]:
-        raise ValueError(
-            f"where has shape {where.shape} but must have shape [B, T] with B = "
-            f"{rewards.shape[0]} to match rewards {rewards.shape}."
-        )
+    where = _completion_mask(
+        where,
+        num_tokens,
+        rows=rewards.shape[0],
+        like=f"rewards {rewards.shape}",
+        fn="sequence_rewards_to_tokens",
+    )
     rewards = rewards.astype(v.compute_dtype(rewards.dtype))
     num_tokens = where.shape[1]
     last = num_tokens - 1 - jnp.argmax(where[:, ::-1], axis=-1)
@@ -95,7 +136,7 @@ def overlong_penalty(
       Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", 2025,
       https://arxiv.org/abs/2503.14476.
     """
-    lengths = real_array(lengths, "lengths")
+    lengths = v.real_array(lengths, "lengths")
     if lengths.ndim != 1:
         raise ValueError(f"lengths must have shape [B], got {lengths.shape}.")
     v.positive_scalar(max_length, "max_length")
@@ -117,7 +158,10 @@ def overlong_penalty(
 
 
 def truncation_mask(
-    truncated: Bool[ArrayLike, " B"], *, where: Bool[ArrayLike, "B T"]
+    truncated: Mask[ArrayLike, " B"],
+    *,
+    num_tokens: int | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Bool[Array, "B T"]:
     r"""The completion mask with truncated completions removed (DAPO's overlong filtering).
 
@@ -130,12 +174,17 @@ def truncation_mask(
     unfinished line of reasoning for its length adds noise to the reward. Use the result as
     the `where` of the policy loss and of `tunelib.losses.aggregate`. The completions still
     count in their group's reward statistics; to leave them out of those too, pass
-    `where=~truncated` to `group_advantages`. `overlong_penalty` is DAPO's softer
-    alternative.
+    `where=~truncated` to `group_advantages` (with `group_size=G` for the flat `[B*G]` rows
+    of a rollout). `overlong_penalty` is DAPO's softer alternative.
 
     Args:
-      truncated: `[B]` True for completions that ended without EOS.
-      where: `[B, T]` completion mask, True = counts.
+      truncated: `[B]` True (or 1) for completions that ended without EOS, as
+        `tunelib.rollout.Rollout.truncated`.
+      num_tokens: $T$, a static int >= 1, for `where=None`: every token of a completion that
+        was not truncated counts. With `where` it may be left out (it must equal
+        `where.shape[1]` if given).
+      where: `[B, T]` completion mask (boolean, or integer 0/1), True = counts. None
+        (default) counts every token of `num_tokens`; one of the two is required.
 
     Returns:
       `[B, T]` boolean mask, False on every token of a truncated completion.
@@ -147,26 +196,33 @@ def truncation_mask(
       >>> print(truncation_mask(jnp.array([False, True]), where=where))
       [[ True  True False]
        [False False False]]
+      >>> print(truncation_mask(jnp.array([0, 1]), num_tokens=2))
+      [[ True  True]
+       [False False]]
 
     References:
       Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", 2025,
       https://arxiv.org/abs/2503.14476.
     """
-    truncated = v.bool_array(truncated, "truncated")
+    truncated = v.mask_like(truncated, "truncated")
     if truncated.ndim != 1:
         raise ValueError(f"truncated must have shape [B], got {truncated.shape}.")
-    where = v.bool_array(where, "where")
-    if where.ndim != 2 or where.shape[0] != truncated.shape[0]:
-        raise ValueError(
-            f"where has shape {where.shape} but must have shape [B, T] with B = "
-            f"{truncated.shape[0]} to match truncated {truncated.shape}."
-        )
+    where = _completion_mask(
+        where,
+        num_tokens,
+        rows=truncated.shape[0],
+        like=f"truncated {truncated.shape}",
+        fn="truncation_mask",
+    )
     return where & ~truncated[:, None]
 
 
 def dynamic_sampling_mask(
-    rewards: Real[ArrayLike, "*B G"], *, where: Bool[ArrayLike, "*B G"] | None = None
-) -> Bool[Array, "*B"]:
+    rewards: Real[ArrayLike, "*B G"],
+    *,
+    group_size: int | None = None,
+    where: Mask[ArrayLike, "*B G"] | None = None,
+) -> Bool[Array, "*B"] | Bool[Array, " BG"]:
     r"""DAPO's dynamic-sampling filter: True for groups whose valid rewards are not all equal.
 
     $$
@@ -181,11 +237,17 @@ def dynamic_sampling_mask(
     zero-std statistic compares the std with 0 up to `torch.isclose`.
 
     Args:
-      rewards: `[..., G]` rewards, integer or float; NaN or infinite rewards are ignored.
-      where: `[..., G]` boolean mask, True = counts.
+      rewards: `[..., G]` rewards, integer or float, the groups on the last axis (at least
+        one leading axis); or flat `[B*G]`, completion `g` of prompt `b` in row `b * G + g`,
+        with `group_size`. NaN or infinite rewards are ignored.
+      group_size: None (default) for `[..., G]` rewards; $G$, a static int >= 1, for flat
+        `[B*G]` rewards. A 1-D `rewards` without it is a `ValueError`.
+      where: mask of the layout of `rewards` (boolean, or integer 0/1), True = counts; None
+        (default) keeps every completion.
 
     Returns:
-      `[...]` boolean, True for the groups to keep.
+      `[...]` boolean, True for the groups to keep; for flat rewards `[B*G]`, one entry per
+      completion, True for every completion of a group to keep (a row mask for the batch).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -193,10 +255,15 @@ def dynamic_sampling_mask(
       >>> rewards = jnp.array([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, jnp.nan, 0.0]])
       >>> print(dynamic_sampling_mask(rewards))
       [ True False False]
+      >>> print(dynamic_sampling_mask(jnp.array([1, 0, 1, 1]), group_size=2))
+      [ True  True False False]
 
     References:
       Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", 2025,
       https://arxiv.org/abs/2503.14476.
     """
-    rewards, valid = scored_rewards(rewards, where)
-    return has_spread(rewards, valid)
+    rewards, valid = scored_rewards(rewards, where, group_size=group_size)
+    keep = has_spread(rewards, valid)
+    if group_size is None:
+        return keep
+    return einops.repeat(keep, "b -> (b g)", g=group_size)

@@ -3,16 +3,10 @@
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-
-
-def check_ddof(ddof: int) -> None:
-    """Accept the delta degrees of freedom 0 (population) or 1 (Bessel's correction)."""
-    if isinstance(ddof, bool) or ddof not in (0, 1):
-        raise ValueError(f"ddof must be 0 or 1, got {ddof!r}.")
+from tunelib._typing import Mask, Scalar
 
 
 def masked_moments(
@@ -39,7 +33,7 @@ def whiten(
     ddof: int = 1,
     shift_mean: bool = True,
     eps: Scalar = 1e-8,
-    where: Bool[ArrayLike, "*B"] | None = None,
+    where: Mask[ArrayLike, "*B"] | None = None,
 ) -> Float[Array, "*B"]:
     r"""Whiten values over all valid entries: subtract the mean, divide by the std.
 
@@ -74,8 +68,9 @@ def whiten(
       shift_mean: True (default) centres the result on 0; False keeps the mean $\mu$.
       eps: $\epsilon \ge 0$, added to the variance; may be traced. With `eps=0` a
         constant input gives 0 (or $\mu$), not NaN.
-      where: `[...]` boolean mask, True = counts. Masked entries are left out of the
-        statistics and give exactly 0 with a zero gradient, even when NaN or infinite.
+      where: `[...]` mask (boolean, or integer 0/1), True = counts; None (default) counts
+        every entry. Masked entries are left out of the statistics and give exactly 0 with a
+        zero gradient, even when NaN or infinite.
 
     Returns:
       `[...]` whitened values, float32 (float64 for float64 input).
@@ -93,7 +88,7 @@ def whiten(
     """
     values = v.float_array(values, "values")
     where = v.mask_array(where, values.shape)
-    check_ddof(ddof)
+    v.check_ddof(ddof)
     v.non_negative(eps, "eps")
     dtype = v.compute_dtype(values.dtype)
     x = jnp.where(where, values.astype(dtype), 0.0)

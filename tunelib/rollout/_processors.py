@@ -21,8 +21,6 @@ logits instead of dividing by 0. `check_sampling_args` validates a whole samplin
 in plain Python before anything is compiled.
 """
 
-import math
-import numbers
 from collections.abc import Sequence
 
 import jax
@@ -35,73 +33,33 @@ from tunelib import _validation as v
 from tunelib._typing import Scalar
 
 
-def _is_number(x: object) -> bool:
-    """A Python or NumPy real number (not a bool, not an array); traced values are not."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _require_number(x: object, name: str) -> None:
-    if not _is_number(x):
-        raise TypeError(f"{name} must be a real number, got {x!r} of type {type(x).__name__}.")
-
-
 def _check_temperature(temperature: object, name: str, *, greedy_ok: bool) -> None:
-    """Reject a non-finite temperature, a negative one, and 0 unless `greedy_ok`."""
-    if not _is_number(temperature):
-        return
-    if math.isinf(temperature):
-        raise ValueError(f"{name} must be finite, got {temperature}.")
-    if greedy_ok and not temperature >= 0:
-        raise ValueError(
-            f"{name} must be >= 0 (0 = greedy decoding, an exact argmax), got {temperature}."
+    """Reject a negative or non-finite temperature, and 0 unless `greedy_ok`."""
+    if greedy_ok:
+        v.number_in(temperature, name, low=0, explain="0 = greedy decoding, an exact argmax")
+    else:
+        v.number_in(
+            temperature,
+            name,
+            low=0,
+            low_open=True,
+            hint=f"{name} 0 means greedy decoding, which the sampler does with an exact argmax "
+            "of the logits instead of scaling them",
         )
-    if not greedy_ok and not temperature > 0:
-        raise ValueError(
-            f"{name} must be > 0, got {temperature}: {name} 0 means greedy decoding, which the "
-            "sampler does with an exact argmax of the logits instead of scaling them."
-        )
+    v.finite_number(temperature, name)
 
 
 def _check_top_k(k: object, name: str) -> None:
-    if not _is_int(k):
-        raise TypeError(
-            f"{name} must be a Python int >= 1 (a static value: it fixes a shape), got {k!r} "
-            f"of type {type(k).__name__}."
-        )
-    if k < 1:
-        raise ValueError(f"{name} must be >= 1, got {k}; None turns top-k off.")
+    v.static_int(k, name, what="a Python int >= 1 (a static value: it fixes a shape)")
+    v.number_in(k, name, low=1, hint="None turns top-k off")
 
 
 def _check_top_p(p: object, name: str) -> None:
-    if _is_number(p) and not 0 < p <= 1:
-        raise ValueError(f"{name} must lie in (0, 1], got {p}; 1 keeps every token.")
+    v.number_in(p, name, low=0, high=1, low_open=True, hint="1 keeps every token")
 
 
 def _check_min_p(min_p: object, name: str) -> None:
-    if _is_number(min_p) and not 0 <= min_p <= 1:
-        raise ValueError(f"{name} must lie in [0, 1], got {min_p}; 0 keeps every token.")
-
-
-def _checked_token_ids(token_ids: object, vocab_size: int, name: str) -> tuple[int, ...]:
-    """`token_ids` as a tuple of ints, each in `[0, vocab_size)`."""
-    if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
-        raise TypeError(f"{name} must be a tuple of int token ids, got {token_ids!r}.")
-    for token in token_ids:
-        if not _is_int(token):
-            raise TypeError(
-                f"{name} must hold int token ids, got {token!r} of type {type(token).__name__} "
-                f"in {name}={tuple(token_ids)!r}."
-            )
-        if not 0 <= token < vocab_size:
-            raise ValueError(
-                f"{name} holds token id {token}, outside [0, {vocab_size}) for a vocabulary of "
-                f"{vocab_size} tokens."
-            )
-    return tuple(int(token) for token in token_ids)
+    v.number_in(min_p, name, low=0, high=1, hint="0 keeps every token")
 
 
 def _check_not_all_forbidden(token_ids: tuple[int, ...], vocab_size: int) -> None:
@@ -299,7 +257,7 @@ def top_p_filter(logits: Float[ArrayLike, "B V"], p: Scalar) -> Float[Array, "B 
     """
     _check_top_p(p, "p")
     logits = _checked_logits(logits)
-    if _is_number(p) and p == 1:
+    if v.is_real_number(p) and p == 1:
         return logits
     p = jnp.asarray(p, logits.dtype)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -340,7 +298,7 @@ def min_p_filter(logits: Float[ArrayLike, "B V"], min_p: Scalar) -> Float[Array,
     """
     _check_min_p(min_p, "min_p")
     logits = _checked_logits(logits)
-    if _is_number(min_p) and min_p == 0:
+    if v.is_real_number(min_p) and min_p == 0:
         return logits
     top = jnp.max(logits, axis=-1, keepdims=True)
     log_min_p = jnp.log(jnp.asarray(min_p, logits.dtype))
@@ -375,7 +333,7 @@ def forbid_tokens(logits: Float[ArrayLike, "B V"], token_ids: Sequence[int]) -> 
     """
     logits = _checked_logits(logits)
     vocab_size = logits.shape[-1]
-    token_ids = _checked_token_ids(token_ids, vocab_size, "forbidden_tokens")
+    token_ids = v.token_ids(token_ids, "forbidden_tokens", vocab_size=vocab_size)
     _check_not_all_forbidden(token_ids, vocab_size)
     if not token_ids:
         return logits
@@ -448,7 +406,7 @@ def process_logits(
     if min_p is not None:
         _check_min_p(min_p, "min_p")
     logits = forbid_tokens(logits, forbidden_tokens)
-    if not (_is_number(temperature) and temperature == 1):
+    if not (v.is_real_number(temperature) and temperature == 1):
         logits = temperature_scale(logits, temperature)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
@@ -501,20 +459,34 @@ def check_sampling_args(
       ...
       ValueError: top_k must be >= 1, got 0; None turns top-k off.
     """
-    if not _is_int(vocab_size):
-        raise TypeError(f"vocab_size must be an int, got {vocab_size!r}.")
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}.")
-    _require_number(temperature, "temperature")
+    v.static_int(vocab_size, "vocab_size")
+    v.number_in(vocab_size, "vocab_size", low=1)
+    check_sampling_values(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    forbidden = v.token_ids(forbidden_tokens, "forbidden_tokens", vocab_size=vocab_size)
+    v.token_ids(stop_tokens, "stop_tokens", vocab_size=vocab_size)
+    _check_not_all_forbidden(forbidden, vocab_size)
+
+
+def check_sampling_values(
+    *,
+    temperature: object,
+    top_k: object,
+    top_p: object,
+    min_p: object,
+) -> None:
+    """The checks of `check_sampling_args` that need no vocabulary, in plain Python.
+
+    `SamplingConfig` runs them when it is made: temperature a finite number >= 0 (0 = greedy),
+    `top_k` an int >= 1, `top_p` a number in (0, 1], `min_p` a number in [0, 1], each but the
+    temperature also None.
+    """
+    v.real_number(temperature, "temperature")
     _check_temperature(temperature, "temperature", greedy_ok=True)
     if top_k is not None:
         _check_top_k(top_k, "top_k")
     if top_p is not None:
-        _require_number(top_p, "top_p")
+        v.real_number(top_p, "top_p")
         _check_top_p(top_p, "top_p")
     if min_p is not None:
-        _require_number(min_p, "min_p")
+        v.real_number(min_p, "min_p")
         _check_min_p(min_p, "min_p")
-    forbidden = _checked_token_ids(forbidden_tokens, vocab_size, "forbidden_tokens")
-    _checked_token_ids(stop_tokens, vocab_size, "stop_tokens")
-    _check_not_all_forbidden(forbidden, vocab_size)

@@ -1,7 +1,6 @@
 """The KV-cache sampler: jit-compiled prefill and a `lax.while_loop` decode."""
 
 import dataclasses
-import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -12,7 +11,12 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
-from tunelib.rollout._processors import check_sampling_args, forbid_tokens, process_logits
+from tunelib.rollout._processors import (
+    check_sampling_args,
+    check_sampling_values,
+    forbid_tokens,
+    process_logits,
+)
 
 LogpsOf = Literal["tempered", "processed"]
 
@@ -21,20 +25,30 @@ LogpsOf = Literal["tempered", "processed"]
 class SamplingConfig:
     """How `sample` draws completions. Static: each distinct config compiles once.
 
+    Every field is checked when the config is made, with a `TypeError` or `ValueError` that
+    names it; what depends on the model's vocabulary (token ids below its size, not every
+    token forbidden) is checked by `sample`, before anything compiles. Numbers are stored as
+    Python ints and floats, token ids as tuples of ints.
+
     Attributes:
-      max_new_tokens: the most tokens generated per completion, stop token included.
-      temperature: $\\tau \\ge 0$; the next token is drawn from `softmax(logits / τ)` after
-        the filters below. 0 is exact greedy decoding (argmax over the allowed tokens).
-      top_k: keep the k most likely tokens (None: all).
+      max_new_tokens: the most tokens generated per completion, stop token included; an int
+        >= 1.
+      temperature: $\\tau \\ge 0$, finite; the next token is drawn from
+        `softmax(logits / τ)` after the filters below. 0 is exact greedy decoding (argmax over
+        the allowed tokens).
+      top_k: keep the k most likely tokens, an int >= 1 (None: all).
       top_p: nucleus sampling, keep the smallest most-likely set with probability >= p,
         p in (0, 1] (None: all).
-      min_p: keep the tokens with probability >= min_p times the largest (None: all).
-      forbidden_tokens: token ids never sampled.
-      stop_tokens: token ids that end a completion; the stop token itself is part of the
-        completion (inside `Rollout.where`), nothing after it is.
-      pad_token: the id written after a completion ends (outside `Rollout.where`).
-      cache_length: KV-cache slots; None means prompt length + `max_new_tokens`, the least
-        that fits. A larger cache lets one compiled sampler serve longer prompts.
+      min_p: keep the tokens with probability >= min_p times the largest, min_p in [0, 1]
+        (None: all).
+      forbidden_tokens: token ids (ints >= 0) never sampled.
+      stop_tokens: token ids (ints >= 0) that end a completion; the stop token itself is part
+        of the completion (inside `Rollout.where`), nothing after it is.
+      pad_token: the id (an int >= 0) written after a completion ends (outside
+        `Rollout.where`).
+      cache_length: KV-cache slots, at least `max_new_tokens + 1` (a prompt has a token at
+        least); None means prompt length + `max_new_tokens`, the least that fits. A larger
+        cache lets one compiled sampler serve longer prompts.
       logps_of: which distribution `Rollout.logps` are taken from: "tempered" (default),
         the full vocabulary at the sampling temperature, `log_softmax(logits / τ)` before any
         filter: what a trainer recomputes from its own logits, so the ratio of the two is
@@ -45,10 +59,10 @@ class SamplingConfig:
     """
 
     max_new_tokens: int
-    temperature: float = 1.0
+    temperature: float | int = 1.0
     top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
+    top_p: float | int | None = None
+    min_p: float | int | None = None
     forbidden_tokens: tuple[int, ...] = ()
     stop_tokens: tuple[int, ...] = ()
     pad_token: int = 0
@@ -56,28 +70,43 @@ class SamplingConfig:
     logps_of: LogpsOf = "tempered"
 
     def __post_init__(self) -> None:
-        for name in ("forbidden_tokens", "stop_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, int) or not isinstance(value, tuple | list):
-                raise TypeError(f"{name} must be a tuple of token ids, got {value!r}.")
-            object.__setattr__(self, name, tuple(value))
-        for name in ("max_new_tokens", "pad_token", "cache_length"):
-            value = getattr(self, name)
-            if value is None and name == "cache_length":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                raise TypeError(f"{name} must be an int, got {value!r}.")
-            if value < (0 if name == "pad_token" else 1):
-                raise ValueError(
-                    f"{name} must be >= {0 if name == 'pad_token' else 1}, got {value}."
-                )
+        v.static_int(self.max_new_tokens, "max_new_tokens")
+        v.number_in(self.max_new_tokens, "max_new_tokens", low=1)
+        check_sampling_values(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
+        )
+        tokens = {
+            name: v.token_ids(getattr(self, name), name)
+            for name in ("forbidden_tokens", "stop_tokens")
+        }
+        v.static_int(self.pad_token, "pad_token")
+        v.number_in(self.pad_token, "pad_token", low=0, hint="token ids are >= 0")
+        if self.cache_length is not None:
+            v.static_int(self.cache_length, "cache_length")
+            v.number_in(
+                self.cache_length,
+                "cache_length",
+                low=self.max_new_tokens + 1,
+                hint=f"max_new_tokens={self.max_new_tokens} slots and one for a prompt token",
+            )
         v.one_of(self.logps_of, "logps_of", ("tempered", "processed"))
-        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}.")
+        normalized = {
+            **tokens,
+            "max_new_tokens": int(self.max_new_tokens),
+            "temperature": float(self.temperature),
+            "top_k": None if self.top_k is None else int(self.top_k),
+            "top_p": None if self.top_p is None else float(self.top_p),
+            "min_p": None if self.min_p is None else float(self.min_p),
+            "pad_token": int(self.pad_token),
+            "cache_length": None if self.cache_length is None else int(self.cache_length),
+        }
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)
 
 
 class Rollout(NamedTuple):
-    """Completions from `sample`, one row per completion.
+    """Completions from `sample`, one row per completion: a pytree of arrays, so it passes
+    through `jax.jit` (every field but the scalar `temperature` has a row per completion).
 
     Attributes:
       tokens: `[B, N]` completion token ids, `pad_token` after each completion ends.
@@ -88,6 +117,11 @@ class Rollout(NamedTuple):
       lengths: `[B]` tokens per completion, `where.sum(-1)`.
       truncated: `[B]` True where the completion reached `max_new_tokens` without a stop
         token.
+      temperature: float32 scalar, the temperature $\\tau$ of the distribution `logps` come
+        from, so that a trainer recomputes them with `temperature=rollout.temperature`
+        (`tunelib.logprobs.token_logps`) without carrying the `SamplingConfig` around: the
+        config's temperature, or 1.0 for greedy decoding (temperature 0), whose log-probs are
+        those of the untempered distribution.
     """
 
     tokens: Int[Array, "B N"]
@@ -95,6 +129,7 @@ class Rollout(NamedTuple):
     logps: Float[Array, "B N"]
     lengths: Int[Array, " B"]
     truncated: Bool[Array, " B"]
+    temperature: Float[Array, ""]
 
 
 def sample(
@@ -126,8 +161,8 @@ def sample(
 
     With `group_size` G, each prompt is prefilled once and its cache copied G ways, so the
     G completions of a prompt share one prefill and differ only by their draws; row
-    `b * G + g` of the result is completion g of prompt b (reshape to `[B, G, ...]` for
-    `tunelib.advantages.group_advantages`).
+    `b * G + g` of the result is completion g of prompt b (the flat layout that
+    `tunelib.advantages.group_advantages(rewards, group_size=G)` takes).
 
     Prompts may be padded on either side: positions and attention follow
     `prompt_where`, and decoding continues from each row's last real token. Every prompt
@@ -146,11 +181,11 @@ def sample(
       A `Rollout` of `B * G` completions of `config.max_new_tokens` slots.
 
     Raises:
-      ValueError: before compiling, for a config the vocabulary cannot satisfy (stop or
-        forbidden ids out of range, every token forbidden, top-p outside (0, 1], ...), a
-        prompt longer than the cache, an empty prompt or a prompt token id outside the
-        vocabulary (both checked when the prompts are concrete, not traced), or a bad
-        `group_size`.
+      ValueError: before compiling, for a config the vocabulary cannot satisfy (stop,
+        forbidden or pad ids out of range, every token forbidden; the rest of the config is
+        checked when it is made), a prompt longer than the cache, an empty prompt or a prompt
+        token id outside the vocabulary (both checked when the prompts are concrete, not
+        traced), or a bad `group_size`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -296,4 +331,5 @@ def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_si
         cache,
     )
     _, tokens, where, logps, done, _, _ = jax.lax.while_loop(running, step_fn, state)
-    return Rollout(tokens, where, logps, where.sum(-1, dtype=jnp.int32), ~done)
+    temperature = jnp.asarray(config.temperature or 1.0, jnp.float32)
+    return Rollout(tokens, where, logps, where.sum(-1, dtype=jnp.int32), ~done, temperature)
