@@ -3,7 +3,7 @@
 A model folder is either what a recipe saves (`model/`: `config.json` with the decoder's
 fields, Orbax `params/`, and its tokenizer) or a Hugging Face checkpoint (`config.json` with a
 `model_type`, safetensors, `tokenizer.json`). `--model` may also name a run folder, whose
-`model/` is meant. Whether a path is a model is decided from its files alone (`model_folder`,
+`hf_model/` (a run that started from a Hugging Face checkpoint) or `model/` is meant. Whether a path is a model is decided from its files alone (`model_folder`,
 no JAX), so a wrong path stops a recipe before any work.
 """
 
@@ -40,8 +40,11 @@ def model_folder(path: Path, flag: str = "--model") -> Path:
     """The model folder `path` names (a run folder means its `model/`), or a `UserError`."""
     if not path.exists():
         raise UserError(f"{flag} {path}: no such file or folder")
-    if (path / "model").is_dir() and not (path / "config.json").exists():
-        path = path / "model"
+    if not (path / "config.json").exists():  # a run folder: its Hugging Face export, or model/
+        for inner in ("hf_model", "model"):
+            if (path / inner).is_dir():
+                path = path / inner
+                break
     if not path.is_dir():
         raise UserError(f"{flag} {path}: not a model folder")
     if (path / "config.json").is_file() and (path / "params").is_dir():

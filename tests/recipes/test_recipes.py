@@ -1,4 +1,8 @@
-"""End-to-end runs of the recipes as a user runs them: `python recipes/<name>.py`."""
+"""End-to-end runs of the recipes as a user runs them: `python recipes/<name>.py`.
+
+Each run is as short as still proves its point (a few steps on a small slice of the task);
+runs that need an SFT start share one, trained once per worker.
+"""
 
 import json
 import signal
@@ -13,25 +17,22 @@ import pytest
 from flax import nnx
 
 from tests._helpers import user_env
+from tests.recipes._scripts import RECIPES, run_recipe_process
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-# A small, fast configuration of the task; the model is the recipes' own.
+# A small, fast slice of the task; the model is the recipes' own.
 SMALL = ["--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no-progress"]
 
 
-def run_recipe(name: str, *args: str, timeout: float = 300, headline: str | None = None) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(RECIPES / f"{name}.py"), *SMALL, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=user_env(compilation_cache=True),
-        check=False,
-    )
+def run_recipe(name: str, *args: str, headline: str | None = None, env=None) -> dict:
+    proc = run_recipe_process(name, *SMALL, *args, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["recipe"] == (headline or name)
     return last
+
+
+def records_of(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def load_params(folder: Path) -> dict:
@@ -45,173 +46,196 @@ def leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.slow
-def test_sft_smoke(tmp_path):
-    out = run_recipe("sft", "--steps", "6", "--eval-every", "3", "--out", str(tmp_path / "sft"))
-    assert {"recipe", "seconds", "accuracy_before", "accuracy_after"} <= set(out)
-    assert 0.0 <= out["accuracy_after"] <= 1.0
-    records = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 7))
-    assert all(np.isfinite(r["loss"]) for r in records)
-    assert "accuracy" in records[2] and "accuracy" in records[5]
-    assert (tmp_path / "sft" / "curves.png").stat().st_size > 0
+@pytest.fixture(scope="module")
+def sft_start(tmp_path_factory) -> Path:
+    """A short SFT run that DPO, GRPO, LoRA and generation start from."""
+    folder = tmp_path_factory.mktemp("start") / "sft"
+    run_recipe("sft", "--steps", "6", "--eval-every", "6", "--out", str(folder))
+    return folder
 
 
 @pytest.mark.slow
-def test_dpo_trains_its_sft_start_and_runs_with_qlora(tmp_path):
-    """DPO trains its missing SFT start, then QLoRA adapters on it (full DPO runs in
-    `test_fused_and_naive_log_probs_give_the_same_training_curves`)."""
-    sft_dir = tmp_path / "sft" / "model"
-    out = run_recipe(
-        "dpo", "--sft-steps", "6", "--num-prompts", "256", "--steps", "4", "--eval-every", "2",
-        "--sft-dir", str(sft_dir), "--lora-rank", "4", "--qlora", "--out", str(tmp_path / "dpo"),
+def test_sft_logs_plots_saves_its_config_and_reproduces_from_it(tmp_path):
+    out = tmp_path / "sft"
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    result = run_recipe(
+        "sft", "--steps", "6", "--eval-every", "3", "--out", str(out),
+        "--log-to", "jsonl,tensorboard,wandb", env=env,
     )  # fmt: skip
-    assert (sft_dir / "config.json").exists(), "DPO must train the missing SFT model first"
-    assert out["steps"] == 4 and np.isfinite(out["final_reward_accuracy"])
-    assert out["tuning"] == "qlora" and out["base_bits_per_param"] < 8
-    records = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
-    # The policy is the reference at the first step: with QLoRA, the NF4 base itself.
-    assert abs(records[0]["loss"] - np.log(2)) < 1e-5
+    assert {"seconds", "accuracy_before", "accuracy_after", "heldout_loss_after"} <= set(result)
+    assert all(round(v, 4) == v for v in result.values() if isinstance(v, float))
+    records = records_of(out)
+    assert [r["step"] for r in records] == list(range(7))  # step 0: before training
+    assert "accuracy" in records[0] and "accuracy" in records[3] and "accuracy" in records[6]
+    assert all(np.isfinite(r["loss"]) for r in records[1:])
+    assert (out / "curves.png").stat().st_size > 0
+    assert any((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert any((out / "wandb").rglob("*.wandb"))  # an offline W&B run
+    assert json.loads((out / "model" / "char_tokenizer.json").read_text())
+    # The saved configuration repeats the run.
+    again = run_recipe(
+        "sft", "--config", str(out / "config.toml"), "--out", str(tmp_path / "again"),
+        "--log-to", "jsonl",
+    )  # fmt: skip
+    assert again["final_loss"] == result["final_loss"]
 
 
 @pytest.mark.slow
-def test_orpo_smoke_with_baseline(tmp_path):
-    out = run_recipe("orpo", "--steps", "4", "--eval-every", "2", "--out", str(tmp_path / "orpo"))
-    assert {"accuracy_after", "sft_accuracy_after"} <= set(out)
+def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path):
+    """Ctrl-C saves the last finished step and says how to continue; a checkpoint left
+    half-written by a crash is ignored; the resumed run equals the straight one bit for bit,
+    and `--resume` with more `--steps` extends a finished run."""
+    flags = ["--steps", "30", "--checkpoint-every", "10", "--eval-every", "1000"]
+    run_recipe("sft", *flags, "--out", str(tmp_path / "straight"))
 
-
-@pytest.mark.slow
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
-    args = ["--steps", "150", "--checkpoint-every", "10", "--eval-every", "1000"]
-    run_recipe("sft", *args, "--out", str(tmp_path / "straight"))
-
-    killed = tmp_path / "killed"
+    stopped = tmp_path / "stopped"
     proc = subprocess.Popen(
-        [sys.executable, str(RECIPES / "sft.py"), *SMALL, *args, "--out", str(killed)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        [sys.executable, str(RECIPES / "sft.py"), *SMALL, *flags, "--out", str(stopped)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=user_env(compilation_cache=True),
-    )
-    checkpoints = killed / "checkpoints"
+    )  # fmt: skip
     deadline = time.monotonic() + 240
-    while not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
-        assert proc.poll() is None, "the run ended before its first checkpoint"
+    while not ((stopped / "metrics.jsonl").exists() and len(records_of(stopped)) > 12):
+        assert proc.poll() is None, "the run ended before it could be interrupted"
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (killed / "model").exists(), "the run must have been killed mid-way"
-    saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
-    # A checkpoint the crash left half-written: a temporary folder of a later step.
-    partial = checkpoints / f"{saved[-1] + 10}.orbax-checkpoint-tmp-1234567"
-    partial.mkdir()
-    (partial / "state").mkdir()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    last_line = stderr.strip().splitlines()[-1]
+    assert "interrupted; step" in last_line and last_line.endswith("--resume"), stderr
+    saved = int(last_line.split("step ")[1].split()[0])
+    assert 12 <= saved < 30 and not (stopped / "model").exists()
+    # A later checkpoint that a crash left half-written: a temporary folder Orbax never renamed.
+    partial = stopped / "checkpoints" / f"{saved + 1}.orbax-checkpoint-tmp-1234567"
+    (partial / "state").mkdir(parents=True)
     (partial / "state" / "garbage").write_bytes(b"\x00" * 64)
 
-    proc = subprocess.run(
-        [sys.executable, str(RECIPES / "sft.py"), *SMALL, *args, "--out", str(killed), "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=user_env(compilation_cache=True),
-        check=False,
-    )
+    proc = run_recipe_process("sft", *SMALL, *flags, "--out", str(stopped), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed_from = int(proc.stdout.split("resuming from the checkpoint of step ")[1].split()[0])
-    assert 0 < resumed_from < 150 and resumed_from in saved
-
-    straight, resumed = leaves(load_params(tmp_path / "straight")), leaves(load_params(killed))
+    assert f"resuming from the checkpoint of step {saved}" in proc.stdout
+    straight, resumed = leaves(load_params(tmp_path / "straight")), leaves(load_params(stopped))
     assert len(straight) == len(resumed) > 0
     for a, b in zip(straight, resumed, strict=True):
         np.testing.assert_array_equal(a, b)  # bit for bit
-    steps = [json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 151))
+    assert [r["step"] for r in records_of(stopped)] == list(range(31))
+
+    proc = run_recipe_process("sft", *SMALL, *flags, "--out", str(stopped), "--resume")
+    assert proc.returncode == 2 and "is at step 30 already" in proc.stderr
+    longer = ["--steps", "32", "--checkpoint-every", "10", "--eval-every", "1000"]
+    run_recipe("sft", *longer, "--out", str(stopped), "--resume")
+    assert [r["step"] for r in records_of(stopped)][-3:] == [30, 31, 32]
 
 
 def losses_of(folder: Path) -> list[float]:
-    return [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records_of(folder) if "loss" in r]
 
 
 @pytest.mark.slow
-def test_fused_and_naive_log_probs_give_the_same_training_curves(tmp_path):
+def test_fused_and_naive_log_probs_give_the_same_training_curves(tmp_path, sft_start):
     """The recipes' default fused head against materialised logits, same seed, same steps."""
-    common = ["--steps", "12", "--eval-every", "12"]
+    flags = ["--steps", "6", "--eval-every", "6"]
     for impl in ("chunked", "naive"):
-        run_recipe("sft", *common, "--logprobs", impl, "--out", str(tmp_path / f"sft-{impl}"))
+        run_recipe("sft", *flags, "--logprobs", impl, "--out", str(tmp_path / f"sft-{impl}"))
         run_recipe(
-            "dpo", *common, "--logprobs", impl, "--num-prompts", "256",
-            "--sft-dir", str(tmp_path / "sft-chunked" / "model"),
-            "--out", str(tmp_path / f"dpo-{impl}"),
+            "dpo", *flags, "--logprobs", impl, "--num-prompts", "64", "--model", str(sft_start),
+            "--rejected", "near_miss", "--out", str(tmp_path / f"dpo-{impl}"),
         )  # fmt: skip
     for recipe in ("sft", "dpo"):
-        fused, naive = (
-            losses_of(tmp_path / f"{recipe}-chunked"),
-            losses_of(tmp_path / f"{recipe}-naive"),
-        )
-        assert len(fused) == len(naive) == 12
+        fused = losses_of(tmp_path / f"{recipe}-chunked")
+        naive = losses_of(tmp_path / f"{recipe}-naive")
+        assert len(fused) == len(naive) == 6
         np.testing.assert_allclose(fused, naive, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
-def test_distill_trains_its_teacher_and_runs_with_the_fused_head(tmp_path):
-    teacher = tmp_path / "teacher" / "model"
+def test_dpo_trains_its_sft_start_then_runs_packed_with_qlora(tmp_path, monkeypatch):
+    """DPO without --model trains the seed's SFT run at its default place first (and only
+    there), then QLoRA adapters on it, on packed rows."""
+    monkeypatch.setenv("TUNELIB_RUNS", str(tmp_path / "runs"))
     out = run_recipe(
-        "distill", "--steps", "4", "--eval-every", "2", "--teacher-steps", "6",
-        "--teacher-demonstrations", "256", "--num-prompts", "256", "--divergence", "jsd",
-        "--teacher-dir", str(teacher), "--out", str(tmp_path / "distill"),
+        "dpo", "--sft-steps", "6", "--num-prompts", "64", "--steps", "3", "--eval-every", "3",
+        "--lora-rank", "4", "--qlora", "--packing", "--out", str(tmp_path / "dpo"),
+        env={"TUNELIB_RUNS": str(tmp_path / "runs")},
     )  # fmt: skip
-    assert (teacher / "config.json").exists(), "distill must train the missing teacher first"
-    assert {"teacher_accuracy", "accuracy_after", "sft_accuracy_after"} <= set(out)
-    records = [
-        json.loads(x) for x in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert all(np.isfinite(r["soft"]) and r["soft"] >= 0 for r in records)
+    assert (tmp_path / "runs" / "sft-seed0" / "model" / "config.json").exists()
+    assert out["sft_seconds"] > 0 and out["tuning"] == "qlora" and out["base_bits_per_param"] < 8
+    records = records_of(tmp_path / "dpo")
+    # The policy is the reference at the first step: with QLoRA, the NF4 base itself.
+    assert abs(records[1]["loss"] - np.log(2)) < 1e-5
+
+
+@pytest.mark.slow
+def test_orpo_runs_with_its_sft_baseline(tmp_path):
+    out = run_recipe("orpo", "--steps", "3", "--eval-every", "3", "--out", str(tmp_path / "orpo"))
+    assert {"accuracy_after", "sft_accuracy_after", "baseline_seconds"} <= set(out)
+    assert (tmp_path / "orpo" / "baseline" / "result.json").exists()
+
+
+@pytest.mark.slow
+def test_distill_trains_its_teacher_and_runs_with_the_fused_divergence(tmp_path):
+    teacher = tmp_path / "runs" / "teacher-seed0"
+    out = run_recipe(
+        "distill", "--steps", "3", "--eval-every", "3", "--teacher-steps", "4",
+        "--teacher-demonstrations", "64", "--num-prompts", "64", "--divergence", "jsd",
+        "--no-baseline", "--out", str(tmp_path / "distill"),
+        env={"TUNELIB_RUNS": str(tmp_path / "runs")},
+    )  # fmt: skip
+    assert (teacher / "model" / "config.json").exists(), "distill trains the missing teacher"
+    assert {"teacher_accuracy", "accuracy_after", "teacher_seconds"} <= set(out)
+    assert all(np.isfinite(r["soft"]) and r["soft"] >= 0 for r in records_of(tmp_path / "distill")[1:])
+
+
+REWARD = """
+def score(completion, record):
+    return 0.25 if completion == record["answer"] else -0.5
+"""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["grpo", "dapo", "dr_grpo"])
-def test_grpo_modes_train_their_sft_start_and_run(tmp_path, mode):
-    """Each mode end to end; Dr. GRPO with LoRA adapters, merged for the sampler each step."""
-    sft_dir = tmp_path / "sft" / "model"
+def test_grpo_modes(tmp_path, sft_start, mode):
+    """Each mode end to end from a shared SFT start; Dr. GRPO with LoRA adapters (merged for
+    the sampler each step); GRPO with a reward function of the user's own."""
     lora = ["--lora-rank", "4"] if mode == "dr_grpo" else []
+    reward = []
+    if mode == "grpo":
+        (tmp_path / "my_rewards.py").write_text(REWARD)
+        reward = ["--reward", f"{tmp_path / 'my_rewards.py'}:score"]
     out = run_recipe(
-        "grpo", "--mode", mode, "--sft-steps", "6", "--sft-dir", str(sft_dir),
-        "--num-prompts", "256", "--group-size", "4", "--steps", "3", "--eval-every", "3",
-        "--out", str(tmp_path / mode), *lora,
-        headline="grpo" if mode == "grpo" else f"grpo-{mode}",
+        "grpo", "--mode", mode, "--model", str(sft_start), "--num-prompts", "64",
+        "--group-size", "4", "--steps", "2", "--eval-every", "2", "--out", str(tmp_path / mode),
+        *lora, *reward, headline="grpo" if mode == "grpo" else f"grpo-{mode}",
     )  # fmt: skip
-    assert (sft_dir / "config.json").exists(), "GRPO must train the missing SFT model first"
-    assert out["tuning"] == ("lora" if lora else "full")
-    assert {"seconds", "accuracy_before", "accuracy_after", "final_entropy"} <= set(out)
-    lines = (tmp_path / mode / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(x) for x in lines]
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert out["tuning"] == ("lora" if lora else "full") and out["sft_seconds"] is None
+    records = records_of(tmp_path / mode)
+    assert [r["step"] for r in records] == [0, 1, 2]
     for key in ("reward", "sample_accuracy", "entropy", "kl", "clip_fraction", "kept_groups"):
-        assert all(np.isfinite(r[key]) for r in records), key
+        assert all(np.isfinite(r[key]) for r in records[1:]), key
     # On-policy first step: the policy is the reference, the ratio is 1 (nothing clipped).
-    assert abs(records[0]["kl"]) < 1e-5 and records[0]["clip_fraction"] == 0.0
-    assert (tmp_path / mode / "curves.png").stat().st_size > 0
+    assert abs(records[1]["kl"]) < 1e-5 and records[1]["clip_fraction"] == 0.0
+    if reward:  # every reward is the user's: 0.25 for a right answer, -0.5 otherwise
+        for r in records[1:]:
+            expected = 0.25 * r["sample_accuracy"] - 0.5 * (1 - r["sample_accuracy"])
+            assert abs(r["reward"] - expected) < 1e-6
 
 
 @pytest.mark.slow
-def test_lora_sft_from_a_trained_model_changes_the_projections_only(tmp_path):
+def test_lora_sft_changes_the_projections_only_and_generate_reads_any_run(tmp_path, sft_start):
     """SFT with LoRA from a trained model: only the projections change, the adapters are
-    saved alone and in the PEFT format (DPO with QLoRA and GRPO with LoRA run above)."""
+    saved alone and in the PEFT format; generate.py completes prompts from the run."""
     from tunelib import peft
 
-    run_recipe("sft", "--steps", "6", "--eval-every", "6", "--out", str(tmp_path / "start"))
-    start = tmp_path / "start" / "model"
     out = run_recipe(
-        "sft", "--steps", "6", "--eval-every", "6", "--model", str(start),
+        "sft", "--steps", "4", "--eval-every", "4", "--model", str(sft_start),
         "--lora-rank", "4", "--operations=-", "--out", str(tmp_path / "lora"),
     )  # fmt: skip
     # Rank 4 on 7 projections of 2 layers (H = 128, F = 384, K D = 64): r (d_in + d_out) each.
     per_layer = 4 * ((128 + 128) * 2 + (128 + 64) * 2 + (128 + 384) * 2 + (384 + 128))
     assert (out["tuning"], out["trainable_params"]) == ("lora", 2 * per_layer)
-    assert 0.0 <= out["accuracy_before"] <= 1.0 and 0.0 <= out["accuracy_after"] <= 1.0
-    before, after = load_params(tmp_path / "start"), load_params(tmp_path / "lora")
     import jax
 
+    before, after = load_params(sft_start), load_params(tmp_path / "lora")
     changed = {
         jax.tree_util.keystr(path)
         for (path, x), y in zip(
@@ -225,17 +249,14 @@ def test_lora_sft_from_a_trained_model_changes_the_projections_only(tmp_path):
     config = json.loads((tmp_path / "lora" / "peft_adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
 
-
-def test_qlora_without_a_rank_is_refused():
-    proc = subprocess.run(
-        [sys.executable, str(RECIPES / "sft.py"), "--qlora"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=user_env(compilation_cache=True),
-        check=False,
-    )
-    assert proc.returncode == 2 and "--lora-rank" in proc.stderr
+    proc = run_recipe_process(
+        "generate", "--model", str(tmp_path / "lora"), "--prompt", "12-7=", "--prompt", "3-1=",
+        "--jsonl", "--max-new-tokens", "6",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.strip().splitlines()]
+    assert [x["prompt"] for x in lines] == ["12-7=", "3-1="]
+    assert all(isinstance(x["completion"], str) for x in lines)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -246,7 +267,8 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 @pytest.mark.slow
 def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path):
     """SFT, DPO and GRPO from a transformers checkpoint on JSON-lines files; the fine-tuned
-    checkpoints (LoRA merged, or the PEFT adapter on the base) load in transformers."""
+    checkpoints (LoRA merged, or the PEFT adapter on the base) load in transformers; a chat
+    with the result."""
     from tests._hf import hf_logits, hf_modules, write_chat_jsonl, write_tiny_checkpoint
     from tunelib.models import load_hf_checkpoint
 
@@ -258,7 +280,7 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path):
 
     lora = run_recipe(
         "sft", *flags, "--data", str(chats), "--steps", "8", "--lora-rank", "8",
-        "--learning-rate", "1e-2", "--out", str(tmp_path / "lora"),
+        "--learning-rate", "1e-2", "--packing", "--out", str(tmp_path / "lora"),
     )  # fmt: skip
     assert lora["tuning"] == "lora"
     assert lora["heldout_loss_after"] < lora["heldout_loss_before"] - 1.0  # it learned
@@ -267,14 +289,13 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path):
     tokens = rng.integers(0, 300, size=(2, 9))
     where = np.ones((2, 9), bool)
     where[1, 6:] = False
-    for name in ("lora",):
-        ours = load_hf_checkpoint(tmp_path / name / "hf_model")
-        model = nnx.merge(ours.graphdef, ours.params)
-        logits = np.asarray(model.unembed(model(tokens, attention_where=where)))
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name / "hf_model")
-        np.testing.assert_allclose(
-            hf_logits(theirs.eval(), tokens, where)[where], logits[where], atol=1e-4
-        )
+    ours = load_hf_checkpoint(tmp_path / "lora" / "hf_model")
+    model = nnx.merge(ours.graphdef, ours.params)
+    logits = np.asarray(model.unembed(model(tokens, where=where)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "hf_model")
+    np.testing.assert_allclose(
+        hf_logits(theirs.eval(), tokens, where)[where], logits[where], atol=1e-4
+    )
     # The PEFT adapter on the original checkpoint is the merged LoRA model.
     base = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     adapted = peft_hf.PeftModel.from_pretrained(base, tmp_path / "lora" / "peft_adapter").eval()
@@ -303,8 +324,12 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path):
         "--max-new-tokens", "6", "--out", str(tmp_path / "grpo"),
     )  # fmt: skip
     assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()
-    # A data file needs a checkpoint with a tokenizer.
-    with pytest.raises(AssertionError, match="needs --model"):
-        run_recipe("dpo", "--data", str(pairs), "--sft-dir", str(tmp_path / "none"))
-    with pytest.raises(AssertionError, match="needs --model"):
-        run_recipe("sft", "--data", str(chats), "--out", str(tmp_path / "no-model"))
+
+    chat = subprocess.run(
+        [sys.executable, str(RECIPES / "generate.py"), "--model", str(tmp_path / "grpo"),
+         "--chat", "--max-new-tokens", "4"],
+        input="what is 2 + 2?\nand 3 + 3?\n\n", capture_output=True, text=True, timeout=300,
+        env=user_env(compilation_cache=True), check=False,
+    )  # fmt: skip
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    assert len(chat.stdout.splitlines()) >= 2  # one answer per turn

@@ -1,0 +1,174 @@
+"""Every bad input a user can give a recipe ends in one clear line, exit status 2, and
+leaves every file as it was.
+
+The cases that can be judged from the flags and the file system run in a process where JAX
+and tunelib cannot be imported: that they pass proves `--help` and flag errors never wait for
+JAX. The others (a data file's contents, a batch larger than the data) run in this process.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.recipes._scripts import recipe_module, run_without_jax, snapshot
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """A working folder as a user has it: a finished SFT run, a run folder without a run,
+    data files good and bad, config files, a reward module and a stray file."""
+    root = tmp_path_factory.mktemp("world")
+    run = root / "runs" / "sft-seed0"
+    (run / "checkpoints" / "10").mkdir(parents=True)
+    (run / "model" / "params").mkdir(parents=True)
+    (run / "model" / "config.json").write_text("{}")
+    (run / "config.toml").write_text("steps = 10\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0}) + "\n")
+    (root / "runs" / "empty").mkdir()
+    data = root / "data"
+    data.mkdir()
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    (data / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    (data / "table.csv").write_text("prompt,completion\n")
+    (data / "rewards.py").write_text("def score(completion, record):\n    return 1.0\n")
+    configs = {
+        "unknown.toml": "stepz = 3\n",
+        "wrong_type.toml": 'steps = "ten"\n',
+        "overwrite.toml": "overwrite = true\n",
+        "broken.toml": "steps = = 3\n",
+    }
+    for name, text in configs.items():
+        (root / name).write_text(text)
+    (root / "notes.txt").write_text("not a folder\n")
+    return root
+
+
+FINISHED = "runs/sft-seed0"
+# (recipe, flags, what the one line must say)
+WITHOUT_JAX = [
+    ("sft", ["--steps", "0"], "--steps must be >= 1, got 0"),
+    ("dpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
+    ("grpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
+    ("sft", ["--batch-size", "0"], "--batch-size must be >= 1"),
+    ("sft", ["--learning-rate", "-1"], "--learning-rate must be > 0"),
+    ("sft", ["--model", f"{FINISHED}/modl"], f"--model {FINISHED}/modl: no such file or folder"),
+    ("dpo", ["--model", "/nonexistent/path"], "--model /nonexistent/path: no such file"),
+    ("grpo", ["--model", "data"], "--model data is not a model"),
+    ("sft", [], f"{FINISHED} holds a run already: pass --resume to continue it, --overwrite"),
+    ("sft", ["--out", "runs/empty", "--resume"], "--resume: runs/empty has no run to resume"),
+    ("sft", ["--out", "runs/none", "--resume"], "--resume: runs/none has no run to resume"),
+    ("sft", ["--resume", "--overwrite"], "pass one"),
+    ("sft", ["--out", "notes.txt"], "--out notes.txt is a file, not a folder"),
+    ("sft", ["--model", FINISHED, "--data", "data/missing.jsonl"], "no such file"),
+    ("sft", ["--model", FINISHED, "--data", "data/table.csv"], "must be a .jsonl, .json or"),
+    ("sft", ["--data", "data/chats.jsonl", "--out", "runs/x"], "--data needs --model"),
+    ("dpo", ["--data", "data/chats.jsonl"], "--data needs --model"),
+    ("sft", ["--config", "missing.toml"], "--config missing.toml: no such file"),
+    ("sft", ["--config", "broken.toml"], "is not valid TOML"),
+    ("sft", ["--config", "unknown.toml"], "unknown setting 'stepz'"),
+    ("sft", ["--config", "wrong_type.toml"], "steps must be int, got str"),
+    ("sft", ["--config", "overwrite.toml"], "overwrite is a command-line flag only"),
+    ("sft", ["--stepz", "3"], "unrecognized arguments: --stepz 3"),
+    ("sft", ["--steps", "ten"], "argument --steps: invalid"),
+    ("dpo", ["--loss", "dpp"], "argument --loss: invalid choice: 'dpp'"),
+    ("sft", ["--qlora"], "--qlora trains LoRA adapters on the NF4 base: give --lora-rank too"),
+    ("sft", ["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout must lie in [0, 1)"),
+    ("sft", ["--log-to", "jsonl,tensorbord"], "--log-to: unknown target 'tensorbord'"),
+    ("sft", ["--operations", "+/"], "--operations must use only"),
+    ("grpo", ["--temperature", "0"], "--temperature must be > 0"),
+    ("grpo", ["--group-size", "1"], "--group-size must be >= 2"),
+    ("grpo", ["--reward", "score"], "--reward score: give module:function"),
+    ("grpo", ["--reward", "no_such_module:score"], "No module named 'no_such_module'"),
+    ("grpo", ["--reward", "data/nothing.py:score"], "no such file data/nothing.py"),
+    ("grpo", ["--reward", "data/rewards.py:missing"], "has no function 'missing'"),
+    ("distill", ["--teacher", "runs/teacher"], "--teacher runs/teacher: no such file"),
+    ("generate", ["--prompt", "1+1="], "--model is required"),
+    ("generate", ["--model", FINISHED, "--prompt", "1+1=", "--chat"], "not both"),
+    ("generate", ["--model", FINISHED, "--prompt", "x", "--top-p", "0"], "--top-p must lie"),
+]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags", "message"), WITHOUT_JAX, ids=[" ".join(c[:1] + c[1]) for c in WITHOUT_JAX]
+)
+def test_bad_flags_paths_and_files_give_one_line_before_jax(world, recipe, flags, message):
+    before = snapshot(world)
+    proc = run_without_jax(recipe, *flags, cwd=world)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert lines[0].startswith(f"{recipe}.py: error: ")
+    assert snapshot(world) == before
+    assert not Path("/nonexistent").exists()
+
+
+def test_help_answers_without_jax(world):
+    for recipe in ("sft", "dpo", "grpo", "orpo", "distill", "generate"):
+        proc = run_without_jax(recipe, "--help", cwd=world)
+        assert proc.returncode == 0, proc.stderr
+        assert "--seed" in proc.stdout and "--config" in proc.stdout
+
+
+def test_deprecated_flag_names_still_work_and_say_so(world):
+    proc = run_without_jax("dpo", "--sft-dir", "runs/none", cwd=world)
+    assert proc.returncode == 2
+    assert "dpo.py: --sft-dir is deprecated; use --model" in proc.stderr
+    assert "--model runs/none: no such file or folder" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory) -> Path:
+    """A small, untrained recipe model folder with the character tokenizer."""
+    from kit import models
+
+    from tunelib.data import CharTokenizer
+
+    folder = tmp_path_factory.mktemp("char-model") / "model"
+    model = models.new_model(CharTokenizer(), "student", seed=0)
+    models.save_model(folder, model, model.params)
+    return folder
+
+
+def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
+    """The recipe's entry point in this process; returns (exit status, stderr lines)."""
+    import kit
+
+    module = recipe_module(recipe)
+    config_type = next(
+        v for v in vars(module).values() if isinstance(v, type) and getattr(v, "RECIPE", None) == recipe
+    )
+    train = module.generate if recipe == "generate" else module.train
+    monkeypatch.chdir(cwd)
+    with pytest.raises(SystemExit) as stop:
+        kit.cli.main(config_type, train, module.__doc__, argv=flags)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return stop.value.code, lines
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags", "message"),
+    [
+        ("sft", ["--data", "data/empty.jsonl"], "--data data/empty.jsonl holds no valid sft record"),
+        ("sft", ["--data", "data/bad.jsonl"], "record 1: field 'completion' is missing"),
+        ("sft", ["--data", "data/pairs.jsonl", "--batch-size", "8"], "larger than the 3 training"),
+        ("dpo", ["--data", "data/empty.jsonl"], "holds no valid preference record"),
+        ("grpo", ["--data", "data/pairs.jsonl"], "field 'answer' is missing"),
+        ("generate", ["--chat"], "has no chat template; use --prompt"),
+    ],
+)
+def test_bad_data_files_give_one_line(world, char_model, recipe, flags, message, monkeypatch, capsys):
+    data = world / "data"
+    (data / "empty.jsonl").write_text("\n")
+    good = {"prompt": "1+1=", "completion": "2"}
+    (data / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
+    pair = {"prompt": "1+1=", "chosen": "2", "rejected": "3", "completion": "2"}
+    (data / "pairs.jsonl").write_text("".join(json.dumps(pair) + "\n" for _ in range(3)))
+    flags = ["--model", str(char_model), *flags]
+    if recipe != "generate":
+        flags += ["--out", "runs/bad-data", "--num-heldout", "0"]
+    before = snapshot(world)
+    status, lines = run_here(recipe, flags, world, monkeypatch, capsys)
+    assert status == 2, lines
+    assert len(lines) == 1 and message in lines[-1], lines
+    assert snapshot(world) == before
