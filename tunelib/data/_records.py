@@ -556,9 +556,10 @@ def read_records(
       `(records, report)`, as `validate_records`; at least one record.
 
     Raises:
-      FileNotFoundError: for a missing file; ValueError: for an unknown suffix, or a file
-      with no record or (skipping) no valid record, naming the file; RecordError: for an
-      invalid record with `on_invalid="raise"`.
+      FileNotFoundError: for a missing file.
+      ValueError: for an unknown suffix, or a file with no record or (skipping) no valid
+        record, naming the file.
+      RecordError: for an invalid record with `on_invalid="raise"`.
 
     Examples:
       >>> import json, tempfile
