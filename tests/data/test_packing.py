@@ -166,35 +166,39 @@ def test_max_segments_bounds_every_row():
 def test_deterministic_and_resumes_the_same_stream():
     # Grain shuffles a small dataset slowly (milliseconds per element): 100 records, not 20.
     records = skewed_records(100, seed=1)
-    build = lambda seed=5: sft_dataset(  # noqa: E731
-        records, tok, max_length=48, batch_size=3, seed=seed, packing=True, max_segments=5
+    ds = sft_dataset(
+        records, tok, max_length=48, batch_size=3, seed=5, packing=True, max_segments=5
     )
-    it = iter(build())
+    it = iter(ds)
     stream = [next(it) for _ in range(12)]  # about 10 batches an epoch: this crosses into epoch 2
+    assert sum(int(b["segment_ids"].max(axis=1).sum()) for b in stream) > len(records)
     for consumed in (2, 9):
-        it = iter(build())
+        it = iter(ds)
         for _ in range(consumed):
             next(it)
         state = json.loads(json.dumps(it.get_state()))
-        resumed = iter(build())  # a fresh dataset object built from the same arguments
+        resumed = iter(ds)
         resumed.set_state(state)
         for want in stream[consumed : consumed + 3]:
             got = next(resumed)
             assert all((got[k] == want[k]).all() for k in PACKED)
-    other = next(iter(build(seed=6)))
-    assert not all((other[k] == stream[0][k]).all() for k in PACKED)
-    assert sum(int(b["segment_ids"].max(axis=1).sum()) for b in stream) > len(records)
+    other = sft_dataset(records, tok, max_length=48, batch_size=3, seed=6, packing=True,
+                        max_segments=5)  # fmt: skip
+    first = next(iter(other))
+    assert not all((first[k] == stream[0][k]).all() for k in PACKED)
 
 
 def test_length_skewed_data_fills_rows():
     """The fill ratio quoted in `docs/data.md`: real tokens / all tokens of an epoch."""
     records = skewed_records(200, seed=3, longest=120)
     args = dict(max_length=128, batch_size=8, shuffle=False, num_epochs=1, drop_remainder=False)
-    padded = list(sft_dataset(records, tok, **args))
     packed = list(sft_dataset(records, tok, packing=True, max_segments=16, **args))
-    fill = [np.mean([b["attention_where"].mean() for b in run]) for run in (padded, packed)]
-    assert fill[0] < 0.15 and fill[1] > 0.9, fill
-    assert len(packed) * 5 < len(padded)
+    real = sum(int(b["attention_where"].sum()) for b in packed)
+    assert real == sum(len(r["prompt"]) + len(r["completion"]) + 1 for r in records)
+    padded_fill = real / (len(records) * 128)  # a padded batch holds one record per row
+    packed_fill = real / sum(b["attention_where"].size for b in packed)
+    assert padded_fill < 0.15 and packed_fill > 0.9, (padded_fill, packed_fill)
+    assert len(packed) == 3 and len(records) / 8 == 25
 
 
 def test_packing_argument_errors():

@@ -204,7 +204,9 @@ def sft_dataset(
       shuffle: shuffle the records (a different order every epoch); False keeps input order.
       num_epochs: passes over the data; None (the default) repeats forever.
       drop_remainder: drop a final partial batch (the default), so every batch has the same
-        static shape; only the very last batch of a finite run can be partial.
+        static shape; only the very last batch of a finite run can be partial. Packed, a
+        row holds several records, so a finite run has fewer batches than
+        `len(records) * num_epochs // batch_size` (possibly none).
       on_invalid: `"raise"` on the first invalid record, or `"skip"` it (the skipped counts
         are logged as a warning on the `tunelib.data` logger); see `validate_records`.
       packing: pack several sequences into each row (see above).
