@@ -61,9 +61,9 @@ def pack(
     row with room for all of it and fewer than `max_segments` segments, and once one fits in
     none the rows are emitted in order. An example of `per_example` sequences (a preference
     pair is two) is never split across rows. Padding holds `pad_id` in `tokens` and
-    `targets`, False in the masks and 0 in `positions` and `segment_ids`.
+    `targets`, False in the masks and 0 in `positions` and `segment_ids`. `max_segments` is
+    a multiple of `per_example` (`check_max_segments`).
     """
-    check_max_segments(max_segments, per_example=per_example)
     padding = {key: False if key.endswith("where") else 0 for key in KEYS}
     padding.update(tokens=pad_id, targets=pad_id)
     packed = grain.experimental.FirstFitPackIterDataset(

@@ -9,7 +9,7 @@ import grain
 import numpy as np
 from jaxtyping import Bool, Int
 
-from tunelib.data._packing import pack, segments
+from tunelib.data._packing import check_max_segments, pack, segments
 from tunelib.data._records import (
     Example,
     OnInvalid,
@@ -98,6 +98,9 @@ def _dataset(
         )
     if not packing and max_segments is not None:
         raise ValueError(f"max_segments={max_segments} is for packing=True only.")
+    per_example = 1 if kind == "sft" else 2  # sequences: a preference pair has two
+    if packing:
+        check_max_segments(max_segments, per_example=per_example)
     encode = functools.partial(
         encode_record, kind=kind, tokenizer=tokenizer, max_length=max_length, packed=packing
     )
@@ -132,7 +135,7 @@ def _dataset(
             max_length=max_length,
             num_rows=batch_size,
             max_segments=max_segments,
-            per_example=1 if kind == "sft" else 2,
+            per_example=per_example,
             pad_id=tokenizer.pad_id,
         )
     return ds.batch(batch_size, drop_remainder=drop_remainder)
