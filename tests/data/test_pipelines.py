@@ -1,18 +1,25 @@
+"""The pipelines: padded batches from any tokenizer, epochs, checkpoints, prompts for sampling,
+and the deprecated names of the Hugging Face pipelines."""
+
 import itertools
 import json
 import logging
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests._helpers import own_checks, raises_naming
+from tests._hf import PLAIN_CHAT_TEMPLATE, write_tokenizer
 from tunelib.data import (
     CharTokenizer,
+    HFTokenizer,
     RecordError,
     arithmetic_split,
+    encode_chat,
     encode_prompts,
+    encode_records,
     preference_dataset,
     preference_pairs,
     sft_dataset,
@@ -21,6 +28,14 @@ from tunelib.data import (
 tok = CharTokenizer()
 PAD, BOS, EOS = 0, 1, 2
 KEYS = ("tokens", "targets", "where", "attention_where")
+USER = {"role": "user", "content": "what is 2 + 2?"}
+ANSWER = {"role": "assistant", "content": "the answer is 4."}
+WRONG = {"role": "assistant", "content": "5"}
+SFT_CHAT = {"messages": [USER, ANSWER], "id": 0}
+SFT_TEXT = {"prompt": "what is 2 + 2? ", "completion": "4"}
+SFT_CHAT_PAIR = {"prompt": [USER], "completion": [ANSWER]}
+PREFERENCE_TEXT = {"prompt": "2 + 2 = ", "chosen": "4", "rejected": "5"}
+PREFERENCE_CHAT = {"prompt": [USER], "chosen": [ANSWER], "rejected": [WRONG]}
 
 
 def sft_records(n: int, seed: int = 0) -> list[dict[str, str]]:
@@ -30,21 +45,26 @@ def sft_records(n: int, seed: int = 0) -> list[dict[str, str]]:
     ]
 
 
-def ref_row(prompt: str, completion: str, max_length: int) -> dict[str, np.ndarray]:
-    """The layout from its definition, position by position."""
-    ids = [BOS, *tok.encode(prompt), *tok.encode(completion), EOS]
-    completion_start = 1 + len(prompt)  # index of the first completion token in ids
+def ref_ids_row(ids, where, max_length, pad_id):
+    """The next-token layout from its definition, position by position."""
     row = {key: [] for key in KEYS}
     for t in range(max_length):
         real = t + 1 < len(ids)
-        row["tokens"].append(ids[t] if real else PAD)
-        row["targets"].append(ids[t + 1] if real else PAD)
-        row["where"].append(real and t + 1 >= completion_start)
+        row["tokens"].append(ids[t] if real else pad_id)
+        row["targets"].append(ids[t + 1] if real else pad_id)
+        row["where"].append(bool(real and where[t + 1]))
         row["attention_where"].append(real)
     return {
-        key: np.asarray(value, np.int32 if key in ("tokens", "targets") else np.bool_)
-        for key, value in row.items()
+        k: np.asarray(v, np.int32 if k in ("tokens", "targets") else np.bool_)
+        for k, v in row.items()
     }
+
+
+def ref_row(prompt: str, completion: str, max_length: int) -> dict[str, np.ndarray]:
+    """The layout of a `CharTokenizer` record: BOS, prompt, completion, EOS."""
+    ids = [BOS, *tok.encode(prompt), *tok.encode(completion), EOS]
+    where = [False] * (1 + len(prompt)) + [True] * (len(completion) + 1)
+    return ref_ids_row(ids, where, max_length, PAD)
 
 
 def assert_batch_equal(batch, expected):
@@ -84,7 +104,9 @@ def test_hand_built_batch():
 short_text = st.text(alphabet="0123456789+-*= ab", max_size=5)
 
 
-@given(st.lists(st.tuples(short_text, short_text.filter(bool)), min_size=1, max_size=6))
+# Each example builds a pipeline: fewer examples than the profile's, more records in each.
+@settings(max_examples=10)
+@given(st.lists(st.tuples(short_text, short_text.filter(bool)), min_size=1, max_size=15))
 def test_layout_matches_reference(pairs):
     max_length = 12
     records = [{"prompt": p, "completion": c} for p, c in pairs]
@@ -142,8 +164,8 @@ def test_epochs_reshuffle_deterministically():
     assert all(sorted(epoch) == list(range(12)) for epoch in epochs)
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
     assert epochs[0] != list(range(12))
-    again = [ids_of(b, records) for b in itertools.islice(iter(ds), 9)]
-    assert again == stream
+    again = [ids_of(b, records) for b in itertools.islice(iter(ds), 3)]
+    assert again == stream[:3]
     other = sft_dataset(records, tok, max_length=12, batch_size=4, seed=8)
     assert [ids_of(b, records) for b in itertools.islice(iter(other), 3)] != stream[:3]
     ordered = sft_dataset(records, tok, max_length=12, batch_size=4, shuffle=False)
@@ -159,23 +181,29 @@ def test_finite_epochs_and_remainder():
     assert len(batches) == 5 and all(b["tokens"].shape == (4, 12) for b in batches)
     flat = [i for b in batches for i in ids_of(b, records)]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
-    one = sft_dataset(records, tok, max_length=12, batch_size=4, num_epochs=1)
+    one = sft_dataset(records, tok, max_length=12, batch_size=4, shuffle=False, num_epochs=1)
     assert [b["tokens"].shape[0] for b in one] == [4, 4]
     partial = sft_dataset(
-        records, tok, max_length=12, batch_size=4, num_epochs=1, drop_remainder=False
+        records,
+        tok,
+        max_length=12,
+        batch_size=4,
+        shuffle=False,
+        num_epochs=1,
+        drop_remainder=False,
     )
     assert [b["tokens"].shape[0] for b in partial] == [4, 4, 2]
 
 
-@pytest.mark.parametrize("consumed", [1, 3, 4])  # 10 records, batches of 4: 3 and 4 cross
-def test_iterator_state_resumes_the_same_stream(consumed):
+def test_iterator_state_resumes_the_same_stream():
+    consumed = 3  # 10 records, batches of 4: the third batch crosses into epoch 2
     records = sft_records(10)
     ds = sft_dataset(records, tok, max_length=12, batch_size=4, seed=11)
     it = iter(ds)
     for _ in range(consumed):
         next(it)
     state = json.loads(json.dumps(it.get_state()))
-    expected = [next(it) for _ in range(4)]
+    expected = [next(it) for _ in range(2)]
     resumed = iter(ds)
     resumed.set_state(state)
     for want in expected:
@@ -285,3 +313,137 @@ def test_encode_prompts_errors():
         encode_prompts([12], tok, max_length=8)
     with raises_naming("max_length", error=ValueError):
         encode_prompts(["1"], tok, max_length=0)
+
+
+def assert_row(batch, row, expected):
+    for key in KEYS:
+        assert batch[key].dtype == expected[key].dtype, key
+        np.testing.assert_array_equal(batch[key][row], expected[key], err_msg=key)
+
+
+def test_sft_batches_of_chat_text_and_prompt_completion(hf_tok, bos_tok):
+    records = [SFT_CHAT, SFT_TEXT, SFT_CHAT_PAIR]
+    batch = next(iter(sft_dataset(records, hf_tok, max_length=96, batch_size=3, shuffle=False)))
+    assert {k: v.shape for k, v in batch.items()} == {k: (3, 96) for k in KEYS}
+    ids, where = encode_chat(hf_tok, SFT_CHAT["messages"])
+    assert_row(batch, 0, ref_ids_row(ids, where, 96, hf_tok.pad_id))
+    # The chat pair trains on the same tokens as the conversation it is a split of (the
+    # template's generation blocks mark the answer either way).
+    pair_ids, pair_where = encode_chat(hf_tok, [USER, ANSWER], prompt_length=1)
+    np.testing.assert_array_equal(pair_ids, ids)
+    np.testing.assert_array_equal(pair_where, where)
+    assert_row(batch, 2, ref_ids_row(ids, where, 96, hf_tok.pad_id))
+    # Strings: prompt then completion tokenized separately, EOS the last target, no BOS here.
+    prompt, completion = hf_tok.encode(SFT_TEXT["prompt"]), hf_tok.encode(SFT_TEXT["completion"])
+    text_ids = [*prompt, *completion, hf_tok.eos_id]
+    text_where = [False] * len(prompt) + [True] * (len(completion) + 1)
+    assert_row(batch, 1, ref_ids_row(text_ids, text_where, 96, hf_tok.pad_id))
+    # The chat targets are exactly the assistant answer and its end of turn.
+    targets = batch["targets"][0][batch["where"][0]]
+    assert hf_tok.decode(targets, stop_at_eos=False) == ANSWER["content"]
+    assert targets[-1] == hf_tok.eos_id  # <|im_end|>
+    # A tokenizer whose post-processor adds BOS starts string sequences with it.
+    bos_batch = next(iter(sft_dataset([SFT_TEXT], bos_tok, max_length=32, batch_size=1)))
+    assert bos_batch["tokens"][0, 0] == bos_tok.bos_id
+    assert_row(bos_batch, 0, ref_ids_row([bos_tok.bos_id, *text_ids], [False, *text_where], 32, 0))
+
+
+def test_masks_from_a_template_without_generation_blocks(tmp_path, hf_tok):
+    directory = write_tokenizer(tmp_path / "plain", chat_template=PLAIN_CHAT_TEMPLATE)
+    plain = HFTokenizer.from_directory(directory)
+    (batch,) = sft_dataset([SFT_CHAT, SFT_CHAT_PAIR], plain, max_length=96, batch_size=2,
+                              num_epochs=1, shuffle=False)  # fmt: skip
+    for row in range(2):  # the turn, its end and the blank line before the next turn
+        targets = batch["targets"][row][batch["where"][row]]
+        assert hf_tok.decode(targets, stop_at_eos=False) == ANSWER["content"] + "\n\n"
+        assert hf_tok.eos_id in targets.tolist()
+
+
+def test_preference_batches(hf_tok):
+    ds = preference_dataset([PREFERENCE_TEXT, PREFERENCE_CHAT], hf_tok, max_length=80, batch_size=2,
+                               shuffle=False)  # fmt: skip
+    batch = next(iter(ds))
+    for side, response in (("chosen", ANSWER), ("rejected", WRONG)):
+        ids, where = encode_chat(hf_tok, [USER, response], prompt_length=1)
+        assert_row(batch[side], 1, ref_ids_row(ids, where, 80, hf_tok.pad_id))
+        targets = batch[side]["targets"][1][batch[side]["where"][1]]
+        assert hf_tok.decode(targets, stop_at_eos=False) == response["content"]
+    n_prompt = len(hf_tok.encode(PREFERENCE_TEXT["prompt"]))
+    chosen = batch["chosen"]
+    assert chosen["where"][0].sum() == len(hf_tok.encode("4")) + 1
+    assert not chosen["where"][0, : n_prompt - 1].any() and chosen["where"][0, n_prompt - 1]
+    np.testing.assert_array_equal(
+        chosen["tokens"][0, :n_prompt], batch["rejected"]["tokens"][0, :n_prompt]
+    )
+
+
+def test_too_long_and_template_errors_raise_or_skip(hf_tok, caplog):
+    long = {"messages": [USER, {"role": "assistant", "content": "the quick brown fox " * 10}]}
+    with raises_naming("record 1", "'messages'", "max_length=40", error=RecordError) as info:
+        encode_records([SFT_CHAT, long], hf_tok, kind="sft", max_length=40)
+    assert info.value.reason == "too_long"
+    no_template = HFTokenizer(hf_tok.tokenizer, eos_token="<|im_end|>")
+    with raises_naming("record 0", "no chat template", error=RecordError):
+        encode_records([PREFERENCE_CHAT], no_template, kind="preference", max_length=40)
+    records = [SFT_CHAT, long, 3, SFT_TEXT]
+    examples, report = encode_records(records, hf_tok, kind="sft", max_length=40, on_invalid="skip")
+    assert len(examples) == 2 and dict(report.skipped) == {"too_long": 1, "not_a_dict": 1}
+    with caplog.at_level("WARNING"):
+        ds = sft_dataset([SFT_CHAT, long], hf_tok, max_length=40, batch_size=1, on_invalid="skip")
+    assert "skipped 1 invalid records" in caplog.text and "too_long" in caplog.text
+    assert len(list(itertools.islice(ds, 3))) == 3
+    with raises_naming("no valid sft record", error=ValueError):
+        sft_dataset([long], hf_tok, max_length=40, batch_size=1, on_invalid="skip")
+
+
+def test_prompts_for_sampling(hf_tok, bos_tok):
+    tokens, where = encode_prompts(["2 + 2 =", [USER]], bos_tok, max_length=48)
+    first = [bos_tok.bos_id, *bos_tok.encode("2 + 2 =")]
+    assert tokens[0, -len(first) :].tolist() == first and where[0].sum() == len(first)
+    chat, _ = encode_chat(bos_tok, [USER], add_generation_prompt=True)
+    assert tokens[1, -len(chat) :].tolist() == chat.tolist() and where[1].sum() == len(chat)
+    assert hf_tok.decode(tokens[1][where[1]], stop_at_eos=False).endswith("assistant\n")
+    with raises_naming("prompts[1]", "max_length=10", error=ValueError):
+        encode_prompts(["2", [USER]], hf_tok, max_length=10)
+    with raises_naming("prompts[0]", "role", error=ValueError):
+        encode_prompts([[{"role": "bot", "content": "x"}]], hf_tok, max_length=10)
+    with raises_naming("prompts[0]", "no token", error=ValueError):
+        encode_prompts([""], hf_tok, max_length=10)
+
+
+def test_deprecated_names_of_the_hugging_face_pipelines(hf_tok):
+    import tunelib.data
+
+    with pytest.warns(DeprecationWarning, match="hf_sft_dataset.*sft_dataset"):
+        hf_sft_dataset = tunelib.data.hf_sft_dataset
+    with pytest.warns(DeprecationWarning, match="hf_preference_dataset.*preference_dataset"):
+        hf_preference_dataset = tunelib.data.hf_preference_dataset
+    with pytest.warns(DeprecationWarning, match="hf_prompts.*encode_prompts"):
+        hf_prompts = tunelib.data.hf_prompts
+    with pytest.warns(DeprecationWarning, match="encode_hf_records.*encode_records"):
+        encode_hf_records = tunelib.data.encode_hf_records
+    args = dict(max_length=64, batch_size=2, shuffle=False, num_epochs=1)
+    old, new = (
+        next(iter(f([SFT_CHAT, SFT_TEXT], hf_tok, **args))) for f in (hf_sft_dataset, sft_dataset)
+    )
+    assert_batch_equal(old, new)
+    pairs = [PREFERENCE_TEXT, PREFERENCE_CHAT]
+    old, new = (
+        next(iter(f(pairs, hf_tok, **args))) for f in (hf_preference_dataset, preference_dataset)
+    )
+    assert_batch_equal(old, new)
+    prompts = ["2 + 2 =", [USER]]
+    for a, b in zip(
+        hf_prompts(prompts, hf_tok, max_length=40),
+        encode_prompts(prompts, hf_tok, max_length=40),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    old, _ = encode_hf_records(pairs, hf_tok, kind="preference", max_length=64)
+    new, _ = encode_records(pairs, hf_tok, kind="preference", max_length=64)
+    for a, b in zip(old, new, strict=True):
+        for side in ("chosen", "rejected"):
+            np.testing.assert_array_equal(a[side]["ids"], b[side]["ids"])
+            np.testing.assert_array_equal(a[side]["where"], b[side]["where"])
+    names = {"hf_sft_dataset", "hf_preference_dataset", "hf_prompts", "encode_hf_records"}
+    assert names.isdisjoint(tunelib.data.__all__)

@@ -7,7 +7,7 @@ import optax
 from flax import nnx
 
 from tests._hf import hf_logits, hf_modules, write_chat_jsonl, write_tiny_checkpoint
-from tunelib.data import HFTokenizer, encode_chat, hf_sft_dataset, read_records
+from tunelib.data import HFTokenizer, encode_chat, read_records, sft_dataset
 from tunelib.logprobs import token_logps
 from tunelib.models import load_hf_checkpoint, save_hf_checkpoint
 
@@ -22,7 +22,7 @@ def test_fine_tune_a_checkpoint_on_chat_records_and_load_it_in_transformers(tmp_
     tokenizer = HFTokenizer.from_directory(source)
     records, report = read_records(data, kind="sft")
     assert report.kept == 12
-    batches = iter(hf_sft_dataset(records, tokenizer, max_length=128, batch_size=4, seed=0))
+    batches = iter(sft_dataset(records, tokenizer, max_length=128, batch_size=4, seed=0))
 
     optimizer = optax.adam(3e-3)
 

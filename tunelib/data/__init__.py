@@ -1,14 +1,18 @@
-"""Data for post-training: a synthetic task, tokenizers, record checks and Grain pipelines.
+"""Data for post-training: tokenizers, records, chat templates, Grain pipelines and a task.
 
-The built-in arithmetic task has a held-out split and an exact-match verifier; a character
-tokenizer encodes it. Real data comes as Hugging Face-shaped records (chat `messages`,
-prompt-completion, preference pairs, prompt-answer) from JSON-lines or Parquet files, and is
-tokenized by a checkpoint's own `tokenizer.json` and chat template (`HFTokenizer`). Everything
-here runs on the host in Python and NumPy. Pipelines validate records first, then yield
-fixed-shape NumPy batches whose iterator state is a JSON-serialisable dict, so training resumes
-the identical stream from a checkpoint.
+One stack serves every source. A `Tokenizer` (the built-in task's `CharTokenizer`, or a
+checkpoint's `HFTokenizer` with its chat template; `load_tokenizer` reads either from a model
+folder) encodes records in the usual Hugging Face shapes (chat `messages`,
+prompt-completion, preference pairs, prompt-answer), read from JSON-lines, JSON or Parquet
+files or built in Python, such as the arithmetic task's. `validate_records` checks them,
+and `sft_dataset`, `preference_dataset` and `encode_prompts` turn them into fixed-shape
+NumPy batches, padded or packed (several sequences per row, with `segment_ids` and
+`positions`). Everything here runs on the host in Python and NumPy; a pipeline's iterator
+state is a JSON-serialisable dict, so training resumes the identical stream from a
+checkpoint.
 """
 
+from tunelib._deprecation import moved_names
 from tunelib.data._arithmetic import OPERATIONS, arithmetic_split, preference_pairs, verify_answer
 from tunelib.data._chat_template import (
     TemplateError,
@@ -17,21 +21,25 @@ from tunelib.data._chat_template import (
     render_chat_template,
     tokens_in_spans,
 )
-from tunelib.data._hf_pipelines import (
-    encode_hf_records,
-    hf_preference_dataset,
-    hf_prompts,
-    hf_sft_dataset,
-)
-from tunelib.data._hf_records import HF_REASONS, read_records, validate_hf_records
-from tunelib.data._hf_tokenizer import HFTokenizer
 from tunelib.data._pipelines import encode_prompts, preference_dataset, sft_dataset
-from tunelib.data._records import REASONS, RecordError, RecordReport, validate_records
-from tunelib.data._tokenizer import DEFAULT_ALPHABET, CharTokenizer, Tokenizer
+from tunelib.data._records import (
+    REASONS,
+    RecordError,
+    RecordReport,
+    encode_records,
+    read_records,
+    validate_records,
+)
+from tunelib.data._tokenizers import (
+    DEFAULT_ALPHABET,
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 
 __all__ = [
     "DEFAULT_ALPHABET",
-    "HF_REASONS",
     "OPERATIONS",
     "REASONS",
     "CharTokenizer",
@@ -43,18 +51,28 @@ __all__ = [
     "arithmetic_split",
     "completion_spans",
     "encode_chat",
-    "encode_hf_records",
     "encode_prompts",
-    "hf_preference_dataset",
-    "hf_prompts",
-    "hf_sft_dataset",
+    "encode_records",
+    "load_tokenizer",
     "preference_dataset",
     "preference_pairs",
     "read_records",
     "render_chat_template",
     "sft_dataset",
     "tokens_in_spans",
-    "validate_hf_records",
     "validate_records",
     "verify_answer",
 ]
+
+# The Hugging Face pipelines merged into the one set that takes any tokenizer.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "HF_REASONS": ("tunelib.data", "REASONS"),
+        "encode_hf_records": ("tunelib.data", "encode_records"),
+        "hf_preference_dataset": ("tunelib.data", "preference_dataset"),
+        "hf_prompts": ("tunelib.data", "encode_prompts"),
+        "hf_sft_dataset": ("tunelib.data", "sft_dataset"),
+        "validate_hf_records": ("tunelib.data", "validate_records"),
+    },
+)

@@ -15,7 +15,7 @@ import jinja2.sandbox
 import numpy as np
 from jaxtyping import Bool, Int
 
-from tunelib.data._hf_tokenizer import HFTokenizer
+from tunelib.data._tokenizers import HFTokenizer
 
 Message = Mapping[str, Any]
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -1,4 +1,4 @@
-"""Grain pipelines that turn validated records into fixed-shape NumPy batches."""
+"""Grain pipelines that turn records into fixed-shape NumPy batches, padded or packed."""
 
 import functools
 import logging
@@ -9,67 +9,68 @@ import grain
 import numpy as np
 from jaxtyping import Bool, Int
 
+from tunelib.data._packing import check_max_segments, pack, segments
 from tunelib.data._records import (
+    Example,
     OnInvalid,
-    RecordKind,
+    RecordError,
     check_max_length,
+    check_messages,
     check_on_invalid,
-    validate_records,
+    collect,
+    encode_record,
+    prompt_ids,
 )
-from tunelib.data._tokenizer import Tokenizer
+from tunelib.data._tokenizers import Tokenizer
 
 _logger = logging.getLogger(__name__)
 
-# Records are encoded lazily in the calling thread: the work per record is tiny, and a reader
+# Records are laid out lazily in the calling thread: the work per record is tiny, and a reader
 # thread pool would cost more than it saves. Wrap the dataset in
 # `grain.experimental.ThreadPrefetchIterDataset` to prefetch batches in the background.
 _READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
-def _sequence_arrays(
-    prompt: str, completion: str, tokenizer: Tokenizer, max_length: int
-) -> dict[str, np.ndarray]:
-    """The four `[max_length]` rows of one prompt and completion (see `sft_dataset`)."""
-    prompt_ids = tokenizer.encode(prompt)
-    sequence = [tokenizer.bos_id, *prompt_ids, *tokenizer.encode(completion), tokenizer.eos_id]
-    n = len(sequence) - 1
-    tokens = np.full(max_length, tokenizer.pad_id, np.int32)
-    targets = np.full(max_length, tokenizer.pad_id, np.int32)
-    tokens[:n] = sequence[:-1]
-    targets[:n] = sequence[1:]
-    # Target t is sequence[t + 1]: the completion starts at target len(prompt_ids).
-    where = np.zeros(max_length, np.bool_)
-    where[len(prompt_ids) : n] = True
-    attention_where = np.zeros(max_length, np.bool_)
-    attention_where[:n] = True
+def _rows(sequence: Example) -> dict[str, np.ndarray]:
+    """The next-token rows of a sequence of `n` tokens, each `n - 1` long (EOS is no input)."""
+    ids, where = sequence["ids"], sequence["where"]
     return {
-        "tokens": tokens,
-        "targets": targets,
-        "where": where,
-        "attention_where": attention_where,
+        "tokens": ids[:-1],
+        "targets": ids[1:],
+        "where": where[1:],
+        "attention_where": np.ones(len(ids) - 1, np.bool_),
     }
 
 
-def _sft_example(
-    record: Mapping[str, Any], *, tokenizer: Tokenizer, max_length: int
-) -> dict[str, np.ndarray]:
-    return _sequence_arrays(record["prompt"], record["completion"], tokenizer, max_length)
+def _padded(sequence: Example, *, max_length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """`_rows` padded to `max_length` with `pad_id` (ids) and False (masks)."""
+    out = {}
+    for key, row in _rows(sequence).items():
+        fill = pad_id if row.dtype != np.bool_ else False
+        out[key] = np.full(max_length, fill, row.dtype)
+        out[key][: len(row)] = row
+    return out
 
 
-def _preference_example(
-    record: Mapping[str, Any], *, tokenizer: Tokenizer, max_length: int
-) -> dict[str, dict[str, np.ndarray]]:
+def _padded_pair(example: Example, *, max_length: int, pad_id: int) -> dict:
     return {
-        side: _sequence_arrays(record["prompt"], record[side], tokenizer, max_length)
+        side: _padded(example[side], max_length=max_length, pad_id=pad_id)
         for side in ("chosen", "rejected")
     }
 
 
-def _batched_dataset(
+def _packable(example: Example) -> dict[str, np.ndarray]:
+    return segments([_rows(example)])
+
+
+def _packable_pair(example: Example) -> dict[str, np.ndarray]:
+    return segments([_rows(example["chosen"]), _rows(example["rejected"])])
+
+
+def _dataset(
     records: Iterable[Any],
-    kind: RecordKind,
-    encode: Callable[..., dict],
     tokenizer: Tokenizer,
+    kind: str,
     *,
     max_length: int,
     batch_size: int,
@@ -78,36 +79,66 @@ def _batched_dataset(
     num_epochs: int | None,
     drop_remainder: bool,
     on_invalid: OnInvalid,
+    packing: bool,
+    max_segments: int | None,
 ) -> grain.IterDataset:
-    """Validate `records`, then source -> map -> shuffle -> repeat -> batch with Grain."""
+    """Encode `records`, then source -> map -> shuffle -> repeat [-> pack] -> batch with Grain."""
     check_on_invalid(on_invalid)
+    check_max_length(max_length, at_least=2)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     if num_epochs is not None and num_epochs < 1:
         raise ValueError(f"num_epochs must be >= 1 or None (repeat forever), got {num_epochs}.")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must lie in [0, 2**32), got {seed}.")
-    kept, report = validate_records(
-        records, kind=kind, tokenizer=tokenizer, max_length=max_length, on_invalid=on_invalid
+    if packing and max_segments is None:
+        raise ValueError(
+            "packing=True needs max_segments, the most sequences a row may hold (the static "
+            "size of a consumer's per-segment axis)."
+        )
+    if not packing and max_segments is not None:
+        raise ValueError(f"max_segments={max_segments} is for packing=True only.")
+    per_example = 1 if kind == "sft" else 2  # sequences: a preference pair has two
+    if packing:
+        check_max_segments(max_segments, per_example=per_example)
+    encode = functools.partial(
+        encode_record, kind=kind, tokenizer=tokenizer, max_length=max_length, packed=packing
     )
+    examples, report = collect(records, on_invalid, encode)
     if report.num_skipped:
         _logger.warning(
-            "%s_dataset skipped %d invalid records: %s", kind, report.num_skipped, report.skipped
+            "%s_dataset skipped %d invalid records: %s",
+            kind,
+            report.num_skipped,
+            dict(report.skipped),
         )
-    if not kept:
+    if not examples:
         raise ValueError(f"records holds no valid {kind} record.")
-    if drop_remainder and num_epochs is not None and len(kept) * num_epochs < batch_size:
+    if drop_remainder and num_epochs is not None and len(examples) * num_epochs < batch_size:
         raise ValueError(
-            f"{len(kept)} records x num_epochs={num_epochs} cannot fill one batch of "
+            f"{len(examples)} records x num_epochs={num_epochs} cannot fill one batch of "
             f"batch_size={batch_size} with drop_remainder=True."
         )
-    ds = grain.MapDataset.source(kept).map(
-        functools.partial(encode, tokenizer=tokenizer, max_length=max_length)
-    )
+    layout: Callable[[Example], dict]
+    if packing:
+        layout = _packable if kind == "sft" else _packable_pair
+    else:
+        padded = _padded if kind == "sft" else _padded_pair
+        layout = functools.partial(padded, max_length=max_length, pad_id=tokenizer.pad_id)
+    ds = grain.MapDataset.source(examples).map(layout)
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(num_epochs)
-    return ds.to_iter_dataset(_READ_OPTIONS).batch(batch_size, drop_remainder=drop_remainder)
+    ds = ds.repeat(num_epochs).to_iter_dataset(_READ_OPTIONS)
+    if packing:
+        ds = pack(
+            ds,
+            max_length=max_length,
+            num_rows=batch_size,
+            max_segments=max_segments,
+            per_example=per_example,
+            pad_id=tokenizer.pad_id,
+        )
+    return ds.batch(batch_size, drop_remainder=drop_remainder)
 
 
 def sft_dataset(
@@ -121,22 +152,27 @@ def sft_dataset(
     num_epochs: int | None = None,
     drop_remainder: bool = True,
     on_invalid: OnInvalid = "raise",
+    packing: bool = False,
+    max_segments: int | None = None,
 ) -> grain.IterDataset:
-    r"""A Grain dataset of SFT batches from `{"prompt", "completion"}` records.
+    r"""A Grain dataset of SFT batches from chat or prompt-completion records.
 
-    Each record becomes the sequence $s = (\mathrm{BOS}, x_1..x_P, y_1..y_C, \mathrm{EOS})$
-    of $n = P + C + 2 \le$ `max_length` tokens, laid out for next-token prediction:
+    Each record is tokenized by `encode_records` into a sequence $s$ of $n \le$ `max_length`
+    tokens with a completion mask $m$: for strings $s = ([\mathrm{BOS}], x_1..x_P, y_1..y_C,
+    \mathrm{EOS})$ with prompt $x$ = `record["prompt"]` and completion $y$ =
+    `record["completion"]` (BOS when `tokenizer.add_bos`) and $m$ True on $y$ and EOS; for a
+    conversation the chat template's rendering, $m$ True on the assistant turns. It is laid
+    out for next-token prediction:
 
     $$
-    \mathrm{tokens}_t = s_t, \quad \mathrm{targets}_t = s_{t+1}, \qquad 0 \le t < n - 1,
-    \qquad \mathrm{where}_t = [\,P \le t < n - 1\,]
+    \mathrm{tokens}_t = s_t, \quad \mathrm{targets}_t = s_{t+1}, \quad
+    \mathrm{where}_t = m_{t+1}, \quad \mathrm{attention\_where}_t = 1, \qquad 0 \le t < n - 1.
     $$
 
-    with prompt $x$ = `record["prompt"]` and completion $y$ = `record["completion"]` encoded
-    by `tokenizer`. EOS is the last target, never an input; positions $t \ge n - 1$ hold
-    `pad_id` in both `tokens` and `targets`. `where` is True exactly where the target is a
-    completion token or the EOS (so the model learns to stop), and `attention_where` is True on
-    the $n - 1$ real input tokens. For `"12+7="` / `"19"`:
+    EOS is the last target, never an input; positions $t \ge n - 1$ hold `pad_id` in `tokens`
+    and `targets` and False in the masks. `where` is True exactly where the target is a
+    completion token or the EOS (so the model learns to stop). For `"12+7="` / `"19"` with a
+    `CharTokenizer`:
 
     ```
     t                0    1    2    3    4    5    6    7    8   ...
@@ -146,14 +182,24 @@ def sft_dataset(
     attention_where  x    x    x    x    x    x    x    x    .   ...
     ```
 
-    Records are checked first with `validate_records(kind="sft")`. The pipeline is Grain's
-    `MapDataset.source -> map (encode) -> shuffle -> repeat`, read as an `IterDataset` and
-    batched. Each epoch is shuffled differently (Grain folds the epoch into the seed), the
-    order is a deterministic function of `seed`, and batches may span an epoch boundary.
+    With `packing=True` several sequences share a row: each is laid out as above (so no
+    target crosses from one sequence into the next) and placed after the previous ones by
+    Grain's first-fit packer, which fills `batch_size` rows at a time, each with at most
+    `max_segments` sequences. Two more arrays tell them apart: `segment_ids` (1, 2, ... for
+    the sequences of a row in order, 0 on padding) and `positions` (0, 1, ... restarting at
+    each sequence, 0 on padding). A sequence takes $n - 1$ columns, so a row holds sequences
+    of $\sum (n_i - 1) \le$ `max_length` tokens; which records are valid does not change.
+
+    The pipeline is Grain's `MapDataset.source -> map (lay out) -> shuffle -> repeat`, read
+    as an `IterDataset`, packed if asked, and batched. Each epoch is shuffled differently
+    (Grain folds the epoch into the seed), the order is a deterministic function of `seed`,
+    and batches (and packed rows) may span an epoch boundary.
 
     Args:
-      records: `{"prompt": str, "completion": str}` dicts (other fields are ignored).
-      tokenizer: a `CharTokenizer` or any `Tokenizer`.
+      records: `{"prompt": str, "completion": str}` dicts, `{"messages": [...]}` dicts or
+        prompt-completion conversations (other fields are ignored); see `validate_records`.
+      tokenizer: any `Tokenizer` (`CharTokenizer`, or `HFTokenizer` with a chat template for
+        conversations).
       max_length: the most tokens a full sequence may have, BOS and EOS included; also the
         width of every batch array.
       batch_size: rows per batch.
@@ -161,20 +207,27 @@ def sft_dataset(
       shuffle: shuffle the records (a different order every epoch); False keeps input order.
       num_epochs: passes over the data; None (the default) repeats forever.
       drop_remainder: drop a final partial batch (the default), so every batch has the same
-        static shape; only the very last batch of a finite run can be partial.
+        static shape; only the very last batch of a finite run can be partial. Packed, a
+        row holds several records, so a finite run has fewer batches than
+        `len(records) * num_epochs // batch_size` (possibly none).
       on_invalid: `"raise"` on the first invalid record, or `"skip"` it (the skipped counts
-        are logged as a warning); see `validate_records`.
+        are logged as a warning on the `tunelib.data` logger); see `validate_records`.
+      packing: pack several sequences into each row (see above).
+      max_segments: with `packing=True` (and only then, where it is required), the most
+        sequences a row may hold: the static size of a consumer's per-segment axis.
 
     Returns:
       A `grain.IterDataset`. Iterating it gives dicts of NumPy arrays, all
       `[batch_size, max_length]`: `"tokens"` and `"targets"` int32, `"where"` and
-      `"attention_where"` bool. The iterator's `get_state()` is a JSON-serialisable dict, and
-      `set_state` on a fresh iterator of the same dataset resumes the identical stream (Grain's
+      `"attention_where"` bool, and with packing `"segment_ids"` and `"positions"` int32. The
+      iterator's `get_state()` is a JSON-serialisable dict, and `set_state` on a fresh
+      iterator of the same dataset resumes the identical stream (Grain's
       `grain.checkpoint.CheckpointSave` stores it in an Orbax checkpoint).
 
     Raises:
       RecordError: for an invalid record with `on_invalid="raise"`.
-      ValueError: for no valid record, or a finite run too short for one full batch.
+      ValueError: for no valid record, a finite run too short for one full batch, or
+        `packing` without `max_segments`.
 
     Examples:
       >>> from tunelib.data import CharTokenizer, sft_dataset
@@ -189,12 +242,24 @@ def sft_dataset(
       [[0 0 0 0 0 1 1 1 0 0]]
       >>> print(batch["attention_where"].astype(int))
       [[1 1 1 1 1 1 1 1 0 0]]
+
+      Two records packed into one row:
+
+      >>> records = [{"prompt": "1+2=", "completion": "3"}, {"prompt": "4+4=", "completion": "8"}]
+      >>> ds = sft_dataset(records, tok, max_length=14, batch_size=1, shuffle=False,
+      ...                  packing=True, max_segments=4)
+      >>> batch = next(iter(ds))
+      >>> print(batch["tokens"])
+      [[ 1  4 13  5 16  6  1  7 13  7 16 11  0  0]]
+      >>> print(batch["segment_ids"])
+      [[1 1 1 1 1 1 2 2 2 2 2 2 0 0]]
+      >>> print(batch["positions"])
+      [[0 1 2 3 4 5 0 1 2 3 4 5 0 0]]
     """
-    return _batched_dataset(
+    return _dataset(
         records,
-        "sft",
-        _sft_example,
         tokenizer,
+        "sft",
         max_length=max_length,
         batch_size=batch_size,
         seed=seed,
@@ -202,6 +267,8 @@ def sft_dataset(
         num_epochs=num_epochs,
         drop_remainder=drop_remainder,
         on_invalid=on_invalid,
+        packing=packing,
+        max_segments=max_segments,
     )
 
 
@@ -216,31 +283,46 @@ def preference_dataset(
     num_epochs: int | None = None,
     drop_remainder: bool = True,
     on_invalid: OnInvalid = "raise",
+    packing: bool = False,
+    max_segments: int | None = None,
 ) -> grain.IterDataset:
     """A Grain dataset of preference batches from `{"prompt", "chosen", "rejected"}` records.
 
-    Each side is laid out exactly as an SFT example (see `sft_dataset`) with the same prompt
-    and `chosen` or `rejected` as the completion, so `where` marks the response tokens and
-    EOS of that side. Both sides of a pair sit on the same row, and both must fit `max_length`
-    (BOS + prompt + response + EOS), or the record is invalid. Shuffling, epochs, batching and
-    checkpointing are those of `sft_dataset`.
+    Each side is the prompt followed by that response, tokenized by `encode_records` and laid
+    out exactly as an SFT example (see `sft_dataset`), so `where` marks the response tokens
+    (and, for strings, the EOS) of that side. Each side must fit `max_length` on its own, or
+    the record is invalid. Shuffling, epochs, batching and checkpointing are those of
+    `sft_dataset`.
+
+    Padded, both sides of a pair sit on the same row of two batches, `batch["chosen"]` and
+    `batch["rejected"]`. Packed (`packing=True`), a batch is one dict as `sft_dataset`'s:
+    the chosen and the rejected sequence of a pair are consecutive segments of the same row,
+    chosen first, so odd `segment_ids` (1, 3, ...) are chosen and even ones rejected. A
+    consumer takes per-segment sums `[B, max_segments]` and splits the columns `0::2`
+    (chosen) and `1::2` (rejected); a row holds at most `max_segments // 2` pairs (so
+    `max_segments` is even), and a pair whose two sides (each a token shorter than its
+    sequence) together exceed `max_length` columns is invalid (`"too_long"`).
 
     Args:
-      records: `{"prompt": str, "chosen": str, "rejected": str}` dicts, as from
-        `preference_pairs`.
-      tokenizer: a `CharTokenizer` or any `Tokenizer`.
+      records: preference records, strings or conversations, as from `preference_pairs` or
+        `read_records(path, kind="preference")`.
+      tokenizer: any `Tokenizer`.
       max_length: the most tokens either full sequence may have; the width of every array.
-      batch_size: pairs per batch.
+      batch_size: rows per batch (pairs, when not packed).
       seed: shuffle seed in `[0, 2**32)`.
       shuffle: shuffle the pairs (a different order every epoch).
       num_epochs: passes over the data; None (the default) repeats forever.
       drop_remainder: drop a final partial batch (the default).
       on_invalid: `"raise"` or `"skip"`; see `validate_records`.
+      packing: pack several pairs into each row.
+      max_segments: with `packing=True` (required then), the most sequences a row may hold,
+        an even number.
 
     Returns:
       A `grain.IterDataset` of `{"chosen": {...}, "rejected": {...}}`, each side a dict with
       `"tokens"`, `"targets"` (int32), `"where"` and `"attention_where"` (bool), all
-      `[batch_size, max_length]`.
+      `[batch_size, max_length]`; packed, one dict of those and `"segment_ids"` and
+      `"positions"` (int32).
 
     Examples:
       >>> from tunelib.data import CharTokenizer, preference_dataset
@@ -251,12 +333,18 @@ def preference_dataset(
       [[ 4 13  4 16  5  2  0]] [[ 4 13  4 16  6  2  0]]
       >>> print(batch["chosen"]["where"].astype(int))
       [[0 0 0 0 1 1 0]]
+      >>> ds = preference_dataset([pair], CharTokenizer(), max_length=14, batch_size=1,
+      ...                         packing=True, max_segments=2)
+      >>> batch = next(iter(ds))
+      >>> print(batch["targets"])
+      [[ 4 13  4 16  5  2  4 13  4 16  6  2  0  0]]
+      >>> print(batch["segment_ids"])
+      [[1 1 1 1 1 1 2 2 2 2 2 2 0 0]]
     """
-    return _batched_dataset(
+    return _dataset(
         records,
-        "preference",
-        _preference_example,
         tokenizer,
+        "preference",
         max_length=max_length,
         batch_size=batch_size,
         seed=seed,
@@ -264,29 +352,38 @@ def preference_dataset(
         num_epochs=num_epochs,
         drop_remainder=drop_remainder,
         on_invalid=on_invalid,
+        packing=packing,
+        max_segments=max_segments,
     )
 
 
 def encode_prompts(
-    prompts: Sequence[str], tokenizer: Tokenizer, *, max_length: int
+    prompts: Sequence[str | Sequence[Mapping[str, Any]]],
+    tokenizer: Tokenizer,
+    *,
+    max_length: int,
 ) -> tuple[Int[np.ndarray, "B T"], Bool[np.ndarray, "B T"]]:
-    """Left-padded BOS + prompt token ids for sampling, with the mask of real tokens.
+    """Left-padded prompt token ids for sampling, and the mask of real tokens.
 
-    Left padding puts the last prompt token of every row in the last column, where decoding
-    continues.
+    A string prompt becomes `[BOS] + prompt` (BOS when `tokenizer.add_bos`); a conversation
+    is rendered with the chat template and the generation prompt (`encode_chat(...,
+    add_generation_prompt=True)`), so the model continues with an assistant turn. Left
+    padding puts every prompt's last token in the last column, where decoding continues
+    (`tunelib.rollout.sample`; stop on `tokenizer.stop_ids`).
 
     Args:
-      prompts: `B` prompt strings.
-      tokenizer: a `CharTokenizer` or any `Tokenizer`.
-      max_length: `T`, the width; BOS + prompt must fit in it.
+      prompts: `B` prompts, each a string or a list of messages (the `"prompt"` field of
+        `read_records(path, kind="rl")` records).
+      tokenizer: any `Tokenizer` (with a chat template for conversations).
+      max_length: `T`, the width; every prompt must fit.
 
     Returns:
-      `(tokens, where)`: `[B, T]` int32 ids (`pad_id`, then BOS and the prompt) and the
-      `[B, T]` bool mask, True on BOS and prompt tokens.
+      `(tokens, where)`: `[B, T]` int32 ids (`pad_id`, then the prompt) and the `[B, T]` bool
+      mask, True on prompt tokens.
 
     Raises:
-      ValueError: naming the prompt index when a prompt does not fit or has a character the
-        tokenizer does not know.
+      ValueError: naming the prompt index, for a prompt that does not fit, has no token,
+        has text the tokenizer cannot encode, or a template that fails.
 
     Examples:
       >>> from tunelib.data import CharTokenizer, encode_prompts
@@ -302,15 +399,25 @@ def encode_prompts(
     tokens = np.full((len(prompts), max_length), tokenizer.pad_id, np.int32)
     where = np.zeros((len(prompts), max_length), np.bool_)
     for index, prompt in enumerate(prompts):
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompts[{index}] must be a str, got {type(prompt).__name__}.")
+        if not isinstance(prompt, str | list):
+            raise TypeError(
+                f"prompts[{index}] must be a str or a list of messages, "
+                f"got {type(prompt).__name__}."
+            )
         try:
-            ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
+            if isinstance(prompt, list):
+                check_messages(index, "prompt", prompt)
+            ids = prompt_ids(prompt, tokenizer)
+        except RecordError as error:
+            raise ValueError(f"prompts[{index}]: {error.detail}") from None
         except ValueError as error:
             raise ValueError(f"prompts[{index}]: {error}") from None
+        if not ids:
+            raise ValueError(f"prompts[{index}] has no token: the sampler needs at least one.")
         if len(ids) > max_length:
+            with_bos = " with BOS" if isinstance(prompt, str) and tokenizer.add_bos else ""
             raise ValueError(
-                f"prompts[{index}] needs {len(ids)} tokens with BOS, more than "
+                f"prompts[{index}] needs {len(ids)} tokens{with_bos}, more than "
                 f"max_length={max_length}."
             )
         tokens[index, max_length - len(ids) :] = ids

@@ -1,6 +1,4 @@
-"""The Hugging Face tokenizer, chat templates and assistant masks, checked against transformers."""
-
-import json
+"""Chat templates and assistant masks, checked against transformers."""
 
 import numpy as np
 import pytest
@@ -8,22 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests._helpers import raises_naming
-from tests._hf import (
-    BOS,
-    CHAT_TEMPLATE,
-    IM_END,
-    PAD,
-    PLAIN_CHAT_TEMPLATE,
-    TOKENIZER_SIZE,
-    hf_modules,
-    write_tokenizer,
-)
+from tests._hf import BOS, CHAT_TEMPLATE, IM_END, PLAIN_CHAT_TEMPLATE
 from tunelib.data import (
     HFTokenizer,
     TemplateError,
     completion_spans,
     encode_chat,
-    hf_prompts,
+    encode_prompts,
     render_chat_template,
     tokens_in_spans,
 )
@@ -42,82 +31,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def tok(directory):
-    return HFTokenizer.from_directory(directory)
-
-
-@pytest.fixture(scope="module")
-def hf_tok(directory):
-    _, transformers = hf_modules()
-    return transformers.AutoTokenizer.from_pretrained(directory)
-
-
-def test_special_tokens_and_template_come_from_the_files(tok):
-    assert tok.vocab_size == TOKENIZER_SIZE
-    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 3)
-    assert tok.special_tokens == {"bos_token": BOS, "eos_token": IM_END, "pad_token": PAD}
-    assert tok.chat_template == CHAT_TEMPLATE and tok.stop_ids == (3,)
-    assert not tok.add_bos  # the tokenizer's post-processor adds nothing
-
-
-def test_file_precedence_and_fallbacks(tmp_path):
-    directory = write_tokenizer(tmp_path / "a", add_bos=True)
-    assert HFTokenizer.from_directory(directory).add_bos  # read off the post-processor
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "add_bos_token": False}))
-    assert not HFTokenizer.from_directory(directory).add_bos  # the config's flag wins
-    (directory / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-    assert HFTokenizer.from_directory(directory).chat_template == "{{ messages[0]['content'] }}"
-    # Special tokens from special_tokens_map.json, EOS from config.json, stops from both configs.
-    del config["eos_token"], config["pad_token"]
-    config_path.write_text(json.dumps(config))
-    (directory / "special_tokens_map.json").write_text(
-        json.dumps({"pad_token": {"content": IM_END}})
-    )
-    (directory / "config.json").write_text(json.dumps({"eos_token_id": 2, "vocab_size": 320}))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 2]}))
-    tok = HFTokenizer.from_directory(directory)
-    assert (tok.eos_id, tok.pad_id, tok.stop_ids) == (2, 3, (2, 3))
-
-
-def test_file_errors_are_named(tmp_path):
-    with raises_naming("tokenizer.json", error=FileNotFoundError):
-        HFTokenizer.from_directory(tmp_path)
-    directory = write_tokenizer(tmp_path / "a")
-    (directory / "config.json").write_text(json.dumps({"vocab_size": 200}))
-    with raises_naming("vocab_size", "200", "299", error=ValueError):
-        HFTokenizer.from_directory(directory)
-    (directory / "config.json").unlink()
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "pad_token": "<nope>"}))
-    with raises_naming("pad_token", "<nope>", error=ValueError):
-        HFTokenizer.from_directory(directory)
-    del config["eos_token"]
-    config_path.write_text(json.dumps(config))
-    with raises_naming("eos_token", error=ValueError):
-        HFTokenizer.from_directory(directory)
-    config_path.write_text(json.dumps({**config, "eos_token": IM_END, "chat_template": 5}))
-    with raises_naming("chat_template", error=ValueError):
-        HFTokenizer.from_directory(directory)
-
-
-def test_encode_and_decode_match_transformers(tok, hf_tok):
-    for text in ["the quick brown fox", "what is 12 + 7? <|im_end|> tail", "é ünïcode ✓", ""]:
-        assert tok.encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"]
-        ids = tok.encode(text)
-        assert tok.decode(ids, stop_at_eos=False) == hf_tok.decode(ids, skip_special_tokens=True)
-    ids = tok.encode("hello world")
-    assert tok.decode([*ids, tok.eos_id, *ids]) == "hello world"
-    assert tok.decode([*ids, tok.eos_id, *ids], stop_at_eos=False) == "hello worldhello world"
-    with raises_naming("300", "position 1", error=ValueError):
-        tok.decode([5, 300])
+def tok(hf_tok):
+    return hf_tok
 
 
 @pytest.mark.parametrize(
@@ -125,9 +40,11 @@ def test_encode_and_decode_match_transformers(tok, hf_tok):
 )
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("add_generation_prompt", [False, True])
-def test_rendering_equals_apply_chat_template(hf_tok, tok, template, index, add_generation_prompt):
+def test_rendering_equals_apply_chat_template(
+    transformers_tok, tok, template, index, add_generation_prompt
+):
     messages = CONVERSATIONS[index]
-    expected = hf_tok.apply_chat_template(
+    expected = transformers_tok.apply_chat_template(
         messages,
         chat_template=template,
         tokenize=False,
@@ -140,9 +57,9 @@ def test_rendering_equals_apply_chat_template(hf_tok, tok, template, index, add_
 
 
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
-def test_ids_and_assistant_masks_equal_transformers(hf_tok, tok, index):
+def test_ids_and_assistant_masks_equal_transformers(transformers_tok, tok, index):
     messages = CONVERSATIONS[index]
-    expected = hf_tok.apply_chat_template(
+    expected = transformers_tok.apply_chat_template(
         messages, return_dict=True, return_assistant_tokens_mask=True
     )
     ids, where = encode_chat(tok, messages)
@@ -151,14 +68,16 @@ def test_ids_and_assistant_masks_equal_transformers(hf_tok, tok, index):
     assert where.any()
 
 
-def test_prompts_equal_apply_chat_template_with_generation_prompt(hf_tok, tok):
+def test_prompts_equal_apply_chat_template_with_generation_prompt(transformers_tok, tok):
     prompts = [CONVERSATIONS[1][:4], "plain text", CONVERSATIONS[0][:1]]
-    tokens, where = hf_prompts(prompts, tok, max_length=128)
+    tokens, where = encode_prompts(prompts, tok, max_length=128)
     for row, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            expected = hf_tok(prompt, add_special_tokens=True)["input_ids"]
+            expected = transformers_tok(prompt, add_special_tokens=True)["input_ids"]
         else:
-            expected = hf_tok.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
+            expected = transformers_tok.apply_chat_template(prompt, add_generation_prompt=True)[
+                "input_ids"
+            ]
         assert tokens[row][where[row]].tolist() == expected
         assert where[row, -len(expected) :].all() and not where[row, : -len(expected)].any()
         assert (tokens[row][~where[row]] == tok.pad_id).all()

@@ -1,16 +1,212 @@
-"""A Hugging Face tokenizer (`tokenizer.json`) with the special tokens and chat template of its
-checkpoint."""
+"""Tokenizers: the protocol the pipelines need, a character tokenizer for the built-in task, a
+Hugging Face tokenizer (`tokenizer.json`) with its checkpoint's special tokens and chat template,
+and `load_tokenizer` for a model folder holding either."""
 
 import json
 import os
+import string
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, SupportsIndex
+from typing import Any, Protocol, SupportsIndex, runtime_checkable
 
 import numpy as np
 import tokenizers
 
+# Ids 0, 1, 2 are the special tokens; the alphabet follows from id 3 in this order, so the
+# arithmetic characters always get ids 3..17.
+DEFAULT_ALPHABET = (
+    "0123456789+-*= " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?'\"()/\n"
+)
+# The file `CharTokenizer.save` writes into a model folder.
+CHAR_TOKENIZER_FILE = "char_tokenizer.json"
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data pipelines and the sampler need from a tokenizer.
+
+    `CharTokenizer` and `HFTokenizer` implement it; any object with these members works.
+
+    Attributes:
+      vocab_size: the number of ids `encode` and `decode` use.
+      bos_id: the beginning-of-sequence id, or None when the tokenizer has none.
+      eos_id: the end-of-sequence id; every completion ends with it.
+      pad_id: the id that fills padded positions (masked out everywhere).
+      add_bos: whether a plain-text sequence starts with `bos_id` (a chat template writes its
+        own special tokens).
+      stop_ids: the ids that end a generation, `eos_id` first.
+      chat_template: the Jinja chat template for conversations, or None.
+
+    `encode(text)` maps text to ids without adding special tokens and raises `ValueError` for
+    text it cannot encode; `decode(ids, *, stop_at_eos=True)` maps ids back to text, skipping
+    special tokens and, by default, stopping at the first stop id.
+    """
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+    add_bos: bool
+    stop_ids: tuple[int, ...]
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[SupportsIndex], *, stop_at_eos: bool = True) -> str: ...
+
+
+class CharTokenizer:
+    """One token per character: pad = 0, BOS = 1, EOS = 2, then the alphabet from id 3.
+
+    The default alphabet holds the arithmetic characters `"0123456789+-*= "` (ids 3 to 17),
+    then ASCII letters and common punctuation, 82 ids in all. There is no unknown token:
+    `encode` raises a `ValueError` that names a character outside the alphabet. A plain-text
+    sequence starts with BOS (`add_bos` is True), EOS is the only stop id, and there is no
+    chat template. `save(directory)` writes the alphabet to `char_tokenizer.json`, which
+    `CharTokenizer.from_directory` and `load_tokenizer` read back.
+
+    Args:
+      alphabet: the characters, each at most once, in id order from 3.
+
+    Examples:
+      >>> from tunelib.data import CharTokenizer
+      >>> tok = CharTokenizer()
+      >>> tok.encode("12+7=")
+      [4, 5, 13, 10, 16]
+      >>> tok.decode([tok.bos_id, 4, 5, 13, 10, 16, 11, tok.eos_id, 0, 0])
+      '12+7=8'
+      >>> tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id, tok.stop_ids, tok.add_bos
+      (82, 0, 1, 2, (2,), True)
+    """
+
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    num_special: int = 3
+    add_bos: bool = True
+    stop_ids: tuple[int, ...] = (2,)
+    chat_template: str | None = None
+
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET):
+        if not isinstance(alphabet, str):
+            raise TypeError(f"alphabet must be a str, got {type(alphabet).__name__}.")
+        if not alphabet:
+            raise ValueError("alphabet must not be empty.")
+        repeated = sorted({ch for ch in alphabet if alphabet.count(ch) > 1})
+        if repeated:
+            raise ValueError(f"alphabet must hold each character once; repeated: {repeated}.")
+        self.alphabet = alphabet
+        self.vocab_size = self.num_special + len(alphabet)
+        self._ids = {ch: self.num_special + i for i, ch in enumerate(alphabet)}
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of the characters of `text`, without BOS or EOS.
+
+        Raises:
+          ValueError: naming the first character not in the alphabet and its position.
+          TypeError: if `text` is not a str.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}.")
+        try:
+            return [self._ids[ch] for ch in text]
+        except KeyError:
+            position = next(i for i, ch in enumerate(text) if ch not in self._ids)
+            shown = text if len(text) <= 40 else text[:37] + "..."
+            raise ValueError(
+                f"unknown character {text[position]!r} at position {position} of {shown!r}: "
+                "it is not in the tokenizer's alphabet."
+            ) from None
+
+    def decode(self, ids: Iterable[SupportsIndex], *, stop_at_eos: bool = True) -> str:
+        """The text of `ids`: pad and BOS are skipped; decoding stops at the first EOS.
+
+        Args:
+          ids: a 1-D sequence (list or array) of token ids.
+          stop_at_eos: if True (the default), nothing after the first EOS is decoded, which
+            cuts a sampled completion at its end; if False, EOS is skipped like pad and BOS.
+
+        Raises:
+          ValueError: naming an id outside `[0, vocab_size)` and its position.
+        """
+        ids = np.asarray(ids)
+        if ids.ndim != 1:
+            raise ValueError(f"ids must be 1-D, got shape {ids.shape}.")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"ids must be integers, got dtype {ids.dtype}.")
+        chars = []
+        for position, i in enumerate(ids.tolist()):
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(
+                    f"token id {i} at position {position} is outside [0, {self.vocab_size})."
+                )
+            if i == self.eos_id and stop_at_eos:
+                break
+            if i >= self.num_special:
+                chars.append(self.alphabet[i - self.num_special])
+        return "".join(chars)
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the tokenizer to `directory/char_tokenizer.json` (the folder is created).
+
+        The file is a small JSON object: the alphabet and the special ids. It is written
+        atomically (a temporary file renamed into place), so a model folder never holds half
+        a tokenizer.
+
+        Returns:
+          The path of the file.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / CHAR_TOKENIZER_FILE
+        content = {
+            "alphabet": self.alphabet,
+            "pad_id": self.pad_id,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+        }
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(content, ensure_ascii=False, indent=2) + "\n", "utf-8")
+        partial.replace(path)
+        return path
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike) -> "CharTokenizer":
+        """The tokenizer `save` wrote into `directory`.
+
+        Raises:
+          FileNotFoundError: without `char_tokenizer.json`.
+          ValueError: naming the file, when it is not what `save` writes.
+        """
+        path = Path(directory) / CHAR_TOKENIZER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory} has no {CHAR_TOKENIZER_FILE}.")
+        content = _read_json(path)
+        alphabet = content.get("alphabet")
+        if not isinstance(alphabet, str):
+            raise ValueError(f"{path}: 'alphabet' must be a string, got {alphabet!r:.80}.")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            if content.get(name, getattr(cls, name)) != getattr(cls, name):
+                raise ValueError(
+                    f"{path}: {name} is {content[name]!r}, but a CharTokenizer has "
+                    f"{name}={getattr(cls, name)}."
+                )
+        try:
+            return cls(alphabet)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CharTokenizer) and other.alphabet == self.alphabet
+
+    def __hash__(self) -> int:
+        return hash(self.alphabet)
+
+    def __repr__(self) -> str:
+        if self.alphabet == DEFAULT_ALPHABET:
+            return "CharTokenizer()"
+        return f"CharTokenizer(alphabet={self.alphabet!r})"
 
 
 class HFTokenizer:
@@ -18,13 +214,14 @@ class HFTokenizer:
 
     Build one with `HFTokenizer.from_directory(path)` for a checkpoint directory, which reads
     `tokenizer.json` through the `tokenizers` library and the special tokens and chat
-    template from the files beside it (see there), or directly from the parts.
+    template from the files beside it (see there), or directly from the parts. It implements
+    the `Tokenizer` protocol.
 
     `encode` adds no special tokens, as the data pipelines add them themselves: `bos_id`
     (only when `add_bos`, that is when the tokenizer's own post-processing prepends one, as
     Llama's does and Qwen's does not) and `eos_id`. Text rendered by a chat template is
     encoded as is, because the template writes its special tokens itself (as `transformers`
-    does). It satisfies the `Tokenizer` protocol when the tokenizer has a BOS.
+    does).
 
     Args:
       tokenizer: the `tokenizers.Tokenizer`.
@@ -259,4 +456,49 @@ def _template(value: Any) -> str | None:
     raise ValueError(
         "tokenizer_config.json: chat_template must be a string or a list of "
         f"{{'name', 'template'}} with a 'default' one, got {value!r:.80}."
+    )
+
+
+def load_tokenizer(directory: str | os.PathLike) -> HFTokenizer | CharTokenizer:
+    """The tokenizer a model folder carries: a Hugging Face tokenizer or a character tokenizer.
+
+    A folder with `tokenizer.json` (and its usual siblings) gives an `HFTokenizer`
+    (`HFTokenizer.from_directory`); a folder with `char_tokenizer.json` (as
+    `CharTokenizer.save` writes) gives a `CharTokenizer`.
+
+    Args:
+      directory: the model folder.
+
+    Returns:
+      The tokenizer, which implements `Tokenizer`.
+
+    Raises:
+      FileNotFoundError: naming the directory, when it holds neither file (or does not exist).
+      ValueError: naming the directory, when it holds both.
+
+    Examples:
+      >>> import tempfile
+      >>> from tunelib.data import CharTokenizer, load_tokenizer
+      >>> folder = tempfile.mkdtemp()
+      >>> _ = CharTokenizer("0123456789+=").save(folder)
+      >>> load_tokenizer(folder)
+      CharTokenizer(alphabet='0123456789+=')
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no tokenizer folder {directory}: it does not exist.")
+    hf = (directory / "tokenizer.json").is_file()
+    char = (directory / CHAR_TOKENIZER_FILE).is_file()
+    if hf and char:
+        raise ValueError(
+            f"{directory} holds both tokenizer.json and {CHAR_TOKENIZER_FILE}: keep the one "
+            "the model was trained with."
+        )
+    if hf:
+        return HFTokenizer.from_directory(directory)
+    if char:
+        return CharTokenizer.from_directory(directory)
+    raise FileNotFoundError(
+        f"{directory} holds no tokenizer: neither tokenizer.json (a Hugging Face tokenizer) nor "
+        f"{CHAR_TOKENIZER_FILE} (written by CharTokenizer.save)."
     )
