@@ -185,7 +185,7 @@ def test_exported_adapters_give_the_same_logits_in_hugging_face_peft(tmp_path):
 
     def forward(params, tokens, where):
         model = nnx.merge(loaded.graphdef, params)
-        return model.unembed(model(tokens, attention_where=where))
+        return model.unembed(model(tokens, where=where))
 
     ours = jax.jit(lambda p, a: peft.lora(forward)(peft.apply_lora(p, a), tokens, where))(
         loaded.params, adapters
