@@ -52,7 +52,7 @@ import optax
 from flax import nnx
 
 from tunelib import logprobs, losses, peft
-from tunelib.models import Decoder, DecoderConfig
+from tunelib.models import PROJECTION_KERNELS, Decoder, DecoderConfig
 
 
 class Size(NamedTuple):
@@ -87,7 +87,6 @@ SIZES = {
 VARIANTS = ("full", "lora_merged", "lora", "qlora_dequantized", "qlora")
 NAIVE_TWIN = {"lora": "lora_merged", "qlora": "qlora_dequantized"}
 TOLERANCE = 1e-5
-TARGETS = r"layers/.*_proj/kernel"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,10 +117,14 @@ def setup(size: Size, variant: str, rank: int):
         params = nnx.to_pure_dict(state)
         if variant == "full":
             return graphdef, params, None
-        rule = peft.LoraRule(pattern=TARGETS, rank=rank, alpha=2.0 * rank)
+        rule = peft.LoraRule(pattern=PROJECTION_KERNELS, rank=rank, alpha=2.0 * rank)
         adapters = peft.init_lora(params, [rule], key=jax.random.key(1))
         adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # as if trained: B != 0
-        base = peft.quantize_params(params, [TARGETS]) if variant.startswith("qlora") else params
+        base = (
+            peft.quantize_params(params, [PROJECTION_KERNELS])
+            if variant.startswith("qlora")
+            else params
+        )
         return graphdef, adapters, base
 
     if size.run:
@@ -247,7 +250,7 @@ def bits(size: Size) -> dict:
         def build():
             params = nnx.to_pure_dict(nnx.state(Decoder(config, rngs=nnx.Rngs(0))))
             params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-            base = peft.quantize_params(params, [TARGETS])
+            base = peft.quantize_params(params, [PROJECTION_KERNELS])
             if quantize_embedding:
                 base = peft.quantize_params(base, ["embed_tokens/embedding"], layout="out_in")
             return base

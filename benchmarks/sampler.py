@@ -8,7 +8,7 @@ The same randomly initialised `tunelib.models.Decoder` generates `N` tokens afte
 `P` random tokens (all real, no padding), in these variants:
 
 - ``no_cache``: the baseline, greedy decoding by re-running the whole forward pass,
-  `model(buffer, attention_where=...)` over a fixed `[B, P + N]` buffer, for every new token
+  `model(buffer, where=...)` over a fixed `[B, P + N]` buffer, for every new token
   (a jitted `lax.fori_loop` of `N` steps, argmax of the last real position's logits);
 - ``greedy``: `tunelib.rollout.sample` at temperature 0 (prefill once, then one cached
   `Decoder.extend` per token inside a `lax.while_loop`);
@@ -183,7 +183,7 @@ def make_no_cache(graphdef: nnx.GraphDef, new_tokens: int) -> Callable:
 
         def step(i, carry):
             buffer, real = carry
-            hidden = model(buffer, attention_where=real)
+            hidden = model(buffer, where=real)
             last = jax.lax.dynamic_index_in_dim(hidden, prompt_len + i - 1, 1, keepdims=False)
             token = jnp.argmax(model.unembed(last), axis=-1).astype(buffer.dtype)
             buffer = jax.lax.dynamic_update_slice_in_dim(buffer, token[:, None], prompt_len + i, 1)

@@ -101,16 +101,19 @@ def copy_weights(source: Decoder, target: Decoder) -> None:
 
 
 def forward(model: Decoder):
-    """A jitted `(tokens, where, positions) -> (hidden, logits)` for `model`'s weights."""
+    """A jitted `(tokens, where, positions, segment_ids) -> (hidden, logits)` for `model`."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def run(state, tokens, where, positions):
+    def run(state, tokens, where, positions, segment_ids):
         m = nnx.merge(graphdef, state)
-        hidden = m(tokens, attention_where=where, positions=positions)
+        hidden = m(tokens, where=where, positions=positions, segment_ids=segment_ids)
         return hidden, m.unembed(hidden)
 
-    return lambda tokens, where=None, positions=None: run(state, tokens, where, positions)
+    def call(tokens, where=None, positions=None, segment_ids=None):
+        return run(state, tokens, where, positions, segment_ids)
+
+    return call
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -233,7 +236,7 @@ def test_scan_and_remat_equal_the_loop(scan, remat):
 
         def loss(params):
             m = nnx.merge(graphdef, params)
-            return jnp.sum(m.unembed(m(TOKENS, attention_where=WHERE)) * weights * WHERE[..., None])
+            return jnp.sum(m.unembed(m(TOKENS, where=WHERE)) * weights * WHERE[..., None])
 
         return jax.jit(jax.value_and_grad(loss))(state)
 
@@ -261,7 +264,7 @@ def test_grad_is_finite_under_padding():
 
     def loss(params):
         m = nnx.merge(graphdef, params)
-        return jnp.sum(jax.nn.log_softmax(m.unembed(m(TOKENS, attention_where=WHERE)))[WHERE])
+        return jnp.sum(jax.nn.log_softmax(m.unembed(m(TOKENS, where=WHERE)))[WHERE])
 
     grads = jax.jit(jax.grad(loss))(state)
     for path, g in nnx.to_flat_state(grads):
@@ -302,7 +305,7 @@ def test_jit_vmap_and_no_retrace():
     graphdef, state = nnx.split(model)
 
     def hidden(params, tokens, where):
-        return nnx.merge(graphdef, params)(tokens, attention_where=where)
+        return nnx.merge(graphdef, params)(tokens, where=where)
 
     expected = hidden(state, TOKENS, WHERE)
     assert_close(jax.jit(hidden)(state, TOKENS, WHERE), expected, atol=1e-5)
@@ -351,11 +354,13 @@ def test_every_weight_has_sharding_names(scan):
 
 
 def test_sharded_forward_equals_single_device():
+    """Tensor- and data-parallel, on packed rows (two sequences in the first row)."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 (simulated) devices")
     model = build(make_config(tie_word_embeddings=False, scan_layers=True))
     run = forward(model)
-    expected = run(TOKENS[:2], WHERE[:2])
+    segments = np.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 1, 0, 0]])
+    expected = run(TOKENS[:2], WHERE[:2], segment_ids=segments)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rules = [
         ("layers", None),
@@ -374,13 +379,18 @@ def test_sharded_forward_equals_single_device():
     assert q_kernel.sharding.spec == jax.P(None, None, "model")
     data = jax.sharding.NamedSharding(mesh, jax.P("data"))
     tokens, where = jax.device_put(TOKENS[:2], data), jax.device_put(WHERE[:2], data)
+    segment_ids = jax.device_put(segments, data)
 
     @jax.jit
-    def logits(state, tokens, where):
+    def logits(state, tokens, where, segment_ids):
         m = nnx.merge(graphdef, state)
-        return m.unembed(m(tokens, attention_where=where))
+        return m.unembed(m(tokens, where=where, segment_ids=segment_ids))
 
-    assert_close(logits(sharded, tokens, where), expected[1], rtol=1e-5, atol=1e-5)
+    out = logits(sharded, tokens, where, segment_ids)
+    assert_close(out, expected[1], rtol=1e-5, atol=1e-5)
+    # The packing is honoured: the second sequence of row 0 is not its unpacked continuation.
+    unpacked = np.asarray(run(TOKENS[:2], WHERE[:2])[1])
+    assert np.max(np.abs(np.asarray(out)[0, 3:] - unpacked[0, 3:])) > 1e-2
 
 
 def test_initialisation():
@@ -415,10 +425,12 @@ def test_errors_name_the_argument():
     tokens = jnp.zeros((2, 3), jnp.int32)
     with raises_naming("tokens"):
         model(jnp.zeros((2, 3)))
-    with raises_naming("attention_where"):
-        model(tokens, attention_where=jnp.ones((2, 3), jnp.int32))
+    with raises_naming("where"):
+        model(tokens, where=jnp.ones((2, 3), jnp.float32))
     with raises_naming("positions"):
         model(tokens, positions=jnp.zeros((2, 4), jnp.int32))
+    with raises_naming("segment_ids"):
+        model(tokens, segment_ids=jnp.ones((2, 3), jnp.float32))
     with raises_naming("config", error=TypeError):
         Decoder(dict(BASE), rngs=nnx.Rngs(0))
     with own_checks():
@@ -426,15 +438,46 @@ def test_errors_name_the_argument():
             model(jnp.zeros((2, 3)))
         with raises_naming("tokens", "(6,)", error=ValueError):
             model(jnp.zeros((6,), jnp.int32))
-        with raises_naming("attention_where", error=TypeError):
-            model(tokens, attention_where=jnp.ones((2, 3), jnp.int32))
-        with raises_naming("attention_where", "(3, 2)", error=ValueError):
-            model(tokens, attention_where=jnp.ones((3, 2), bool))
+        with raises_naming("where", error=TypeError):
+            model(tokens, where=jnp.ones((2, 3), jnp.float32))
+        with raises_naming("where", "2", error=ValueError):
+            model(tokens, where=jnp.full((2, 3), 2))
+        with raises_naming("where", "(3, 2)", error=ValueError):
+            model(tokens, where=jnp.ones((3, 2), bool))
         with raises_naming("positions", "(2, 4)", "(2, 3)", error=ValueError):
             model(tokens, positions=jnp.zeros((2, 4), jnp.int32))
         with raises_naming("positions", error=TypeError):
             model(tokens, positions=jnp.zeros((2, 3)))
+        with raises_naming("segment_ids", error=TypeError):
+            model(tokens, segment_ids=jnp.ones((2, 3), jnp.float32))
+        with raises_naming("segment_ids", "(2, 4)", "(2, 3)", error=ValueError):
+            model(tokens, segment_ids=jnp.ones((2, 4), jnp.int32))
         with raises_naming("hidden", "(2, 3, 8)", error=ValueError):
             model.unembed(jnp.zeros((2, 3, 8)))
         with raises_naming("hidden", error=TypeError):
             model.unembed(jnp.zeros((2, 3, 64), jnp.int32))
+    with pytest.raises(TypeError, match="both 'attention_where'"):
+        model(tokens, where=jnp.ones((2, 3), bool), attention_where=jnp.ones((2, 3), bool))
+
+
+def test_integer_masks_and_the_deprecated_attention_where():
+    """`where` takes 0/1 integers; `attention_where=` still works, warns, and agrees."""
+    model = build(make_config())
+    graphdef, state = nnx.split(model)
+    expected = forward(model)(TOKENS, WHERE)[0]
+
+    @jax.jit
+    def old_call(state, tokens, where):
+        return nnx.merge(graphdef, state)(tokens, attention_where=where)
+
+    @jax.jit
+    def old_extend(state, tokens, where):
+        m = nnx.merge(graphdef, state)
+        return m.extend(tokens, attention_where=where, cache=m.init_cache(3, 7))[0]
+
+    integer = WHERE.astype(np.int32)
+    assert_close(forward(model)(TOKENS, integer)[0], expected, atol=0)
+    for run in (old_call, old_extend):
+        with pytest.warns(DeprecationWarning, match=r"attention_where=.*use .*\(where="):
+            out = run(state, TOKENS, integer)
+        assert_close(np.asarray(out)[WHERE], np.asarray(expected)[WHERE], atol=2e-5)

@@ -413,7 +413,7 @@ def test_matches_transformers(tmp_path, hf, family):
     expected = hf_logits(reference, TOKENS, WHERE)
     loaded = load_hf_checkpoint(directory)
     model = nnx.merge(loaded.graphdef, loaded.params)
-    logits = np.asarray(model.unembed(model(TOKENS, attention_where=WHERE)))
+    logits = np.asarray(model.unembed(model(TOKENS, where=WHERE)))
     assert logits.shape == (3, 12, VOCAB_SIZE)
     error = np.abs(logits - expected)[WHERE].max()
     assert error < 1e-4, error
@@ -452,7 +452,7 @@ def test_transformers_loads_a_model_saved_from_scratch(tmp_path, hf, family):
     """A model tunelib built itself (no base config) is read by transformers as the same model."""
     graphdef, params = nnx.split(build(make_config(**OURS[family], vocab_size=300), seed=3))
     model = nnx.merge(graphdef, params)
-    ours = np.asarray(model.unembed(model(TOKENS, attention_where=WHERE)))
+    ours = np.asarray(model.unembed(model(TOKENS, where=WHERE)))
     directory = save_hf_checkpoint(tmp_path / "ours", graphdef, params, model_type=family,
                                    max_shard_size=30_000)  # fmt: skip
     assert (directory / "model.safetensors.index.json").exists()

@@ -29,7 +29,7 @@ def test_fine_tune_a_checkpoint_on_chat_records_and_load_it_in_transformers(tmp_
     @jax.jit
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, params)
-        hidden = model(batch["tokens"], attention_where=batch["attention_where"])
+        hidden = model(batch["tokens"], where=batch["attention_where"])
         logps = token_logps(model.unembed(hidden), batch["targets"], where=batch["where"])
         return -logps.sum() / batch["where"].sum()
 
@@ -55,7 +55,7 @@ def test_fine_tune_a_checkpoint_on_chat_records_and_load_it_in_transformers(tmp_
     @jax.jit
     def logits(params):
         model = nnx.merge(graphdef, params)
-        return model.unembed(model(tokens, attention_where=where))
+        return model.unembed(model(tokens, where=where))
 
     ours = np.asarray(logits(params))
     assert np.abs(hf_logits(reference, tokens, where) - ours)[where].max() < 1e-4

@@ -119,6 +119,16 @@ def test_a_user_model_with_its_own_module_names(tmp_path):
     )
 
 
+def test_decoder_module_name_moved_to_models():
+    from tunelib.models import hf_module_name
+
+    path = "layers/1/mlp/gate_proj/kernel"
+    with pytest.warns(DeprecationWarning, match=r"peft.decoder_module_name.*hf_module_name"):
+        old = peft.decoder_module_name
+    assert old is hf_module_name and old(path) == "model.layers.1.mlp.gate_proj"
+    assert "decoder_module_name" not in peft.__all__
+
+
 def test_bad_peft_directories_are_errors_that_name_the_problem(tmp_path):
     params = decoder_params()
     adapters = trained(peft.init_lora(params, RULES, key=jax.random.key(0)))
@@ -185,7 +195,7 @@ def test_exported_adapters_give_the_same_logits_in_hugging_face_peft(tmp_path):
 
     def forward(params, tokens, where):
         model = nnx.merge(loaded.graphdef, params)
-        return model.unembed(model(tokens, attention_where=where))
+        return model.unembed(model(tokens, where=where))
 
     ours = jax.jit(lambda p, a: peft.lora(forward)(peft.apply_lora(p, a), tokens, where))(
         loaded.params, adapters

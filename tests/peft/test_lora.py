@@ -55,7 +55,7 @@ def trained(adapters, seed=7, size=0.1):
 
 def run_lora(graphdef, params, adapters, **kwargs):
     def forward(p, tokens):
-        return nnx.merge(graphdef, p)(tokens, attention_where=WHERE)
+        return nnx.merge(graphdef, p)(tokens, where=WHERE)
 
     return jax.jit(lambda p, a: peft.lora(forward)(peft.apply_lora(p, a, **kwargs), TOKENS))(
         params, adapters
@@ -63,7 +63,7 @@ def run_lora(graphdef, params, adapters, **kwargs):
 
 
 def run_dense(graphdef, params):
-    return jax.jit(lambda p: nnx.merge(graphdef, p)(TOKENS, attention_where=WHERE))(params)
+    return jax.jit(lambda p: nnx.merge(graphdef, p)(TOKENS, where=WHERE))(params)
 
 
 # ----------------------------------------------------------------------------- the product
@@ -180,7 +180,7 @@ def test_gradients_flow_into_adapters_only():
     adapters = peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1))
 
     def loss(adapters, params):
-        out = peft.lora(lambda p: nnx.merge(graphdef, p)(TOKENS, attention_where=WHERE))(
+        out = peft.lora(lambda p: nnx.merge(graphdef, p)(TOKENS, where=WHERE))(
             peft.apply_lora(params, adapters)
         )
         return jnp.sum(out[..., :8] ** 2)
@@ -244,7 +244,7 @@ def test_second_call_with_new_adapters_does_not_retrace():
     adapters = peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1))
 
     def forward(params, adapters):
-        fn = peft.lora(lambda p: nnx.merge(graphdef, p)(TOKENS, attention_where=WHERE))
+        fn = peft.lora(lambda p: nnx.merge(graphdef, p)(TOKENS, where=WHERE))
         return fn(peft.apply_lora(params, adapters))
 
     assert_traced_once(forward, [((params, adapters), {}), ((params, trained(adapters)), {})])
@@ -374,7 +374,7 @@ def test_remat_and_custom_vjp_regions_keep_the_weights_adapted():
 
     def loss(params):
         model = nnx.merge(graphdef, params)
-        hidden = model(TOKENS, attention_where=WHERE)
+        hidden = model(TOKENS, where=WHERE)
         token = logprobs.fused_token_logps(hidden, model.unembedding(), targets, where=WHERE)
         return -token.sum()
 

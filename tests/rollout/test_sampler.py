@@ -46,7 +46,7 @@ def make_model(seed: int = 0, config: DecoderConfig = CONFIG):
 def full_logits(graphdef, params, tokens, where):
     """Uncached `[B, T, V]` logits of whole sequences."""
     model = nnx.merge(graphdef, params)
-    return model.unembed(model(tokens, attention_where=where))
+    return model.unembed(model(tokens, where=where))
 
 
 def naive_greedy(graphdef, params, prompts, where, steps, stop=()):

@@ -5,6 +5,8 @@
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
 `config.json`; `load_hf_checkpoint` and `save_hf_checkpoint` read and write Hugging Face
 checkpoints (safetensors, one file or sharded) of the Llama, Mistral, Qwen2 and Qwen3 families.
+`PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
+weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 """
 
 from tunelib.models._config import DecoderConfig
@@ -16,12 +18,14 @@ from tunelib.models._hf_checkpoint import (
     save_hf_checkpoint,
 )
 from tunelib.models._hf_config import MODEL_TYPES, config_from_hf, config_to_hf
+from tunelib.models._names import PROJECTION_KERNELS, hf_module_name
 from tunelib.models._rope import rope_frequencies
 from tunelib.models._sharding import TENSOR_PARALLEL_RULES, param_shardings
 
 __all__ = [
     "COPIED_FILES",
     "MODEL_TYPES",
+    "PROJECTION_KERNELS",
     "TENSOR_PARALLEL_RULES",
     "Decoder",
     "DecoderConfig",
@@ -29,6 +33,7 @@ __all__ = [
     "KVCache",
     "config_from_hf",
     "config_to_hf",
+    "hf_module_name",
     "load_hf_checkpoint",
     "param_shardings",
     "rope_frequencies",

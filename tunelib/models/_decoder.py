@@ -4,11 +4,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
 from tunelib import _validation as v
+from tunelib._deprecation import renamed_arguments
+from tunelib._typing import Mask
 from tunelib.models._config import DecoderConfig
 from tunelib.models._layers import DecoderLayer, Dense, Embedding, RMSNorm
 from tunelib.models._rope import rope_angles, rope_frequencies
@@ -33,9 +36,10 @@ class Decoder(nnx.Module):
     where attention head $n$ uses key/value head $\lfloor n / (N/K) \rfloor$ (grouped-query
     attention), queries and keys are (optionally RMS-normalised over the head, then) rotated
     by RoPE at their positions, and query $t$ of a row attends to key $s$ iff $s \le t$,
-    `attention_where[s]` and, with `config.sliding_window` $W$, $t - s < W$. Tokens $x$ =
-    `tokens`, $U$ = `unembedding()` ($E^\top$ when `config.tie_word_embeddings`). The
-    architecture and the Hugging Face name of every weight are in `docs/models.md`.
+    `where[s]`, `segment_ids[s] == segment_ids[t]` (packed sequences) and, with
+    `config.sliding_window` $W$, $t - s < W$. Tokens $x$ = `tokens`, $U$ = `unembedding()`
+    ($E^\top$ when `config.tie_word_embeddings`). The architecture and the Hugging Face name
+    of every weight are in `docs/models.md`.
 
     Calling the model returns `out`; `unembed(out)` gives the logits, kept separate so that a
     chunked log-prob computation can take `out` and `unembedding()` without ever forming
@@ -57,12 +61,20 @@ class Decoder(nnx.Module):
       >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
       >>> tokens = jnp.array([[0, 0, 5, 7, 9]])
       >>> where = jnp.array([[False, False, True, True, True]])  # left-padded prompt
-      >>> hidden = model(tokens, attention_where=where)
+      >>> hidden = model(tokens, where=where)
       >>> logits = model.unembed(hidden)
       >>> print(hidden.shape, logits.shape, model.unembedding().shape)
       (1, 5, 64) (1, 5, 32) (64, 32)
       >>> print(jnp.sqrt(jnp.mean(hidden[0, 2:] ** 2, axis=-1)).round(3))  # unit RMS
       [1. 1. 1.]
+
+      Two sequences packed into one row attend only within themselves, and their default
+      positions restart at 0, so each gives the hidden states it gives alone:
+
+      >>> packed = model(jnp.array([[5, 7, 9, 4, 6]]), segment_ids=jnp.array([[1, 1, 1, 2, 2]]))
+      >>> alone = model(jnp.array([[4, 6]]))
+      >>> print(bool(jnp.allclose(packed[:, 3:], alone, atol=1e-6)))
+      True
 
     References:
       Touvron et al., "LLaMA: Open and Efficient Foundation Language Models", 2023,
@@ -93,23 +105,33 @@ class Decoder(nnx.Module):
             )
         )
 
+    @renamed_arguments(attention_where="where")
     def __call__(
         self,
         tokens: Int[ArrayLike, "B T"],
-        attention_where: Bool[ArrayLike, "B T"] | None = None,
+        where: Mask[ArrayLike, "B T"] | None = None,
         positions: Int[ArrayLike, "B T"] | None = None,
+        segment_ids: Int[ArrayLike, "B T"] | None = None,
     ) -> Float[Array, "B T H"]:
         """Final-norm hidden states of every position.
 
         Args:
           tokens: `[B, T]` integer token ids in `[0, V)`; ids at padded positions are
             ignored and may be anything (for example -100).
-          attention_where: `[B, T]` boolean mask, True = a real token, False = padding
-            (left, right or anywhere). Padded keys are invisible to every query; outputs at
-            padded positions are finite but meaningless. None means all real.
+          where: `[B, T]` mask, True (or 1) = a real token, False (or 0) = padding (left,
+            right or anywhere). Padded keys are invisible to every query; outputs at padded
+            positions are finite but meaningless. None means all real. Formerly
+            `attention_where`, which still works for one release with a
+            `DeprecationWarning`.
           positions: `[B, T]` integer RoPE positions. None means, per row, the number of real
-            tokens before each position, `max(cumsum(attention_where) - 1, 0)`, so a
-            left-padded prompt gets positions 0, 1, ... on its real tokens.
+            tokens before each position, `max(cumsum(where) - 1, 0)`, so a left-padded prompt
+            gets positions 0, 1, ... on its real tokens; with `segment_ids`, the number of
+            real tokens before it in its own segment (positions restart at 0 in each).
+          segment_ids: `[B, T]` integer ids of packed sequences: 1, 2, ... for the sequences
+            of a row, each a contiguous run of columns, and 0 on padding (a token of segment
+            0 is padding whatever `where` says). A query attends only to keys of its own
+            segment, so every packed sequence gives the hidden states it gives alone. None
+            means one sequence per row.
 
         Returns:
           `[B, T, H]` hidden states in the compute dtype `config.dtype`.
@@ -118,15 +140,19 @@ class Decoder(nnx.Module):
         tokens = v.int_array(tokens, "tokens")
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}.")
-        where = v.mask_array(attention_where, tokens.shape, "attention_where")
+        where = v.mask_array(where, tokens.shape, "where")
+        if segment_ids is not None:
+            segment_ids = v.int_array(segment_ids, "segment_ids")
+            v.check_shape(segment_ids, "segment_ids", tokens.shape, f"tokens {tokens.shape}")
+            where = where & (segment_ids != 0)
         if positions is None:
-            positions = jnp.maximum(jnp.cumsum(where, axis=-1, dtype=jnp.int32) - 1, 0)
+            positions = _default_positions(where, segment_ids)
         else:
             positions = v.int_array(positions, "positions")
             v.check_shape(positions, "positions", tokens.shape, f"tokens {tokens.shape}")
 
         high = v.compute_dtype(c.compute_dtype)
-        allowed, fill = _attention_mask(where, high, c.sliding_window)
+        allowed, fill = _attention_mask(where, segment_ids, high, c.sliding_window)
         x, _ = self._run_layers(tokens, where, positions, allowed, fill)
         return self.norm(x)
 
@@ -151,10 +177,11 @@ class Decoder(nnx.Module):
             index=jnp.zeros((), jnp.int32),
         )
 
+    @renamed_arguments(attention_where="where")
     def extend(
         self,
         tokens: Int[ArrayLike, "B T"],
-        attention_where: Bool[ArrayLike, "B T"] | None,
+        where: Mask[ArrayLike, "B T"] | None,
         cache: "KVCache",
     ) -> tuple[Float[Array, "B T H"], "KVCache"]:
         """Hidden states of `T` new tokens per row, attending to the cache and each other.
@@ -170,8 +197,9 @@ class Decoder(nnx.Module):
         entry adds a padding slot that no query will see.
 
         Args:
-          tokens: `[B, T]` token ids; ignored where `attention_where` is False.
-          attention_where: `[B, T]` True = a real token; None means all real.
+          tokens: `[B, T]` token ids; ignored where `where` is False.
+          where: `[B, T]` mask, True (or 1) = a real token; None means all real. Formerly
+            `attention_where` (deprecated, still accepted for one release).
           cache: the `KVCache` from `init_cache` or a previous `extend`. Its index is
             traced, so writing past its last slot cannot be caught here: the caller sizes
             the cache (`tunelib.rollout.sample` checks it before compiling).
@@ -183,7 +211,7 @@ class Decoder(nnx.Module):
         tokens = v.int_array(tokens, "tokens")
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}.")
-        where = v.mask_array(attention_where, tokens.shape, "attention_where")
+        where = v.mask_array(where, tokens.shape, "where")
         b, t = tokens.shape
         slots = cache.where.shape[1]
         if cache.keys.shape[1] != b:
@@ -198,7 +226,7 @@ class Decoder(nnx.Module):
         allowed = causal & key_where[:, None, :]
         if c.sliding_window is not None:
             allowed &= _in_window(query_slots, jnp.arange(slots), c.sliding_window)
-        allowed = allowed[:, None, None]
+        allowed = rearrange(allowed, "b t s -> b 1 1 t s")  # over kv heads, groups
         lowest = jnp.finfo(v.compute_dtype(c.compute_dtype)).min
         fill = jnp.where(causal, 0.5 * lowest, lowest).astype(v.compute_dtype(c.compute_dtype))
         x, (keys, values) = self._run_layers(
@@ -298,24 +326,42 @@ class KVCache(NamedTuple):
     index: Int[Array, ""]
 
 
+def _default_positions(where: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """Each token's RoPE position: the real tokens before it in its row, or in its segment.
+
+    With `segment_ids`, a segment starts where the id changes from the column before; the
+    real tokens before its start are subtracted, so positions restart at 0 in each segment.
+    """
+    counts = jnp.cumsum(where, axis=-1, dtype=jnp.int32)  # real tokens up to and with t
+    if segment_ids is not None:
+        before = counts - where  # real tokens strictly before t
+        first = jnp.ones_like(segment_ids[:, :1], jnp.bool_)
+        starts = jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        # `before` never decreases, so the running max is its value at the latest start.
+        counts = counts - jax.lax.cummax(jnp.where(starts, before, 0), axis=1)
+    return jnp.maximum(counts - 1, 0)
+
+
 def _attention_mask(
-    where: jax.Array, dtype: jnp.dtype, window: int | None
+    where: jax.Array, segment_ids: jax.Array | None, dtype: jnp.dtype, window: int | None
 ) -> tuple[jax.Array, jax.Array]:
     """Which keys each query sees, `[B, 1, 1, T, S]`, and the scores of the others, `[T, S]`.
 
-    A query sees the real keys at or before it (and, with a sliding `window`, less than
-    `window` slots before it). The scores of unseen keys are finite, so a padded query with no
-    visible key still gives finite outputs; future keys score far below padded ones, so such
-    a query attends to the padded keys before it and stays causal.
+    A query sees the real keys of its own segment at or before it (and, with a sliding
+    `window`, less than `window` slots before it). The scores of unseen keys are finite, so a
+    padded query with no visible key still gives finite outputs; future keys score far below
+    padded ones, so such a query attends to the padded keys before it and stays causal.
     """
     t = where.shape[-1]
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
     allowed = causal & where[:, None, :]
+    if segment_ids is not None:
+        allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
     if window is not None:
         allowed &= _in_window(jnp.arange(t), jnp.arange(t), window)
     lowest = jnp.finfo(dtype).min
     fill = jnp.where(causal, 0.5 * lowest, lowest).astype(dtype)
-    return allowed[:, None, None], fill  # broadcast over kv heads, groups
+    return rearrange(allowed, "b t s -> b 1 1 t s"), fill  # over kv heads, groups
 
 
 def _in_window(query_slots: jax.Array, key_slots: jax.Array, window: int) -> jax.Array:

@@ -18,6 +18,7 @@ from jaxtyping import PyTree
 from tunelib.models._config import DecoderConfig
 from tunelib.models._decoder import Decoder
 from tunelib.models._hf_config import config_from_hf, config_to_hf
+from tunelib.models._names import hf_module_name
 from tunelib.models._safetensors import FLOAT_DTYPES, TensorFiles, TensorToWrite, write_tensors
 from tunelib.models._sharding import TENSOR_PARALLEL_RULES, param_shardings
 
@@ -87,14 +88,14 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
         *modules, name = path
         suffix = "bias" if name == "bias" else "weight"
         stacked = config.scan_layers and modules[0] == "layers"
-        prefix = () if modules[0] == "lm_head" else ("model",)
         if stacked:
-            hf_names = tuple(
-                ".".join(map(str, (*prefix, "layers", layer, *modules[1:], suffix)))
-                for layer in range(config.num_hidden_layers)
-            )
+            layers = range(config.num_hidden_layers)
+            module_paths = [("layers", layer, *modules[1:]) for layer in layers]
         else:
-            hf_names = (".".join(map(str, (*prefix, *modules, suffix))),)
+            module_paths = [tuple(modules)]
+        hf_names = tuple(
+            f"{hf_module_name('/'.join(map(str, (*m, name))))}.{suffix}" for m in module_paths
+        )
         out.append(_Weight(path, hf_names, stacked, name == "kernel", tuple(leaf.shape)))
     return out
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from flax import nnx
 
 from tunelib import _validation as v
@@ -99,11 +100,7 @@ class Attention(nnx.Module):
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        )
+        self.num_kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
         self.dtype = c.compute_dtype
         q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         bias = c.attention_bias
@@ -140,11 +137,10 @@ class Attention(nnx.Module):
         into a slice of them, lets XLA update the cache in place inside a decode loop.
         Returns the output and the updated cache (None without one).
         """
-        b, t, _ = x.shape
-        k_heads, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, t, self.num_heads, d)
-        k = self.k_proj(x).reshape(b, t, k_heads, d)
-        val = self.v_proj(x).reshape(b, t, k_heads, d)
+        d = self.head_dim
+        q = rearrange(self.q_proj(x), "b t (n d) -> b t n d", d=d)
+        k = rearrange(self.k_proj(x), "b t (k d) -> b t k d", d=d)
+        val = rearrange(self.v_proj(x), "b t (k d) -> b t k d", d=d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -155,14 +151,14 @@ class Attention(nnx.Module):
             all_v = jax.lax.dynamic_update_slice(all_v, val.astype(all_v.dtype)[None], start)
             k, val = all_k[layer], all_v[layer]
             cache = (all_k, all_v, layer, index)
-        # Query head n = kv_head * groups + g reads key/value head kv_head.
-        q = q.reshape(b, t, k_heads, groups, d)
+        # Query head n = k * groups + g reads key/value head k (grouped-query attention).
+        q = rearrange(q, "b t (k g) d -> b t k g d", k=self.num_kv_heads)
         high = v.compute_dtype(self.dtype)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=high)
         scores = jnp.where(allowed, scores * jnp.asarray(d**-0.5, high), fill)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, val.astype(self.dtype))
-        return self.o_proj(out.reshape(b, t, self.num_heads * d)), cache
+        return self.o_proj(rearrange(out, "b t k g d -> b t (k g d)")), cache
 
 
 class MLP(nnx.Module):

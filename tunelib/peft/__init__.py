@@ -7,24 +7,16 @@ $xW + s\\,(xA)B$ without forming $W + s\\,AB$, and products with quantised base 
 (`quantize_params`: NF4 as in QLoRA and bitsandbytes, or int8) dequantise per layer under a
 custom VJP. `merge_lora` folds adapters in for export; `save_adapters` / `restore_adapters`
 (Orbax) and `export_peft` / `import_peft` (the Hugging Face PEFT format) store them.
+
+Importing this package changes no global state: the two rules it adds to Quax (custom VJPs and
+remat regions) are installed by the first call of a `lora(fn)`-wrapped function.
 """
 
-from tunelib.peft._adapters import (
-    LoraAdapter,
-    init_lora,
-    lora_labels,
-    lora_mask,
-    merge_lora,
-    unmerge_lora,
-)
-from tunelib.peft._export import (
-    decoder_module_name,
-    export_peft,
-    import_peft,
-    restore_adapters,
-    save_adapters,
-)
+from tunelib._deprecation import moved_names
+from tunelib.peft._adapters import LoraAdapter, init_lora, merge_lora, unmerge_lora
+from tunelib.peft._export import export_peft, import_peft, restore_adapters, save_adapters
 from tunelib.peft._int8 import Int8Tensor, int8_quantize
+from tunelib.peft._labels import lora_labels, lora_mask
 from tunelib.peft._nf4 import (
     DYNAMIC_MAP,
     NF4_VALUES,
@@ -53,7 +45,6 @@ __all__ = [
     "UnmatchedRuleWarning",
     "apply_lora",
     "bits_per_parameter",
-    "decoder_module_name",
     "dequantize_params",
     "export_peft",
     "import_peft",
@@ -73,3 +64,5 @@ __all__ = [
     "unmerge_lora",
     "unpack_nibbles",
 ]
+
+__getattr__ = moved_names(__name__, {"decoder_module_name": ("tunelib.models", "hf_module_name")})

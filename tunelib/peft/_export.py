@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
+from tunelib.models import hf_module_name
 from tunelib.peft._adapters import LoraAdapter, adapter_leaves, check_adapters, set_nested
 from tunelib.peft._rules import array_keys, array_leaves, keyed_leaves
 
@@ -109,17 +110,6 @@ def restore_adapters(directory: str | os.PathLike) -> dict:
 # ----------------------------------------------------------------------------- PEFT
 
 
-def decoder_module_name(path: str) -> str:
-    """The Hugging Face module of a `tunelib.models.Decoder` weight path.
-
-    `layers/3/self_attn/q_proj/kernel` is `model.layers.3.self_attn.q_proj`;
-    `lm_head/kernel` is `lm_head` (see `docs/models.md`).
-    """
-    *modules, _ = path.split("/")
-    name = ".".join(modules)
-    return name if modules[0] == "lm_head" else "model." + name
-
-
 def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str]) -> list[str]:
     """The module names of a weight: one, or one per layer of a stacked `[L, ...]` weight
     (the layer index goes after the path's first key, where `nnx.scan` stacks it)."""
@@ -144,7 +134,7 @@ def export_peft(
     adapters: PyTree,
     params: PyTree,
     *,
-    module_name: Callable[[str], str] = decoder_module_name,
+    module_name: Callable[[str], str] = hf_module_name,
     base_model_name_or_path: str | None = None,
 ) -> None:
     """Write adapters in the Hugging Face PEFT format: `adapter_config.json` and
@@ -164,7 +154,7 @@ def export_peft(
       adapters: the adapters to export (float32 or float16; other dtypes as float32).
       params: the base parameters they belong to (for shapes and the module list).
       module_name: maps an unstacked `/`-joined weight path to its Hugging Face module name;
-        the default is `decoder_module_name`, for `tunelib.models.Decoder`.
+        the default is `tunelib.models.hf_module_name`, for `tunelib.models.Decoder`.
       base_model_name_or_path: recorded in the config for `peft.PeftModel.from_pretrained`.
     """
     from safetensors.numpy import save_file
@@ -253,7 +243,7 @@ def import_peft(
     directory: str | os.PathLike,
     params: PyTree,
     *,
-    module_name: Callable[[str], str] = decoder_module_name,
+    module_name: Callable[[str], str] = hf_module_name,
     layout: str = "in_out",
 ) -> dict:
     """Adapters read from a Hugging Face PEFT LoRA directory, for the weights of `params`.

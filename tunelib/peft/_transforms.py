@@ -13,6 +13,10 @@ materialised. Models and losses use both (tunelib's fused log-prob head; the dec
 - remat: the region's body is quaxified and checkpointed again with the same policy, so
   adapted and quantised weights stay what they are inside it and the recomputation in the
   backward pass recomputes their products, not a merged weight.
+
+Both reach into Quax's internals (its trace class and rule table), which is why
+`pyproject.toml` pins `quax<0.5`. Nothing is installed at import: `install` runs on the first
+call of a `tunelib.peft.lora`-wrapped function, once per process.
 """
 
 import jax
@@ -52,9 +56,16 @@ def _remat(*args: ArrayLike | quax.ArrayValue, jaxpr, prevent_cse, differentiate
     return jax.checkpoint(region, prevent_cse=prevent_cse, policy=policy)(*flat)
 
 
+_installed = False
+
+
 def install() -> None:
-    """Give Quax the two rules (the custom-VJP one unless its trace has its own)."""
+    """Give Quax the two rules, once (the custom-VJP one unless its trace has its own)."""
+    global _installed
+    if _installed:
+        return
     trace = _trace._QuaxTrace
     if trace.process_custom_vjp_call is core.Trace.process_custom_vjp_call:
         trace.process_custom_vjp_call = _process_custom_vjp_call
     quax.register(remat_p)(_remat)
+    _installed = True

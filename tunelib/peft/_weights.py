@@ -8,6 +8,7 @@ see arrays. Any other operation on a `LoraWeight` (indexing, reshaping, a gather
 materialises $W + s\,AB$ and warns with a `MaterializationWarning`.
 """
 
+import functools
 import math
 import warnings
 from typing import Any
@@ -23,8 +24,6 @@ from tunelib._validation import compute_dtype
 from tunelib.peft import _transforms
 from tunelib.peft._adapters import check_adapters
 from tunelib.peft._rules import path_string
-
-_transforms.install()
 
 
 class MaterializationWarning(UserWarning):
@@ -126,7 +125,19 @@ def lora(fn):
     Flax's `Linear`) with a `LoraWeight` computes $x W + s\\,(x A) B$, and with an
     `NF4Tensor` or `Int8Tensor` dequantises the weight under a custom VJP that keeps only the
     stored codes for the backward pass. Works under `jax.jit`, `jax.grad`, `jax.vmap`,
-    `lax.scan` (stacked layers) and `lax.while_loop`. This is `quax.quaxify`.
+    `lax.scan` (stacked layers), `lax.while_loop`, `jax.checkpoint` (remat) and with
+    `jax.custom_vjp` functions inside `fn`. This is `quax.quaxify`, plus two rules.
+
+    Note:
+      Quax (pinned to `quax>=0.4.6,<0.5` in `pyproject.toml`) does not carry custom VJPs or
+      remat regions through its trace. The first call of any `lora`-wrapped function
+      teaches it both, once for the process, and importing `tunelib.peft` changes nothing:
+      it sets `quax`'s trace class's `process_custom_vjp_call` (unless the installed Quax
+      has its own), which binds a custom-VJP function on plain arrays one level up (an
+      adapted weight passed straight into one is materialised first), and it registers a
+      Quax rule for `jax.checkpoint`'s primitive, which keeps adapted and quantised weights
+      as they are inside the region. Other Quax users in the same process see these two
+      rules from then on.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -146,7 +157,14 @@ def lora(fn):
       >>> print(grads["w1"].a.shape, grads["w1"].b.shape)
       (4, 2) (2, 8)
     """
-    return quax.quaxify(fn)
+    quaxified = quax.quaxify(fn)
+
+    @functools.wraps(fn, updated=())
+    def run(*args, **kwargs):
+        _transforms.install()
+        return quaxified(*args, **kwargs)
+
+    return run
 
 
 # ----------------------------------------------------------------------------- dispatch rules

@@ -1,0 +1,136 @@
+"""Log-probs of sampled completions under a model, with the shift to the next token done once."""
+
+import jax
+import jax.numpy as jnp
+from einops import repeat
+from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int, PyTree
+
+from tunelib import _validation as v
+from tunelib._typing import Mask, Scalar
+from tunelib.logprobs import IMPLEMENTATIONS, fused_token_logps
+
+
+def completion_logps(
+    graphdef: nnx.GraphDef,
+    params: PyTree,
+    prompt_tokens: Int[ArrayLike, "B P"],
+    prompt_where: Mask[ArrayLike, "B P"],
+    tokens: Int[ArrayLike, "R N"],
+    where: Mask[ArrayLike, "R N"],
+    *,
+    temperature: Scalar = 1.0,
+    with_entropy: bool = False,
+    implementation: str = "auto",
+) -> Float[Array, "R N"] | tuple[Float[Array, "R N"], Float[Array, "R N"]]:
+    r"""Log-probs (and entropy) of completion tokens after their prompts, under `params`.
+
+    $$
+    \log \pi_\theta(y_j \mid x, y_{<j}) = \Big[\log \mathrm{softmax}\big(h_{s(j)}\, U / \tau
+    \big)\Big]_{y_j}, \qquad
+    H_j = -\sum_v \pi_{j,v} \log \pi_{j,v}
+    $$
+
+    where $h$ are the decoder's hidden states over the concatenation $[x; y]$ of a prompt and
+    its completion, $s(j)$ is the last real position before completion token $y_j$ (the last
+    real prompt token for $j = 0$, wherever the prompt's padding is), $U$ the unembedding and
+    $\tau$ the temperature. $x$ = `prompt_tokens` (real where `prompt_where`), $y$ =
+    `tokens` (real where `where`), $\tau$ = `temperature`, $\theta$ = `params`. The log-probs
+    come from the fused head (`tunelib.logprobs.fused_token_logps`), so no `[R, N, V]`
+    logits are formed, and are exactly 0 (with zero gradient) where `where` is False.
+
+    It takes a `Rollout` as `sample` returns it: `completion_logps(graphdef, params,
+    prompt_tokens, prompt_where, out.tokens, out.where, temperature=τ)` recomputes
+    `out.logps` (with `logps_of="tempered"`, the default) up to float rounding, and with
+    `group_size` G the `B * G` completions follow the `B` prompts (row `b * G + g`
+    continues prompt `b`). Wrap it in `tunelib.peft.lora` to score under adapters:
+    `peft.lora(completion_logps)(graphdef, peft.apply_lora(params, adapters), ...)`.
+
+    Each prompt needs at least one real token, as for `sample`. The prompt is run once per
+    completion (G times in a group): the forward pass is over `[R, P + N]` tokens.
+
+    Note:
+      TRL and Tunix slice the logits of left-padded prompts at `[P - 1, P + N - 1)` and
+      divide them by the temperature; this is the same computation, for prompts padded on
+      either side.
+
+    Args:
+      graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` (static).
+      params: its parameters (an `nnx.State` or the pure dict of one); inside
+        `tunelib.peft.lora`, adapted or quantised weights.
+      prompt_tokens: `[B, P]` prompt token ids.
+      prompt_where: `[B, P]` mask, True (or 1) on real prompt tokens.
+      tokens: `[R, N]` completion token ids, `R = B * G`.
+      where: `[R, N]` mask, True (or 1) on the completion tokens to score.
+      temperature: $\tau > 0$; may be traced.
+      with_entropy: also return the per-token entropy $H_j$ (static).
+      implementation: the fused head's implementation, one of
+        `tunelib.logprobs.IMPLEMENTATIONS` (static; "auto" picks per backend).
+
+    Returns:
+      `[R, N]` float32 log-probs; with `with_entropy`, the pair `(logps, entropy)`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from tunelib.models import Decoder, DecoderConfig
+      >>> from tunelib.rollout import SamplingConfig, completion_logps, sample
+      >>> cfg = DecoderConfig(vocab_size=16, hidden_size=32, intermediate_size=64,
+      ...                     num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+      >>> graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+      >>> prompts = jnp.array([[0, 3, 4], [5, 6, 7]])
+      >>> prompt_where = jnp.array([[False, True, True], [True, True, True]])
+      >>> out = sample(graphdef, params, prompts, prompt_where, jax.random.key(0),
+      ...              SamplingConfig(max_new_tokens=4, temperature=0.7), group_size=2)
+      >>> logps = completion_logps(graphdef, params, prompts, prompt_where, out.tokens,
+      ...                          out.where, temperature=0.7)
+      >>> print(logps.shape, bool(jnp.allclose(logps, out.logps, atol=1e-5)))
+      (4, 4) True
+      >>> tokens, where = jnp.array([[9, 2, 0]]), jnp.array([[True, True, False]])
+      >>> print(completion_logps(graphdef, params, prompts[:1], prompt_where[:1], tokens,
+      ...                        where).round(2))
+      [[-2.68 -2.61  0.  ]]
+
+    References:
+      Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
+      Language Models" (GRPO, which scores its samples this way), 2024,
+      https://arxiv.org/abs/2402.03300.
+    """
+    prompt_tokens = v.int_array(prompt_tokens, "prompt_tokens")
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must have shape [B, P], got {prompt_tokens.shape}.")
+    prompt_where = v.mask_array(prompt_where, prompt_tokens.shape, "prompt_where")
+    tokens = v.int_array(tokens, "tokens")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must have shape [R, N], got {tokens.shape}.")
+    where = v.mask_array(where, tokens.shape, "where")
+    v.one_of(implementation, "implementation", IMPLEMENTATIONS)
+    (batch, prompt_len), (rows, _) = prompt_tokens.shape, tokens.shape
+    if rows % batch:
+        raise ValueError(
+            f"tokens has {rows} rows, which is not a multiple of the {batch} prompts of "
+            f"prompt_tokens {prompt_tokens.shape}: row b * G + g must continue prompt b."
+        )
+    if rows > batch:  # a group of G completions per prompt, as `sample` lays them out
+        group = rows // batch
+        prompt_tokens = repeat(prompt_tokens, "b p -> (b g) p", g=group)
+        prompt_where = repeat(prompt_where, "b p -> (b g) p", g=group)
+    model = nnx.merge(graphdef, params)
+    all_where = jnp.concatenate([prompt_where, where], axis=1)
+    hidden = model(jnp.concatenate([prompt_tokens, tokens], axis=1), where=all_where)
+    # Completion token j sits at column P + j and is predicted by the last real column
+    # before it: a running max of the real columns' indices, read at P - 1 + j.
+    columns = jnp.arange(all_where.shape[1] - 1)
+    last_real = jax.lax.cummax(jnp.where(all_where[:, :-1], columns, 0), axis=1)
+    source = last_real[:, prompt_len - 1 :]
+    hidden = jnp.take_along_axis(hidden, source[..., None], axis=1)
+    return fused_token_logps(
+        hidden,
+        model.unembedding(),
+        tokens,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        where=where,
+        implementation=implementation,
+    )
