@@ -89,7 +89,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     def sequence_logps(params, batch):
         return pairs.pair_logps(
             graphdef, params, batch, implementation=config.logprobs,
-            max_segments=data.MAX_SEGMENTS,
+            max_segments=data.max_segments(task),
         )  # fmt: skip
 
     def loss_fn(trainable, frozen, batch, dropout_key):

@@ -251,8 +251,8 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
             spread = advantages.dynamic_sampling_mask(rewards, group_size=group)
             keep = np.repeat(np.asarray(spread), group)
         batch = {
-            "prompt_tokens": np.repeat(prompt_tokens, group, axis=0),
-            "prompt_where": np.repeat(prompt_where, group, axis=0),
+            "prompt_tokens": prompt_tokens,  # [B, P]; completion_logps repeats them per group
+            "prompt_where": prompt_where,
             "tokens": out.tokens,
             "where": out.where,
             "logps": out.logps,

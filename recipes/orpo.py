@@ -62,9 +62,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
 
     def loss_fn(params, batch):
-        both = pairs.pair_logps(
-            graphdef, params, batch, implementation=config.logprobs, max_segments=1
-        )
+        both = pairs.pair_logps(graphdef, params, batch, implementation=config.logprobs)
         per_pair = losses.orpo_loss(
             both.chosen_mean, both.rejected_mean, odds_ratio_weight=config.odds_ratio_weight
         )

@@ -86,8 +86,8 @@ def _file(config, kind: str, tokenizer) -> Task:
         records, report = read_records(path, kind=kind, on_invalid=on_invalid)
     except RecordError as error:
         raise UserError(f"--data {path}: {error} (--skip-invalid drops invalid records)") from None
-    except (ValueError, OSError) as error:
-        raise UserError(f"--data {path}: {error}") from None
+    except (ValueError, OSError) as error:  # the message names the file
+        raise UserError(f"--data: {str(error).rstrip('.')}") from None
     if report.num_skipped:
         print(f"--data {path}: kept {report.kept} records, skipped {dict(report.skipped)}")
     if not records:
@@ -118,6 +118,12 @@ def load_task(config, kind: str, tokenizer, *, num_train: int | None = None) -> 
     return task
 
 
+def max_segments(task: Task) -> int:
+    """A bound on the sequences a packed row holds: each takes at least two columns (a
+    prompt token and a completion token), and pairs come whole (an even bound)."""
+    return max(2, task.max_length // 2 // 2 * 2)
+
+
 def batches(task: Task, config, *, kind: str, packing: bool = False):
     """The endless, shuffled training batches of `task` (a checkpointable Grain iterator)."""
     from tunelib.data import RecordError, preference_dataset, sft_dataset
@@ -129,7 +135,7 @@ def batches(task: Task, config, *, kind: str, packing: bool = False):
             dataset(
                 task.train, task.tokenizer, max_length=task.max_length,
                 batch_size=config.batch_size, seed=config.seed, packing=packing,
-                on_invalid=on_invalid,
+                max_segments=max_segments(task) if packing else None, on_invalid=on_invalid,
             )
         )  # fmt: skip
     except RecordError as error:

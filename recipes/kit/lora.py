@@ -52,16 +52,16 @@ class Tuning:
 def tuning(config, params: dict) -> Tuning:
     """Full fine-tuning, or fresh adapters on every attention and MLP projection."""
     from tunelib import peft
-    from tunelib.models import LORA_TARGETS
+    from tunelib.models import PROJECTION_KERNELS
 
     if not config.lora_rank:
         return Tuning(params, None, "full")
     rule = peft.LoraRule(
-        pattern=LORA_TARGETS,
+        pattern=PROJECTION_KERNELS,
         rank=config.lora_rank,
         alpha=config.lora_alpha or 2.0 * config.lora_rank,
         dropout=config.lora_dropout,
     )
     adapters = peft.init_lora(params, [rule], key=jax.random.key(config.seed + 1))
-    base = peft.quantize_params(params, [LORA_TARGETS]) if config.qlora else params
+    base = peft.quantize_params(params, [PROJECTION_KERNELS]) if config.qlora else params
     return Tuning(adapters, base, "qlora" if config.qlora else "lora")

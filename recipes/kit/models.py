@@ -96,12 +96,16 @@ def new_model(tokenizer, size: str, seed: int) -> Model:
 
 
 def _tokenizer(folder: Path):
-    """The tokenizer saved with a model; the character tokenizer for older recipe models."""
-    from tunelib.data import CharTokenizer, HFTokenizer
+    """The tokenizer saved with a model; the character tokenizer for recipe models saved
+    before models carried their tokenizer."""
+    from tunelib.data import CharTokenizer, load_tokenizer
 
-    if (folder / "tokenizer.json").is_file():
-        return HFTokenizer.from_directory(folder)
-    return CharTokenizer()
+    try:
+        return load_tokenizer(folder)
+    except FileNotFoundError:
+        return CharTokenizer()
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def load_model(path: Path) -> Model:

@@ -22,8 +22,11 @@ class PairLogps(NamedTuple):
     real: jax.Array
 
 
-def pair_logps(graphdef, params, batch: dict, *, implementation: str, max_segments: int) -> PairLogps:
-    """`PairLogps` of a padded or packed preference batch under `params`."""
+def pair_logps(
+    graphdef, params, batch: dict, *, implementation: str, max_segments: int | None = None
+) -> PairLogps:
+    """`PairLogps` of a padded or packed preference batch under `params` (`max_segments`:
+    the packed rows' bound, as the dataset was given)."""
     from flax import nnx
 
     from tunelib import logprobs

@@ -90,7 +90,7 @@ WITHOUT_JAX = [
 
 
 @pytest.mark.parametrize(
-    ("recipe", "flags", "message"), WITHOUT_JAX, ids=[" ".join(c[:1] + c[1]) for c in WITHOUT_JAX]
+    ("recipe", "flags", "message"), WITHOUT_JAX, ids=[" ".join([c[0], *c[1]]) for c in WITHOUT_JAX]
 )
 def test_bad_flags_paths_and_files_give_one_line_before_jax(world, recipe, flags, message):
     before = snapshot(world)
@@ -149,10 +149,10 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("recipe", "flags", "message"),
     [
-        ("sft", ["--data", "data/empty.jsonl"], "--data data/empty.jsonl holds no valid sft record"),
+        ("sft", ["--data", "data/empty.jsonl"], "--data: data/empty.jsonl holds no record"),
         ("sft", ["--data", "data/bad.jsonl"], "record 1: field 'completion' is missing"),
         ("sft", ["--data", "data/pairs.jsonl", "--batch-size", "8"], "larger than the 3 training"),
-        ("dpo", ["--data", "data/empty.jsonl"], "holds no valid preference record"),
+        ("dpo", ["--data", "data/empty.jsonl"], "data/empty.jsonl holds no record"),
         ("grpo", ["--data", "data/pairs.jsonl"], "field 'answer' is missing"),
         ("generate", ["--chat"], "has no chat template; use --prompt"),
     ],
