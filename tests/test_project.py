@@ -39,6 +39,13 @@ def test_docs_build_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert (tmp_path / "site" / "api" / "losses" / "index.html").exists()
+    # Formulas render offline: MathJax is served with the site, nothing from another host.
+    assert (tmp_path / "site" / "javascripts" / "tex-svg.js").stat().st_size > 1_000_000
+    for page in (tmp_path / "site").rglob("*.html"):
+        external = re.findall(
+            r'<(?:script|link)[^>]+(?:src|href)="(https?://[^"]+)"', page.read_text()
+        )
+        assert not external, (page, external)
 
 
 def test_every_subpackage_is_packaged():
