@@ -132,3 +132,154 @@ def unit_interval(x: ArrayLike, name: str, *, closed: bool = True) -> None:
         if not ok:
             interval = "[0, 1]" if closed else "(0, 1)"
             raise ValueError(f"{name} must lie in {interval}, got {x}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The data arrays of the log-probs, losses and metrics: masked float arrays of one shape,
+# advantages, behaviour log-probs, token and segment ids; ranges of hyperparameters.
+
+# How an error message writes the shape a function expects, by number of dimensions.
+_SHAPE_NAMES = {1: "[B]", 2: "[B, T]"}
+
+
+def masked_floats(
+    where: ArrayLike | None, *, ndim: int, **arrays: ArrayLike
+) -> tuple[list[jax.Array], jax.Array]:
+    """The named arrays as floats of one shape with `ndim` dimensions, in the compute dtype,
+    zero where masked.
+
+    `ndim` is 1 for per-sequence data `[B]` and 2 for per-token data `[B, T]`. Returns the
+    arrays in argument order and the boolean mask (all True when `where` is None). Zeroing
+    masked entries before any arithmetic keeps NaN or infinite values there out of both the
+    value and the gradient.
+    """
+    checked = {name: float_array(x, name) for name, x in arrays.items()}
+    for name, x in checked.items():
+        if x.ndim != ndim:
+            raise ValueError(
+                f"{name} must have shape {_SHAPE_NAMES[ndim]}, got shape {tuple(x.shape)}."
+            )
+    shape = same_shape(**checked)
+    where = mask_array(where, shape)
+    dtype = compute_dtype(*(x.dtype for x in checked.values()))
+    return [jnp.where(where, x.astype(dtype), 0.0) for x in checked.values()], where
+
+
+def advantages_array(advantages: ArrayLike, where: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`[B]` (one per sequence) or `[B, T]` (one per token) advantages as `[B, T]`, 0 if masked.
+
+    `where` is the checked `[B, T]` mask; the result is in the compute dtype of `dtype` and
+    the advantages' own dtype.
+    """
+    advantages = float_array(advantages, "advantages")
+    b, t = where.shape
+    if advantages.shape == (b,):
+        advantages = jnp.broadcast_to(advantages[:, None], (b, t))
+    elif advantages.shape != (b, t):
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)} but must have shape ({b},) (one "
+            f"per sequence) or ({b}, {t}) (one per token) to match token_logps ({b}, {t}); "
+            "tunelib never broadcasts between data arrays."
+        )
+    dtype = compute_dtype(dtype, advantages.dtype)
+    return jnp.where(where, advantages.astype(dtype), 0.0)
+
+
+def behaviour_logps(
+    token_logps: ArrayLike, old_token_logps: ArrayLike | None, where: ArrayLike | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checked `[B, T]` log-probs, behaviour log-probs and the mask.
+
+    The behaviour log-probs are `stop_gradient(token_logps)` when `old_token_logps` is None
+    (on-policy data: a ratio of 1 whose gradient is that of the log-probs).
+    """
+    if old_token_logps is None:
+        (logps,), where = masked_floats(where, ndim=2, token_logps=token_logps)
+        return logps, jax.lax.stop_gradient(logps), where
+    (logps, old), where = masked_floats(
+        where, ndim=2, token_logps=token_logps, old_token_logps=old_token_logps
+    )
+    return logps, old, where
+
+
+def in_interval(
+    x: ArrayLike,
+    name: str,
+    low: int | float,
+    high: int | float,
+    *,
+    low_closed: bool = True,
+    high_closed: bool = True,
+) -> None:
+    """Reject a Python number outside the interval from `low` to `high`; traced values pass
+    unchecked. Each end is included unless `low_closed` / `high_closed` is False."""
+    if isinstance(x, int | float):
+        above = low <= x if low_closed else low < x
+        below = x <= high if high_closed else x < high
+        if not (above and below):
+            interval = f"{'[' if low_closed else '('}{low:g}, {high:g}{']' if high_closed else ')'}"
+            raise ValueError(f"{name} must lie in {interval}, got {x}.")
+
+
+def static_count(x: int, name: str) -> None:
+    """Reject a static size (a chunk width, a number of segments) that is not an int >= 1."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{name} must be a Python integer >= 1 (static), got {x!r}.")
+
+
+def _concrete(*arrays: jax.Array) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in arrays)
+
+
+def token_ids(
+    ids: ArrayLike, vocab: int, where: jax.Array, name: str = "targets"
+) -> tuple[jax.Array, jax.Array]:
+    """Integer token ids checked against a vocabulary of `vocab` entries.
+
+    Returns the ids with 0 wherever they are masked or outside `[0, vocab)` (safe to gather
+    with) and a boolean array, True where the id lies in `[0, vocab)`. A concrete id outside
+    that range at a counted position (`where` broadcasts against `ids`) is a `ValueError`
+    naming `name`, the id and V; masked positions may hold anything (an ignore index of
+    -100). Traced ids cannot be inspected: the caller gives their positions a NaN result.
+    """
+    ids = int_array(ids, name)
+    inside = (ids >= 0) & (ids < vocab)
+    if _concrete(ids, where):
+        values = np.asarray(ids)
+        counted = np.broadcast_to(np.asarray(where), values.shape)
+        bad = values[counted & ((values < 0) | (values >= vocab))]
+        if bad.size:
+            raise ValueError(
+                f"{name} holds the token id {bad[0]} at a counted position, outside [0, V) for "
+                f"V = {vocab}; fix the id or mask the position out with `where`."
+            )
+    return jnp.where(where & inside, ids, 0), inside
+
+
+def segment_ids_array(
+    segment_ids: ArrayLike,
+    shape: Sequence[int],
+    *,
+    where: jax.Array,
+    num_segments: int | None = None,
+    name: str = "segment_ids",
+) -> jax.Array:
+    """Packed-sequence ids `[..., T]` (1, 2, ... per sequence of a row, 0 on padding), checked.
+
+    A concrete id below 0, or above `num_segments` when given, at a counted position is a
+    `ValueError` naming `name`; traced ids pass unchecked, and an id outside `[1, S]` then
+    belongs to no segment.
+    """
+    segment_ids = int_array(segment_ids, name)
+    check_shape(segment_ids, name, shape, "the data it segments")
+    if _concrete(segment_ids, where):
+        values = np.asarray(segment_ids)[np.broadcast_to(np.asarray(where), tuple(shape))]
+        high = np.inf if num_segments is None else num_segments
+        bad = values[(values < 0) | (values > high)]
+        if bad.size:
+            limit = "0" if num_segments is None else f"0 and num_segments = {num_segments}"
+            raise ValueError(
+                f"{name} holds {bad[0]} at a counted position; segment ids lie between {limit} "
+                "(1, 2, ... per sequence of a row, 0 on padding)."
+            )
+    return segment_ids
