@@ -256,3 +256,23 @@ def test_forced_pallas_on_cpu_runs_the_kernel_in_the_interpreter():
     )
     for a, e in zip(ours, reference, strict=True):
         assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "naive"])
+def test_targets_outside_the_vocabulary(implementation):
+    hidden, w, targets, _ = problem(4, 8, 10)
+    kwargs = {"chunk_size": 4, "implementation": implementation}
+    with raises_naming("targets", "10", "V = 10", error=ValueError):
+        fused_token_logps(hidden, w, targets.at[1].set(10), **kwargs)
+    # A masked position may hold anything; under jit a counted one out of range is NaN.
+    bad = targets.at[1].set(-1).at[2].set(10)
+    where = jnp.array([True, True, False, True])
+    out = jax.jit(functools.partial(fused_token_logps, **kwargs))(hidden, w, bad, where=where)
+    expected = fused_token_logps(hidden, w, targets, **kwargs)
+    assert np.isnan(out[1]) and out[2] == 0
+    assert_close(out[jnp.array([0, 3])], expected[jnp.array([0, 3])], rtol=1e-6)
+    # An integer 0/1 mask counts like the boolean one.
+    np.testing.assert_array_equal(
+        fused_token_logps(hidden, w, targets, where=where.astype(jnp.int32), **kwargs),
+        fused_token_logps(hidden, w, targets, where=where, **kwargs),
+    )
