@@ -104,6 +104,9 @@ def test_ties_masks_and_extremes():
     out = np.asarray(high_entropy_mask(tied, rho=0.5, where=where))
     # Exactly ceil(0.5 * 6) = 3 of the tied tokens: the first three valid ones in row order.
     np.testing.assert_array_equal(out, [[True, False, True, True], [False, False, False, False]])
+    # An integer 0/1 mask selects the same tokens.
+    integer = advantages.high_entropy_mask(tied, rho=0.5, where=where.astype(np.int32))
+    np.testing.assert_array_equal(integer, out)
     # The quantile convention keeps every token tied with the threshold.
     quantile = high_entropy_mask(tied, rho=0.5, selection="quantile", where=where)
     np.testing.assert_array_equal(np.asarray(quantile), where)

@@ -284,6 +284,9 @@ def test_masks_with_nan_hidden_states():
     assert np.any(np.asarray(grads[1]) != 0)
     # The teacher is data: no gradient reaches it.
     assert np.all(np.asarray(grads[3]) == 0) and np.all(np.asarray(clean_grads[3]) == 0)
+    # An integer 0/1 mask counts like the boolean one.
+    integer, _ = jsd_values_and_grads(h_s, w_s, b_s, h_t, w_t, b_t, where.astype(np.int32))
+    np.testing.assert_array_equal(integer, out)
     nothing, nothing_grads = jsd_values_and_grads(h_s, w_s, b_s, h_t, w_t, b_t, ~everything)
     assert np.all(np.asarray(nothing) == 0)
     assert all(np.all(np.asarray(g) == 0) for g in nothing_grads)

@@ -75,6 +75,10 @@ def test_bonus_gradient_masks_and_dtypes():
     assert_close(grad, np.where(where, -0.5, 0.0))
     nothing = entropy_bonus(entropy, entropy_weight=0.5, where=np.zeros_like(where))
     assert np.all(np.asarray(nothing) == 0)
+    integer = losses.entropy_bonus(entropy, entropy_weight=0.5, where=where.astype(np.uint8))
+    np.testing.assert_array_equal(
+        integer, losses.entropy_bonus(entropy, entropy_weight=0.5, where=where)
+    )
     low = entropy_bonus(jnp.asarray(entropy, jnp.bfloat16), entropy_weight=0.5, where=where)
     assert low.dtype == jnp.float32
     assert_close(low, entropy_bonus(entropy, entropy_weight=0.5, where=where), rtol=2**-8)

@@ -284,6 +284,17 @@ def test_fully_masked_is_zero():
         assert np.all(np.asarray(out) == 0)
 
 
+def test_integer_masks_count_like_boolean_masks():
+    logps = np.array([[-1.0, -2.0, -0.5], [-0.3, np.nan, -4.0]], np.float32)
+    ref = np.array([[-1.5, -1.0, -0.5], [-0.1, -0.2, np.nan]], np.float32)
+    where = np.array([[1, 1, 0], [1, 0, 0]], np.int32)
+    np.testing.assert_array_equal(
+        losses.kl_penalty(logps, ref, where=where), losses.kl_penalty(logps, ref, where=where == 1)
+    )
+    with raises_naming("where", "2", error=ValueError):
+        losses.kl_penalty(logps, ref, where=where * 2)
+
+
 def test_log_ratio_clamp_keeps_exp_finite():
     logps = np.array([[-1000.0, -1.0, 0.0, -300.0]], np.float32)
     ref = np.array([[0.0, -1000.0, -1.0, -1.0]], np.float32)

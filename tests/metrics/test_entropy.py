@@ -51,6 +51,8 @@ def test_statistics_masks_gradients_and_dtypes():
     where = np.array([[True, False, True], [False, True, True]])
     stats = entropy_statistics(entropy, where=where)
     assert (stats.mean, stats.min, stats.max) == (1.875, 0.5, 4.0)
+    integer = metrics.entropy_statistics(entropy, where=where.astype(np.int32))
+    assert tuple(integer) == tuple(stats)
     grads = jax.grad(lambda h: sum(metrics.entropy_statistics(h, where=where)))(entropy)
     assert_close(grads, np.where(where, 0.25, 0.0) + np.array([[0, 0, 0], [0, 1, 1]]))
     nothing = entropy_statistics(entropy, where=np.zeros_like(where))
