@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunelib.logprobs._tiles import default_chunk_size
+from tunelib.logprobs import default_chunk_size
 
 
 class Size(NamedTuple):

@@ -11,10 +11,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
+from tunelib._typing import Mask, Scalar
 from tunelib.kernels import _fused_gpu, _fused_tiles, _fused_tpu
 
 Platform = Literal["gpu", "tpu"]
@@ -153,7 +153,7 @@ def fused_token_logps_pallas(
     bias: Float[ArrayLike, " V"] | None = None,
     temperature: Scalar = 1.0,
     with_entropy: bool = False,
-    where: Bool[ArrayLike, " N"] | None = None,
+    where: Mask[ArrayLike, " N"] | None = None,
     block_n: int | None = None,
     block_v: int | None = None,
     block_h: int | None = None,
@@ -201,12 +201,13 @@ def fused_token_logps_pallas(
     Args:
       hidden: `[N, H]` hidden states, any float dtype.
       unembedding: `[H, V]` unembedding matrix.
-      targets: `[N]` integer token ids in `[0, V)`; an id outside that range at a counted
-        position gives an undefined result.
+      targets: `[N]` integer token ids in `[0, V)`. An id outside that range at a counted
+        position is a `ValueError` when the ids can be read (outside `jax.jit`); under `jit`
+        the position's log-prob is NaN (its entropy is still computed).
       bias: optional `[V]` bias.
       temperature: $\tau > 0$; may be traced.
       with_entropy: also return the per-token entropy $H_n$ (static).
-      where: `[N]` boolean mask, True = counts; masked positions give 0 and send exactly 0
+      where: `[N]` mask, True (or 1) = counts; masked positions give 0 and send exactly 0
         gradient, even when their hidden states are NaN and their targets out of range.
       block_n: tokens per block (static). Default: 64 on GPU (a power of two >= 16), 128 on
         TPU (a multiple of 8), smaller when N is.
@@ -261,6 +262,7 @@ def fused_token_logps_pallas(
         v.check_shape(bias, "bias", (vocab,), f"unembedding {tuple(unembedding.shape)}")
     v.positive_scalar(temperature, "temperature")
     where = v.mask_array(where, (n,))
+    targets, inside = v.token_id_array(targets, vocab, where)
     platform = _platform(platform, interpret)
     cfg = _config(n, size_h, vocab, block_n, block_v, block_h, platform, with_entropy, interpret)
 
@@ -273,12 +275,12 @@ def fused_token_logps_pallas(
     w = _pad(unembedding.astype(operand), (h_pad, v_pad))
     b = jnp.zeros((vocab,), dtype) if bias is None else bias.astype(dtype)
     b = _pad(b[None, :], (1, v_pad))
-    y = _pad(jnp.where(where, targets, 0).astype(jnp.int32)[:, None], (n_pad, 1))
+    y = _pad(targets.astype(jnp.int32)[:, None], (n_pad, 1))
     tau = jnp.asarray(temperature, dtype)
 
     out = _fused(cfg, h, w, b, tau, y)
     logps, entropy = out if with_entropy else (out, None)
-    logps = jnp.where(where, logps[:n], 0.0)
+    logps = jnp.where(where, jnp.where(inside, logps[:n], jnp.nan), 0.0)
     if not with_entropy:
         return logps
     return logps, jnp.where(where, entropy[:n], 0.0)

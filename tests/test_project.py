@@ -1,5 +1,7 @@
-"""The project's own promises: the docs site builds, and CI runs the README's test command."""
+"""The project's own promises: the docs site builds, CI runs the README's test command, and
+the packages keep the import rules of docs/architecture.md."""
 
+import ast
 import re
 import shutil
 import subprocess
@@ -60,3 +62,114 @@ def test_every_subpackage_is_packaged():
     } | {"tunelib", "tunelib.kernels"}
     assert listed == on_disk
     assert config["package-dir"]["tunelib.kernels"] == "kernels"
+
+
+# ---- the import rules of docs/architecture.md -------------------------------------------------
+
+# The private modules every package may import.
+SHARED_PRIVATE = {"tunelib._validation", "tunelib._typing", "tunelib._deprecation"}
+
+
+def project_modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of tunelib, kernels (installed as tunelib.kernels), recipes and benchmarks:
+    its dotted name -> (file, whether it is a package's `__init__`)."""
+    roots = {"tunelib": "tunelib", "kernels": "tunelib.kernels"}
+    roots |= {"recipes": "recipes", "benchmarks": "benchmarks"}
+    modules = {}
+    for folder, prefix in roots.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            modules[".".join([prefix, *parts])] = (path, is_package)
+    return modules
+
+
+def imports(module: str, path: Path, is_package: bool, *, top_level: bool) -> list[str]:
+    """The absolute names `module` imports (`from a import b` gives `a.b`); with `top_level`,
+    only the imports that run when the module is imported (not those inside functions)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        if top_level and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            return
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.extend(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def owner(module: str) -> str:
+    """The package a module belongs to: `tunelib.X` for tunelib's subpackages (kernels too),
+    `tunelib` for its top-level modules, the first name for recipes and benchmarks."""
+    parts = module.split(".")
+    if parts[0] == "tunelib" and len(parts) > 1 and not parts[1].startswith("_"):
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def test_no_package_imports_another_packages_private_module():
+    violations = []
+    for module, (path, is_package) in project_modules().items():
+        for name in imports(module, path, is_package, top_level=False):
+            parts = name.split(".")
+            shared = ".".join(parts[:2]) in SHARED_PRIVATE
+            if parts[0] != "tunelib" or shared or owner(name) == owner(module):
+                continue
+            if any(part.startswith("_") for part in parts[1:]):
+                violations.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not violations, "\n".join(violations)
+
+
+def test_tunelib_has_no_import_cycle():
+    modules = {m: v for m, v in project_modules().items() if m.split(".")[0] == "tunelib"}
+    graph = {}
+    for module, (path, is_package) in modules.items():
+        targets = set()
+        for name in imports(module, path, is_package, top_level=True):
+            # `from a import b` imports the module a.b if there is one, else a name of a.
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    # Tarjan's strongly connected components: a component of two or more modules is a cycle.
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    assert not cycles, cycles

@@ -104,21 +104,18 @@ def mask_array(where: ArrayLike | None, shape: Sequence[int], name: str = "where
 
 
 def positive_scalar(x: ArrayLike, name: str) -> None:
-    """Reject a non-positive Python or concrete number; traced values pass unchecked."""
-    if isinstance(x, int | float) and not x > 0:
-        raise ValueError(f"{name} must be > 0, got {x}.")
+    """Reject a non-positive Python or NumPy number; traced values pass unchecked."""
+    number_in(x, name, low=0, low_open=True)
 
 
 def non_negative(x: ArrayLike, name: str) -> None:
-    """Reject a negative Python number; traced values pass unchecked."""
-    if isinstance(x, int | float) and not x >= 0:
-        raise ValueError(f"{name} must be >= 0, got {x}.")
+    """Reject a negative Python or NumPy number; traced values pass unchecked."""
+    number_in(x, name, low=0)
 
 
 def greater_than_one(x: ArrayLike, name: str) -> None:
-    """Reject a Python number that is not > 1; traced values pass unchecked."""
-    if isinstance(x, int | float) and not x > 1:
-        raise ValueError(f"{name} must be > 1, got {x}.")
+    """Reject a Python or NumPy number that is not > 1; traced values pass unchecked."""
+    number_in(x, name, low=1, low_open=True)
 
 
 def one_of(value: str, name: str, allowed: Sequence[str]) -> None:
@@ -128,12 +125,8 @@ def one_of(value: str, name: str, allowed: Sequence[str]) -> None:
 
 
 def unit_interval(x: ArrayLike, name: str, *, closed: bool = True) -> None:
-    """Reject a Python number outside [0, 1] (or (0, 1) when `closed` is False)."""
-    if isinstance(x, int | float):
-        ok = 0.0 <= x <= 1.0 if closed else 0.0 < x < 1.0
-        if not ok:
-            interval = "[0, 1]" if closed else "(0, 1)"
-            raise ValueError(f"{name} must lie in {interval}, got {x}.")
+    """Reject a Python or NumPy number outside [0, 1] (or (0, 1) when `closed` is False)."""
+    number_in(x, name, low=0, high=1, low_open=not closed, high_open=not closed)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -215,7 +208,7 @@ def finite_number(x: object, name: str) -> None:
         raise ValueError(f"{name} must be finite, got {x}.")
 
 
-def token_ids(ids: object, name: str, *, vocab_size: int | None = None) -> tuple[int, ...]:
+def token_id_tuple(ids: object, name: str, *, vocab_size: int | None = None) -> tuple[int, ...]:
     """`ids`, a sequence of int token ids, as a tuple of Python ints.
 
     Every id must be >= 0, and below `vocab_size` when it is given (where the vocabulary is
@@ -269,3 +262,135 @@ def finite_entries(x: ArrayLike, where: ArrayLike | None, name: str) -> tuple[ja
     x = x.astype(compute_dtype(x.dtype))
     valid = where & jnp.isfinite(x)
     return jnp.where(valid, x, 0.0), valid
+
+
+# ---------------------------------------------------------------------------------------------
+# The data arrays of the log-probs, losses and metrics: masked float arrays of one shape,
+# advantages, behaviour log-probs, token and segment ids; ranges of hyperparameters.
+
+# How an error message writes the shape a function expects, by number of dimensions.
+_SHAPE_NAMES = {1: "[B]", 2: "[B, T]"}
+
+
+def masked_floats(
+    where: ArrayLike | None, *, ndim: int, **arrays: ArrayLike
+) -> tuple[list[jax.Array], jax.Array]:
+    """The named arrays as floats of one shape with `ndim` dimensions, in the compute dtype,
+    zero where masked.
+
+    `ndim` is 1 for per-sequence data `[B]` and 2 for per-token data `[B, T]`. Returns the
+    arrays in argument order and the boolean mask (all True when `where` is None). Zeroing
+    masked entries before any arithmetic keeps NaN or infinite values there out of both the
+    value and the gradient.
+    """
+    checked = {name: float_array(x, name) for name, x in arrays.items()}
+    for name, x in checked.items():
+        if x.ndim != ndim:
+            raise ValueError(
+                f"{name} must have shape {_SHAPE_NAMES[ndim]}, got shape {tuple(x.shape)}."
+            )
+    shape = same_shape(**checked)
+    where = mask_array(where, shape)
+    dtype = compute_dtype(*(x.dtype for x in checked.values()))
+    return [jnp.where(where, x.astype(dtype), 0.0) for x in checked.values()], where
+
+
+def advantages_array(advantages: ArrayLike, where: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`[B]` (one per sequence) or `[B, T]` (one per token) advantages as `[B, T]`, 0 if masked.
+
+    `where` is the checked `[B, T]` mask; the result is in the compute dtype of `dtype` and
+    the advantages' own dtype.
+    """
+    advantages = float_array(advantages, "advantages")
+    b, t = where.shape
+    if advantages.shape == (b,):
+        advantages = jnp.broadcast_to(advantages[:, None], (b, t))
+    elif advantages.shape != (b, t):
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)} but must have shape ({b},) (one "
+            f"per sequence) or ({b}, {t}) (one per token) to match token_logps ({b}, {t}); "
+            "tunelib never broadcasts between data arrays."
+        )
+    dtype = compute_dtype(dtype, advantages.dtype)
+    return jnp.where(where, advantages.astype(dtype), 0.0)
+
+
+def behaviour_logps(
+    token_logps: ArrayLike, old_token_logps: ArrayLike | None, where: ArrayLike | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checked `[B, T]` log-probs, behaviour log-probs and the mask.
+
+    The behaviour log-probs are `stop_gradient(token_logps)` when `old_token_logps` is None
+    (on-policy data: a ratio of 1 whose gradient is that of the log-probs).
+    """
+    if old_token_logps is None:
+        (logps,), where = masked_floats(where, ndim=2, token_logps=token_logps)
+        return logps, jax.lax.stop_gradient(logps), where
+    (logps, old), where = masked_floats(
+        where, ndim=2, token_logps=token_logps, old_token_logps=old_token_logps
+    )
+    return logps, old, where
+
+
+def static_count(x: int, name: str) -> None:
+    """Reject a static size (a chunk width, a number of segments) that is not an int >= 1."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{name} must be a Python integer >= 1 (static), got {x!r}.")
+
+
+def _concrete(*arrays: jax.Array) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in arrays)
+
+
+def token_id_array(
+    ids: ArrayLike, vocab: int, where: jax.Array, name: str = "targets"
+) -> tuple[jax.Array, jax.Array]:
+    """Integer token ids checked against a vocabulary of `vocab` entries.
+
+    Returns the ids with 0 wherever they are masked or outside `[0, vocab)` (safe to gather
+    with) and a boolean array, True where the id lies in `[0, vocab)`. A concrete id outside
+    that range at a counted position (`where` broadcasts against `ids`) is a `ValueError`
+    naming `name`, the id and V; masked positions may hold anything (an ignore index of
+    -100). Traced ids cannot be inspected: the caller gives their positions a NaN result.
+    """
+    ids = int_array(ids, name)
+    inside = (ids >= 0) & (ids < vocab)
+    if _concrete(ids, where):
+        values = np.asarray(ids)
+        counted = np.broadcast_to(np.asarray(where), values.shape)
+        bad = values[counted & ((values < 0) | (values >= vocab))]
+        if bad.size:
+            raise ValueError(
+                f"{name} holds the token id {bad[0]} at a counted position, outside [0, V) for "
+                f"V = {vocab}; fix the id or mask the position out with `where`."
+            )
+    return jnp.where(where & inside, ids, 0), inside
+
+
+def segment_ids_array(
+    segment_ids: ArrayLike,
+    shape: Sequence[int],
+    *,
+    where: jax.Array,
+    num_segments: int | None = None,
+    name: str = "segment_ids",
+) -> jax.Array:
+    """Packed-sequence ids `[..., T]` (1, 2, ... per sequence of a row, 0 on padding), checked.
+
+    A concrete id below 0, or above `num_segments` when given, at a counted position is a
+    `ValueError` naming `name`; traced ids pass unchecked, and an id outside `[1, S]` then
+    belongs to no segment.
+    """
+    segment_ids = int_array(segment_ids, name)
+    check_shape(segment_ids, name, shape, "the data it segments")
+    if _concrete(segment_ids, where):
+        values = np.asarray(segment_ids)[np.broadcast_to(np.asarray(where), tuple(shape))]
+        high = np.inf if num_segments is None else num_segments
+        bad = values[(values < 0) | (values > high)]
+        if bad.size:
+            limit = "0" if num_segments is None else f"0 and num_segments = {num_segments}"
+            raise ValueError(
+                f"{name} holds {bad[0]} at a counted position; segment ids lie between {limit} "
+                "(1, 2, ... per sequence of a row, 0 on padding)."
+            )
+    return segment_ids

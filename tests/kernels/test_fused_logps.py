@@ -211,6 +211,22 @@ def test_masked_equals_sliced_and_fully_masked_is_zero(platform):
     assert all(np.all(np.asarray(grad) == 0) for grad in grads)
 
 
+def test_targets_outside_the_vocabulary():
+    h, w, b, y = problem(13, 24, 130, seed=3)
+    with raises_naming("targets", "130", "V = 130", error=ValueError):
+        fused_token_logps_pallas(h, w, np.where(np.arange(13) == 4, 130, y), interpret=True)
+    # Under jit (the shapes and blocks of the test above: nothing new compiles) a counted id
+    # out of range gives a NaN log-prob and a masked one 0; the other tokens are unchanged.
+    where = np.arange(13) < 9
+    bad = np.where(np.arange(13) == 4, -3, np.where(np.arange(13) == 10, 500, y))
+    logps, entropy = fused(h, w, bad, bias=b, with_entropy=True, where=where, platform="gpu")
+    good, good_entropy = fused(h, w, y, bias=b, with_entropy=True, where=where, platform="gpu")
+    assert np.isnan(logps[4]) and logps[10] == 0
+    keep = np.arange(13) != 4
+    np.testing.assert_array_equal(np.asarray(logps)[keep], np.asarray(good)[keep])
+    np.testing.assert_array_equal(entropy, good_entropy)
+
+
 # ---- dtypes -----------------------------------------------------------------------------------
 
 
@@ -325,7 +341,7 @@ def test_errors_name_the_argument():
         with raises_naming("bias", "(129,)", error=ValueError):
             fused_token_logps_pallas(h, w, y, bias=jnp.zeros(129), interpret=True)
         with raises_naming("where", error=TypeError):
-            fused_token_logps_pallas(h, w, y, where=jnp.ones(4, int), interpret=True)
+            fused_token_logps_pallas(h, w, y, where=jnp.ones(4), interpret=True)
         with raises_naming("temperature", error=ValueError):
             fused_token_logps_pallas(h, w, y, temperature=0.0, interpret=True)
         with raises_naming("block_v", "128", error=ValueError):

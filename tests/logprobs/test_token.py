@@ -194,7 +194,7 @@ def test_errors_name_the_argument():
     with raises_naming("targets"):
         logprobs.token_logps(logits, jnp.zeros((2, 4), int))
     with raises_naming("where"):
-        logprobs.token_logps(logits, targets, where=jnp.ones((2, 3), int))
+        logprobs.token_logps(logits, targets, where=jnp.ones((2, 3)))
     with own_checks():
         with raises_naming("targets", "(2, 4)", "(2, 3)", error=ValueError):
             logprobs.token_logps(logits, jnp.zeros((2, 4), int))
@@ -206,3 +206,41 @@ def test_errors_name_the_argument():
             logprobs.token_entropy(jnp.zeros((2, 3, 5), jnp.int32))
         with raises_naming("temperature", error=ValueError):
             logprobs.token_logps(logits, targets, temperature=0.0)
+
+
+def test_targets_outside_the_vocabulary():
+    logits = np.zeros((1, 3, 4), np.float32)
+    uniform = -np.log(4.0)
+    # Concrete ids are checked: one outside [0, V) at a counted position is an error ...
+    for bad in (4, -1):
+        with raises_naming("targets", str(bad), "V = 4", error=ValueError):
+            logprobs.token_logps(logits, np.array([[0, bad, 1]]))
+    # ... and a masked position may hold anything (an ignore index).
+    where = np.array([[True, False, True]])
+    out = logprobs.token_logps(logits, np.array([[0, -100, 1]]), where=where)
+    assert_close(out, [[uniform, 0.0, uniform]])
+    # Under jit the ids cannot be read: a counted one out of range gives NaN (loud), a masked
+    # one 0, and the gradient stays finite and reaches only the valid positions.
+    targets = jnp.array([[0, 7, -1]])
+    where = jnp.array([[True, True, False]])
+    out = np.asarray(token_logps(logits, targets, where=where))
+    assert_close(out[0, 0], uniform)
+    assert np.isnan(out[0, 1]) and out[0, 2] == 0
+    total = jax.jit(jax.grad(lambda x, y, m: jnp.nansum(logprobs.token_logps(x, y, where=m))))
+    grad = total(logits, targets, where)
+    assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[0, 1:] == 0)
+
+
+def test_integer_masks_count_like_boolean_masks():
+    logits = jax.random.normal(jax.random.key(5), (2, 3, 4))
+    targets = jnp.array([[0, 3, 1], [2, 2, 0]])
+    where = np.array([[True, False, True], [False, True, True]])
+    for fn, args in (
+        (logprobs.token_logps, (logits, targets)),
+        (logprobs.token_entropy, (logits,)),
+    ):
+        np.testing.assert_array_equal(
+            fn(*args, where=where.astype(np.int32)), fn(*args, where=where)
+        )
+        with raises_naming("where", "2", error=ValueError):
+            fn(*args, where=np.where(where, 2, 0))

@@ -46,11 +46,11 @@ def hinge(c, r, rc, rr, beta=0.1):
     return np.maximum(0.0, 1 - beta * margin(c, r, rc, rr))
 
 
-def exo(c, r, rc, rr, beta=0.1, epsilon=1e-3):
+def exo(c, r, rc, rr, beta=0.1, label_smoothing=1e-3):
     # KL(p_theta || p_label) over the two outcomes {y_w wins, y_l wins}.
     x = beta * margin(c, r, rc, rr)
     p_win, p_lose = sigmoid(x), sigmoid(-x)
-    q_win, q_lose = 1 - epsilon, epsilon
+    q_win, q_lose = 1 - label_smoothing, label_smoothing
     return p_win * (log_sigmoid(x) - np.log(q_win)) + p_lose * (log_sigmoid(-x) - np.log(q_lose))
 
 
@@ -111,17 +111,21 @@ def aot(c, r, rc, rr, beta=0.1, label_smoothing=0.0, paired=False):
     return -(1 - label_smoothing) * log_sigmoid(x) - label_smoothing * log_sigmoid(-x)
 
 
-def simpo(c, r, beta=2.0, gamma=1.0, label_smoothing=0.0):
+def simpo(c, r, beta=2.0, margin=1.0, label_smoothing=0.0):
     c, r = f64(c, r)
-    x = beta * c - beta * r - gamma
+    x = beta * c - beta * r - margin
     return -(1 - label_smoothing) * log_sigmoid(x) - label_smoothing * log_sigmoid(-x)
 
 
-def cpo(c, r, beta=0.1, label_smoothing=0.0, alpha=1.0, chosen_nll=None):
+def cpo(c, r, beta=0.1, label_smoothing=0.0, nll_weight=1.0, chosen_nll=None):
     c, r = f64(c, r)
     x = beta * (c - r)
     nll = -c if chosen_nll is None else np.asarray(chosen_nll, np.float64)
-    return -(1 - label_smoothing) * log_sigmoid(x) - label_smoothing * log_sigmoid(-x) + alpha * nll
+    return (
+        -(1 - label_smoothing) * log_sigmoid(x)
+        - label_smoothing * log_sigmoid(-x)
+        + nll_weight * nll
+    )
 
 
 def log_odds(logp):
@@ -134,10 +138,10 @@ def orpo_log_odds_ratio(c, r):
     return log_odds(c) - log_odds(r)
 
 
-def orpo(c, r, lambda_=0.1, chosen_nll=None):
+def orpo(c, r, odds_ratio_weight=0.1, chosen_nll=None):
     c, r = f64(c, r)
     nll = -c if chosen_nll is None else np.asarray(chosen_nll, np.float64)
-    return nll - lambda_ * log_sigmoid(orpo_log_odds_ratio(c, r))
+    return nll - odds_ratio_weight * log_sigmoid(orpo_log_odds_ratio(c, r))
 
 
 def kto_reference_point(kl_logps, ref_kl_logps):
@@ -156,10 +160,10 @@ def kto(logps, ref_logps, desirable, reference_point, beta=0.1, w_d=1.0, w_u=1.0
     return np.where(desirable, w_d - value_d, w_u - value_u)
 
 
-def bradley_terry(chosen, rejected, margin=0.0, center_coefficient=0.0):
+def bradley_terry(chosen, rejected, margin=0.0, centering_weight=0.0):
     chosen, rejected = f64(chosen, rejected)
     nll = -log_sigmoid(chosen - rejected - np.asarray(margin, np.float64))
-    return nll + center_coefficient * (chosen + rejected) ** 2
+    return nll + centering_weight * (chosen + rejected) ** 2
 
 
 def implicit_rewards(logps, ref_logps, beta):

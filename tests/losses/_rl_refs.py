@@ -93,13 +93,12 @@ def importance_weights(logps, sampler, level="token", mode="truncate", cap=2.0, 
     return np.where(keep, rho, 0.0)
 
 
-def value(values, old_values, returns, clip_epsilon=0.2):
-    """PPO2: 0.5 max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)."""
+def value(values, old_values, returns, epsilon_low=0.2, epsilon_high=0.2):
+    """PPO2: 0.5 max((V - R)^2, (clip(V, V_old - eps_low, V_old + eps_high) - R)^2)."""
     v, v_old, ret = (np.asarray(x, np.float64) for x in (values, old_values, returns))
-    if clip_epsilon is None:
-        return 0.5 * (v - ret) ** 2
-    clipped = np.clip(v, v_old - clip_epsilon, v_old + clip_epsilon)
-    return 0.5 * np.maximum((v - ret) ** 2, (clipped - ret) ** 2)
+    low = -np.inf if epsilon_low is None else v_old - epsilon_low
+    high = np.inf if epsilon_high is None else v_old + epsilon_high
+    return 0.5 * np.maximum((v - ret) ** 2, (np.clip(v, low, high) - ret) ** 2)
 
 
 def rows(where, *arrays):
@@ -356,7 +355,7 @@ class TokenContracts:
         with raises_naming(last):
             spec.call(short, spec.middle())
         with raises_naming("where"):
-            spec.call(data, spec.middle(), np.ones((2, 3), np.int32))
+            spec.call(data, spec.middle(), np.ones((2, 3), np.float32))
         with own_checks():
             with raises_naming(last, "(2, 2)", "(2, 3)", error=ValueError):
                 spec.call(short, spec.middle())
@@ -366,6 +365,15 @@ class TokenContracts:
                 spec.call(data, spec.middle(), np.ones(2, bool))
             with raises_naming(spec.names[1], error=TypeError):
                 spec.call([data[0], data[1].astype(np.int32), *data[2:]], spec.middle())
+
+    def test_integer_masks_count_like_boolean_masks(self, spec):
+        data = fixed_data(spec, b=2, t=3, seed=5)
+        where = np.array([[True, False, True], [True, True, False]])
+        expected = np.asarray(spec.call(data, spec.middle(), where))
+        out = spec.call(data, spec.middle(), where.astype(np.int32))
+        np.testing.assert_array_equal(out, expected)
+        with raises_naming("where", "2", error=ValueError):
+            spec.call(data, spec.middle(), np.array([[1, 0, 2], [1, 1, 0]], np.int32))
 
 
 def check_advantage_shapes(spec):

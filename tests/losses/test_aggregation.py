@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
+from tests.logprobs.test_sequence import pack, padded_sequences
 from tunelib import losses
 from tunelib.losses import AGGREGATION_MODES
 
@@ -196,3 +197,60 @@ def test_errors():
             losses.aggregate(jnp.ones((2, 3, 4)), mode="token_mean")
         with raises_naming("norm_constant", error=ValueError):
             losses.aggregate(values, mode="seq_mean_token_sum_norm", norm_constant=0.0)
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def padded_and_packed(values, where, packed, packed_where, segments, *, mode):
+    """(total, count, gradient of the mean) for the padded batch and for the packed one."""
+    out = []
+    for x, kwargs in (
+        (values, {"where": where}),
+        (packed, {"where": packed_where, "segment_ids": segments}),
+    ):
+
+        def reduce(x, kwargs=kwargs):
+            return losses.aggregate(x, mode=mode, **mode_kwargs(mode), **kwargs)
+
+        result = reduce(x)
+        out.append((result.total, result.count, jax.grad(lambda x: reduce(x).mean())(x)))
+    return out
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+@given(padded_sequences())
+def test_packed_rows_equal_padded_rows(mode, data):
+    values, where, lengths = data
+    packed, packed_where, segments, index = pack(values, where, lengths)
+    values = np.where(where, values, np.nan).astype(np.float32)
+    packed = np.where(packed_where, packed, np.nan).astype(np.float32)
+    (total, count, grad), (p_total, p_count, p_grad) = padded_and_packed(
+        values, where, packed, packed_where, segments, mode=mode
+    )
+    assert_close(p_total, total, rtol=1e-6, atol=1e-6)
+    assert p_count == count
+    used = segments > 0
+    assert_close(np.asarray(p_grad)[used], np.asarray(grad).reshape(-1)[index[used]], atol=1e-6)
+    assert np.all(np.asarray(p_grad)[~used] == 0)
+
+
+def test_segments_integer_masks_and_errors():
+    values = jnp.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    segments = jnp.array([[1, 1, 2, 0], [1, 2, 3, 4]])
+    where = jnp.array([[1, 1, 1, 0], [1, 1, 0, 1]])
+    # Sequences (1, 2), (3), (5), (6), (8): their token means, then their mean.
+    out = losses.aggregate(values, mode="seq_mean_token_mean", where=where, segment_ids=segments)
+    assert (out.total, out.count) == (1.5 + 3.0 + 5.0 + 6.0 + 8.0, 5.0)
+    # The token modes do not see segments; an integer 0/1 mask counts like the boolean one.
+    for mode in ("token_mean", "seq_mean_token_mean"):
+        np.testing.assert_array_equal(
+            losses.aggregate(values, mode=mode, where=where),
+            losses.aggregate(values, mode=mode, where=where == 1),
+        )
+    token = losses.aggregate(values, mode="token_mean", where=where, segment_ids=segments)
+    assert (token.total, token.count) == (1.0 + 2 + 3 + 5 + 6 + 8, 6.0)
+    with raises_naming("where", "2", error=ValueError):
+        losses.aggregate(values, mode="token_mean", where=where * 2)
+    with raises_naming("segment_ids", "5", error=ValueError):
+        losses.aggregate(values, mode="seq_mean_token_mean", segment_ids=segments + 1)
+    with raises_naming("segment_ids"):
+        losses.aggregate(values, mode="token_mean", segment_ids=segments[:, :3])

@@ -93,7 +93,7 @@ def all_losses(s, t, tau, beta, alpha, labels):
     all_logits, all_ids = losses.teacher_top_k(t, k=t.shape[-1])
     soft_hard = {
         d: losses.soft_hard_distillation_loss(
-            s, t, alpha=alpha, temperature=tau, divergence=d, beta=beta, labels=labels
+            s, t, soft_weight=alpha, temperature=tau, divergence=d, mix=beta, targets=labels
         )
         for d in ("forward_kl", "reverse_kl", "jsd")
     }
@@ -101,14 +101,16 @@ def all_losses(s, t, tau, beta, alpha, labels):
         "forward": losses.forward_kl_loss(s, t, temperature=tau),
         "forward_plain": losses.forward_kl_loss(s, t, temperature=tau, temperature_squared=False),
         "reverse": losses.reverse_kl_loss(s, t, temperature=tau),
-        "jsd": losses.generalized_jsd_loss(s, t, beta=beta, temperature=tau),
-        "jsd_raw": losses.generalized_jsd_loss(s, t, beta=beta, temperature=tau, normalize=False),
-        "jsd_swapped": losses.generalized_jsd_loss(t, s, beta=1 - beta, temperature=tau),
+        "jsd": losses.generalized_jsd_loss(s, t, mix=beta, temperature=tau),
+        "jsd_raw": losses.generalized_jsd_loss(s, t, mix=beta, temperature=tau, normalize=False),
+        "jsd_swapped": losses.generalized_jsd_loss(t, s, mix=1 - beta, temperature=tau),
         "top_k": losses.top_k_forward_kl_loss(s, top_logits, top_ids, temperature=tau),
         "top_all": losses.top_k_forward_kl_loss(s, all_logits, all_ids, temperature=tau),
         "argmax": losses.teacher_argmax_loss(s, t),
         "soft_hard_labels": soft_hard,
-        "soft_hard_argmax": losses.soft_hard_distillation_loss(s, t, alpha=alpha, temperature=tau),
+        "soft_hard_argmax": losses.soft_hard_distillation_loss(
+            s, t, soft_weight=alpha, temperature=tau
+        ),
     }
 
 
@@ -238,7 +240,7 @@ def test_zero_only_for_equal_distributions_and_jsd_bound(pair):
     # The symmetric Jensen-Shannon divergence is at most log 2.
     assert np.all(np.asarray(out["jsd_raw"]) <= np.log(2) + 1e-6)
     disjoint = np.array([[[30.0, -30.0]]], np.float32)
-    raw = losses.generalized_jsd_loss(disjoint, -disjoint, beta=0.5, normalize=False)
+    raw = losses.generalized_jsd_loss(disjoint, -disjoint, mix=0.5, normalize=False)
     assert_close(raw, [[np.log(2)]], rtol=1e-6)
 
 
@@ -292,7 +294,7 @@ def test_jsd_gradient_matches_finite_differences():
         s = np.random.default_rng(0).normal(size=(1, 2, 5)) * 2
         t = np.random.default_rng(1).normal(size=(1, 2, 5)) * 2
         grad_fn = jax.jit(
-            jax.grad(lambda x, b: losses.generalized_jsd_loss(x, t, beta=b, temperature=1.5).sum())
+            jax.grad(lambda x, b: losses.generalized_jsd_loss(x, t, mix=b, temperature=1.5).sum())
         )
         h = 1e-6
         for beta in (1e-3, 0.3, 0.5, 0.9):
@@ -317,13 +319,13 @@ def test_jsd_is_continuous_and_exact_at_the_ends():
             assert_close(g_jsd, g_kl, rtol=1e-6, atol=1e-7)
     s, t = s[:1, :2], t[:1, :2]
     forward = losses.forward_kl_loss(s, t)
-    assert np.array_equal(losses.generalized_jsd_loss(s, t, beta=0.0), forward)
-    assert np.array_equal(losses.generalized_jsd_loss(s, t, beta=1.0), losses.reverse_kl_loss(s, t))
+    assert np.array_equal(losses.generalized_jsd_loss(s, t, mix=0.0), forward)
+    assert np.array_equal(losses.generalized_jsd_loss(s, t, mix=1.0), losses.reverse_kl_loss(s, t))
     # Near the ends, against a 50-digit reference: float32 is as accurate as in the middle (a
     # naive formula divided by beta would be off by ~1e-7 / beta), float64 to ~1e-13.
     for beta in (1e-6, 1e-3, 1 - 2.0**-20, 1 - 1e-3):
         exact = ref_jsd_exact(s, t, float(np.float32(beta)))
-        assert_close(losses.generalized_jsd_loss(s, t, beta=beta), exact, rtol=2e-6)
+        assert_close(losses.generalized_jsd_loss(s, t, mix=beta), exact, rtol=2e-6)
     with jax.enable_x64(True):
         s64, t64 = s.astype(np.float64), t.astype(np.float64)
         forward64 = ref_jsd_exact(s64, t64, 0.0)
@@ -332,15 +334,15 @@ def test_jsd_is_continuous_and_exact_at_the_ends():
         assert_close(losses.reverse_kl_loss(s64, t64), reverse64, rtol=1e-14)
         for beta in (1e-12, 1e-9, 1e-6, 1e-3, 1 - 1e-6):
             exact = ref_jsd_exact(s64, t64, beta)
-            assert_close(losses.generalized_jsd_loss(s64, t64, beta=beta), exact, rtol=1e-13)
+            assert_close(losses.generalized_jsd_loss(s64, t64, mix=beta), exact, rtol=1e-13)
         # The distance to the KL limit shrinks like O(beta): (J(beta) - KL) / beta converges.
         slopes = [
-            (np.asarray(losses.generalized_jsd_loss(s64, t64, beta=b)) - forward64) / b
+            (np.asarray(losses.generalized_jsd_loss(s64, t64, mix=b)) - forward64) / b
             for b in (1e-12, 1e-9)
         ]
         assert_close(slopes[1], slopes[0], rtol=1e-3, atol=1e-3)
         slopes = [
-            (np.asarray(losses.generalized_jsd_loss(s64, t64, beta=1 - b)) - reverse64) / b
+            (np.asarray(losses.generalized_jsd_loss(s64, t64, mix=1 - b)) - reverse64) / b
             for b in (2.0**-40, 2.0**-30)  # 1 - b exact
         ]
         assert_close(slopes[1], slopes[0], rtol=1e-3, atol=1e-3)
@@ -350,10 +352,10 @@ def test_jsd_is_continuous_and_exact_at_the_ends():
 CASES = {
     "forward": lambda x, y, _: losses.forward_kl_loss(x, y),
     "reverse": lambda x, y, _: losses.reverse_kl_loss(x, y),
-    "jsd": lambda x, y, beta: losses.generalized_jsd_loss(x, y, beta=beta),
+    "jsd": lambda x, y, beta: losses.generalized_jsd_loss(x, y, mix=beta),
     "argmax": lambda x, y, _: losses.teacher_argmax_loss(x, y),
     "soft_hard": lambda x, y, beta: losses.soft_hard_distillation_loss(
-        x, y, divergence="jsd", beta=beta
+        x, y, divergence="jsd", mix=beta
     ),
     "top_k": lambda x, y, _: losses.top_k_forward_kl_loss(
         x, *losses.teacher_top_k(y, k=y.shape[-1])
@@ -416,10 +418,10 @@ def masked_losses(s, t, labels, top_logits, top_ids, where):
     return {
         "forward": losses.forward_kl_loss(s, t, temperature=2.0, where=where),
         "reverse": losses.reverse_kl_loss(s, t, where=where),
-        "jsd": losses.generalized_jsd_loss(s, t, beta=1e-4, where=where),
+        "jsd": losses.generalized_jsd_loss(s, t, mix=1e-4, where=where),
         "argmax": losses.teacher_argmax_loss(s, t, where=where),
         "soft_hard": losses.soft_hard_distillation_loss(
-            s, t, divergence="reverse_kl", labels=labels, where=where
+            s, t, divergence="reverse_kl", targets=labels, where=where
         ),
         "top_k": losses.top_k_forward_kl_loss(s, top_logits, top_ids, where=where),
     }
@@ -478,10 +480,14 @@ def test_teacher_top_k_and_sparse_kl():
         losses.top_k_forward_kl_loss(s, top_logits, top_ids),
         renormalised - np.log(np.exp(log_q).sum(-1)),
     )
-    # An id out of range makes that token's loss NaN instead of reading another token.
+    # An id out of range is an error when it can be read; under jit it makes that token's loss
+    # NaN instead of reading another token.
+    sparse_kl = jax.jit(losses.top_k_forward_kl_loss)
     for bad in (5, -1):  # no wrap-around for negative ids either
         bad_ids = top_ids.at[0, 0, 0].set(bad)
-        assert np.isnan(losses.top_k_forward_kl_loss(s, top_logits, bad_ids)[0, 0])
+        with raises_naming("teacher_top_ids", str(bad), "V = 5", error=ValueError):
+            losses.top_k_forward_kl_loss(s, top_logits, bad_ids)
+        assert np.isnan(sparse_kl(s, top_logits, bad_ids)[0, 0])
 
 
 def test_bf16_close_to_float32():
@@ -506,7 +512,7 @@ def test_float64_stays_float64():
     with jax.enable_x64(True):
         s = np.random.default_rng(0).normal(size=(2, 3, 4)) * 3
         t = np.random.default_rng(1).normal(size=(2, 3, 4)) * 3
-        out = losses.generalized_jsd_loss(s, t, beta=0.2, temperature=1.5)
+        out = losses.generalized_jsd_loss(s, t, mix=0.2, temperature=1.5)
         assert out.dtype == jnp.float64
         assert_close(out, ref_jsd(s, t, 0.2, 1.5), rtol=1e-12, atol=1e-14)
         assert losses.forward_kl_loss(s, t).dtype == jnp.float64
@@ -518,11 +524,11 @@ def every_loss(s, t, top_logits, top_ids, tau, beta, alpha, where):
     return (
         losses.forward_kl_loss(s, t, temperature=tau, where=where),
         losses.reverse_kl_loss(s, t, temperature=tau, where=where),
-        losses.generalized_jsd_loss(s, t, beta=beta, temperature=tau, where=where),
+        losses.generalized_jsd_loss(s, t, mix=beta, temperature=tau, where=where),
         losses.top_k_forward_kl_loss(s, top_logits, top_ids, temperature=tau, where=where),
         losses.teacher_argmax_loss(s, t, where=where),
         losses.soft_hard_distillation_loss(
-            s, t, alpha=alpha, temperature=tau, divergence="jsd", beta=beta, where=where
+            s, t, soft_weight=alpha, temperature=tau, divergence="jsd", mix=beta, where=where
         ),
     )
 
@@ -535,16 +541,16 @@ def test_jit_vmap_and_no_retrace():
     jitted = jax.jit(losses.generalized_jsd_loss)
     for beta in (0.0, 1e-6, 0.3, 1.0):
         expected = np.where(where, ref_jsd(s, t, float(np.float32(beta)), 1.5), 0.0)
-        out = jitted(s, t, beta=beta, temperature=1.5, where=where)
+        out = jitted(s, t, mix=beta, temperature=1.5, where=where)
         assert_close(out, expected, rtol=1e-5, atol=1e-6)
     mapped = jax.jit(
         jax.vmap(
             lambda x, y, m: losses.generalized_jsd_loss(
-                x[None], y[None], beta=0.3, temperature=1.5, where=m[None]
+                x[None], y[None], mix=0.3, temperature=1.5, where=m[None]
             )[0]
         )
     )(s, t, where)
-    assert_close(mapped, jitted(s, t, beta=0.3, temperature=1.5, where=where), rtol=1e-6)
+    assert_close(mapped, jitted(s, t, mix=0.3, temperature=1.5, where=where), rtol=1e-6)
     # No recompilation when the numbers (and the data) change.
     top = losses.teacher_top_k(t, k=3)
     calls = [
@@ -562,7 +568,7 @@ def test_errors_name_the_argument():
     with raises_naming("student_logits"):
         losses.reverse_kl_loss(jnp.zeros((2, 3, 5), int), t)
     with raises_naming("where"):
-        losses.generalized_jsd_loss(s, t, where=jnp.ones((2, 3), int))
+        losses.generalized_jsd_loss(s, t, where=jnp.ones((2, 3)))
     with raises_naming("teacher_top_ids"):
         losses.top_k_forward_kl_loss(s, jnp.zeros((2, 3, 2)), jnp.zeros((2, 3, 2)))
     with own_checks():
@@ -574,16 +580,16 @@ def test_errors_name_the_argument():
             losses.reverse_kl_loss(s, t, where=jnp.ones((2, 4), bool))
         with raises_naming("temperature", error=ValueError):
             losses.forward_kl_loss(s, t, temperature=0.0)
-        with raises_naming("beta", error=ValueError):
-            losses.generalized_jsd_loss(s, t, beta=1.5)
-        with raises_naming("alpha", error=ValueError):
-            losses.soft_hard_distillation_loss(s, t, alpha=-0.1)
+        with raises_naming("mix", error=ValueError):
+            losses.generalized_jsd_loss(s, t, mix=1.5)
+        with raises_naming("soft_weight", error=ValueError):
+            losses.soft_hard_distillation_loss(s, t, soft_weight=-0.1)
         with raises_naming("divergence", "jsd", error=ValueError):
             losses.soft_hard_distillation_loss(s, t, divergence="js")
-        with raises_naming("labels", "(2, 4)", error=ValueError):
-            losses.soft_hard_distillation_loss(s, t, labels=jnp.zeros((2, 4), int))
-        with raises_naming("labels", error=TypeError):
-            losses.soft_hard_distillation_loss(s, t, labels=jnp.zeros((2, 3)))
+        with raises_naming("targets", "(2, 4)", error=ValueError):
+            losses.soft_hard_distillation_loss(s, t, targets=jnp.zeros((2, 4), int))
+        with raises_naming("targets", error=TypeError):
+            losses.soft_hard_distillation_loss(s, t, targets=jnp.zeros((2, 3)))
         with raises_naming("k", "V = 5", error=ValueError):
             losses.teacher_top_k(t, k=6)
         with raises_naming("k", error=ValueError):
@@ -596,3 +602,22 @@ def test_errors_name_the_argument():
             losses.top_k_forward_kl_loss(s, jnp.zeros((2, 3, 2)), jnp.zeros((2, 3, 3), int))
         with raises_naming("teacher_top_ids", error=TypeError):
             losses.top_k_forward_kl_loss(s, jnp.zeros((2, 3, 2)), jnp.zeros((2, 3, 2)))
+
+
+def test_integer_masks_and_ids_outside_the_vocabulary():
+    s = np.array(jax.random.normal(jax.random.key(6), (2, 4, 5)))
+    t = np.array(jax.random.normal(jax.random.key(7), (2, 4, 5)))
+    where = np.array([[1, 1, 0, 0], [1, 1, 1, 0]])
+    labels = np.array([[1, 2, -100, -100], [0, 4, 4, -100]])
+    top_logits, top_ids = (np.array(x) for x in losses.teacher_top_k(t, k=3))
+    boolean = masked_losses(s, t, labels, top_logits, top_ids, where == 1)
+    integer = masked_losses(s, t, labels, top_logits, top_ids, where)
+    for name, value in boolean.items():
+        np.testing.assert_array_equal(integer[name], value, err_msg=name)
+    with raises_naming("where", "2", error=ValueError):
+        losses.forward_kl_loss(s, t, where=where * 2)
+    top_ids[0, 1, 2] = 5
+    with raises_naming("teacher_top_ids", "5", "V = 5", error=ValueError):
+        losses.top_k_forward_kl_loss(s, top_logits, top_ids)
+    with raises_naming("targets", "-100", "V = 5", error=ValueError):
+        losses.soft_hard_distillation_loss(s, t, targets=labels)

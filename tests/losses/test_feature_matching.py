@@ -213,6 +213,11 @@ def test_masks():
         }
 
     out = masked(s, t, hs, ht, w, where)
+    # An integer 0/1 mask counts like the boolean one.
+    integer = masked(s, t, hs, ht, w, where.astype(np.int32))
+    for metric, values in out.items():
+        for value, same in zip(values, integer[metric], strict=True):
+            np.testing.assert_array_equal(same, value)
     # Masked equals sliced: positions 0-1 of both rows.
     slices = [np.s_[:, :2]]
     sliced = [masked(s[part], t[part], hs[part], ht[part], w, None) for part in slices]
@@ -293,7 +298,7 @@ def test_errors_name_the_argument():
     with raises_naming("teacher_outputs"):
         losses.attention_output_matching_loss(jnp.zeros((2, 3, 2, 4)), jnp.zeros((2, 3, 3, 5)))
     with raises_naming("where"):
-        losses.feature_matching_loss(s, t, projection=w, where=jnp.ones((2, 3), int))
+        losses.feature_matching_loss(s, t, projection=w, where=jnp.ones((2, 3)))
     with own_checks():
         with raises_naming("projection", "(4, 5)", error=ValueError):
             losses.feature_matching_loss(s, t)

@@ -20,7 +20,6 @@ from tunelib import losses
 from tunelib.losses import KL_ESTIMATORS
 
 kl_penalty = jax.jit(losses.kl_penalty, static_argnames=("estimator", "stop_gradient_weight"))
-kl_reward_shaping = jax.jit(losses.kl_reward_shaping, static_argnames="estimator")
 
 
 def ref_kl(logps, ref_logps, estimator, log_ratio_clamp=20.0, estimate_clamp=None, old=None):
@@ -283,8 +282,17 @@ def test_fully_masked_is_zero():
     for estimator in KL_ESTIMATORS:
         out = kl_penalty(nan, nan, estimator=estimator, old_token_logps=nan, where=where)
         assert np.all(np.asarray(out) == 0)
-    shaped = kl_reward_shaping(nan, nan, nan, beta=0.1, where=where)
-    assert np.all(np.asarray(shaped) == 0)
+
+
+def test_integer_masks_count_like_boolean_masks():
+    logps = np.array([[-1.0, -2.0, -0.5], [-0.3, np.nan, -4.0]], np.float32)
+    ref = np.array([[-1.5, -1.0, -0.5], [-0.1, -0.2, np.nan]], np.float32)
+    where = np.array([[1, 1, 0], [1, 0, 0]], np.int32)
+    np.testing.assert_array_equal(
+        losses.kl_penalty(logps, ref, where=where), losses.kl_penalty(logps, ref, where=where == 1)
+    )
+    with raises_naming("where", "2", error=ValueError):
+        losses.kl_penalty(logps, ref, where=where * 2)
 
 
 def test_log_ratio_clamp_keeps_exp_finite():
@@ -382,67 +390,6 @@ def test_jit_vmap_grad_and_no_retrace():
             for c, e in [(20.0, 10.0), (1.0, 0.1), (5.0, 3.0)]
         ],
     )
-    rewards = rng.uniform(-1, 1, (3, 4)).astype(np.float32)
-    assert_traced_once(
-        losses.kl_reward_shaping,
-        [((rewards, logps, ref), {"beta": jnp.float32(b), "where": where}) for b in (0.1, 0.0)],
-    )
-
-
-def ref_shaping(rewards, logps, ref_logps, beta, estimator):
-    return np.asarray(rewards, np.float64) - beta * ref_kl(logps, ref_logps, estimator)
-
-
-@given(problems(), st.floats(0.0, 1.0), st.sampled_from(KL_ESTIMATORS), st.data())
-def test_reward_shaping_matches_reference(problem, beta, estimator, data):
-    logps, ref, _, where = problem
-    rewards = data.draw(float_arrays(logps.shape, -5.0, 5.0))
-    out = kl_reward_shaping(
-        masked(rewards, where),
-        masked(logps, where),
-        masked(ref, where),
-        beta=beta,
-        estimator=estimator,
-        where=where,
-    )
-    expected = np.where(where, ref_shaping(rewards, logps, ref, beta, estimator), 0.0)
-    assert out.dtype == jnp.float32
-    assert_close(out, expected, rtol=2e-5, atol=1e-4)
-
-
-def test_reward_shaping_is_data_and_keeps_fractions():
-    rewards = np.array([[0, 0, 1], [0, 1, 0]], np.int32)
-    logps = np.array([[-1.0, -2.0, -0.5], [-0.2, -0.3, -5.0]], np.float32)
-    ref = np.array([[-1.5, -1.0, -0.8], [-0.1, -0.6, 0.0]], np.float32)
-    where = np.array([[True, True, True], [True, True, False]])
-    out = kl_reward_shaping(rewards, logps, ref, beta=0.5, where=where)
-    assert out.dtype == jnp.float32
-    # Integer rewards are cast, not truncated: 1 - 0.5 * 0.3 = 0.85.
-    assert_close(out, np.where(where, ref_shaping(rewards, logps, ref, 0.5, "k1"), 0.0))
-    assert abs(float(out[0, 2]) - 0.85) < 1e-6
-    # The penalty is data: no gradient reaches the log-probs, the rewards pass through.
-    grads = jax.grad(
-        lambda r, lp, rl: jnp.sum(losses.kl_reward_shaping(r, lp, rl, beta=0.5, where=where)),
-        argnums=(0, 1, 2),
-    )(rewards.astype(np.float32), logps, ref)
-    assert_close(grads[0], where.astype(np.float64))
-    assert np.all(np.asarray(grads[1]) == 0) and np.all(np.asarray(grads[2]) == 0)
-    # beta = 0 leaves the rewards unchanged.
-    assert_close(kl_reward_shaping(rewards, logps, ref, beta=0.0), rewards)
-
-
-def test_reward_shaping_float64_and_bf16():
-    rng = np.random.default_rng(4)
-    rewards, logps, ref = (rng.uniform(-3, 0, (2, 4)) for _ in range(3))
-    with jax.enable_x64(True):
-        out = kl_reward_shaping(rewards, logps, ref, beta=0.3, estimator="k3")
-        assert out.dtype == jnp.float64
-        assert_close(out, ref_shaping(rewards, logps, ref, 0.3, "k3"), rtol=1e-12)
-    low = [jnp.asarray(x, jnp.bfloat16) for x in (rewards, logps, ref)]
-    out = kl_reward_shaping(*low, beta=0.3)
-    assert out.dtype == jnp.float32
-    rounded = [np.asarray(x, np.float64) for x in low]
-    assert_close(out, ref_shaping(*rounded, 0.3, "k1"), rtol=1e-6, atol=1e-6)
 
 
 def test_errors_name_the_argument():
@@ -452,9 +399,7 @@ def test_errors_name_the_argument():
     with raises_naming("estimator"):
         losses.kl_penalty(x, x, estimator="k4")
     with raises_naming("where"):
-        losses.kl_penalty(x, x, where=np.ones((2, 3), np.int32))
-    with raises_naming("rewards_t"):
-        losses.kl_reward_shaping(np.zeros(2), x, x, beta=0.1)
+        losses.kl_penalty(x, x, where=np.ones((2, 3), np.float32))
     with own_checks():
         with raises_naming("ref_token_logps", "(2, 4)", "(2, 3)", error=ValueError):
             losses.kl_penalty(x, np.zeros((2, 4), np.float32))
@@ -474,9 +419,3 @@ def test_errors_name_the_argument():
             losses.kl_penalty(x, x, stop_gradient_weight=True)
         with raises_naming("where", "(3,)", error=ValueError):
             losses.kl_penalty(x, x, where=np.ones(3, bool))
-        with raises_naming("rewards_t", "(2,)", "(2, 3)", error=ValueError):
-            losses.kl_reward_shaping(np.zeros(2, np.float32), x, x, beta=0.1)
-        with raises_naming("rewards_t", error=TypeError):
-            losses.kl_reward_shaping(np.zeros((2, 3), bool), x, x, beta=0.1)
-        with raises_naming("beta", error=ValueError):
-            losses.kl_reward_shaping(x, x, x, beta=-0.1)

@@ -24,7 +24,7 @@ from tests._helpers import (
     raises_naming,
 )
 from tests.losses import _preference_refs as ref
-from tunelib import losses
+from tunelib import losses, metrics
 
 PAIR = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 LOGP = (-30.0, 0.0)
@@ -104,7 +104,7 @@ SPECS = [
     ),
     pair_spec(losses.ipo_loss, ref.ipo, {"beta": BETA}),
     pair_spec(losses.hinge_loss, ref.hinge, {"beta": BETA}),
-    pair_spec(losses.exo_loss, ref.exo, {"beta": BETA, "epsilon": (1e-4, 0.3)}),
+    pair_spec(losses.exo_loss, ref.exo, {"beta": BETA, "label_smoothing": (1e-4, 0.3)}),
     pair_spec(losses.discopop_loss, ref.discopop, {"beta": (0.01, 1.0), "tau": (0.02, 0.5)}),
     pair_spec(losses.nca_loss, ref.nca, {"beta": BETA}),
     pair_spec(losses.bco_pair_loss, ref.bco_pair, {"beta": BETA, "delta": (-2.0, 2.0)}),
@@ -139,7 +139,7 @@ SPECS = [
         ref.simpo,
         PAIR[:2],
         (MEAN_LOGP,) * 2,
-        {"beta": (0.5, 10.0), "gamma": (0.0, 5.0), "label_smoothing": (0.0, 0.5)},
+        {"beta": (0.5, 10.0), "margin": (0.0, 5.0), "label_smoothing": (0.0, 0.5)},
         id="simpo_loss",
     ),
     Spec(
@@ -147,7 +147,7 @@ SPECS = [
         ref.cpo,
         PAIR[:2],
         (LOGP,) * 2,
-        {"beta": BETA, "label_smoothing": (0.0, 0.5), "alpha": (0.0, 2.0)},
+        {"beta": BETA, "label_smoothing": (0.0, 0.5), "nll_weight": (0.0, 2.0)},
         id="cpo_loss",
     ),
     Spec(
@@ -155,7 +155,7 @@ SPECS = [
         lambda c, r, nll, **h: ref.cpo(c, r, chosen_nll=nll, **h),
         (*PAIR[:2], "chosen_nll"),
         (LOGP, LOGP, (0.0, 5.0)),
-        {"beta": BETA, "alpha": (0.0, 2.0)},
+        {"beta": BETA, "nll_weight": (0.0, 2.0)},
         build=with_chosen_nll,
         id="cpo_loss_chosen_nll",
     ),
@@ -164,7 +164,7 @@ SPECS = [
         ref.orpo,
         PAIR[:2],
         (ORPO_LOGP,) * 2,
-        {"lambda_": (0.0, 1.0)},
+        {"odds_ratio_weight": (0.0, 1.0)},
         id="orpo_loss",
     ),
     Spec(
@@ -172,7 +172,7 @@ SPECS = [
         lambda c, r, nll, **h: ref.orpo(c, r, chosen_nll=nll, **h),
         (*PAIR[:2], "chosen_nll"),
         (ORPO_LOGP, ORPO_LOGP, (0.0, 5.0)),
-        {"lambda_": (0.0, 1.0)},
+        {"odds_ratio_weight": (0.0, 1.0)},
         build=with_chosen_nll,
         id="orpo_loss_chosen_nll",
     ),
@@ -205,7 +205,7 @@ SPECS = [
         ref.bradley_terry,
         ("chosen_rewards", "rejected_rewards"),
         ((-10.0, 10.0),) * 2,
-        {"margin": (-2.0, 2.0), "center_coefficient": (0.0, 0.1)},
+        {"margin": (-2.0, 2.0), "centering_weight": (0.0, 0.1)},
         id="bradley_terry_loss",
     ),
     Spec(
@@ -213,12 +213,12 @@ SPECS = [
         lambda c, r, m, **h: ref.bradley_terry(c, r, margin=m, **h),
         ("chosen_rewards", "rejected_rewards", "margin"),
         ((-10.0, 10.0), (-10.0, 10.0), (0.0, 3.0)),
-        {"center_coefficient": (0.0, 0.1)},
+        {"centering_weight": (0.0, 0.1)},
         build=with_margin,
         id="bradley_terry_loss_margins",
     ),
     Spec(
-        losses.implicit_rewards,
+        metrics.implicit_rewards,
         ref.implicit_rewards,
         ("logps", "ref_logps"),
         (LOGP, LOGP),
@@ -226,7 +226,7 @@ SPECS = [
         id="implicit_rewards",
     ),
     Spec(
-        losses.reward_margins,
+        metrics.reward_margins,
         lambda c, r: np.subtract(c, r),
         ("chosen_rewards", "rejected_rewards"),
         ((-10.0, 10.0),) * 2,
@@ -382,7 +382,7 @@ def test_errors_name_the_argument(spec):
     with raises_naming(last):
         spec.call(short, spec.middle())
     with raises_naming("where"):
-        spec.call(data, spec.middle(), np.ones(3, np.int32))
+        spec.call(data, spec.middle(), np.ones(3, np.float32))
     with own_checks():
         with raises_naming(last, "(2,)", "(3,)", error=ValueError):
             spec.call(short, spec.middle())
@@ -392,3 +392,13 @@ def test_errors_name_the_argument(spec):
             spec.call(data, spec.middle(), np.ones(2, bool))
         with raises_naming(spec.names[1], error=TypeError):
             spec.call([data[0], data[1].astype(np.int32), *data[2:]], spec.middle())
+
+
+@parametrize_specs
+def test_integer_masks_count_like_boolean_masks(spec):
+    data = fixed_data(spec, b=4, seed=5)
+    where = np.array([True, False, True, True])
+    expected = np.asarray(spec.call(data, spec.middle(), where))
+    np.testing.assert_array_equal(spec.call(data, spec.middle(), where.astype(np.int32)), expected)
+    with raises_naming("where", "2", error=ValueError):
+        spec.call(data, spec.middle(), np.array([1, 0, 2, 1], np.int32))

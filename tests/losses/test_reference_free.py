@@ -25,17 +25,17 @@ ZEROS = np.zeros(B, np.float32)
 @given(means, st.floats(-3.0, 3.0), st.floats(0.5, 10.0), st.floats(0.0, 5.0), st.floats(0.0, 0.5))
 def test_simpo_depends_only_on_the_difference(pair, shift, beta, gamma, eps):
     chosen, rejected = pair
-    loss = simpo_loss(chosen, rejected, beta=beta, gamma=gamma, label_smoothing=eps)
+    loss = simpo_loss(chosen, rejected, beta=beta, margin=gamma, label_smoothing=eps)
     shifted = simpo_loss(
         chosen + np.float32(shift),
         rejected + np.float32(shift),
         beta=beta,
-        gamma=gamma,
+        margin=gamma,
         label_smoothing=eps,
     )
     assert_close(shifted, loss, rtol=1e-4, atol=1e-4)
     # With gamma = 0 it is DPO without a reference model.
-    no_margin = simpo_loss(chosen, rejected, beta=beta, gamma=0.0, label_smoothing=eps)
+    no_margin = simpo_loss(chosen, rejected, beta=beta, margin=0.0, label_smoothing=eps)
     assert_close(
         no_margin,
         dpo_loss(chosen, rejected, ZEROS, ZEROS, beta=beta, label_smoothing=eps),
@@ -47,7 +47,7 @@ def test_simpo_depends_only_on_the_difference(pair, shift, beta, gamma, eps):
 def test_simpo_is_log_2_at_the_target_margin():
     # beta (c - r) = gamma: the logit is 0.
     chosen, rejected = np.array([-0.5, -1.25], np.float32), np.array([-1.0, -1.75], np.float32)
-    assert_close(simpo_loss(chosen, rejected, beta=2.0, gamma=1.0), np.full(2, np.log(2)))
+    assert_close(simpo_loss(chosen, rejected, beta=2.0, margin=1.0), np.full(2, np.log(2)))
     assert_close(simpo_loss(chosen, rejected), np.full(2, np.log(2)))  # the defaults: 2.0, 1.0
 
 
@@ -55,7 +55,7 @@ def test_simpo_is_log_2_at_the_target_margin():
 def test_cpo_is_reference_free_dpo_plus_nll(pair, beta, eps, alpha):
     chosen, rejected = pair
     loss = np.asarray(
-        cpo_loss(chosen, rejected, beta=beta, label_smoothing=eps, alpha=alpha), np.float64
+        cpo_loss(chosen, rejected, beta=beta, label_smoothing=eps, nll_weight=alpha), np.float64
     )
     preference = np.asarray(
         dpo_loss(chosen, rejected, ZEROS, ZEROS, beta=beta, label_smoothing=eps), np.float64
@@ -64,7 +64,7 @@ def test_cpo_is_reference_free_dpo_plus_nll(pair, beta, eps, alpha):
     # A given NLL (TRL's token mean, say) replaces -chosen_logps.
     nll = np.float32(0.25) * -chosen
     with_nll = cpo_loss(
-        chosen, rejected, beta=beta, label_smoothing=eps, alpha=alpha, chosen_nll=nll
+        chosen, rejected, beta=beta, label_smoothing=eps, nll_weight=alpha, chosen_nll=nll
     )
     assert_close(with_nll, preference + alpha * nll, rtol=1e-5, atol=1e-4)
 
@@ -112,11 +112,14 @@ def test_orpo_properties(pair, lambda_):
     # Odds are increasing in the probability.
     apart = np.abs(chosen - rejected) > 1e-4
     assert np.all(np.sign(ratio[apart]) == np.sign(chosen - rejected)[apart])
-    loss = np.asarray(orpo_loss(chosen, rejected, lambda_=lambda_))
+    loss = np.asarray(orpo_loss(chosen, rejected, odds_ratio_weight=lambda_))
     nll = -chosen.astype(np.float64)
     assert np.all(loss >= nll - 1e-5)  # the odds term is a non-negative penalty
     assert_close(
-        orpo_loss(chosen, chosen, lambda_=lambda_), nll + lambda_ * np.log(2), rtol=1e-5, atol=1e-5
+        orpo_loss(chosen, chosen, odds_ratio_weight=lambda_),
+        nll + lambda_ * np.log(2),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 

@@ -21,7 +21,7 @@ def test_fixed_values_in_closed_form():
     assert_close(
         bradley_terry_loss(chosen, rejected, margin=margin), np.log1p(np.exp([0.0, 0.0, 0.5]))
     )
-    centred = bradley_terry_loss(chosen, rejected, center_coefficient=0.01)
+    centred = bradley_terry_loss(chosen, rejected, centering_weight=0.01)
     assert_close(centred, np.log1p(np.exp([-1.0, 0.5, 0.0])) + 0.01 * np.array([4.0, 0.25, 16.0]))
 
 
@@ -40,13 +40,13 @@ def test_properties(pair, margin, shift):
     )
     # log 2 for equal rewards and no margin; the centring term only adds.
     assert_close(bradley_terry_loss(chosen, chosen), np.full(B, np.log(2)))
-    assert np.all(np.asarray(bradley_terry_loss(chosen, rejected, center_coefficient=0.05)) >= loss)
+    assert np.all(np.asarray(bradley_terry_loss(chosen, rejected, centering_weight=0.05)) >= loss)
 
 
 def test_centring_pulls_the_reward_sum_to_zero():
     chosen, rejected = jnp.array([3.0, 1.0]), jnp.array([2.0, -2.0])
     grad = jax.grad(
-        lambda c, r: losses.bradley_terry_loss(c, r, center_coefficient=0.1).sum(), (0, 1)
+        lambda c, r: losses.bradley_terry_loss(c, r, centering_weight=0.1).sum(), (0, 1)
     )
     plain = jax.grad(lambda c, r: losses.bradley_terry_loss(c, r).sum(), (0, 1))
     extra = [

@@ -122,3 +122,22 @@ def test_errors():
             losses.nll_loss(logits, jnp.zeros((2, 3), int), label_smoothing=1.5)
         with raises_naming("logits", error=TypeError):
             losses.nll_loss(jnp.zeros((2, 3, 5), int), jnp.zeros((2, 3), int))
+
+
+def test_targets_outside_the_vocabulary_and_integer_masks():
+    logits = jax.random.normal(jax.random.key(4), (2, 4, 5))
+    targets = jnp.array([[1, 2, 0, 4], [0, 4, 4, 3]])
+    where = jnp.array([[1, 1, 0, 0], [1, 1, 1, 0]])
+    with raises_naming("targets", "5", "V = 5", error=ValueError):
+        losses.nll_loss(logits, targets.at[0, 1].set(5))
+    # Masked positions may hold any id; under jit a counted id out of range gives NaN.
+    bad = targets.at[0, 1].set(-7).at[0, 3].set(99)
+    out = np.array(nll_loss(logits, bad, where=where))
+    expected = np.asarray(nll_loss(logits, targets, where=where))
+    assert np.isnan(out[0, 1]) and out[0, 3] == 0
+    out[0, 1] = expected[0, 1]
+    np.testing.assert_array_equal(out, expected)
+    # An integer 0/1 mask counts like the boolean one; any other value is an error.
+    np.testing.assert_array_equal(expected, nll_loss(logits, targets, where=where == 1))
+    with raises_naming("where", "2", error=ValueError):
+        losses.nll_loss(logits, targets, where=where * 2)

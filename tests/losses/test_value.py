@@ -11,13 +11,11 @@ from tunelib import losses
 
 NAMES = ("values", "old_values", "returns")
 RANGES = ((-4.0, 4.0), ("near", 0, -1.0, 1.0), (-4.0, 4.0))
+BOUNDS = {"epsilon_low": (0.0, 1.0), "epsilon_high": (0.0, 1.5)}
+UNCLIPPED = {"epsilon_low": None, "epsilon_high": None}
 SPECS = [
-    ref.Spec(
-        losses.value_loss, ref.value, NAMES, RANGES, {"clip_epsilon": (0.0, 1.0)}, id="clipped"
-    ),
-    ref.Spec(
-        losses.value_loss, ref.value, NAMES, RANGES, {}, static={"clip_epsilon": None}, id="plain"
-    ),
+    ref.Spec(losses.value_loss, ref.value, NAMES, RANGES, BOUNDS, id="clipped"),
+    ref.Spec(losses.value_loss, ref.value, NAMES, RANGES, {}, static=UNCLIPPED, id="plain"),
 ]
 
 
@@ -41,21 +39,26 @@ def problems(draw, shape=(3, 4)):
     return values, old, draw(float_arrays(shape, -4.0, 4.0))
 
 
-@given(problems(), st.floats(0.0, 1.0))
-def test_clipping_is_pessimistic_and_stops_the_gradient_outside(problem, eps):
+@given(problems(), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_clipping_is_pessimistic_and_stops_the_gradient_outside(problem, low, high):
     values, old, returns = problem
     v, v_old, ret = (x.astype(np.float64) for x in problem)
-    loss = np.asarray(value_loss(values, old, returns, clip_epsilon=eps), np.float64)
+    bounds = {"epsilon_low": low, "epsilon_high": high}
+    loss = np.asarray(value_loss(values, old, returns, **bounds), np.float64)
     plain = 0.5 * (v - ret) ** 2
     assert np.all(loss >= plain * (1 - 1e-6) - 1e-30)  # float32 flushes tiny squares to 0
-    near = np.abs(v - v_old) <= eps * (1 - 1e-5)
+    near = (v - v_old >= -low * (1 - 1e-5)) & (v - v_old <= high * (1 - 1e-5))
     assert_close(loss[near], plain[near], rtol=1e-5, atol=1e-6)
-    assert_close(value_loss(values, old, returns, clip_epsilon=None), plain, rtol=1e-5, atol=1e-6)
-    assert_close(value_loss(values, old, returns, clip_epsilon=1e3), plain, rtol=1e-5, atol=1e-6)
+    assert_close(value_loss(values, old, returns, **UNCLIPPED), plain, rtol=1e-5, atol=1e-6)
+    wide = {"epsilon_low": 1e3, "epsilon_high": 1e3}
+    assert_close(value_loss(values, old, returns, **wide), plain, rtol=1e-5, atol=1e-6)
+    # One bound None leaves that side unclipped.
+    one_sided = value_loss(values, old, returns, epsilon_low=None, epsilon_high=high)
+    assert_close(one_sided, ref.value(v, v_old, ret, None, high), rtol=1e-5, atol=1e-6)
     # d loss / dV is V - R where the unclipped error is the larger, else 0 (V is then outside
     # the clip range and its clipped copy is constant). Skip ties, where the choice flips.
-    clipped = 0.5 * (np.clip(v, v_old - eps, v_old + eps) - ret) ** 2
-    grad = np.asarray(value_grad(values, old, returns, clip_epsilon=eps))
+    clipped = 0.5 * (np.clip(v, v_old - low, v_old + high) - ret) ** 2
+    grad = np.asarray(value_grad(values, old, returns, **bounds))
     decided = ~np.isclose(clipped, plain, rtol=1e-5, atol=1e-6)
     expected = np.where(clipped > plain, 0.0, v - ret)
     assert_close(grad[decided], expected[decided], rtol=1e-5, atol=1e-5)
@@ -77,7 +80,8 @@ def test_old_and_returns_carry_no_policy_gradient_but_values_do():
 
 def test_errors():
     x = np.zeros((2, 3), np.float32)
-    with own_checks(), raises_naming("clip_epsilon", error=ValueError):
-        losses.value_loss(x, x, x, clip_epsilon=-0.1)
+    for name in ("epsilon_low", "epsilon_high"):
+        with own_checks(), raises_naming(name, error=ValueError):
+            losses.value_loss(x, x, x, **{name: -0.1})
     with raises_naming("returns"):
         losses.value_loss(x, x, np.zeros(2, np.float32))

@@ -9,11 +9,8 @@ and masked entries get exactly 0; integer rewards are cast to float, never trunc
 statistics run in float32 (float64 for float64 input).
 """
 
-from tunelib.advantages._diagnostics import (
-    AdvantageStatistics,
-    advantage_statistics,
-    zero_std_fraction,
-)
+from tunelib._deprecation import moved_names
+from tunelib.advantages._entropy_mask import high_entropy_mask
 from tunelib.advantages._gae import discounted_returns, gae, lambda_returns
 from tunelib.advantages._group import (
     COMBINES,
@@ -22,6 +19,7 @@ from tunelib.advantages._group import (
     multi_reward_advantages,
     rloo_advantages,
 )
+from tunelib.advantages._kl_shaping import kl_reward_shaping
 from tunelib.advantages._shaping import (
     dynamic_sampling_mask,
     overlong_penalty,
@@ -30,15 +28,24 @@ from tunelib.advantages._shaping import (
 )
 from tunelib.advantages._whitening import whiten
 
+# The statistics moved to `tunelib.metrics`; served from here until tunelib 0.3.0.
+__getattr__ = moved_names(
+    __name__,
+    {
+        name: ("tunelib.metrics", name)
+        for name in ("AdvantageStatistics", "advantage_statistics", "zero_std_fraction")
+    },
+)
+
 __all__ = [
     "COMBINES",
     "SCALES",
-    "AdvantageStatistics",
-    "advantage_statistics",
     "discounted_returns",
     "dynamic_sampling_mask",
     "gae",
     "group_advantages",
+    "high_entropy_mask",
+    "kl_reward_shaping",
     "lambda_returns",
     "multi_reward_advantages",
     "overlong_penalty",
@@ -46,5 +53,4 @@ __all__ = [
     "sequence_rewards_to_tokens",
     "truncation_mask",
     "whiten",
-    "zero_std_fraction",
 ]

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
+from tunelib._typing import Mask, Scalar
 from tunelib.logprobs._tiles import default_chunk_size, tile_logits, tiles, vocab_tile
 
 Implementation = Literal["auto", "chunked", "pallas", "naive"]
@@ -219,7 +219,7 @@ def fused_token_logps(
     bias: Float[ArrayLike, " V"] | None = None,
     temperature: Scalar = 1.0,
     with_entropy: bool = False,
-    where: Bool[ArrayLike, "*B"] | None = None,
+    where: Mask[ArrayLike, "*B"] | None = None,
     chunk_size: int | None = None,
     implementation: Implementation = "auto",
     vocab_axis: str | None = None,
@@ -248,16 +248,18 @@ def fused_token_logps(
       hidden: `[..., H]` hidden states, any float dtype (matmuls accumulate in float32).
       unembedding: `[H, V]` unembedding matrix; with `vocab_axis`, this device's `[H, V/D]`
         shard of it.
-      targets: `[...]` integer token ids in `[0, V)` (global ids also when sharded).
+      targets: `[...]` integer token ids in `[0, V)` (global ids also when sharded). An id
+        outside that range at a counted position is a `ValueError` when the ids can be read
+        (outside `jax.jit`); under `jit` the position's log-prob is NaN (see `token_logps`).
       bias: optional `[V]` bias (the local shard with `vocab_axis`).
       temperature: $\tau > 0$; may be traced.
       with_entropy: also return the per-token entropy $H_n$ (static).
-      where: `[...]` boolean mask, True = counts; masked positions give 0 and send exactly 0
+      where: `[...]` mask, True (or 1) = counts; masked positions give 0 and send exactly 0
         gradient, even when their hidden states are NaN and their targets out of range.
       chunk_size: vocabulary tile width of the ``"chunked"`` path (static). Temporary memory
-        is about two `[N, chunk_size]` float32 arrays. None picks the power of two that keeps
-        a tile near $2^{22}$ logits (16 MiB in float32), between 128 and 8192 columns: 1024
-        for 4096 tokens.
+        is about two `[N, chunk_size]` float32 arrays. None picks `default_chunk_size(N)`, the
+        power of two that keeps a tile near $2^{22}$ logits (16 MiB in float32), between 128
+        and 8192 columns: 1024 for 4096 tokens.
       implementation: ``"chunked"`` (pure JAX, any backend), ``"pallas"`` (the Pallas kernel
         of `tunelib.kernels`, for GPU and TPU), ``"naive"`` (materialise the logits: the
         reference, and the baseline for benchmarks), or ``"auto"``: ``"pallas"`` on TPU,
@@ -303,16 +305,19 @@ def fused_token_logps(
         v.check_shape(bias, "bias", unembedding.shape[1:], f"unembedding {unembedding.shape}")
     if chunk_size is None:
         chunk_size = default_chunk_size(targets.size)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    v.static_count(chunk_size, "chunk_size")
     v.positive_scalar(temperature, "temperature")
     implementation = _resolve(implementation)
     if implementation == "pallas" and vocab_axis is not None:
         raise ValueError("implementation='pallas' does not support vocab_axis; use 'chunked'.")
     where = v.mask_array(where, targets.shape)
+    vocab = unembedding.shape[1]
+    if vocab_axis is not None:
+        vocab *= lax.axis_size(vocab_axis)
+    targets, inside = v.token_id_array(targets, vocab, where)
     shape = targets.shape
     h = jnp.where(where[..., None], hidden, 0).reshape(-1, hidden.shape[-1])
-    y = jnp.where(where, targets, 0).reshape(-1)
+    y = targets.reshape(-1)
     tau = jnp.asarray(temperature, v.compute_dtype(hidden.dtype, unembedding.dtype))
     if implementation == "chunked":
         logps, entropy = _chunked(
@@ -329,7 +334,7 @@ def fused_token_logps(
             interpret=jax.default_backend() == "cpu",
         )  # fmt: skip
         logps, entropy = out
-    logps = jnp.where(where, logps.reshape(shape), 0.0)
+    logps = jnp.where(where, jnp.where(inside, logps.reshape(shape), jnp.nan), 0.0)
     if not with_entropy:
         return logps
     return logps, jnp.where(where, entropy.reshape(shape), 0.0)

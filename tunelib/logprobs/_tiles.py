@@ -8,7 +8,22 @@ TILE_LOGITS = 2**22
 
 
 def default_chunk_size(num_tokens: int) -> int:
-    """The vocabulary tile for `num_tokens` rows: about `TILE_LOGITS` logits, in [128, 8192]."""
+    """The vocabulary tile width the fused heads use when they are given none.
+
+    The power of two that keeps a tile of `num_tokens` rows near $2^{22}$ logits (16 MiB in
+    float32), between 128 and 8192 columns.
+
+    Args:
+      num_tokens: the number of tokens `N` (rows) of the head.
+
+    Returns:
+      The tile width in vocabulary columns, a Python int.
+
+    Examples:
+      >>> from tunelib.logprobs import default_chunk_size
+      >>> print(default_chunk_size(4096), default_chunk_size(1), default_chunk_size(10**6))
+      1024 8192 128
+    """
     columns = TILE_LOGITS // max(num_tokens, 1)
     return 1 << max(7, min(13, columns.bit_length() - 1)) if columns else 128
 

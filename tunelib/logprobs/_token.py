@@ -3,10 +3,10 @@
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
+from tunelib._typing import Mask, Scalar
 
 
 def _scaled_logits(
@@ -27,7 +27,7 @@ def token_logps(
     targets: Int[ArrayLike, "*B T"],
     *,
     temperature: Scalar = 1.0,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Log-probability of each target token under the tempered softmax of the logits.
 
@@ -41,9 +41,12 @@ def token_logps(
 
     Args:
       logits: `[..., T, V]` unnormalised scores.
-      targets: `[..., T]` integer token ids in `[0, V)`.
+      targets: `[..., T]` integer token ids in `[0, V)`. An id outside that range at a counted
+        position is a `ValueError` naming the id and V when the ids can be read (outside
+        `jax.jit`); under `jit` it cannot be seen, and the position's log-prob is NaN, so
+        that the loss built on it is NaN rather than quietly wrong (its gradient is 0).
       temperature: `tau > 0`; may be a traced scalar.
-      where: `[..., T]` boolean mask, True = counts. Masked positions give exactly 0 and a zero
+      where: `[..., T]` mask, True (or 1) = counts. Masked positions give exactly 0 and a zero
         gradient even when their logits are `-inf` or NaN, and their targets may be any value
         (for example an ignore index of -100).
 
@@ -60,17 +63,17 @@ def token_logps(
     scaled, where = _scaled_logits(logits, temperature, where)
     targets = v.int_array(targets, "targets")
     v.check_shape(targets, "targets", scaled.shape[:-1], f"logits {scaled.shape} without V")
-    safe_targets = jnp.where(where, targets, 0)
+    safe_targets, inside = v.token_id_array(targets, scaled.shape[-1], where)
     target_logits = jnp.take_along_axis(scaled, safe_targets[..., None], axis=-1)[..., 0]
     logps = target_logits - jax.nn.logsumexp(scaled, axis=-1)
-    return jnp.where(where, logps, 0.0)
+    return jnp.where(where, jnp.where(inside, logps, jnp.nan), 0.0)
 
 
 def token_entropy(
     logits: Float[ArrayLike, "*B T V"],
     *,
     temperature: Scalar = 1.0,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Entropy of the tempered next-token distribution at each position.
 
@@ -85,7 +88,7 @@ def token_entropy(
     Args:
       logits: `[..., T, V]` unnormalised scores.
       temperature: `tau > 0`; may be a traced scalar.
-      where: `[..., T]` boolean mask, True = counts; masked positions give 0.
+      where: `[..., T]` mask, True (or 1) = counts; masked positions give 0.
 
     Returns:
       `[..., T]` entropies in nats, float32 (float64 for float64 logits).

@@ -10,10 +10,11 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Bool, Float
+from jaxtyping import Float, Int
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
+from tunelib import logprobs
+from tunelib._typing import Mask, Scalar
 
 AggregationMode = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "global_token_mean"
@@ -49,7 +50,8 @@ def aggregate(
     *,
     mode: AggregationMode,
     norm_constant: Scalar | None = None,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
+    segment_ids: Int[ArrayLike, "B T"] | None = None,
 ) -> Aggregate:
     r"""Reduce per-token losses `[B, T]` with one of the named modes in the literature.
 
@@ -78,6 +80,12 @@ def aggregate(
     (padding or filtered-out) rows it carries. TRL's Dr. GRPO divides by the full batch size
     instead, which counts such rows as zero-loss sequences.
 
+    Packed rows: with `segment_ids` (1, 2, ... per sequence of a row, 0 on padding, as the
+    packed pipelines of `tunelib.data` give them), each segment counts as one sequence $i$ in
+    the sequence modes, so a packed batch gives exactly the value of the same sequences
+    padded one per row; a token with segment id 0 belongs to no sequence there. The token
+    modes do not depend on how tokens are grouped into sequences and ignore `segment_ids`.
+
     Summing `total` and `count` over micro-batches (`Aggregate.merge`) and dividing once gives
     exactly the full-batch value in the first three modes; in ``"global_token_mean"`` the
     micro-batches' means add up to it.
@@ -89,8 +97,11 @@ def aggregate(
       norm_constant: $C > 0$ for ``"seq_mean_token_sum_norm"``, the global token count
         $N > 0$ for ``"global_token_mean"``; required by those two modes and rejected by the
         others; may be traced.
-      where: `[B, T]` boolean mask, True = counts. Masked entries contribute exactly 0, even
+      where: `[B, T]` mask, True (or 1) = counts. Masked entries contribute exactly 0, even
         when they are NaN or infinite.
+      segment_ids: optional `[B, T]` integer segment ids of packed rows, at most T (see
+        above); checked when they can be read, under `jax.jit` an id outside `[1, T]` belongs
+        to no sequence.
 
     Returns:
       An `Aggregate` of float32 scalars (float64 for float64 values).
@@ -105,28 +116,30 @@ def aggregate(
       >>> print(aggregate(losses, mode="seq_mean_token_mean", where=where).mean())  # (2 + 4) / 2
       3.0
     """
-    values = v.float_array(values, "values")
-    if values.ndim != 2:
-        raise ValueError(f"values must have shape [B, T], got {values.shape}.")
-    if mode not in AGGREGATION_MODES:
-        raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}.")
+    v.one_of(mode, "mode", AGGREGATION_MODES)
     if (mode in _NORMALISED_MODES) != (norm_constant is not None):
         raise ValueError(
             f"norm_constant is required by the modes {_NORMALISED_MODES} and used by no other "
             f"mode; got mode={mode!r}, norm_constant={norm_constant!r}."
         )
-    where = v.mask_array(where, values.shape)
-    dtype = v.compute_dtype(values.dtype)
-    values = jnp.where(where, values.astype(dtype), 0.0)
-    tokens_per_row = jnp.sum(where, axis=-1)
-    rows = jnp.sum(tokens_per_row > 0).astype(dtype)
+    (values,), where = v.masked_floats(where, ndim=2, values=values)
+    dtype = values.dtype
+    if segment_ids is not None:
+        v.segment_ids_array(segment_ids, values.shape, where=where, num_segments=values.shape[-1])
     if mode == "token_mean":
-        return Aggregate(jnp.sum(values), jnp.sum(tokens_per_row).astype(dtype))
-    if mode == "seq_mean_token_mean":
-        row_means = jnp.sum(values, axis=-1) / jnp.maximum(tokens_per_row, 1).astype(dtype)
-        return Aggregate(jnp.sum(row_means), rows)
-    v.positive_scalar(norm_constant, "norm_constant")
-    constant = jnp.asarray(norm_constant, dtype)
+        return Aggregate(jnp.sum(values), jnp.sum(where).astype(dtype))
     if mode == "global_token_mean":
-        return Aggregate(jnp.sum(values), constant)
-    return Aggregate(jnp.sum(values), rows * constant)
+        v.positive_scalar(norm_constant, "norm_constant")
+        return Aggregate(jnp.sum(values), jnp.asarray(norm_constant, dtype))
+    # The sequence modes: per sequence (a row, or a segment of a packed row) its token sum and
+    # its number of valid tokens; sequences without one are left out.
+    segments = {}
+    if segment_ids is not None:
+        segments = {"segment_ids": segment_ids, "num_segments": values.shape[-1]}
+    sums = logprobs.sequence_sum(values, where=where, **segments)
+    lengths = logprobs.sequence_sum(jnp.ones_like(values), where=where, **segments)
+    sequences = jnp.sum(lengths > 0).astype(dtype)
+    if mode == "seq_mean_token_mean":
+        return Aggregate(jnp.sum(sums / jnp.maximum(lengths, 1)), sequences)
+    v.positive_scalar(norm_constant, "norm_constant")
+    return Aggregate(jnp.sum(sums), sequences * jnp.asarray(norm_constant, dtype))

@@ -1,125 +1,29 @@
-"""Knowledge distillation: token-level divergences between student and teacher logits.
+"""Knowledge distillation: token-level losses between student and teacher logits.
 
 Every function here takes the student's and the teacher's logits at the same positions and
-returns one loss per token. The teacher is data: gradients flow into `teacher_logits` like into
-any other input, so wrap them in `jax.lax.stop_gradient` when they come from a model you also
-differentiate (a frozen teacher outside the differentiated function needs nothing).
+returns one loss per token. The divergences themselves are `tunelib.logprobs.token_divergence`
+(and, from hidden states without logits, `tunelib.logprobs.fused_divergence`); the losses add
+Hinton et al.'s $\tau^2$ factor, sparse teachers, hard labels and their mix. The teacher is
+data: gradients flow into `teacher_logits` like into any other input, so wrap them in
+`jax.lax.stop_gradient` when they come from a model you also differentiate (a frozen teacher
+outside the differentiated function needs nothing).
 """
-
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
+from tunelib import _deprecation, logprobs
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-
-Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
-_DIVERGENCES: tuple[str, ...] = Divergence.__args__
-
-# Below this |u| the per-token term phi(u) = u - log1p(u) comes from its Taylor series, where
-# the direct difference would lose digits to cancellation.
-_SERIES_RADIUS = 0.1
-# expm1 of larger log-ratios could overflow float32; those tokens take the log-space branch.
-_EXPM1_MAX = 80.0
+from tunelib._typing import Mask, Scalar
 
 
-def _checked_logits(
-    student_logits: ArrayLike, teacher_logits: ArrayLike, where: ArrayLike | None
-) -> tuple[jax.Array, jax.Array, jax.Array, jnp.dtype]:
-    """Checked student and teacher logits in the compute dtype, masked positions set to 0."""
-    student = v.float_array(student_logits, "student_logits")
-    teacher = v.float_array(teacher_logits, "teacher_logits")
-    v.check_ndim(student, "student_logits", at_least=2)
-    v.same_shape(student_logits=student, teacher_logits=teacher)
-    where = v.mask_array(where, student.shape[:-1])
-    dtype = v.compute_dtype(student.dtype, teacher.dtype)
-    student = jnp.where(where[..., None], student.astype(dtype), 0.0)
-    teacher = jnp.where(where[..., None], teacher.astype(dtype), 0.0)
-    return student, teacher, where, dtype
-
-
-def _tempered_log_probs(
-    student_logits: ArrayLike,
-    teacher_logits: ArrayLike,
-    temperature: Scalar,
-    where: ArrayLike | None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`log softmax(z / tau)` of student and teacher, the mask, and `tau` in the compute dtype."""
-    v.positive_scalar(temperature, "temperature")
-    student, teacher, where, dtype = _checked_logits(student_logits, teacher_logits, where)
-    tau = jnp.asarray(temperature, dtype)
-    log_p_student = jax.nn.log_softmax(student / tau, axis=-1)
-    log_p_teacher = jax.nn.log_softmax(teacher / tau, axis=-1)
-    return log_p_student, log_p_teacher, where, tau
-
-
-def _phi_over_u_squared(u: jax.Array) -> jax.Array:
-    r"""$(u - \log(1 + u)) / u^2 = \sum_{k \ge 2} (-u)^{k-2} / k$, to working precision for
-    $|u| \le 0.1$ (8 terms in float32, 17 in float64)."""
-    n_terms = 17 if u.dtype == jnp.float64 else 8
-    acc = jnp.zeros_like(u)
-    for k in range(n_terms + 1, 1, -1):
-        acc = 1.0 / k - u * acc
-    return acc
-
-
-def _mixture_divergence_terms(
-    log_p: jax.Array, log_q: jax.Array, w: ArrayLike, w_complement: ArrayLike
-) -> jax.Array:
-    r"""The per-entry terms of $D_w(p, q) = \mathrm{KL}(p \,\|\, (1 - w) p + w q) / w$.
-
-    They sum to $D_w$ over the last axis (see `_mixture_divergence`); kept separate so that a
-    vocabulary can be summed tile by tile.
-
-    `w_complement` is $1 - w$, passed separately because it is known exactly where $w$ is
-    not (in float32, $1 - (1 - \beta)$ is off by 1 % for $\beta = 10^{-6}$). For
-    $w \in (0, 1]$ and per entry $r = q / p - 1$, $u = w r$:
-    $p \log(p / ((1 - w) p + w q)) / w = p\,\varphi(u)/w - p r$ with
-    $\varphi(u) = u - \log(1 + u) \ge 0$, and the $-p r = p - q$ parts sum to the mass of $q$
-    outside the support of $p$. So each entry contributes the non-negative
-    $p\,\varphi(u) / w$ where $p > 0$ and $q$ where $p = 0$. $\varphi$ comes from its series
-    for small $|u|$ (this is what keeps $D_w$ accurate as $w \to 0$, where the plain formula
-    divides a cancellation error by $w$), otherwise from $(q - p) - p \log((1 - w) + w e^d)/w$
-    with $d = \log q - \log p$ in log space. $D_0 = 0$: the $w \to 0$ limit whenever $q$ lives
-    on the support of $p$ (otherwise the companion term of the JSD is infinite anyway). Every
-    branch sees safe inputs so that no discarded branch puts NaN into a gradient.
-    """
-    w = jnp.asarray(w, log_p.dtype)
-    w_complement = jnp.asarray(w_complement, log_p.dtype)
-    p, q = jnp.exp(log_p), jnp.exp(log_q)
-    p_zero = p == 0
-    q_zero = jnp.isneginf(log_q)
-    d = jnp.where(p_zero | q_zero, 0.0, log_q - log_p)
-    big = d > _EXPM1_MAX
-    r = jnp.where(q_zero, -1.0, jnp.expm1(jnp.where(big, 0.0, d)))
-    u = w * r
-    small = (w == 0) | (~big & (jnp.abs(u) < _SERIES_RADIUS))
-    u_small = jnp.where(small, u, 0.0)
-    series = p * jnp.where(small, r, 0.0) * u_small * _phi_over_u_squared(u_small)
-    direct = ~p_zero & ~small
-    w_direct = jnp.where(w > 0, w, 1.0)
-    log_w_complement = jnp.log(jnp.where(w > 0, w_complement, 0.0))
-    log_mixture_ratio = jnp.where(
-        direct & q_zero,
-        log_w_complement,
-        jnp.logaddexp(log_w_complement, jnp.log(w_direct) + jnp.where(direct, d, 0.0)),
-    )
-    direct_value = (q - p) - p * log_mixture_ratio / w_direct
-    return jnp.where(p_zero, jnp.where(w > 0, q, 0.0), jnp.where(small, series, direct_value))
-
-
-def _mixture_divergence(
-    log_p: jax.Array, log_q: jax.Array, w: ArrayLike, w_complement: ArrayLike
-) -> jax.Array:
-    r"""$D_w(p, q) = \mathrm{KL}(p \,\|\, (1 - w) p + w q) / w$ summed over the last axis."""
-    return jnp.sum(_mixture_divergence_terms(log_p, log_q, w, w_complement), axis=-1)
-
-
-def _scale(tau: jax.Array, temperature_squared: bool) -> jax.Array:
-    return tau**2 if temperature_squared else jnp.ones_like(tau)
+def _scaled(value: jax.Array, temperature: Scalar, temperature_squared: bool) -> jax.Array:
+    """`value * temperature**2` (Hinton et al.'s factor) when `temperature_squared`."""
+    if not temperature_squared:
+        return value
+    return value * jnp.asarray(temperature, value.dtype) ** 2
 
 
 def forward_kl_loss(
@@ -128,7 +32,7 @@ def forward_kl_loss(
     *,
     temperature: Scalar = 1.0,
     temperature_squared: bool = True,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token forward KL divergence from the teacher to the student (mass-covering).
 
@@ -157,7 +61,7 @@ def forward_kl_loss(
         with `jax.lax.stop_gradient` if the teacher must not be trained.
       temperature: $\tau > 0$, applied to both; may be traced.
       temperature_squared: multiply by $\tau^2$ (static).
-      where: `[..., T]` boolean mask, True = counts. Masked positions give exactly 0 and zero
+      where: `[..., T]` mask, True (or 1) = counts. Masked positions give exactly 0 and zero
         gradient, even with `-inf`/NaN logits there.
 
     Returns:
@@ -177,11 +81,14 @@ def forward_kl_loss(
       Hinton et al., "Distilling the Knowledge in a Neural Network", 2015,
       https://arxiv.org/abs/1503.02531.
     """
-    log_p_student, log_p_teacher, where, tau = _tempered_log_probs(
-        student_logits, teacher_logits, temperature, where
+    kl = logprobs.token_divergence(
+        student_logits,
+        teacher_logits,
+        divergence="forward_kl",
+        temperature=temperature,
+        where=where,
     )
-    kl = _mixture_divergence(log_p_teacher, log_p_student, 1.0, 0.0)
-    return jnp.where(where, _scale(tau, temperature_squared) * kl, 0.0)
+    return _scaled(kl, temperature, temperature_squared)
 
 
 def reverse_kl_loss(
@@ -190,7 +97,7 @@ def reverse_kl_loss(
     *,
     temperature: Scalar = 1.0,
     temperature_squared: bool = True,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token reverse KL divergence from the student to the teacher (mode-seeking).
 
@@ -216,7 +123,7 @@ def reverse_kl_loss(
         `forward_kl_loss`).
       temperature: $\tau > 0$; may be traced.
       temperature_squared: multiply by $\tau^2$ (static).
-      where: `[..., T]` boolean mask, True = counts; masked positions give 0 and zero gradient.
+      where: `[..., T]` mask, True (or 1) = counts; masked positions give 0 and zero gradient.
 
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
@@ -233,22 +140,26 @@ def reverse_kl_loss(
       Gu et al., "MiniLLM: Knowledge Distillation of Large Language Models", 2024,
       https://arxiv.org/abs/2306.08543.
     """
-    log_p_student, log_p_teacher, where, tau = _tempered_log_probs(
-        student_logits, teacher_logits, temperature, where
+    kl = logprobs.token_divergence(
+        student_logits,
+        teacher_logits,
+        divergence="reverse_kl",
+        temperature=temperature,
+        where=where,
     )
-    kl = _mixture_divergence(log_p_student, log_p_teacher, 1.0, 0.0)
-    return jnp.where(where, _scale(tau, temperature_squared) * kl, 0.0)
+    return _scaled(kl, temperature, temperature_squared)
 
 
+@_deprecation.renamed_arguments(beta="mix")
 def generalized_jsd_loss(
     student_logits: Float[ArrayLike, "*B T V"],
     teacher_logits: Float[ArrayLike, "*B T V"],
     *,
-    beta: Scalar = 0.5,
+    mix: Scalar = 0.5,
     temperature: Scalar = 1.0,
     temperature_squared: bool = True,
     normalize: bool = True,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token generalized Jensen-Shannon divergence of GKD, continuous in $\beta$.
 
@@ -259,7 +170,7 @@ def generalized_jsd_loss(
     $$
 
     with $p^S = \mathrm{softmax}(z^S / \tau)$ for $z^S$ = `student_logits`,
-    $p^T = \mathrm{softmax}(z^T / \tau)$ for $z^T$ = `teacher_logits`, $\beta$ = `beta` and
+    $p^T = \mathrm{softmax}(z^T / \tau)$ for $z^T$ = `teacher_logits`, $\beta$ = `mix` and
     $\tau$ = `temperature` (the $\tau^2$ factor as in `forward_kl_loss`, when
     `temperature_squared`).
 
@@ -276,22 +187,21 @@ def generalized_jsd_loss(
     $\beta = 0$ and the reverse KL at $\beta = 1$, so its loss jumps at both ends; it does not
     multiply by $\tau^2$.
 
-    The normalised value is computed as $D_{1-\beta}(p^T, p^S) + D_\beta(p^S, p^T)$ with
-    $D_w(p, q) = \mathrm{KL}(p \,\|\, (1 - w) p + w q) / w$, each summed from non-negative
-    per-token terms $p\,\varphi(w (q/p - 1)) / w$, $\varphi(u) = u - \log(1 + u)$, with a
-    series for small arguments: accurate to float32 precision for $\beta$ down to $10^{-6}$
-    and below, where dividing the plain formula by $\beta$ would amplify its rounding error a
-    millionfold. Swapping student and teacher with $\beta \to 1 - \beta$ gives the same value.
+    The value is $\tau^2$ times `tunelib.logprobs.token_divergence` with ``divergence="jsd"``,
+    whose numerics keep it accurate to float32 precision for $\beta$ down to $10^{-6}$ and
+    below. Swapping student and teacher with $\beta \to 1 - \beta$ gives the same value. The
+    mixture weight was called `beta`, GKD's symbol, which tunelib keeps for the strength of
+    the DPO family; the old name still works until tunelib 0.3.0, with a `DeprecationWarning`.
 
     Args:
       student_logits: `[..., T, V]` student scores, any float dtype (computed in float32).
       teacher_logits: `[..., T, V]` teacher scores (gradients flow into them; see
         `forward_kl_loss`).
-      beta: $\beta \in [0, 1]$, the teacher's weight in the mixture $M$; may be traced.
+      mix: $\beta \in [0, 1]$, the teacher's weight in the mixture $M$; may be traced.
       temperature: $\tau > 0$; may be traced.
       temperature_squared: multiply by $\tau^2$ (static).
       normalize: divide by $\beta (1 - \beta)$ (static; see above).
-      where: `[..., T]` boolean mask, True = counts; masked positions give 0 and zero gradient.
+      where: `[..., T]` mask, True (or 1) = counts; masked positions give 0 and zero gradient.
 
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
@@ -301,28 +211,27 @@ def generalized_jsd_loss(
       >>> from tunelib.losses import generalized_jsd_loss
       >>> student = jnp.array([[[1.0, 0.0, 0.0]]])
       >>> teacher = jnp.array([[[2.0, 0.0, -1.0]]])
-      >>> print(generalized_jsd_loss(student, teacher, beta=0.5).round(4))
+      >>> print(generalized_jsd_loss(student, teacher, mix=0.5).round(4))
       [[0.2047]]
-      >>> print(generalized_jsd_loss(student, teacher, beta=0.5, normalize=False).round(4))
+      >>> print(generalized_jsd_loss(student, teacher, mix=0.5, normalize=False).round(4))
       [[0.0512]]
-      >>> print(generalized_jsd_loss(student, teacher, beta=0.0).round(4))  # forward KL
+      >>> print(generalized_jsd_loss(student, teacher, mix=0.0).round(4))  # forward KL
       [[0.1834]]
 
     References:
       Agarwal et al., "On-Policy Distillation of Language Models: Learning from
       Self-Generated Mistakes" (GKD), 2024, https://arxiv.org/abs/2306.13649.
     """
-    v.unit_interval(beta, "beta")
-    log_p_student, log_p_teacher, where, tau = _tempered_log_probs(
-        student_logits, teacher_logits, temperature, where
+    jsd = logprobs.token_divergence(
+        student_logits,
+        teacher_logits,
+        divergence="jsd",
+        mix=mix,
+        normalize=normalize,
+        temperature=temperature,
+        where=where,
     )
-    beta = jnp.asarray(beta, tau.dtype)
-    jsd = _mixture_divergence(log_p_teacher, log_p_student, 1 - beta, beta) + _mixture_divergence(
-        log_p_student, log_p_teacher, beta, 1 - beta
-    )
-    if not normalize:
-        jsd = beta * (1 - beta) * jsd
-    return jnp.where(where, _scale(tau, temperature_squared) * jsd, 0.0)
+    return _scaled(jsd, temperature, temperature_squared)
 
 
 def teacher_top_k(
@@ -363,7 +272,7 @@ def top_k_forward_kl_loss(
     *,
     temperature: Scalar = 1.0,
     temperature_squared: bool = True,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token forward KL from a teacher kept only on its top-$k$ tokens to the student.
 
@@ -385,11 +294,12 @@ def top_k_forward_kl_loss(
     Args:
       student_logits: `[..., T, V]` student scores, any float dtype (computed in float32).
       teacher_top_logits: `[..., T, k]` the teacher's kept logits, e.g. from `teacher_top_k`.
-      teacher_top_ids: `[..., T, k]` their token ids in `[0, V)`; an id outside that range
-        makes its token's loss NaN.
+      teacher_top_ids: `[..., T, k]` their token ids in `[0, V)`. An id outside that range at a
+        counted position is a `ValueError` when the ids can be read (outside `jax.jit`); under
+        `jit` it makes its token's loss NaN.
       temperature: $\tau > 0$; may be traced.
       temperature_squared: multiply by $\tau^2$ (static).
-      where: `[..., T]` boolean mask, True = counts; masked positions give 0 and zero gradient,
+      where: `[..., T]` mask, True (or 1) = counts; masked positions give 0 and zero gradient,
         whatever their logits and ids.
 
     Returns:
@@ -431,27 +341,23 @@ def top_k_forward_kl_loss(
     tau = jnp.asarray(temperature, dtype)
     student = jnp.where(where[..., None], student.astype(dtype), 0.0)
     top_logits = jnp.where(where[..., None], top_logits.astype(dtype), 0.0)
-    top_ids = jnp.where(where[..., None], top_ids, 0)
+    top_ids, inside = v.token_id_array(top_ids, student.shape[-1], where[..., None], "teacher_top_ids")
     log_p_student = jax.nn.log_softmax(student / tau, axis=-1)
-    log_q = jnp.take_along_axis(log_p_student, top_ids, axis=-1, wrap_negative_indices=False)
+    log_q = jnp.take_along_axis(log_p_student, top_ids, axis=-1)
+    log_q = jnp.where(inside, log_q, jnp.nan)
     log_p = jax.nn.log_softmax(top_logits / tau, axis=-1)
     p = jnp.exp(log_p)
     kept = p > 0
     terms = p * (jnp.where(kept, log_p, 0.0) - jnp.where(kept, log_q, 0.0))
     kl = jnp.sum(jnp.where(kept, terms, 0.0), axis=-1)
-    return jnp.where(where, _scale(tau, temperature_squared) * kl, 0.0)
-
-
-def _cross_entropy(log_p: jax.Array, targets: jax.Array, where: jax.Array) -> jax.Array:
-    safe_targets = jnp.where(where, targets, 0)
-    return -jnp.take_along_axis(log_p, safe_targets[..., None], axis=-1)[..., 0]
+    return _scaled(jnp.where(where, kl, 0.0), temperature, temperature_squared)
 
 
 def teacher_argmax_loss(
     student_logits: Float[ArrayLike, "*B T V"],
     teacher_logits: Float[ArrayLike, "*B T V"],
     *,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token cross-entropy of the student on the teacher's most likely token (hard labels).
 
@@ -467,7 +373,7 @@ def teacher_argmax_loss(
     Args:
       student_logits: `[..., T, V]` student scores, any float dtype (computed in float32).
       teacher_logits: `[..., T, V]` teacher scores.
-      where: `[..., T]` boolean mask, True = counts; masked positions give 0 and zero gradient.
+      where: `[..., T]` mask, True (or 1) = counts; masked positions give 0 and zero gradient.
 
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
@@ -484,22 +390,26 @@ def teacher_argmax_loss(
       Kim and Rush, "Sequence-Level Knowledge Distillation", 2016,
       https://arxiv.org/abs/1606.07947.
     """
-    student, teacher, where, _ = _checked_logits(student_logits, teacher_logits, where)
-    targets = jnp.argmax(teacher, axis=-1)
-    loss = _cross_entropy(jax.nn.log_softmax(student, axis=-1), targets, where)
-    return jnp.where(where, loss, 0.0)
+    student = v.float_array(student_logits, "student_logits")
+    teacher = v.float_array(teacher_logits, "teacher_logits")
+    v.check_ndim(student, "student_logits", at_least=2)
+    v.same_shape(student_logits=student, teacher_logits=teacher)
+    where = v.mask_array(where, student.shape[:-1])
+    logps = logprobs.token_logps(student, jnp.argmax(teacher, axis=-1), where=where)
+    return jnp.where(where, -logps, 0.0)
 
 
+@_deprecation.renamed_arguments(alpha="soft_weight", beta="mix", labels="targets")
 def soft_hard_distillation_loss(
     student_logits: Float[ArrayLike, "*B T V"],
     teacher_logits: Float[ArrayLike, "*B T V"],
     *,
-    alpha: Scalar = 0.5,
+    soft_weight: Scalar = 0.5,
     temperature: Scalar = 2.0,
-    divergence: Divergence = "forward_kl",
-    beta: Scalar = 0.5,
-    labels: Int[ArrayLike, "*B T"] | None = None,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    divergence: str = "forward_kl",
+    mix: Scalar = 0.5,
+    targets: Int[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token mix of a soft (teacher distribution) and a hard (label) distillation loss.
 
@@ -508,30 +418,34 @@ def soft_hard_distillation_loss(
     + (1 - \alpha) \big(-\log p^S_{t, y_t}(1)\big)
     $$
 
-    with $p(\tau) = \mathrm{softmax}(z / \tau)$, $\alpha$ = `alpha`, $\tau$ = `temperature`,
+    with $p(\tau) = \mathrm{softmax}(z / \tau)$, $\alpha$ = `soft_weight`, $\tau$ = `temperature`,
     $D$ the divergence named by `divergence` (``"forward_kl"``:
     $\mathrm{KL}(p^T \| p^S)$ as in Hinton et al. 2015; ``"reverse_kl"``:
     $\mathrm{KL}(p^S \| p^T)$; ``"jsd"``: the normalised generalized JSD of
-    `generalized_jsd_loss` with $\beta$ = `beta`), always with the $\tau^2$ factor, and the
-    hard term the student's cross-entropy at temperature 1 on $y$ = `labels` (the ground
-    truth, as in Hinton et al.) or, when `labels` is None, on the teacher's argmax token
+    `generalized_jsd_loss` with $\beta$ = `mix`), always with the $\tau^2$ factor, and the
+    hard term the student's cross-entropy at temperature 1 on $y$ = `targets` (the ground
+    truth, as in Hinton et al.) or, when `targets` is None, on the teacher's argmax token
     (`teacher_argmax_loss`).
 
     Hinton et al. use the cross-entropy $H(p^T, p^S)$ as the soft term; it differs from the
     forward KL used here by the teacher's entropy, which does not depend on the student, so
     the student's gradients are the same and the soft term is 0 at a perfect match.
 
+    The arguments were `alpha` (now `soft_weight`), `beta` (now `mix`) and `labels` (now
+    `targets`); the old names still work until tunelib 0.3.0, with a `DeprecationWarning`.
+
     Args:
       student_logits: `[..., T, V]` student scores, any float dtype (computed in float32).
       teacher_logits: `[..., T, V]` teacher scores (gradients flow into them; see
         `forward_kl_loss`).
-      alpha: $\alpha \in [0, 1]$, the soft term's weight; may be traced.
+      soft_weight: $\alpha \in [0, 1]$, the soft term's weight; may be traced.
       temperature: $\tau > 0$ of the soft term; may be traced.
       divergence: ``"forward_kl"`` (default), ``"reverse_kl"`` or ``"jsd"`` (static).
-      beta: $\beta \in [0, 1]$ of ``"jsd"``, ignored otherwise; may be traced.
-      labels: `[..., T]` integer ground-truth token ids, or None to use the teacher's argmax.
-        Masked positions may hold any value (e.g. -100).
-      where: `[..., T]` boolean mask, True = counts; masked positions give 0 and zero gradient.
+      mix: $\beta \in [0, 1]$ of ``"jsd"``, ignored otherwise; may be traced.
+      targets: `[..., T]` integer ground-truth token ids in `[0, V)`, or None to use the
+        teacher's argmax. Masked positions may hold any value (e.g. -100); see
+        `tunelib.logprobs.token_logps` for ids out of range.
+      where: `[..., T]` mask, True (or 1) = counts; masked positions give 0 and zero gradient.
 
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits).
@@ -543,32 +457,29 @@ def soft_hard_distillation_loss(
       >>> teacher = jnp.array([[[2.0, 0.0, -1.0]]])
       >>> print(soft_hard_distillation_loss(student, teacher).round(4))
       [[0.424]]
-      >>> labels = jnp.array([[2]])
-      >>> print(soft_hard_distillation_loss(student, teacher, alpha=0.9, labels=labels).round(4))
+      >>> targets = jnp.array([[2]])
+      >>> loss = soft_hard_distillation_loss(student, teacher, soft_weight=0.9, targets=targets)
+      >>> print(loss.round(4))
       [[0.4221]]
 
     References:
       Hinton et al., "Distilling the Knowledge in a Neural Network", 2015,
       https://arxiv.org/abs/1503.02531.
     """
-    if divergence not in _DIVERGENCES:
-        raise ValueError(f"divergence must be one of {_DIVERGENCES}, got {divergence!r}.")
-    v.unit_interval(alpha, "alpha")
-    if divergence == "forward_kl":
-        soft = forward_kl_loss(student_logits, teacher_logits, temperature=temperature, where=where)
-    elif divergence == "reverse_kl":
-        soft = reverse_kl_loss(student_logits, teacher_logits, temperature=temperature, where=where)
-    else:
-        soft = generalized_jsd_loss(
-            student_logits, teacher_logits, beta=beta, temperature=temperature, where=where
-        )
-    if labels is None:
+    v.one_of(divergence, "divergence", logprobs.DIVERGENCES)
+    v.unit_interval(soft_weight, "soft_weight")
+    soft = logprobs.token_divergence(
+        student_logits,
+        teacher_logits,
+        divergence=divergence,
+        mix=mix,
+        temperature=temperature,
+        where=where,
+    )
+    soft = _scaled(soft, temperature, True)
+    if targets is None:
         hard = teacher_argmax_loss(student_logits, teacher_logits, where=where)
     else:
-        student, _, where, _ = _checked_logits(student_logits, teacher_logits, where)
-        labels = v.int_array(labels, "labels")
-        v.check_shape(labels, "labels", student.shape[:-1], f"student_logits {student.shape}")
-        hard = _cross_entropy(jax.nn.log_softmax(student, axis=-1), labels, where)
-        hard = jnp.where(where, hard, 0.0)
-    alpha = jnp.asarray(alpha, soft.dtype)
-    return alpha * soft + (1 - alpha) * hard
+        hard = -logprobs.token_logps(student_logits, targets, where=where)
+    weight = jnp.asarray(soft_weight, soft.dtype)
+    return weight * soft + (1 - weight) * hard

@@ -10,9 +10,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from tunelib import _validation as v
+from tunelib._typing import Mask
 
 Metric = Literal["cosine", "mse"]
 _METRICS: tuple[str, ...] = Metric.__args__
@@ -76,7 +77,7 @@ def feature_matching_loss(
     *,
     projection: Float[ArrayLike, "Ds Dt"] | None = None,
     metric: Metric = "cosine",
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token distance between projected student features and teacher features.
 
@@ -107,7 +108,7 @@ def feature_matching_loss(
       projection: `[Ds, Dt]` learned map from the student's to the teacher's feature space;
         required when `Ds != Dt`.
       metric: ``"cosine"`` (default) or ``"mse"`` (static).
-      where: `[..., T]` boolean mask, True = counts; masked positions give 0 and zero gradient
+      where: `[..., T]` mask, True (or 1) = counts; masked positions give 0 and zero gradient
         (also to the projection), even with NaN features there.
 
     Returns:
@@ -173,7 +174,7 @@ def attention_output_matching_loss(
     *,
     projection: Float[ArrayLike, "Ds Dt"] | None = None,
     metric: Metric = "cosine",
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token distance between per-head attention outputs, averaged over the heads.
 
@@ -196,7 +197,7 @@ def attention_output_matching_loss(
       teacher_outputs: `[..., T, N, Dt]` the teacher's, same `N`.
       projection: `[Ds, Dt]` learned map shared by the heads; required when `Ds != Dt`.
       metric: ``"cosine"`` (default) or ``"mse"`` (static).
-      where: `[..., T]` boolean mask, True = counts; masked positions give 0 and zero gradient.
+      where: `[..., T]` mask, True (or 1) = counts; masked positions give 0 and zero gradient.
 
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 inputs).

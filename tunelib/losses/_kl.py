@@ -12,7 +12,8 @@ loss on sampled tokens does), the expected gradients on-policy are
 
 * ``"k1"``: $\mathbb{E}[\nabla k_1] = \mathbb{E}[\nabla \log \pi_\theta] = 0$. The k1 *loss*
   has no expected gradient at all, only noise; k1 belongs in the reward
-  (`kl_reward_shaping`), where the policy gradient differentiates it correctly.
+  (`tunelib.advantages.kl_reward_shaping`), where the policy gradient differentiates it
+  correctly.
 * ``"k2"``: $\mathbb{E}[\nabla k_2] = \mathbb{E}[\log(\pi_\theta/\pi_{\mathrm{ref}})\,
   \nabla \log \pi_\theta] = \nabla \mathrm{KL}(\pi_\theta \,\|\, \pi_{\mathrm{ref}})$, the exact
   gradient, although $\mathbb{E}[k_2]$ is the KL only to second order.
@@ -30,11 +31,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Real
+from jaxtyping import Array, Float
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.losses._rl_inputs import token_arrays
+from tunelib._typing import Mask, Scalar
 
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = KLEstimator.__args__
@@ -42,11 +42,6 @@ KL_ESTIMATORS: tuple[str, ...] = KLEstimator.__args__
 # Below this |x| the k3 term e^x - 1 - x comes from its Taylor series: the direct difference
 # loses digits to cancellation near 0, where the estimate is ~x^2 / 2.
 _SERIES_RADIUS = 0.5
-
-
-def _check_estimator(estimator: str) -> None:
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}.")
 
 
 def _exp_minus_one_minus(x: jax.Array) -> jax.Array:
@@ -81,7 +76,7 @@ def kl_penalty(
     estimate_clamp: Scalar | None = None,
     old_token_logps: Float[ArrayLike, "B T"] | None = None,
     stop_gradient_weight: bool = False,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""Per-token estimate of $\mathrm{KL}(\pi_\theta \,\|\, \pi_{\mathrm{ref}})$, to add to a loss.
 
@@ -144,12 +139,12 @@ def kl_penalty(
         sampled the tokens; given, each estimate is multiplied by the importance weight above.
       stop_gradient_weight: whether the importance weight is held constant when
         differentiating; only with `old_token_logps`. Default False, the paper's form.
-      where: `[B, T]` boolean mask, True = a completion token that counts. Masked tokens give
+      where: `[B, T]` mask, True (or 1) = a completion token that counts. Masked tokens give
         exactly 0 and a zero gradient, even when their inputs are NaN or infinite.
 
     Returns:
       `[B, T]` per-token estimates, float32 (float64 for float64 input); reduce them with
-      `tunelib.losses.aggregate` and scale by $\beta$.
+      `tunelib.losses.aggregate` and scale by the KL coefficient ($\beta$ above).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -171,7 +166,7 @@ def kl_penalty(
       DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open Large Language Models", 2025,
       https://arxiv.org/abs/2512.02556.
     """
-    _check_estimator(estimator)
+    v.one_of(estimator, "estimator", KL_ESTIMATORS)
     v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
     if estimate_clamp is not None:
         v.positive_scalar(estimate_clamp, "estimate_clamp")
@@ -183,7 +178,7 @@ def kl_penalty(
     arrays = {"token_logps": token_logps, "ref_token_logps": ref_token_logps}
     if old_token_logps is not None:
         arrays["old_token_logps"] = old_token_logps
-    checked, where = token_arrays(where, **arrays)
+    checked, where = v.masked_floats(where, ndim=2, **arrays)
     logps, ref = checked[0], checked[1]
     bound = jnp.asarray(log_ratio_clamp, logps.dtype)
     kl = _estimate(jnp.clip(ref - logps, -bound, bound), estimator)
@@ -196,79 +191,3 @@ def kl_penalty(
             weight = jax.lax.stop_gradient(weight)
         kl = weight * kl
     return jnp.where(where, kl, 0.0)
-
-
-def kl_reward_shaping(
-    rewards_t: Real[ArrayLike, "B T"],
-    token_logps: Float[ArrayLike, "B T"],
-    ref_token_logps: Float[ArrayLike, "B T"],
-    *,
-    beta: Scalar,
-    estimator: KLEstimator = "k1",
-    where: Bool[ArrayLike, "B T"] | None = None,
-) -> Float[Array, "B T"]:
-    r"""Per-token rewards with a KL penalty towards the reference policy subtracted.
-
-    $$
-    \tilde r_t = r_t - \beta \, \operatorname{sg}\big[\hat k_t\big],
-    \qquad \hat k_1 = \log \pi(y_t) - \log \pi_{\mathrm{ref}}(y_t)
-    $$
-
-    with $r_t$ = `rewards_t`, $\log \pi$ = `token_logps` (the policy that sampled the tokens),
-    $\log \pi_{\mathrm{ref}}$ = `ref_token_logps`, $\beta$ = `beta`, $\hat k$ the per-token
-    estimate of `kl_penalty` (with its default clamps) and sg the stop-gradient: the penalty is
-    part of the reward, data for the advantage estimator, not a loss term.
-
-    This is the KL-penalised reward of RLHF with PPO (Ziegler et al. 2019; Ouyang et al. 2022,
-    eq. 2, $r_\phi(x, y) - \beta \log(\pi^{RL}(y \mid x) / \pi^{SFT}(y \mid x))$, spread over
-    tokens) and of RLOO (Ahmadian et al. 2024), which use k1 (the default here): the
-    sequence-level penalty is the sum of the per-token ones, so with the task reward on the
-    last token (``tunelib.advantages``) the return of each sequence is
-    $r - \beta \sum_t \hat k_t$. With k1 the policy gradient of this reward is the exact gradient
-    of the KL-regularised objective, because $\mathbb{E}_\pi[\nabla k_1] = 0$; with k3 (TRL's
-    PPO ``kl_estimator="k3"``) the value has lower variance but that identity fails.
-
-    Args:
-      rewards_t: `[B, T]` per-token rewards, integer or float (cast, never truncated).
-      token_logps: `[B, T]` log-probabilities of the sampled tokens under the sampling policy.
-      ref_token_logps: `[B, T]` log-probabilities of the same tokens under the reference policy.
-      beta: $\beta \ge 0$, the KL coefficient; may be traced (for an adaptive controller).
-      estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``; see `kl_penalty`.
-      where: `[B, T]` boolean mask, True = a completion token that counts; masked tokens give
-        exactly 0, even when their inputs are NaN or infinite.
-
-    Returns:
-      `[B, T]` shaped rewards, float32 (float64 for float64 input).
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from tunelib.losses import kl_reward_shaping
-      >>> rewards = jnp.array([[0, 0, 1]])  # the task reward on the last token
-      >>> logps, ref_logps = jnp.array([[-1.0, -2.0, -0.5]]), jnp.array([[-1.5, -1.0, -0.5]])
-      >>> print(kl_reward_shaping(rewards, logps, ref_logps, beta=0.1).round(4))
-      [[-0.05  0.1   1.  ]]
-
-    References:
-      Ziegler et al., "Fine-Tuning Language Models from Human Preferences", 2019,
-      https://arxiv.org/abs/1909.08593.
-      Ouyang et al., "Training language models to follow instructions with human feedback",
-      2022, https://arxiv.org/abs/2203.02155.
-      Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
-      from Human Feedback in LLMs", 2024, https://arxiv.org/abs/2402.14740.
-    """
-    rewards = jnp.asarray(rewards_t)
-    if not (
-        jnp.issubdtype(rewards.dtype, jnp.integer) or jnp.issubdtype(rewards.dtype, jnp.floating)
-    ):
-        raise TypeError(
-            f"rewards_t must be an integer or floating-point array, got dtype {rewards.dtype}."
-        )
-    v.non_negative(beta, "beta")
-    kl = kl_penalty(token_logps, ref_token_logps, estimator=estimator, where=where)
-    v.check_shape(rewards, "rewards_t", kl.shape, f"token_logps {kl.shape}")
-    where = v.mask_array(where, kl.shape)
-    float_dtypes = [rewards.dtype] if jnp.issubdtype(rewards.dtype, jnp.floating) else []
-    dtype = v.compute_dtype(kl.dtype, *float_dtypes)
-    rewards = jnp.where(where, rewards.astype(dtype), 0.0)
-    shaped = rewards - jnp.asarray(beta, dtype) * jax.lax.stop_gradient(kl.astype(dtype))
-    return jnp.where(where, shaped, 0.0)

@@ -6,15 +6,14 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.losses import _preference_inputs as p
+from tunelib._typing import Mask, Scalar
 
 
 def kto_reference_point(
     kl_logps: Float[ArrayLike, " B"],
     ref_kl_logps: Float[ArrayLike, " B"],
     *,
-    where: Bool[ArrayLike, " B"] | None = None,
+    where: Mask[ArrayLike, " B"] | None = None,
 ) -> Float[Array, ""]:
     r"""KTO's reference point: a batch estimate of the policy's KL from the reference.
 
@@ -34,7 +33,7 @@ def kto_reference_point(
       kl_logps: `[B]` policy log-probabilities of the mismatched completions (sums over
         tokens).
       ref_kl_logps: `[B]` reference-policy log-probabilities of the same.
-      where: `[B]` boolean mask, True = counts. A fully masked batch gives 0.
+      where: `[B]` mask, True (or 1) = counts. A fully masked batch gives 0.
 
     Returns:
       A scalar $\hat z_0 \ge 0$, float32 (float64 for float64 input).
@@ -49,8 +48,8 @@ def kto_reference_point(
       Ethayarajh et al., "KTO: Model Alignment as Prospect Theoretic Optimization", 2024,
       https://arxiv.org/abs/2402.01306.
     """
-    (logps, ref_logps), where = p.sequence_arrays(
-        where, kl_logps=kl_logps, ref_kl_logps=ref_kl_logps
+    (logps, ref_logps), where = v.masked_floats(
+        where, ndim=1, kl_logps=kl_logps, ref_kl_logps=ref_kl_logps
     )
     count = jnp.maximum(jnp.sum(where), 1).astype(logps.dtype)
     return jax.lax.stop_gradient(jnp.maximum(jnp.sum(logps - ref_logps) / count, 0.0))
@@ -65,7 +64,7 @@ def kto_loss(
     beta: Scalar = 0.1,
     desirable_weight: Scalar = 1.0,
     undesirable_weight: Scalar = 1.0,
-    where: Bool[ArrayLike, " B"] | None = None,
+    where: Mask[ArrayLike, " B"] | None = None,
 ) -> Float[Array, " B"]:
     r"""KTO loss for completions each labelled desirable or undesirable.
 
@@ -95,7 +94,7 @@ def kto_loss(
       beta: $\beta > 0$; the default 0.1 is the paper's and TRL's. May be traced.
       desirable_weight: $\lambda_D \ge 0$; may be traced.
       undesirable_weight: $\lambda_U \ge 0$; may be traced.
-      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+      where: `[B]` mask, True (or 1) = counts; masked rows give 0 and a zero gradient.
 
     Returns:
       `[B]` per-completion losses in $[0, \lambda_y]$, float32 (float64 for float64 input).
@@ -114,7 +113,7 @@ def kto_loss(
       https://arxiv.org/abs/2402.01306.
     """
     v.positive_scalar(beta, "beta")
-    (logps, ref_logps), where = p.sequence_arrays(where, logps=logps, ref_logps=ref_logps)
+    (logps, ref_logps), where = v.masked_floats(where, ndim=1, logps=logps, ref_logps=ref_logps)
     desirable = v.bool_array(desirable, "desirable")
     v.check_shape(desirable, "desirable", where.shape, f"logps {where.shape}")
     dtype = logps.dtype

@@ -12,11 +12,10 @@ from typing import Literal
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.losses._rl_inputs import token_arrays
+from tunelib._typing import Mask, Scalar
 
 WeightLevel = Literal["token", "sequence", "geometric"]
 WEIGHT_LEVELS: tuple[str, ...] = WeightLevel.__args__
@@ -32,7 +31,7 @@ def truncated_importance_weights(
     mode: WeightMode = "truncate",
     cap: Scalar = 2.0,
     floor: Scalar | None = None,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""Stop-gradient importance weights of the trainer over the sampler, truncated or masked.
 
@@ -79,7 +78,7 @@ def truncated_importance_weights(
       floor: $\rho_{\min} > 0$ for ``mode="mask"``: a two-sided mask that also drops tokens or
         sequences the trainer finds much less likely than the sampler did (Liu et al.'s dual
         masking); None = no lower bound. Rejected by ``"truncate"``. May be traced.
-      where: `[B, T]` boolean mask, True = counts. Masked tokens get weight 0 and are left out
+      where: `[B, T]` mask, True (or 1) = counts. Masked tokens get weight 0 and are left out
         of the sequence sums, even when their log-probs are NaN or infinite.
 
     Returns:
@@ -113,8 +112,8 @@ def truncated_importance_weights(
     v.positive_scalar(cap, "cap")
     if floor is not None:
         v.positive_scalar(floor, "floor")
-    (logps, sampler), where = token_arrays(
-        where, token_logps=token_logps, sampler_token_logps=sampler_token_logps
+    (logps, sampler), where = v.masked_floats(
+        where, ndim=2, token_logps=token_logps, sampler_token_logps=sampler_token_logps
     )
     log_rho = lax.stop_gradient(logps - sampler)
     if level != "token":

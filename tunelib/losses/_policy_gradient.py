@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.losses._rl_inputs import advantages_array, policy_inputs
+from tunelib._typing import Mask, Scalar
 
 RatioLevel = Literal["token", "sequence", "sequence_token"]
 RATIO_LEVELS: tuple[str, ...] = RatioLevel.__args__
@@ -46,7 +45,7 @@ def importance_ratio(
     *,
     level: RatioLevel = "token",
     log_ratio_clamp: Scalar = 20.0,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""Importance ratio of the current over the behaviour policy, per token or per sequence.
 
@@ -85,7 +84,7 @@ def importance_ratio(
         so the ratio is 1 in value and its gradient is $\nabla \log \pi_\theta$.
       level: ``"token"``, ``"sequence"`` or ``"sequence_token"`` (static).
       log_ratio_clamp: $c > 0$; may be traced.
-      where: `[B, T]` boolean mask, True = a completion token that counts. Masked tokens give
+      where: `[B, T]` mask, True (or 1) = a completion token that counts. Masked tokens give
         exactly 0 and a zero gradient, even when their log-probs are NaN or infinite, and are
         left out of the sequence means.
 
@@ -111,7 +110,7 @@ def importance_ratio(
     """
     v.one_of(level, "level", RATIO_LEVELS)
     v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
-    logps, old, where = policy_inputs(token_logps, old_token_logps, where)
+    logps, old, where = v.behaviour_logps(token_logps, old_token_logps, where)
     return ratio_from_logps(logps, old, where, level, log_ratio_clamp)
 
 
@@ -126,7 +125,7 @@ def policy_gradient_loss(
     dual_clip: Scalar | None = None,
     ratio_cap: Scalar | None = None,
     log_ratio_clamp: Scalar = 20.0,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""Clipped surrogate policy loss of PPO / GRPO / DAPO / GSPO, with dual clip and ratio cap.
 
@@ -184,7 +183,7 @@ def policy_gradient_loss(
       ratio_cap: $C > 0$, or None; may be traced.
       log_ratio_clamp: bound on the log-ratio before `exp` (see `importance_ratio`); may be
         traced.
-      where: `[B, T]` boolean mask, True = counts. Masked tokens give exactly 0 and a zero
+      where: `[B, T]` mask, True (or 1) = counts. Masked tokens give exactly 0 and a zero
         gradient, even with NaN or infinite inputs there.
 
     Returns:
@@ -224,8 +223,8 @@ def policy_gradient_loss(
     if ratio_cap is not None:
         v.positive_scalar(ratio_cap, "ratio_cap")
     v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
-    logps, old, where = policy_inputs(token_logps, old_token_logps, where)
-    adv = advantages_array(advantages, where, logps.dtype)
+    logps, old, where = v.behaviour_logps(token_logps, old_token_logps, where)
+    adv = v.advantages_array(advantages, where, logps.dtype)
     dtype = adv.dtype
     ratio = ratio_from_logps(logps.astype(dtype), old.astype(dtype), where, level, log_ratio_clamp)
     clipped = jnp.clip(
@@ -252,7 +251,7 @@ def cispo_loss(
     *,
     epsilon_low: Scalar = 1.0,
     epsilon_high: Scalar = 3.0,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""CISPO: a REINFORCE loss weighted by the clipped, stop-gradient importance ratio.
 
@@ -284,7 +283,7 @@ def cispo_loss(
       advantages: `[B]` (one per sequence) or `[B, T]` (one per token).
       epsilon_low: $\varepsilon_{\mathrm{low}} \ge 0$; may be traced.
       epsilon_high: $\varepsilon_{\mathrm{high}} \ge 0$; may be traced.
-      where: `[B, T]` boolean mask, True = counts; masked tokens give 0 and a zero gradient.
+      where: `[B, T]` mask, True (or 1) = counts; masked tokens give 0 and a zero gradient.
 
     Returns:
       `[B, T]` per-token losses, float32 (float64 for float64 input).
@@ -305,8 +304,8 @@ def cispo_loss(
     """
     v.non_negative(epsilon_low, "epsilon_low")
     v.non_negative(epsilon_high, "epsilon_high")
-    logps, old, where = policy_inputs(token_logps, old_token_logps, where)
-    adv = advantages_array(advantages, where, logps.dtype)
+    logps, old, where = v.behaviour_logps(token_logps, old_token_logps, where)
+    adv = v.advantages_array(advantages, where, logps.dtype)
     dtype = adv.dtype
     logps = logps.astype(dtype)
     high = 1 + jnp.asarray(epsilon_high, dtype)
@@ -325,7 +324,7 @@ def sapo_loss(
     tau_pos: Scalar = 1.0,
     tau_neg: Scalar = 1.05,
     log_ratio_clamp: Scalar = 20.0,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""SAPO: a smooth sigmoid gate of the token ratio in place of PPO's hard clip.
 
@@ -358,7 +357,7 @@ def sapo_loss(
       tau_neg: $\tau_{\mathrm{neg}} > 0$, the temperature for non-positive advantages; may be
         traced.
       log_ratio_clamp: bound on the log-ratio before `exp`; may be traced.
-      where: `[B, T]` boolean mask, True = counts; masked tokens give 0 and a zero gradient.
+      where: `[B, T]` mask, True (or 1) = counts; masked tokens give 0 and a zero gradient.
 
     Returns:
       `[B, T]` per-token losses, float32 (float64 for float64 input).
@@ -382,8 +381,8 @@ def sapo_loss(
     v.positive_scalar(tau_pos, "tau_pos")
     v.positive_scalar(tau_neg, "tau_neg")
     v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
-    logps, old, where = policy_inputs(token_logps, old_token_logps, where)
-    adv = advantages_array(advantages, where, logps.dtype)
+    logps, old, where = v.behaviour_logps(token_logps, old_token_logps, where)
+    adv = v.advantages_array(advantages, where, logps.dtype)
     dtype = adv.dtype
     ratio = ratio_from_logps(
         logps.astype(dtype), old.astype(dtype), where, "token", log_ratio_clamp

@@ -5,24 +5,26 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
+from tunelib import _deprecation
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.losses import _preference_inputs as p
+from tunelib._typing import Mask, Scalar
+from tunelib.losses._dpo import smoothed_logistic
 
 # A probability of exactly 1 has infinite odds; ORPO clamps log-probs to at most this value.
 MAX_ORPO_LOGP = -1e-12
 
 
+@_deprecation.renamed_arguments(gamma="margin")
 def simpo_loss(
     chosen_logps: Float[ArrayLike, " B"],
     rejected_logps: Float[ArrayLike, " B"],
     *,
     beta: Scalar = 2.0,
-    gamma: Scalar = 1.0,
+    margin: Scalar = 1.0,
     label_smoothing: Scalar = 0.0,
-    where: Bool[ArrayLike, " B"] | None = None,
+    where: Mask[ArrayLike, " B"] | None = None,
 ) -> Float[Array, " B"]:
     r"""Simple preference optimisation (SimPO): a length-normalised, reference-free margin loss.
 
@@ -34,9 +36,11 @@ def simpo_loss(
 
     with the per-token average log-probabilities $\tfrac{1}{|y|} \log \pi_\theta(y)$ =
     `chosen_logps` and `rejected_logps` (compute them with `sequence_mean`), $\beta$ =
-    `beta`, the target reward margin $\gamma$ = `gamma` and $\varepsilon$ = `label_smoothing`
+    `beta`, the target reward margin $\gamma$ = `margin` and $\varepsilon$ = `label_smoothing`
     (the paper has $\varepsilon = 0$; TRL's `CPOTrainer` with `loss_type="simpo"` applies it as
-    in cDPO). The loss depends on the two inputs only through their difference.
+    in cDPO). The loss depends on the two inputs only through their difference. `margin` was
+    called `gamma`, the paper's symbol, which tunelib keeps for the discount of returns; the
+    old name still works until tunelib 0.3.0, with a `DeprecationWarning`.
 
     Args:
       chosen_logps: `[B]` per-token average policy log-probabilities of the chosen
@@ -44,12 +48,12 @@ def simpo_loss(
       rejected_logps: `[B]` per-token average log-probabilities of the rejected completions.
       beta: $\beta > 0$. The paper's released models use 2.0 or 2.5 and its authors report
         that 10 is often better; the default is 2.0. May be traced.
-      gamma: the target margin $\gamma$ in reward units. The authors recommend tuning
+      margin: the target margin $\gamma$ in reward units. The authors recommend tuning
         $\gamma/\beta$ from 0.5 within $[0, 1]$; the default 1.0 is $\gamma/\beta = 0.5$ at
         the default $\beta$. (TRL's `simpo_gamma` is the same $\gamma$, default 0.5 with
         $\beta = 0.1$.) May be traced.
       label_smoothing: $\varepsilon \in [0, 1]$; may be traced.
-      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+      where: `[B]` mask, True (or 1) = counts; masked rows give 0 and a zero gradient.
 
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
@@ -66,12 +70,12 @@ def simpo_loss(
     """
     v.positive_scalar(beta, "beta")
     v.unit_interval(label_smoothing, "label_smoothing")
-    (chosen, rejected), where = p.sequence_arrays(
-        where, chosen_logps=chosen_logps, rejected_logps=rejected_logps
+    (chosen, rejected), where = v.masked_floats(
+        where, ndim=1, chosen_logps=chosen_logps, rejected_logps=rejected_logps
     )
     dtype = chosen.dtype
-    logits = jnp.asarray(beta, dtype) * (chosen - rejected) - jnp.asarray(gamma, dtype)
-    return jnp.where(where, p.smoothed_logistic(logits, label_smoothing), 0.0)
+    logits = jnp.asarray(beta, dtype) * (chosen - rejected) - jnp.asarray(margin, dtype)
+    return jnp.where(where, smoothed_logistic(logits, label_smoothing), 0.0)
 
 
 def _with_nll(
@@ -84,21 +88,22 @@ def _with_nll(
     named = {"chosen_logps": chosen_logps, "rejected_logps": rejected_logps}
     if chosen_nll is not None:
         named["chosen_nll"] = chosen_nll
-    arrays, where = p.sequence_arrays(where, **named)
+    arrays, where = v.masked_floats(where, ndim=1, **named)
     chosen, rejected = arrays[:2]
     nll = arrays[2] if chosen_nll is not None else -chosen
     return chosen, rejected, nll, where
 
 
+@_deprecation.renamed_arguments(alpha="nll_weight")
 def cpo_loss(
     chosen_logps: Float[ArrayLike, " B"],
     rejected_logps: Float[ArrayLike, " B"],
     *,
     beta: Scalar = 0.1,
     label_smoothing: Scalar = 0.0,
-    alpha: Scalar = 1.0,
+    nll_weight: Scalar = 1.0,
     chosen_nll: Float[ArrayLike, " B"] | None = None,
-    where: Bool[ArrayLike, " B"] | None = None,
+    where: Mask[ArrayLike, " B"] | None = None,
 ) -> Float[Array, " B"]:
     r"""Contrastive preference optimisation (CPO): reference-free DPO plus an NLL term.
 
@@ -110,20 +115,21 @@ def cpo_loss(
 
     with $\log \pi_\theta(y_w)$ = `chosen_logps`, $\log \pi_\theta(y_l)$ = `rejected_logps`
     (sums over tokens), $\beta$ = `beta`, $\varepsilon$ = `label_smoothing`, $\alpha$ =
-    `alpha` and $\mathrm{NLL}(y_w)$ = `chosen_nll`, by default $-\log \pi_\theta(y_w)$ as in
-    the paper. TRL's `CPOTrainer` (`loss_type="sigmoid"`, `cpo_alpha`) uses the per-token
+    `nll_weight` and $\mathrm{NLL}(y_w)$ = `chosen_nll`, by default $-\log \pi_\theta(y_w)$ as
+    in the paper. TRL's `CPOTrainer` (`loss_type="sigmoid"`, `cpo_alpha`) uses the per-token
     average NLL of the chosen completion instead: pass `chosen_nll=-sequence_mean(...)` to
-    match it.
+    match it. `nll_weight` was called `alpha`, which still works until tunelib 0.3.0, with a
+    `DeprecationWarning`.
 
     Args:
       chosen_logps: `[B]` policy log-probabilities of the chosen completions.
       rejected_logps: `[B]` policy log-probabilities of the rejected completions.
       beta: $\beta > 0$; the default 0.1 is the paper's and TRL's. May be traced.
       label_smoothing: $\varepsilon \in [0, 1]$ (0 in the paper); may be traced.
-      alpha: $\alpha$, the weight of the NLL term; the default 1 is the paper's and TRL's. May
-        be traced.
+      nll_weight: $\alpha$, the weight of the NLL term; the default 1 is the paper's and TRL's.
+        May be traced.
       chosen_nll: optional `[B]` NLL of the chosen completions; `-chosen_logps` when None.
-      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+      where: `[B]` mask, True (or 1) = counts; masked rows give 0 and a zero gradient.
 
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
@@ -142,10 +148,8 @@ def cpo_loss(
     v.unit_interval(label_smoothing, "label_smoothing")
     chosen, rejected, nll, where = _with_nll(chosen_logps, rejected_logps, chosen_nll, where)
     dtype = chosen.dtype
-    preference = p.smoothed_logistic(
-        jnp.asarray(beta, dtype) * (chosen - rejected), label_smoothing
-    )
-    return jnp.where(where, preference + jnp.asarray(alpha, dtype) * nll, 0.0)
+    preference = smoothed_logistic(jnp.asarray(beta, dtype) * (chosen - rejected), label_smoothing)
+    return jnp.where(where, preference + jnp.asarray(nll_weight, dtype) * nll, 0.0)
 
 
 def _log1mexp(x: jax.Array) -> jax.Array:
@@ -166,7 +170,7 @@ def orpo_log_odds_ratio(
     chosen_logps: Float[ArrayLike, " B"],
     rejected_logps: Float[ArrayLike, " B"],
     *,
-    where: Bool[ArrayLike, " B"] | None = None,
+    where: Mask[ArrayLike, " B"] | None = None,
 ) -> Float[Array, " B"]:
     r"""ORPO's log odds ratio of the chosen over the rejected completion.
 
@@ -185,7 +189,7 @@ def orpo_log_odds_ratio(
     Args:
       chosen_logps: `[B]` per-token average log-probabilities of the chosen completions.
       rejected_logps: `[B]` per-token average log-probabilities of the rejected ones.
-      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+      where: `[B]` mask, True (or 1) = counts; masked rows give 0 and a zero gradient.
 
     Returns:
       `[B]` log odds ratios, float32 (float64 for float64 input).
@@ -201,19 +205,20 @@ def orpo_log_odds_ratio(
       Hong et al., "ORPO: Monolithic Preference Optimization without Reference Model", 2024,
       https://arxiv.org/abs/2403.07691.
     """
-    (chosen, rejected), where = p.sequence_arrays(
-        where, chosen_logps=chosen_logps, rejected_logps=rejected_logps
+    (chosen, rejected), where = v.masked_floats(
+        where, ndim=1, chosen_logps=chosen_logps, rejected_logps=rejected_logps
     )
     return jnp.where(where, _log_odds(chosen) - _log_odds(rejected), 0.0)
 
 
+@_deprecation.renamed_arguments(lambda_="odds_ratio_weight")
 def orpo_loss(
     chosen_logps: Float[ArrayLike, " B"],
     rejected_logps: Float[ArrayLike, " B"],
     *,
-    lambda_: Scalar = 0.1,
+    odds_ratio_weight: Scalar = 0.1,
     chosen_nll: Float[ArrayLike, " B"] | None = None,
-    where: Bool[ArrayLike, " B"] | None = None,
+    where: Mask[ArrayLike, " B"] | None = None,
 ) -> Float[Array, " B"]:
     r"""Odds ratio preference optimisation (ORPO): NLL plus a log-odds-ratio penalty.
 
@@ -224,19 +229,20 @@ def orpo_loss(
     $$
 
     with $\log P(y_w)$ = `chosen_logps` and $\log P(y_l)$ = `rejected_logps`, per-token
-    average log-probabilities (`sequence_mean`), $\lambda$ = `lambda_` and $\mathrm{NLL}(y_w)$
-    = `chosen_nll`, by default `-chosen_logps` (the per-token average NLL, the paper's
-    $\mathcal{L}_{SFT}$). The odds ratio is `orpo_log_odds_ratio`, with its clamp: an input of
-    exactly 0 gives a finite loss and gradient. TRL: `ORPOTrainer`, where `beta` is
-    $\lambda$.
+    average log-probabilities (`sequence_mean`), $\lambda$ = `odds_ratio_weight` and
+    $\mathrm{NLL}(y_w)$ = `chosen_nll`, by default `-chosen_logps` (the per-token average NLL,
+    the paper's $\mathcal{L}_{SFT}$). The odds ratio is `orpo_log_odds_ratio`, with its clamp:
+    an input of exactly 0 gives a finite loss and gradient. TRL: `ORPOTrainer`, where `beta` is
+    $\lambda$. `odds_ratio_weight` was called `lambda_`, which still works until tunelib
+    0.3.0, with a `DeprecationWarning`.
 
     Args:
       chosen_logps: `[B]` per-token average log-probabilities of the chosen completions.
       rejected_logps: `[B]` per-token average log-probabilities of the rejected ones.
-      lambda_: $\lambda$, the weight of the odds-ratio term; the default 0.1 is the paper's and
-        TRL's. May be traced.
+      odds_ratio_weight: $\lambda$, the weight of the odds-ratio term; the default 0.1 is the
+        paper's and TRL's. May be traced.
       chosen_nll: optional `[B]` NLL of the chosen completions; `-chosen_logps` when None.
-      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+      where: `[B]` mask, True (or 1) = counts; masked rows give 0 and a zero gradient.
 
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
@@ -253,5 +259,5 @@ def orpo_loss(
     """
     chosen, rejected, nll, where = _with_nll(chosen_logps, rejected_logps, chosen_nll, where)
     log_odds_ratio = _log_odds(chosen) - _log_odds(rejected)
-    loss = nll - jnp.asarray(lambda_, chosen.dtype) * jax.nn.log_sigmoid(log_odds_ratio)
+    loss = nll - jnp.asarray(odds_ratio_weight, chosen.dtype) * jax.nn.log_sigmoid(log_odds_ratio)
     return jnp.where(where, loss, 0.0)

@@ -3,20 +3,21 @@
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
+from tunelib import _deprecation
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.losses import _preference_inputs as p
+from tunelib._typing import Mask, Scalar
 
 
+@_deprecation.renamed_arguments(center_coefficient="centering_weight")
 def bradley_terry_loss(
     chosen_rewards: Float[ArrayLike, " B"],
     rejected_rewards: Float[ArrayLike, " B"],
     *,
     margin: Scalar | Float[ArrayLike, " B"] = 0.0,
-    center_coefficient: Scalar = 0.0,
-    where: Bool[ArrayLike, " B"] | None = None,
+    centering_weight: Scalar = 0.0,
+    where: Mask[ArrayLike, " B"] | None = None,
 ) -> Float[Array, " B"]:
     r"""Bradley-Terry negative log-likelihood of a pair's rewards, with margin and centring.
 
@@ -25,18 +26,19 @@ def bradley_terry_loss(
     $$
 
     with $r_w$ = `chosen_rewards`, $r_l$ = `rejected_rewards` (scalar reward-model outputs),
-    $m$ = `margin` and $\eta$ = `center_coefficient`. The margin (Llama 2) asks for a larger
+    $m$ = `margin` and $\eta$ = `centering_weight`. The margin (Llama 2) asks for a larger
     reward gap on pairs rated as more clearly separated; pass one value per pair. The
     centring term (Eisenstein et al.) pins the rewards' mean near 0, which the Bradley-Terry
     likelihood leaves free; they and TRL suggest $\eta = 0.01$. TRL: `RewardTrainer` with a
-    `margin` column and `center_rewards_coefficient`.
+    `margin` column and `center_rewards_coefficient`. `centering_weight` was called
+    `center_coefficient`, which still works until tunelib 0.3.0, with a `DeprecationWarning`.
 
     Args:
       chosen_rewards: `[B]` rewards of the chosen completions.
       rejected_rewards: `[B]` rewards of the rejected completions.
       margin: $m$, a scalar or a `[B]` array of per-pair margins; may be traced.
-      center_coefficient: $\eta \ge 0$; 0 (off) by default. May be traced.
-      where: `[B]` boolean mask, True = counts; masked rows give 0 and a zero gradient.
+      centering_weight: $\eta \ge 0$; 0 (off) by default. May be traced.
+      where: `[B]` mask, True (or 1) = counts; masked rows give 0 and a zero gradient.
 
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
@@ -59,8 +61,8 @@ def bradley_terry_loss(
       Eisenstein et al., "Helping or Herding? Reward Model Ensembles Mitigate but do not
       Eliminate Reward Hacking", 2023, https://arxiv.org/abs/2312.09244.
     """
-    (chosen, rejected), where = p.sequence_arrays(
-        where, chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards
+    (chosen, rejected), where = v.masked_floats(
+        where, ndim=1, chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards
     )
     dtype = chosen.dtype
     margin = jnp.asarray(margin)
@@ -70,5 +72,5 @@ def bradley_terry_loss(
         margin = jnp.where(where, margin, 0.0)
     margin = margin.astype(dtype)
     loss = -jax.nn.log_sigmoid(chosen - rejected - margin)
-    loss = loss + jnp.asarray(center_coefficient, dtype) * (chosen + rejected) ** 2
+    loss = loss + jnp.asarray(centering_weight, dtype) * (chosen + rejected) ** 2
     return jnp.where(where, loss, 0.0)

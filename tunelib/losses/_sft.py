@@ -3,10 +3,10 @@
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
+from tunelib._typing import Mask, Scalar
 
 
 def nll_loss(
@@ -15,7 +15,7 @@ def nll_loss(
     *,
     label_smoothing: Scalar = 0.0,
     z_loss_weight: Scalar = 0.0,
-    where: Bool[ArrayLike, "*B T"] | None = None,
+    where: Mask[ArrayLike, "*B T"] | None = None,
 ) -> Float[Array, "*B T"]:
     r"""Per-token negative log-likelihood with optional label smoothing and z-loss.
 
@@ -34,11 +34,13 @@ def nll_loss(
 
     Args:
       logits: `[..., T, V]` unnormalised scores, any float dtype (computed in float32).
-      targets: `[..., T]` integer token ids.
+      targets: `[..., T]` integer token ids in `[0, V)`. An id outside that range at a counted
+        position is a `ValueError` when the ids can be read (outside `jax.jit`); under `jit`
+        the position's loss is NaN (see `tunelib.logprobs.token_logps`).
       label_smoothing: $\varepsilon \in [0, 1]$; may be traced.
       z_loss_weight: $\lambda_z \ge 0$; may be traced.
-      where: `[..., T]` boolean mask, True = counts. Masked positions give exactly 0 and zero
-        gradient, even with `-inf`/NaN logits or out-of-range targets there.
+      where: `[..., T]` mask, True (or 1) = counts. Masked positions give exactly 0 and zero
+        gradient, even with `-inf`/NaN logits or any target (e.g. -100) there.
 
     Returns:
       `[..., T]` per-token losses, float32 (float64 for float64 logits); reduce them with
@@ -68,10 +70,10 @@ def nll_loss(
     dtype = v.compute_dtype(logits.dtype)
     logits = jnp.where(where[..., None], logits.astype(dtype), 0.0)
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    safe_targets = jnp.where(where, targets, 0)
+    safe_targets, inside = v.token_id_array(targets, logits.shape[-1], where)
     target_logits = jnp.take_along_axis(logits, safe_targets[..., None], axis=-1)[..., 0]
     nll = log_z - target_logits
     uniform_nll = log_z - jnp.mean(logits, axis=-1)
     eps = jnp.asarray(label_smoothing, dtype)
     loss = (1 - eps) * nll + eps * uniform_nll + jnp.asarray(z_loss_weight, dtype) * log_z**2
-    return jnp.where(where, loss, 0.0)
+    return jnp.where(where, jnp.where(inside, loss, jnp.nan), 0.0)

@@ -333,7 +333,7 @@ def forbid_tokens(logits: Float[ArrayLike, "B V"], token_ids: Sequence[int]) -> 
     """
     logits = _checked_logits(logits)
     vocab_size = logits.shape[-1]
-    token_ids = v.token_ids(token_ids, "forbidden_tokens", vocab_size=vocab_size)
+    token_ids = v.token_id_tuple(token_ids, "forbidden_tokens", vocab_size=vocab_size)
     _check_not_all_forbidden(token_ids, vocab_size)
     if not token_ids:
         return logits
@@ -462,8 +462,8 @@ def check_sampling_args(
     v.static_int(vocab_size, "vocab_size")
     v.number_in(vocab_size, "vocab_size", low=1)
     check_sampling_values(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    forbidden = v.token_ids(forbidden_tokens, "forbidden_tokens", vocab_size=vocab_size)
-    v.token_ids(stop_tokens, "stop_tokens", vocab_size=vocab_size)
+    forbidden = v.token_id_tuple(forbidden_tokens, "forbidden_tokens", vocab_size=vocab_size)
+    v.token_id_tuple(stop_tokens, "stop_tokens", vocab_size=vocab_size)
     _check_not_all_forbidden(forbidden, vocab_size)
 
 

@@ -76,7 +76,7 @@ class SamplingConfig:
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
         )
         tokens = {
-            name: v.token_ids(getattr(self, name), name)
+            name: v.token_id_tuple(getattr(self, name), name)
             for name in ("forbidden_tokens", "stop_tokens")
         }
         v.static_int(self.pad_token, "pad_token")

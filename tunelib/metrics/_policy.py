@@ -9,12 +9,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
-from tunelib.losses._policy_gradient import RATIO_LEVELS, RatioLevel, ratio_from_logps
-from tunelib.losses._rl_inputs import advantages_array, policy_inputs
+from tunelib import losses
+from tunelib._typing import Mask, Scalar
+from tunelib.metrics._summary import masked_extremes, masked_mean
 
 
 class ClipFractions(NamedTuple):
@@ -56,21 +56,16 @@ class RatioStatistics(NamedTuple):
     max: jax.Array
 
 
-def _token_mean(x: jax.Array, where: jax.Array) -> jax.Array:
-    count = jnp.sum(where)
-    return jnp.sum(jnp.where(where, x, 0.0)) / jnp.maximum(count, 1).astype(x.dtype)
-
-
 def clip_fractions(
     token_logps: Float[ArrayLike, "B T"],
     old_token_logps: Float[ArrayLike, "B T"],
     advantages: Float[ArrayLike, " B"] | Float[ArrayLike, "B T"],
     *,
-    level: RatioLevel = "token",
+    level: str = "token",
     epsilon_low: Scalar = 0.2,
     epsilon_high: Scalar = 0.2,
     log_ratio_clamp: Scalar = 20.0,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> ClipFractions:
     r"""Fractions of valid tokens clipped by the PPO surrogate, by side and overall.
 
@@ -91,6 +86,9 @@ def clip_fractions(
     `ratio_cap`). GSPO reports these fractions at the sequence level (``level="sequence"``),
     where they are about two orders of magnitude larger than GRPO's token-level ones.
 
+    Formerly `tunelib.losses.clip_fractions`, still served there until tunelib 0.3.0, with a
+    `DeprecationWarning`.
+
     Args:
       token_logps: `[B, T]` current-policy log-probs.
       old_token_logps: `[B, T]` behaviour-policy log-probs.
@@ -99,7 +97,7 @@ def clip_fractions(
       epsilon_low: $\varepsilon_l \ge 0$; may be traced.
       epsilon_high: $\varepsilon_h \ge 0$; may be traced.
       log_ratio_clamp: bound on the log-ratio before `exp`; may be traced.
-      where: `[B, T]` boolean mask, True = counts; NaN or infinite values under it are ignored.
+      where: `[B, T]` mask, True (or 1) = counts; NaN or infinite values under it are ignored.
 
     Returns:
       A `ClipFractions` of float32 scalars in $[0, 1]$ (float64 for float64 input); all 0
@@ -107,7 +105,7 @@ def clip_fractions(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from tunelib.losses import clip_fractions
+      >>> from tunelib.metrics import clip_fractions
       >>> logps = jnp.log(jnp.array([[0.5, 0.9, 0.2, 0.9]]))
       >>> old = jnp.log(jnp.array([[0.5, 0.5, 0.5, 0.5]]))  # ratios 1, 1.8, 0.4, 1.8
       >>> out = clip_fractions(logps, old, jnp.array([[1.0, 1.0, -1.0, -1.0]]))
@@ -120,20 +118,21 @@ def clip_fractions(
       Zheng et al., "Group Sequence Policy Optimization", 2025,
       https://arxiv.org/abs/2507.18071.
     """
-    v.one_of(level, "level", RATIO_LEVELS)
     v.non_negative(epsilon_low, "epsilon_low")
     v.non_negative(epsilon_high, "epsilon_high")
-    v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
-    logps, old, where = policy_inputs(token_logps, old_token_logps, where)
-    adv = advantages_array(advantages, where, logps.dtype)
+    ratio = losses.importance_ratio(
+        token_logps, old_token_logps, level=level, log_ratio_clamp=log_ratio_clamp, where=where
+    )
+    where = v.mask_array(where, ratio.shape)
+    adv = v.advantages_array(advantages, where, ratio.dtype)
     dtype = adv.dtype
-    ratio = ratio_from_logps(logps.astype(dtype), old.astype(dtype), where, level, log_ratio_clamp)
+    ratio = ratio.astype(dtype)
     below = ratio < 1 - jnp.asarray(epsilon_low, dtype)
     above = ratio > 1 + jnp.asarray(epsilon_high, dtype)
     return ClipFractions(
-        low=_token_mean((below & (adv < 0)).astype(dtype), where),
-        high=_token_mean((above & (adv > 0)).astype(dtype), where),
-        region=_token_mean((below | above).astype(dtype), where),
+        low=masked_mean((below & (adv < 0)).astype(dtype), where),
+        high=masked_mean((above & (adv > 0)).astype(dtype), where),
+        region=masked_mean((below | above).astype(dtype), where),
     )
 
 
@@ -142,7 +141,7 @@ def approx_kl(
     old_token_logps: Float[ArrayLike, "B T"],
     *,
     log_ratio_clamp: Scalar = 20.0,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> ApproxKL:
     r"""Approximate $\mathrm{KL}(\pi_{\mathrm{old}} \| \pi_\theta)$ from the sampled tokens.
 
@@ -163,11 +162,14 @@ def approx_kl(
     log-ratio is clamped to $\pm$`log_ratio_clamp` so that $r_t$ is finite (then $k_3 \ge 0$
     still holds); $k_1$ and $k_2$ use it unclamped.
 
+    Formerly `tunelib.losses.approx_kl`, still served there until tunelib 0.3.0, with a
+    `DeprecationWarning`.
+
     Args:
       token_logps: `[B, T]` log-probs under the updated policy.
       old_token_logps: `[B, T]` log-probs under the behaviour policy that sampled the tokens.
       log_ratio_clamp: bound on the log-ratio inside $k_3$; may be traced.
-      where: `[B, T]` boolean mask, True = counts; NaN or infinite values under it are ignored.
+      where: `[B, T]` mask, True (or 1) = counts; NaN or infinite values under it are ignored.
 
     Returns:
       An `ApproxKL` of float32 scalars (float64 for float64 input); all 0 when no token is
@@ -175,7 +177,7 @@ def approx_kl(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from tunelib.losses import approx_kl
+      >>> from tunelib.metrics import approx_kl
       >>> logps = jnp.log(jnp.array([[0.5, 0.9]]))
       >>> old = jnp.log(jnp.array([[0.5, 0.5]]))
       >>> print([round(float(x), 4) for x in approx_kl(logps, old)])  # k1, k2, k3
@@ -185,14 +187,16 @@ def approx_kl(
       Schulman, "Approximating KL Divergence", 2020, http://joschu.net/blog/kl-approx.html.
     """
     v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
-    logps, old, where = policy_inputs(token_logps, old_token_logps, where)
+    (logps, old), where = v.masked_floats(
+        where, ndim=2, token_logps=token_logps, old_token_logps=old_token_logps
+    )
     log_ratio = logps - old
     clamp = jnp.asarray(log_ratio_clamp, logps.dtype)
     clamped = jnp.clip(log_ratio, -clamp, clamp)
     return ApproxKL(
-        k1=_token_mean(-log_ratio, where),
-        k2=_token_mean(0.5 * log_ratio**2, where),
-        k3=_token_mean(jnp.expm1(clamped) - clamped, where),
+        k1=masked_mean(-log_ratio, where),
+        k2=masked_mean(0.5 * log_ratio**2, where),
+        k3=masked_mean(jnp.expm1(clamped) - clamped, where),
     )
 
 
@@ -200,9 +204,9 @@ def ratio_statistics(
     token_logps: Float[ArrayLike, "B T"],
     old_token_logps: Float[ArrayLike, "B T"],
     *,
-    level: RatioLevel = "token",
+    level: str = "token",
     log_ratio_clamp: Scalar = 20.0,
-    where: Bool[ArrayLike, "B T"] | None = None,
+    where: Mask[ArrayLike, "B T"] | None = None,
 ) -> RatioStatistics:
     r"""Mean, minimum and maximum of the importance ratio over the valid tokens.
 
@@ -214,12 +218,15 @@ def ratio_statistics(
     `level` (see `importance_ratio`, whose clamp applies). At the sequence levels each
     sequence's ratio counts once per valid token, so the mean weighs sequences by length.
 
+    Formerly `tunelib.losses.ratio_statistics`, still served there until tunelib 0.3.0, with a
+    `DeprecationWarning`.
+
     Args:
       token_logps: `[B, T]` current-policy log-probs.
       old_token_logps: `[B, T]` behaviour-policy log-probs.
       level: ``"token"``, ``"sequence"`` or ``"sequence_token"`` (static).
       log_ratio_clamp: bound on the log-ratio before `exp`; may be traced.
-      where: `[B, T]` boolean mask, True = counts; NaN or infinite values under it are ignored.
+      where: `[B, T]` mask, True (or 1) = counts; NaN or infinite values under it are ignored.
 
     Returns:
       A `RatioStatistics` of float32 scalars (float64 for float64 input); all 0 when no token
@@ -227,7 +234,7 @@ def ratio_statistics(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from tunelib.losses import ratio_statistics
+      >>> from tunelib.metrics import ratio_statistics
       >>> logps = jnp.log(jnp.array([[0.5, 0.9, 0.2]]))
       >>> old = jnp.log(jnp.array([[0.5, 0.5, 0.5]]))
       >>> print([round(float(x), 4) for x in ratio_statistics(logps, old)])  # mean, min, max
@@ -237,13 +244,9 @@ def ratio_statistics(
       Schulman et al., "Proximal Policy Optimization Algorithms", 2017,
       https://arxiv.org/abs/1707.06347.
     """
-    v.one_of(level, "level", RATIO_LEVELS)
-    v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
-    logps, old, where = policy_inputs(token_logps, old_token_logps, where)
-    ratio = ratio_from_logps(logps, old, where, level, log_ratio_clamp)
-    some = jnp.any(where)
-    return RatioStatistics(
-        mean=_token_mean(ratio, where),
-        min=jnp.where(some, jnp.min(jnp.where(where, ratio, jnp.inf)), 0.0),
-        max=jnp.where(some, jnp.max(jnp.where(where, ratio, -jnp.inf)), 0.0),
+    ratio = losses.importance_ratio(
+        token_logps, old_token_logps, level=level, log_ratio_clamp=log_ratio_clamp, where=where
     )
+    where = v.mask_array(where, ratio.shape)
+    low, high = masked_extremes(ratio, where)
+    return RatioStatistics(mean=masked_mean(ratio, where), min=low, max=high)

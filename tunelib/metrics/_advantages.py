@@ -5,11 +5,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Real
+from jaxtyping import Array, Float, Real
 
 from tunelib import _validation as v
-from tunelib.advantages._group import has_spread, scored_rewards
-from tunelib.advantages._whitening import masked_moments
+from tunelib import advantages as advantages_lib
+from tunelib._typing import Mask
+from tunelib.metrics._summary import masked_extremes, masked_mean
 
 
 class AdvantageStatistics(NamedTuple):
@@ -31,7 +32,7 @@ class AdvantageStatistics(NamedTuple):
 
 
 def advantage_statistics(
-    advantages: Float[ArrayLike, "*B"], *, where: Bool[ArrayLike, "*B"]
+    advantages: Float[ArrayLike, "*B"], *, where: Mask[ArrayLike, "*B"] | None = None
 ) -> AdvantageStatistics:
     r"""Mean, standard deviation, minimum and maximum of the valid advantages.
 
@@ -45,10 +46,13 @@ def advantage_statistics(
     that padding is not counted; for `[B]` per-sequence ones a row mask. With no valid entry
     every field is 0.
 
+    Formerly `tunelib.advantages.advantage_statistics`, still served there until tunelib
+    0.3.0, with a `DeprecationWarning`.
+
     Args:
       advantages: `[...]` advantages, any shape.
-      where: `[...]` boolean mask, True = counts (required). Masked entries are ignored,
-        even when NaN or infinite.
+      where: `[...]` mask, True (or 1) = counts; all entries count when None. Masked entries
+        are ignored, even when NaN or infinite.
 
     Returns:
       An `AdvantageStatistics(mean, std, min, max, count)` of float32 scalars (float64 for
@@ -56,7 +60,7 @@ def advantage_statistics(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from tunelib.advantages import advantage_statistics
+      >>> from tunelib.metrics import advantage_statistics
       >>> a = jnp.array([[1.0, -1.0, jnp.nan], [2.0, 0.0, 0.0]])
       >>> where = jnp.array([[True, True, False], [True, True, False]])
       >>> stats = advantage_statistics(a, where=where)
@@ -64,25 +68,17 @@ def advantage_statistics(
       0.5 1.118 -1.0 2.0 4.0
     """
     advantages = v.float_array(advantages, "advantages")
-    where = v.bool_array(where, "where")
-    v.check_shape(where, "where", advantages.shape, f"advantages {advantages.shape}")
-    dtype = v.compute_dtype(advantages.dtype)
-    x = jnp.where(where, advantages.astype(dtype), 0.0)
-    mean, var, count = masked_moments(x, where, axis=None, ddof=0)
-    any_valid = jnp.any(where)
-    smallest = jnp.min(jnp.where(where, x, jnp.inf))
-    largest = jnp.max(jnp.where(where, x, -jnp.inf))
-    return AdvantageStatistics(
-        mean=mean.reshape(()),
-        std=jnp.sqrt(jnp.maximum(var, 0.0)).reshape(()),
-        min=jnp.where(any_valid, smallest, 0.0),
-        max=jnp.where(any_valid, largest, 0.0),
-        count=count.reshape(()).astype(dtype),
-    )
+    where = v.mask_array(where, advantages.shape)
+    x = jnp.where(where, advantages.astype(v.compute_dtype(advantages.dtype)), 0.0)
+    mean = masked_mean(x, where)
+    variance = masked_mean((x - mean) ** 2, where)
+    low, high = masked_extremes(x, where)
+    count = jnp.sum(where).astype(x.dtype)
+    return AdvantageStatistics(mean=mean, std=jnp.sqrt(variance), min=low, max=high, count=count)
 
 
 def zero_std_fraction(
-    rewards: Real[ArrayLike, "*B G"], *, where: Bool[ArrayLike, "*B G"] | None = None
+    rewards: Real[ArrayLike, "*B G"], *, where: Mask[ArrayLike, "*B G"] | None = None
 ) -> Float[Array, ""]:
     r"""Fraction of groups whose valid rewards are all equal (zero spread).
 
@@ -98,22 +94,26 @@ def zero_std_fraction(
     quantity as `frac_reward_zero_std`, testing the std against 0 with a tolerance; this test
     is exact. Groups without any valid reward are left out; if none has one, the result is 0.
 
+    Formerly `tunelib.advantages.zero_std_fraction`, still served there until tunelib 0.3.0, with a
+    `DeprecationWarning`.
+
     Args:
       rewards: `[..., G]` rewards, integer or float; NaN or infinite rewards are ignored.
-      where: `[..., G]` boolean mask, True = counts.
+      where: `[..., G]` mask, True (or 1) = counts.
 
     Returns:
       A float32 scalar in $[0, 1]$ (float64 for float64 rewards).
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from tunelib.advantages import zero_std_fraction
+      >>> from tunelib.metrics import zero_std_fraction
       >>> rewards = jnp.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [jnp.nan, jnp.nan]])
       >>> print(zero_std_fraction(rewards).round(4))
       0.6667
     """
-    rewards, valid = scored_rewards(rewards, where)
+    kept = advantages_lib.dynamic_sampling_mask(rewards, where=where)
+    rewards = jnp.asarray(rewards)
+    valid = v.mask_array(where, rewards.shape) & jnp.isfinite(rewards)
     scored = jnp.any(valid, axis=-1)
-    flat = (scored & ~has_spread(rewards, valid)).astype(rewards.dtype)
-    groups = jnp.sum(scored).astype(rewards.dtype)
-    return jnp.where(groups > 0, jnp.sum(flat) / jnp.maximum(groups, 1.0), 0.0)
+    flat = (scored & ~kept).astype(v.compute_dtype(rewards.dtype))
+    return masked_mean(flat, scored)

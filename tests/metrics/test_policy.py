@@ -14,7 +14,7 @@ from tests._helpers import (
     raises_naming,
 )
 from tests.losses import _rl_refs as ref
-from tunelib import losses
+from tunelib import losses, metrics
 
 
 def ref_ratios(logps, old, where, level="token"):
@@ -44,9 +44,9 @@ def ref_ratio_statistics(logps, old, where, level="token"):
     return (r.mean(), r.min(), r.max()) if r.size else (0.0, 0.0, 0.0)
 
 
-clip_fractions = jax.jit(losses.clip_fractions, static_argnames="level")
-approx_kl = jax.jit(losses.approx_kl)
-ratio_statistics = jax.jit(losses.ratio_statistics, static_argnames="level")
+clip_fractions = jax.jit(metrics.clip_fractions, static_argnames="level")
+approx_kl = jax.jit(metrics.approx_kl)
+ratio_statistics = jax.jit(metrics.ratio_statistics, static_argnames="level")
 
 
 @st.composite
@@ -116,7 +116,7 @@ def test_clip_fractions_count_the_tokens_without_gradient():
     where = rng.random((4, 8)) < 0.8
     kw = {"epsilon_low": 0.2, "epsilon_high": 0.28, "where": where}
     grad = jax.grad(lambda x: jnp.sum(losses.policy_gradient_loss(x, old, adv, **kw)))(logps)
-    fractions = losses.clip_fractions(logps, old, adv, **kw)
+    fractions = metrics.clip_fractions(logps, old, adv, **kw)
     no_gradient = np.sum(np.asarray(grad)[where] == 0) / where.sum()
     assert fractions.low + fractions.high == pytest.approx(no_gradient, abs=1e-6)
     assert fractions.low > 0 and fractions.high > 0 and fractions.region > fractions.low
@@ -127,14 +127,14 @@ def test_fixed_values_and_empty_batch():
     old = np.log([[0.5, 0.5, 0.5, 0.5], [0.3, 0.3, 0.3, 0.3]]).astype(np.float32)
     adv = np.array([[1.0, 1.0, -1.0, -1.0], [1.0, 1.0, 1.0, 1.0]], np.float32)
     where = np.array([[True] * 4, [False] * 4])
-    out = losses.clip_fractions(logps, old, adv, where=where)
+    out = metrics.clip_fractions(logps, old, adv, where=where)
     assert_close(np.array(out), [0.25, 0.25, 0.75])
-    seq = losses.clip_fractions(logps, old, adv, level="sequence", where=where)
+    seq = metrics.clip_fractions(logps, old, adv, level="sequence", where=where)
     # Sequence ratio: the geometric mean of 1, 1.8, 0.4, 1.8 is 1.067, inside [0.8, 1.2].
     assert_close(np.array(seq), [0.0, 0.0, 0.0])
-    stats = losses.ratio_statistics(logps, old, where=where)
+    stats = metrics.ratio_statistics(logps, old, where=where)
     assert_close(np.array(stats), [(1 + 1.8 + 0.4 + 1.8) / 4, 0.4, 1.8], rtol=1e-6)
-    kl = losses.approx_kl(logps, old, where=where)
+    kl = metrics.approx_kl(logps, old, where=where)
     log_r = np.log([1.0, 1.8, 0.4, 1.8])
     assert_close(
         np.array(kl),
@@ -144,9 +144,9 @@ def test_fixed_values_and_empty_batch():
     nan = np.full((2, 4), np.nan, np.float32)
     nothing = np.zeros((2, 4), bool)
     for result in (
-        losses.clip_fractions(nan, nan, nan, where=nothing),
-        losses.approx_kl(nan, nan, where=nothing),
-        losses.ratio_statistics(nan, nan, where=nothing),
+        metrics.clip_fractions(nan, nan, nan, where=nothing),
+        metrics.approx_kl(nan, nan, where=nothing),
+        metrics.ratio_statistics(nan, nan, where=nothing),
     ):
         assert np.array(result).tolist() == [0, 0, 0]
 
@@ -154,7 +154,7 @@ def test_fixed_values_and_empty_batch():
 def test_k3_clamp_keeps_the_estimate_finite_and_non_negative():
     logps = np.array([[0.0, -100.0]], np.float32)
     old = np.array([[-100.0, 0.0]], np.float32)
-    k1, k2, k3 = np.array(losses.approx_kl(logps, old, log_ratio_clamp=20.0), np.float64)
+    k1, k2, k3 = np.array(metrics.approx_kl(logps, old, log_ratio_clamp=20.0), np.float64)
     assert k1 == 0 and k2 == pytest.approx(5000)
     assert k3 == pytest.approx(((np.exp(20) - 21) + (np.exp(-20) - 1 + 20)) / 2, rel=1e-6)
 
@@ -166,9 +166,9 @@ def test_dtypes_jit_vmap_and_no_retrace():
     adv = rng.normal(size=(3, 2)).astype(np.float32)
     where = rng.random((3, 2, 5)) < 0.7
     fns = [
-        lambda lp, o, a, w, e: losses.clip_fractions(lp, o, a, epsilon_high=e, where=w),
-        lambda lp, o, a, w, e: losses.approx_kl(lp, o, log_ratio_clamp=e + 10, where=w),
-        lambda lp, o, a, w, e: losses.ratio_statistics(lp, o, log_ratio_clamp=e + 10, where=w),
+        lambda lp, o, a, w, e: metrics.clip_fractions(lp, o, a, epsilon_high=e, where=w),
+        lambda lp, o, a, w, e: metrics.approx_kl(lp, o, log_ratio_clamp=e + 10, where=w),
+        lambda lp, o, a, w, e: metrics.ratio_statistics(lp, o, log_ratio_clamp=e + 10, where=w),
     ]
     for fn in fns:
         mapped = jax.vmap(fn, in_axes=(0, 0, 0, 0, None))(logps, old, adv, where, 0.2)
@@ -192,17 +192,42 @@ def test_errors():
     x = np.zeros((2, 3), np.float32)
     adv = np.zeros(2, np.float32)
     with raises_naming("old_token_logps"):
-        losses.approx_kl(x, np.zeros((2, 4), np.float32))
+        metrics.approx_kl(x, np.zeros((2, 4), np.float32))
     with raises_naming("level"):
-        losses.ratio_statistics(x, x, level="geometric")
+        metrics.ratio_statistics(x, x, level="geometric")
     with own_checks():
         with raises_naming("advantages", "(3,)", "(2,)", "(2, 3)", error=ValueError):
-            losses.clip_fractions(x, x, np.zeros(3, np.float32))
+            metrics.clip_fractions(x, x, np.zeros(3, np.float32))
         with raises_naming("old_token_logps", "(2, 4)", error=ValueError):
-            losses.ratio_statistics(x, np.zeros((2, 4), np.float32))
+            metrics.ratio_statistics(x, np.zeros((2, 4), np.float32))
         with raises_naming("where", error=TypeError):
-            losses.approx_kl(x, x, where=np.ones((2, 3), np.int32))
+            metrics.approx_kl(x, x, where=np.ones((2, 3), np.float32))
+        with raises_naming("where", "2", error=ValueError):
+            metrics.ratio_statistics(x, x, where=np.full((2, 3), 2, np.int32))
         with raises_naming("epsilon_low", error=ValueError):
-            losses.clip_fractions(x, x, adv, epsilon_low=-1.0)
+            metrics.clip_fractions(x, x, adv, epsilon_low=-1.0)
         with raises_naming("log_ratio_clamp", error=ValueError):
-            losses.approx_kl(x, x, log_ratio_clamp=0.0)
+            metrics.approx_kl(x, x, log_ratio_clamp=0.0)
+
+
+def test_integer_masks_count_like_boolean_masks():
+    rng = np.random.default_rng(2)
+    logps = rng.uniform(-3, 0, (2, 5)).astype(np.float32)
+    old = (logps + rng.uniform(-0.5, 0.5, (2, 5))).astype(np.float32)
+    adv = rng.normal(size=(2,)).astype(np.float32)
+    where = rng.random((2, 5)) < 0.6
+    for boolean, integer in (
+        (
+            metrics.clip_fractions(logps, old, adv, where=where),
+            metrics.clip_fractions(logps, old, adv, where=where.astype(np.int32)),
+        ),
+        (
+            metrics.approx_kl(logps, old, where=where),
+            metrics.approx_kl(logps, old, where=where.astype(np.uint8)),
+        ),
+        (
+            metrics.ratio_statistics(logps, old, where=where),
+            metrics.ratio_statistics(logps, old, where=where.astype(np.int64)),
+        ),
+    ):
+        np.testing.assert_array_equal(np.array(integer), np.array(boolean))

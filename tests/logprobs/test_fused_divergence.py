@@ -1,3 +1,6 @@
+"""The fused divergence head (tunelib/logprobs/_fused_divergence.py) against `token_divergence`
+and float64 references."""
+
 import functools
 
 import jax
@@ -15,16 +18,11 @@ from tests._helpers import (
     raises_naming,
 )
 from tests.logprobs.test_token import ref_log_softmax
-from tunelib import losses
+from tunelib import logprobs
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-MATERIALISED = {
-    "forward_kl": losses.forward_kl_loss,
-    "reverse_kl": losses.reverse_kl_loss,
-    "jsd": losses.generalized_jsd_loss,
-}
-STATIC = ("divergence", "temperature_squared", "normalize", "chunk_size")
-fused_loss = jax.jit(losses.fused_distillation_loss, static_argnames=STATIC)
+DIVERGENCES = logprobs.DIVERGENCES
+STATIC = ("divergence", "normalize", "chunk_size")
+fused_divergence = jax.jit(logprobs.fused_divergence, static_argnames=STATIC)
 
 # --- float64 NumPy references, written from the papers' formulas -----------------------------
 
@@ -37,38 +35,36 @@ def ref_kl(log_p, log_q):
     return np.where(safe, terms, 0.0).sum(-1)
 
 
-def ref_loss(z_s, z_t, divergence, beta=0.5, tau=1.0, squared=True, normalize=True):
-    """Hinton's tau^2 KL(p_T || p_S), MiniLLM's KL(p_S || p_T), or GKD's JSD_beta."""
+def ref_loss(z_s, z_t, divergence, beta=0.5, tau=1.0, normalize=True):
+    """Hinton's KL(p_T || p_S), MiniLLM's KL(p_S || p_T), or GKD's JSD_beta."""
     log_ps, log_pt = ref_log_softmax(z_s, tau), ref_log_softmax(z_t, tau)
-    scale = tau**2 if squared else 1.0
     if divergence == "forward_kl" or (divergence == "jsd" and normalize and beta == 0):
-        return scale * ref_kl(log_pt, log_ps)
+        return ref_kl(log_pt, log_ps)
     if divergence == "reverse_kl" or (divergence == "jsd" and normalize and beta == 1):
-        return scale * ref_kl(log_ps, log_pt)
+        return ref_kl(log_ps, log_pt)
     with np.errstate(divide="ignore"):
         log_m = np.log(beta * np.exp(log_pt) + (1 - beta) * np.exp(log_ps))
     jsd = beta * ref_kl(log_pt, log_m) + (1 - beta) * ref_kl(log_ps, log_m)
-    return scale * (jsd / (beta * (1 - beta)) if normalize else jsd)
+    return jsd / (beta * (1 - beta)) if normalize else jsd
 
 
-def ref_logit_grad(z_s, z_t, divergence, beta=0.5, tau=1.0, squared=True, normalize=True):
+def ref_logit_grad(z_s, z_t, divergence, beta=0.5, tau=1.0, normalize=True):
     """d loss / d z_S in closed form: p_S * (g - sum_v p_S g) / tau, with g = d loss / d p_S.
 
     Forward KL: g = -p_T / p_S, so the result is (p_S - p_T) / tau. Reverse KL: g = log p_S -
     log p_T (+ 1, which cancels). JSD_beta: g = (1 - beta) (log p_S - log M), the terms from
-    d M / d p_S cancelling. Each times the loss's constant factor.
+    d M / d p_S cancelling, divided by beta (1 - beta) when normalised.
     """
     log_ps, log_pt = ref_log_softmax(z_s, tau), ref_log_softmax(z_t, tau)
     ps, pt = np.exp(log_ps), np.exp(log_pt)
-    scale = tau**2 if squared else 1.0
     if divergence == "forward_kl" or (divergence == "jsd" and normalize and beta == 0):
-        return scale * (ps - pt) / tau
+        return (ps - pt) / tau
     if divergence == "reverse_kl" or (divergence == "jsd" and normalize and beta == 1):
         g = log_ps - log_pt
     else:
         g = (1 - beta) * (log_ps - np.log(beta * pt + (1 - beta) * ps))
         g = g / (beta * (1 - beta)) if normalize else g
-    return scale * ps * (g - (ps * g).sum(-1, keepdims=True)) / tau
+    return ps * (g - (ps * g).sum(-1, keepdims=True)) / tau
 
 
 def heads(seed, n=3, h_s=4, h_t=3, v=7, scale=1.0):
@@ -88,38 +84,21 @@ def logits(h, w, b):
 # --- values and gradients of both paths under one jit, compiled once per shape ---------------
 
 
-@functools.partial(jax.jit, static_argnames=("divergence", "chunk_size", "squared", "normalize"))
+@functools.partial(jax.jit, static_argnames=("divergence", "chunk_size", "normalize"))
 def both_paths(
-    h_s,
-    w_s,
-    b_s,
-    h_t,
-    w_t,
-    b_t,
-    tau,
-    beta,
-    cotangent,
-    *,
-    divergence,
-    chunk_size,
-    squared=True,
-    normalize=True,
+    h_s, w_s, b_s, h_t, w_t, b_t, tau, beta, cotangent, *, divergence, chunk_size, normalize=True
 ):
-    """(values, student gradients) of the fused loss and of the materialised one."""
-    jsd_options = {"beta": beta, "normalize": normalize} if divergence == "jsd" else {}
+    """(values, student gradients) of the fused divergence and of `token_divergence`."""
+    options = {"divergence": divergence, "mix": beta, "normalize": normalize, "temperature": tau}
 
     def fused(h_s, w_s, b_s):
-        return losses.fused_distillation_loss(
-            h_s, w_s, h_t, w_t, divergence=divergence, temperature=tau,
-            temperature_squared=squared, student_bias=b_s, teacher_bias=b_t,
-            chunk_size=chunk_size, **jsd_options,
+        return logprobs.fused_divergence(
+            h_s, w_s, h_t, w_t, student_bias=b_s, teacher_bias=b_t, chunk_size=chunk_size,
+            **options,
         )  # fmt: skip
 
     def materialised(h_s, w_s, b_s):
-        return MATERIALISED[divergence](
-            h_s @ w_s + b_s, h_t @ w_t + b_t, temperature=tau, temperature_squared=squared,
-            **jsd_options,
-        )  # fmt: skip
+        return logprobs.token_divergence(h_s @ w_s + b_s, h_t @ w_t + b_t, **options)
 
     out = []
     for f in (fused, materialised):
@@ -128,13 +107,8 @@ def both_paths(
     return out
 
 
-# (temperature_squared, normalize), one compilation each: the factors are applied outside the
-# per-divergence code, so the JSD alone covers both flags off.
-FLAG_SETS = {
-    "forward_kl": [(True, True)],
-    "reverse_kl": [(True, True)],
-    "jsd": [(True, True), (False, False)],
-}
+# `normalize`, one compilation each: it only changes the JSD.
+FLAG_SETS = {"forward_kl": [True], "reverse_kl": [True], "jsd": [True, False]}
 
 
 @pytest.mark.parametrize("divergence", DIVERGENCES)
@@ -143,14 +117,14 @@ def test_fixed_values_and_gradients(divergence):
     z_s, z_t = logits(h_s, w_s, b_s), logits(h_t, w_t, b_t)
     cotangent = np.array([1.0, -0.5, 2.0], np.float32)
     betas = (0.0, 0.3, 1.0) if divergence == "jsd" else (0.5,)
-    for squared, normalize in FLAG_SETS[divergence]:
+    for normalize in FLAG_SETS[divergence]:
         for beta in betas:
             for tau in (1.0, 2.5, 0.7):
                 (value, grads), (mat_value, mat_grads) = both_paths(
                     h_s, w_s, b_s, h_t, w_t, b_t, np.float32(tau), np.float32(beta), cotangent,
-                    divergence=divergence, chunk_size=3, squared=squared, normalize=normalize,
+                    divergence=divergence, chunk_size=3, normalize=normalize,
                 )  # fmt: skip
-                options = (divergence, float(np.float32(beta)), tau, squared, normalize)
+                options = (divergence, float(np.float32(beta)), tau, normalize)
                 assert_close(value, ref_loss(z_s, z_t, *options), rtol=1e-5, atol=1e-6)
                 assert_close(value, mat_value, rtol=1e-5, atol=1e-6)
                 dz = cotangent[:, None] * ref_logit_grad(z_s, z_t, *options)
@@ -173,7 +147,7 @@ def problems(draw):
 
 
 # Both ends, and betas the float64 reference (which divides by beta (1 - beta)) gets right;
-# tiny betas are compared with `generalized_jsd_loss` in `test_odd_vocabulary_any_chunk`.
+# tiny betas are compared with `token_divergence` in `test_odd_vocabulary_any_chunk`.
 betas = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.01, 0.99))
 
 
@@ -188,8 +162,7 @@ def test_matches_materialised_and_reference(arrays, divergence, beta, tau, data)
     cotangent = data.draw(float_arrays((3,), -2, 2))
     beta, tau = np.float32(beta), np.float32(tau)
     (value, grads), (mat_value, mat_grads) = both_paths(
-        *arrays, tau, beta, cotangent, divergence=divergence, chunk_size=3, squared=True,
-        normalize=True,
+        *arrays, tau, beta, cotangent, divergence=divergence, chunk_size=3, normalize=True,
     )  # fmt: skip
     assert np.all(np.asarray(value) >= 0)
     z_s, z_t = logits(*arrays[:3]), logits(*arrays[3:])
@@ -204,15 +177,15 @@ def test_matches_materialised_and_reference(arrays, divergence, beta, tau, data)
 def self_distillation(h, w, b, shift, beta, *, divergence):
     """A head's loss against itself, its gradient, and against itself plus a constant."""
     same, grad = jax.value_and_grad(
-        lambda h_s: losses.fused_distillation_loss(
-            h_s, w, h, w, divergence=divergence, beta=beta, student_bias=b, teacher_bias=b,
+        lambda h_s: logprobs.fused_divergence(
+            h_s, w, h, w, divergence=divergence, mix=beta, student_bias=b, teacher_bias=b,
             chunk_size=3,
         ).sum()
     )(h)  # fmt: skip
     h_t = jnp.concatenate([h, jnp.ones_like(h[:, :1])], axis=-1)
     w_t = jnp.concatenate([w, shift[None]], axis=0)  # z_T = z_S + shift
-    shifted = losses.fused_distillation_loss(
-        h, w, h_t, w_t, divergence=divergence, beta=beta, chunk_size=3
+    shifted = logprobs.fused_divergence(
+        h, w, h_t, w_t, divergence=divergence, mix=beta, chunk_size=3
     )
     return same, grad, shifted
 
@@ -236,20 +209,24 @@ def test_properties(head, divergence, shift, beta):
 def test_odd_vocabulary_any_chunk():
     h_s, w_s, b_s, h_t, w_t, b_t = heads(1, n=4, v=13, scale=2.0)
     z_s, z_t = logits(h_s, w_s, b_s), logits(h_t, w_t, b_t)
-    materialised = losses.generalized_jsd_loss(
-        (h_s @ w_s + b_s)[None], (h_t @ w_t + b_t)[None], beta=1e-6, temperature=1.3
+    materialised = logprobs.token_divergence(
+        (h_s @ w_s + b_s)[None],
+        (h_t @ w_t + b_t)[None],
+        divergence="jsd",
+        mix=1e-6,
+        temperature=1.3,
     )[0]
     # One column per tile; a last tile shifted left over its neighbour (13 = 5 + 5 + 3); one tile.
     for chunk_size in (1, 5, 4096):
-        out = fused_loss(
-            h_s, w_s, h_t, w_t, divergence="jsd", beta=np.float32(0.3),
+        out = fused_divergence(
+            h_s, w_s, h_t, w_t, divergence="jsd", mix=np.float32(0.3),
             temperature=np.float32(1.3), student_bias=b_s, teacher_bias=b_t,
             chunk_size=chunk_size,
         )  # fmt: skip
         assert_close(out, ref_loss(z_s, z_t, "jsd", 0.3, 1.3), rtol=1e-5, atol=1e-6)
         # Near beta = 0 both paths keep float32 precision where the plain formula cannot.
-        tiny = fused_loss(
-            h_s, w_s, h_t, w_t, divergence="jsd", beta=np.float32(1e-6),
+        tiny = fused_divergence(
+            h_s, w_s, h_t, w_t, divergence="jsd", mix=np.float32(1e-6),
             temperature=np.float32(1.3), student_bias=b_s, teacher_bias=b_t,
             chunk_size=chunk_size,
         )  # fmt: skip
@@ -262,7 +239,7 @@ def test_forbidden_tokens_in_both_biases():
     z_s, z_t = logits(h_s, w_s, b_s), logits(h_t, w_t, b_t)
     value, grads = jax.jit(
         jax.value_and_grad(
-            lambda h, w, b: losses.fused_distillation_loss(
+            lambda h, w, b: logprobs.fused_divergence(
                 h, w, h_t, w_t, divergence="jsd", student_bias=b, teacher_bias=b_t, chunk_size=4
             ).sum(),
             argnums=(0, 1, 2),
@@ -281,8 +258,8 @@ def jsd_values_and_grads(h_s, w_s, b_s, h_t, w_t, b_t, where):
     """The masked JSD and its gradients for the student and the teacher hidden states."""
 
     def loss(h_s, w_s, b_s, h_t):
-        return losses.fused_distillation_loss(
-            h_s, w_s, h_t, w_t, divergence="jsd", beta=0.3, temperature=2.0,
+        return logprobs.fused_divergence(
+            h_s, w_s, h_t, w_t, divergence="jsd", mix=0.3, temperature=2.0,
             student_bias=b_s, teacher_bias=b_t, where=where, chunk_size=3,
         )  # fmt: skip
 
@@ -307,6 +284,9 @@ def test_masks_with_nan_hidden_states():
     assert np.any(np.asarray(grads[1]) != 0)
     # The teacher is data: no gradient reaches it.
     assert np.all(np.asarray(grads[3]) == 0) and np.all(np.asarray(clean_grads[3]) == 0)
+    # An integer 0/1 mask counts like the boolean one.
+    integer, _ = jsd_values_and_grads(h_s, w_s, b_s, h_t, w_t, b_t, where.astype(np.int32))
+    np.testing.assert_array_equal(integer, out)
     nothing, nothing_grads = jsd_values_and_grads(h_s, w_s, b_s, h_t, w_t, b_t, ~everything)
     assert np.all(np.asarray(nothing) == 0)
     assert all(np.all(np.asarray(g) == 0) for g in nothing_grads)
@@ -337,8 +317,8 @@ def test_float64_stays_float64():
         z_s, z_t = logits(h_s, w_s, b_s), logits(h_t, w_t, b_t)
         out, grad = jax.jit(
             jax.value_and_grad(
-                lambda w: losses.fused_distillation_loss(
-                    h_s, w, h_t, w_t, divergence="jsd", beta=0.2, temperature=1.5,
+                lambda w: logprobs.fused_divergence(
+                    h_s, w, h_t, w_t, divergence="jsd", mix=0.2, temperature=1.5,
                     student_bias=b_s, teacher_bias=b_t, chunk_size=3,
                 ).sum()
             )
@@ -353,15 +333,15 @@ def test_jit_vmap_and_no_retrace():
     h_s, w_s, _, h_t, w_t, _ = heads(6, n=6)
     h_s, h_t = h_s.reshape(2, 3, -1), h_t.reshape(2, 3, -1)
     where = np.array([[True, False, True], [True, True, False]])
-    loss = functools.partial(losses.fused_distillation_loss, divergence="jsd", chunk_size=4)
+    loss = functools.partial(logprobs.fused_divergence, divergence="jsd", chunk_size=4)
     # Mapped over the leading axis: the same as the [2, 3] call.
     mapped = jax.jit(
-        jax.vmap(lambda a, b, m: loss(a, w_s, b, w_t, beta=0.3, temperature=1.5, where=m))
+        jax.vmap(lambda a, b, m: loss(a, w_s, b, w_t, mix=0.3, temperature=1.5, where=m))
     )(h_s, h_t, where)
     ref = ref_loss(logits(h_s, w_s, 0), logits(h_t, w_t, 0), "jsd", 0.3, 1.5)
     assert_close(mapped, np.where(where, ref, 0.0), rtol=1e-5, atol=1e-6)
     calls = [
-        ((h, w_s, h_t, w_t), {"beta": jnp.float32(b), "temperature": jnp.float32(t), "where": m})
+        ((h, w_s, h_t, w_t), {"mix": jnp.float32(b), "temperature": jnp.float32(t), "where": m})
         for h, b, t, m in (
             (h_s, 0.0, 0.5, where),
             (h_s, 0.3, 2.0, ~where),
@@ -376,12 +356,14 @@ def test_temporary_memory_is_a_few_tiles():
     n, h, chunk = 512, 64, 1024
 
     def fused(h_s, w_s, h_t, w_t):
-        return losses.fused_distillation_loss(
+        return logprobs.fused_divergence(
             h_s, w_s, h_t, w_t, divergence=divergence, chunk_size=chunk
         ).sum()
 
     def materialised(h_s, w_s, h_t, w_t):
-        return MATERIALISED[divergence](h_s @ w_s, jax.lax.stop_gradient(h_t @ w_t)).sum()
+        return logprobs.token_divergence(
+            h_s @ w_s, jax.lax.stop_gradient(h_t @ w_t), divergence=divergence
+        ).sum()
 
     def temp_mib(f, v, with_grad=True):
         specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(n, h), (h, v)] * 2]
@@ -401,33 +383,33 @@ def test_temporary_memory_is_a_few_tiles():
 def test_errors_name_the_argument():
     h_s, w_s, b_s, h_t, w_t, b_t = heads(7)
     with raises_naming("student_hidden"):
-        losses.fused_distillation_loss(h_s.astype(int), w_s, h_t, w_t)
+        logprobs.fused_divergence(h_s.astype(int), w_s, h_t, w_t)
     with raises_naming("teacher_hidden"):
-        losses.fused_distillation_loss(h_s, w_s, h_t[:2], w_t)
+        logprobs.fused_divergence(h_s, w_s, h_t[:2], w_t)
     with raises_naming("where"):
-        losses.fused_distillation_loss(h_s, w_s, h_t, w_t, where=np.ones(3, int))
+        logprobs.fused_divergence(h_s, w_s, h_t, w_t, where=np.ones(3, np.float32))
     with own_checks():
         with raises_naming("student_hidden", error=TypeError):
-            losses.fused_distillation_loss(h_s.astype(int), w_s, h_t, w_t)
+            logprobs.fused_divergence(h_s.astype(int), w_s, h_t, w_t)
         with raises_naming("teacher_unembedding", error=TypeError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t.astype(np.int32))
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t.astype(np.int32))
         with raises_naming("student_unembedding", "H = 4", "(3, 7)", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s[:3], h_t, w_t)
+            logprobs.fused_divergence(h_s, w_s[:3], h_t, w_t)
         with raises_naming("teacher_unembedding", "(3, 6)", "(3, 7)", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t[:, :6])
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t[:, :6])
         with raises_naming("teacher_hidden", "(2, 3)", "(3, 3)", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s, h_t[:2], w_t)
+            logprobs.fused_divergence(h_s, w_s, h_t[:2], w_t)
         with raises_naming("student_bias", "(6,)", "(7,)", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t, student_bias=b_s[:6])
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t, student_bias=b_s[:6])
         with raises_naming("teacher_bias", error=TypeError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t, teacher_bias=b_t.astype(int))
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t, teacher_bias=b_t.astype(int))
         with raises_naming("where", "(2,)", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t, where=np.ones(2, bool))
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t, where=np.ones(2, bool))
         with raises_naming("divergence", "'kl'", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t, divergence="kl")
-        with raises_naming("beta", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t, divergence="jsd", beta=1.5)
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t, divergence="kl")
+        with raises_naming("mix", error=ValueError):
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t, divergence="jsd", mix=1.5)
         with raises_naming("temperature", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t, temperature=0.0)
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t, temperature=0.0)
         with raises_naming("chunk_size", error=ValueError):
-            losses.fused_distillation_loss(h_s, w_s, h_t, w_t, chunk_size=0)
+            logprobs.fused_divergence(h_s, w_s, h_t, w_t, chunk_size=0)

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
+from hypothesis import strategies as st
 
 from tests._helpers import (
     assert_close,
@@ -12,11 +13,13 @@ from tests._helpers import (
     own_checks,
     raises_naming,
 )
-from tests.advantages.test_group import REWARD
-from tunelib import advantages
+from tunelib import advantages, metrics
 
-advantage_statistics = jax.jit(advantages.advantage_statistics)
-zero_std_fraction = jax.jit(advantages.zero_std_fraction)
+# Rewards on a grid of sixteenths, so that groups of equal rewards are common.
+REWARD = st.integers(-160, 160).map(lambda n: n / 16)
+
+advantage_statistics = jax.jit(metrics.advantage_statistics)
+zero_std_fraction = jax.jit(metrics.zero_std_fraction)
 dynamic_sampling_mask = jax.jit(advantages.dynamic_sampling_mask)
 
 
@@ -53,8 +56,12 @@ def test_statistics_fixed_values_and_no_retrace():
     assert all(float(field) == 0.0 for field in empty)
     per_sequence = advantage_statistics(np.array([3.0, 5.0]), where=np.array([True, True]))
     assert_close(tuple(per_sequence), (4.0, 1.0, 3.0, 5.0, 2.0))
+    # Without a mask every entry counts; an integer 0/1 mask counts like the boolean one.
+    assert_close(tuple(advantage_statistics(np.array([3.0, 5.0]))), tuple(per_sequence))
+    integer = advantage_statistics(values, where=where.astype(np.int32))
+    np.testing.assert_array_equal(np.array(integer), np.array(stats))
     assert_traced_once(
-        advantages.advantage_statistics,
+        metrics.advantage_statistics,
         [((values * s,), {"where": where}) for s in (1.0, 2.0)],
     )
 
@@ -77,22 +84,22 @@ def test_zero_std_fraction_fixed_values():
     assert_close(zero_std_fraction(rewards), 2 / 3)
     assert zero_std_fraction(np.full((2, 3), np.nan, np.float32)) == 0.0
     assert_close(zero_std_fraction(np.array([[[1, 2], [3, 3]]], np.int32)), 0.5)
-    assert_traced_once(advantages.zero_std_fraction, [((rewards + s,), {}) for s in (0.0, 1.0)])
+    assert_traced_once(metrics.zero_std_fraction, [((rewards + s,), {}) for s in (0.0, 1.0)])
 
 
 def test_errors_name_the_argument():
     with raises_naming("advantages"):
-        advantages.advantage_statistics(jnp.ones(3, int), where=jnp.ones(3, bool))
+        metrics.advantage_statistics(jnp.ones(3, int), where=jnp.ones(3, bool))
     with raises_naming("where"):
-        advantages.advantage_statistics(jnp.ones(3), where=jnp.ones(4, bool))
+        metrics.advantage_statistics(jnp.ones(3), where=jnp.ones(4, bool))
     with own_checks():
         with raises_naming("advantages", error=TypeError):
-            advantages.advantage_statistics(jnp.ones(3, int), where=jnp.ones(3, bool))
+            metrics.advantage_statistics(jnp.ones(3, int), where=jnp.ones(3, bool))
         with raises_naming("where", "(4,)", "(3,)", error=ValueError):
-            advantages.advantage_statistics(jnp.ones(3), where=jnp.ones(4, bool))
+            metrics.advantage_statistics(jnp.ones(3), where=jnp.ones(4, bool))
         with raises_naming("where", error=TypeError):
-            advantages.advantage_statistics(jnp.ones(3), where=jnp.ones(3))
+            metrics.advantage_statistics(jnp.ones(3), where=jnp.ones(3))
         with raises_naming("rewards", error=TypeError):
-            advantages.zero_std_fraction(jnp.ones((2, 3), bool))
+            metrics.zero_std_fraction(jnp.ones((2, 3), bool))
         with raises_naming("where", "(2, 2)", error=ValueError):
-            advantages.zero_std_fraction(jnp.ones((2, 3)), where=jnp.ones((2, 2), bool))
+            metrics.zero_std_fraction(jnp.ones((2, 3)), where=jnp.ones((2, 2), bool))

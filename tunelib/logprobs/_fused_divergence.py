@@ -1,10 +1,10 @@
-r"""Distillation straight from hidden states: the divergence over vocabulary tiles.
+r"""The divergence of two models' next-token distributions straight from hidden states.
 
-`forward_kl_loss`, `reverse_kl_loss` and `generalized_jsd_loss` take `[N, V]` student and
-teacher logits, and their gradients hold several more arrays of that size. Here the logits are
-computed from the hidden states and the unembeddings one vocabulary tile at a time and never
-exist in full: a first pass finds both log-normalisers, a second sums the divergence's
-per-entry terms, and a custom VJP recomputes the tiles in the backward pass.
+`token_divergence` takes `[N, V]` student and teacher logits, and its gradient holds several
+more arrays of that size. Here the logits are computed from the hidden states and the
+unembeddings one vocabulary tile at a time and never exist in full: a first pass finds both
+log-normalisers, a second sums the divergence's per-entry terms, and a custom VJP recomputes
+the tiles in the backward pass.
 """
 
 import functools
@@ -14,17 +14,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from tunelib import _validation as v
-from tunelib._typing import Scalar
+from tunelib._typing import Mask, Scalar
+from tunelib.logprobs._divergence import DIVERGENCES, Divergence, divergence_terms
 from tunelib.logprobs._tiles import default_chunk_size, tile_logits, tiles, vocab_tile
-from tunelib.losses._distillation import (
-    _DIVERGENCES,
-    Divergence,
-    _mixture_divergence_terms,
-    _scale,
-)
 
 
 def _log_normalisers(student, teacher, tau, chunk, dtype):
@@ -44,18 +39,7 @@ def _log_normalisers(student, teacher, tau, chunk, dtype):
     return lax.fori_loop(0, n_tiles, body, (init, init))
 
 
-def _divergence_terms(log_p_student, log_p_teacher, beta, divergence):
-    """The per-entry terms whose sum over the vocabulary is the (unscaled) divergence."""
-    if divergence == "forward_kl":
-        return _mixture_divergence_terms(log_p_teacher, log_p_student, 1.0, 0.0)
-    if divergence == "reverse_kl":
-        return _mixture_divergence_terms(log_p_student, log_p_teacher, 1.0, 0.0)
-    return _mixture_divergence_terms(
-        log_p_teacher, log_p_student, 1 - beta, beta
-    ) + _mixture_divergence_terms(log_p_student, log_p_teacher, beta, 1 - beta)
-
-
-def _tile_terms(student, teacher, lse, index, tau, beta, divergence, chunk, dtype):
+def _tile_terms(student, teacher, lse, index, tau, mix, divergence, chunk, dtype):
     """Tile `index`: its terms as a function of the student's log-probs, and those log-probs.
 
     Also returns the student's probabilities on the tile, the tile's first column and the
@@ -70,14 +54,14 @@ def _tile_terms(student, teacher, lse, index, tau, beta, divergence, chunk, dtyp
     log_p_t = jnp.where(owned, log_p_t, 0.0)
 
     def terms(log_p_student):
-        values = _divergence_terms(log_p_student, log_p_t, beta, divergence)
+        values = divergence_terms(log_p_student, log_p_t, divergence, mix)
         return jnp.where(owned, values, 0.0)
 
     p = jnp.where(owned, jnp.exp(log_p), 0.0)
     return terms, log_p, p, start, w_tile
 
 
-def _forward(student, teacher, tau, beta, divergence, chunk, with_slope):
+def _forward(student, teacher, tau, mix, divergence, chunk, with_slope):
     """Pass 2: the divergence per token and, for the backward, `S = sum_v d phi / d log p_v`."""
     n, vocab = student[0].shape[0], student[1].shape[1]
     dtype = tau.dtype
@@ -87,7 +71,7 @@ def _forward(student, teacher, tau, beta, divergence, chunk, with_slope):
     def body(index, carry):
         total, slope = carry
         terms, log_p, *_ = _tile_terms(
-            student, teacher, lse, index, tau, beta, divergence, chunk, dtype
+            student, teacher, lse, index, tau, mix, divergence, chunk, dtype
         )
         if with_slope:
             values, pullback = jax.vjp(terms, log_p)
@@ -103,18 +87,18 @@ def _forward(student, teacher, tau, beta, divergence, chunk, with_slope):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_divergence(student, teacher, tau, beta, divergence, chunk):
-    return _forward(student, teacher, tau, beta, divergence, chunk, with_slope=False)[0]
+def _fused_divergence(student, teacher, tau, mix, divergence, chunk):
+    return _forward(student, teacher, tau, mix, divergence, chunk, with_slope=False)[0]
 
 
-def _fused_divergence_fwd(student, teacher, tau, beta, divergence, chunk):
-    total, lse, slope = _forward(student, teacher, tau, beta, divergence, chunk, with_slope=True)
-    return total, (student, teacher, tau, beta, lse, slope)
+def _fused_divergence_fwd(student, teacher, tau, mix, divergence, chunk):
+    total, lse, slope = _forward(student, teacher, tau, mix, divergence, chunk, with_slope=True)
+    return total, (student, teacher, tau, mix, lse, slope)
 
 
 def _fused_divergence_bwd(divergence, chunk, residuals, g):
     r"""Per tile, $dz = g\,(\partial\phi/\partial \log p - p\,S) / \tau$, then the matmuls."""
-    student, teacher, tau, beta, lse, slope = residuals
+    student, teacher, tau, mix, lse, slope = residuals
     h, w, b = student
     dtype = tau.dtype
     chunk, n_tiles = tiles(w.shape[1], chunk)
@@ -123,7 +107,7 @@ def _fused_divergence_bwd(divergence, chunk, residuals, g):
     def body(index, carry):
         dh, dw, db = carry
         terms, log_p, p, start, w_tile = _tile_terms(
-            student, teacher, lse, index, tau, beta, divergence, chunk, dtype
+            student, teacher, lse, index, tau, mix, divergence, chunk, dtype
         )
         values, pullback = jax.vjp(terms, log_p)
         (d_log_p,) = pullback(jnp.ones_like(values))
@@ -145,7 +129,7 @@ def _fused_divergence_bwd(divergence, chunk, residuals, g):
     )
     dh, dw, db = lax.fori_loop(0, n_tiles, body, init)
     d_student = (dh.astype(h.dtype), dw.astype(w.dtype), None if b is None else db.astype(b.dtype))
-    # The teacher, the temperature and beta are data: no cotangent (zero) for them.
+    # The teacher, the temperature and the mixture weight are data: no cotangent for them.
     return d_student, None, None, None
 
 
@@ -174,26 +158,25 @@ def _checked_head(
     return hidden, unembedding, bias
 
 
-def fused_distillation_loss(
+def fused_divergence(
     student_hidden: Float[ArrayLike, "*B Hs"],
     student_unembedding: Float[ArrayLike, "Hs V"],
     teacher_hidden: Float[ArrayLike, "*B Ht"],
     teacher_unembedding: Float[ArrayLike, "Ht V"],
     *,
     divergence: Divergence = "forward_kl",
-    beta: Scalar = 0.5,
-    temperature: Scalar = 1.0,
-    temperature_squared: bool = True,
+    mix: Scalar = 0.5,
     normalize: bool = True,
+    temperature: Scalar = 1.0,
     student_bias: Float[ArrayLike, " V"] | None = None,
     teacher_bias: Float[ArrayLike, " V"] | None = None,
-    where: Bool[ArrayLike, "*B"] | None = None,
+    where: Mask[ArrayLike, "*B"] | None = None,
     chunk_size: int | None = None,
 ) -> Float[Array, "*B"]:
-    r"""Per-token distillation loss from hidden states, without forming `[..., V]` logits.
+    r"""Per-token divergence of two models' distributions from their hidden states, no logits.
 
     $$
-    \ell_n = c \sum_{k} \sum_{v \in \mathcal{V}_k}
+    D_n = c \sum_{k} \sum_{v \in \mathcal{V}_k}
     \phi\big(\log p^S_{n,v}, \log p^T_{n,v}\big), \qquad
     \log p_{n,v} = \frac{z_{n,v}}{\tau} - \log \sum_{k'} \sum_{u \in \mathcal{V}_{k'}}
     e^{z_{n,u}/\tau}, \qquad z^S_n = h^S_n W^S + b^S, \quad z^T_n = h^T_n W^T + b^T
@@ -203,36 +186,32 @@ def fused_distillation_loss(
     $W^S$ = `student_unembedding`, $W^T$ = `teacher_unembedding`, biases $b^S$ =
     `student_bias`, $b^T$ = `teacher_bias`, temperature $\tau$ = `temperature`, vocabulary
     tiles $\mathcal{V}_k$ of `chunk_size` columns, $\phi$ the per-entry term of the divergence
-    named by `divergence` and $c$ its constant factor. The value equals, to float32 rounding,
-    the materialised loss on the logits $z^S$ and $z^T$:
-
-    * ``"forward_kl"``: `forward_kl_loss`, $\tau^2\,\mathrm{KL}(p^T \| p^S)$ (Hinton et al.);
-    * ``"reverse_kl"``: `reverse_kl_loss`, $\tau^2\,\mathrm{KL}(p^S \| p^T)$ (MiniLLM);
-    * ``"jsd"``: `generalized_jsd_loss` with $\beta$ = `beta`, $\tau^2\,\mathrm{JSD}_\beta /
-      (\beta (1 - \beta))$ with `normalize=True` (the default: continuous in $\beta$, the
-      forward KL at $\beta = 0$ and the reverse KL at $\beta = 1$) or the GKD paper's
-      $\tau^2\,\mathrm{JSD}_\beta$ with `normalize=False`;
-
-    each times $\tau^2$ only with `temperature_squared=True` (the default, Hinton et al.; TRL's
-    GKD trainer does not apply it: `temperature_squared=False`). The divergences, their
-    conventions and their numerics are those of the materialised functions, which share the
-    per-entry terms with this one.
+    named by `divergence` and $c$ = $\beta (1 - \beta)$ for the unnormalised JSD, 1 otherwise.
+    The value equals, to float32 rounding, `token_divergence` of the logits $z^S$ and $z^T$
+    with the same `divergence`, `mix` ($\beta$), `normalize` and `temperature`: the forward KL
+    $\mathrm{KL}(p^T \| p^S)$ (Hinton et al.), the reverse KL $\mathrm{KL}(p^S \| p^T)$
+    (MiniLLM) or GKD's generalized JSD. Both functions sum the same per-entry terms. The
+    distillation losses of `tunelib.losses` are these values times $\tau^2$ (Hinton et al.'s
+    factor): multiply by ``temperature**2`` for them.
 
     A first pass streams the tiles for both log-normalisers; a second sums the terms, and, when
     differentiated, also $S_n = \sum_v \partial\phi / \partial \log p^S_{n,v}$. The custom VJP
     saves only these per-token values besides the inputs and recomputes each tile:
-    $\partial \ell_n / \partial z^S_{n,v} = c\,(\partial\phi / \partial \log p^S_{n,v} -
+    $\partial D_n / \partial z^S_{n,v} = c\,(\partial\phi / \partial \log p^S_{n,v} -
     p^S_{n,v} S_n) / \tau$, multiplied into $W^{S\top}$ for the hidden states and by
     $h^{S\top}$ for the tile of the unembedding. Temporary memory does not grow with $V$: about
     2 `[N, chunk_size]` float32 arrays for the value, 10 (KL) to 20 (JSD) with gradients (XLA
-    CPU), against several `[N, V]` arrays for the materialised losses. Each tile's logits are
+    CPU), against several `[N, V]` arrays for materialised logits. Each tile's logits are
     computed twice for the value and a third time in the backward pass: $4NV(H_S + H_T)$ flops
     without gradients, $10 N V H_S + 6 N V H_T$ with them.
 
     **Gradients reach only the student**: `student_hidden`, `student_unembedding` and
     `student_bias`. The teacher is data: its hidden states, unembedding and bias get zero
-    cotangents (unlike the materialised functions, where gradients flow into
-    `teacher_logits`), and so do `temperature` and `beta`.
+    cotangents (unlike `token_divergence`, where gradients flow into `teacher_logits`), and so
+    do `temperature` and `mix`.
+
+    This is the head that was `tunelib.losses.fused_distillation_loss`, which still works until
+    tunelib 0.3.0 (with its $\tau^2$ factor and its `beta`), with a `DeprecationWarning`.
 
     Args:
       student_hidden: `[..., Hs]` student hidden states, any float dtype (matmuls accumulate
@@ -241,35 +220,31 @@ def fused_distillation_loss(
       teacher_hidden: `[..., Ht]` teacher hidden states at the same positions.
       teacher_unembedding: `[Ht, V]` the teacher's unembedding over the same vocabulary.
       divergence: ``"forward_kl"`` (default), ``"reverse_kl"`` or ``"jsd"`` (static).
-      beta: $\beta \in [0, 1]$ of ``"jsd"``, the teacher's weight in the mixture; ignored
+      mix: $\beta \in [0, 1]$ of ``"jsd"``, the teacher's weight in the mixture; ignored
         otherwise; may be traced.
-      temperature: $\tau > 0$, applied to both models; may be traced.
-      temperature_squared: multiply by $\tau^2$ (static).
       normalize: for ``"jsd"``, divide by $\beta (1 - \beta)$ (static; see
-        `generalized_jsd_loss`); ignored otherwise.
+        `token_divergence`); ignored otherwise.
+      temperature: $\tau > 0$, applied to both models; may be traced.
       student_bias: optional `[V]` bias of the student's unembedding.
       teacher_bias: optional `[V]` bias of the teacher's unembedding.
-      where: `[...]` boolean mask, True = counts. Masked positions give exactly 0 and send
+      where: `[...]` mask, True (or 1) = counts. Masked positions give exactly 0 and send
         exactly 0 gradient, even when their hidden states are NaN.
       chunk_size: vocabulary tile width (static); any `V` works, not only multiples of it.
-        None picks the width of `tunelib.logprobs.fused_token_logps` (a tile near $2^{22}$
-        logits).
+        None picks `default_chunk_size` of the number of tokens, as `fused_token_logps` does.
 
     Returns:
-      `[...]` per-token losses, float32 (float64 for float64 inputs); reduce them with
-      `tunelib.losses.aggregate`.
+      `[...]` per-token divergences, float32 (float64 for float64 inputs).
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from tunelib.losses import forward_kl_loss, fused_distillation_loss
+      >>> from tunelib.logprobs import fused_divergence, token_divergence
       >>> h_s, w_s = jnp.array([[1.0, 0.0]]), jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
       >>> h_t, w_t = jnp.array([[2.0]]), jnp.array([[1.0, 0.0, -0.5]])
-      >>> print(fused_distillation_loss(h_s, w_s, h_t, w_t, chunk_size=2).round(4))
+      >>> print(fused_divergence(h_s, w_s, h_t, w_t, chunk_size=2).round(4))
       [0.1834]
-      >>> print(forward_kl_loss((h_s @ w_s)[None], (h_t @ w_t)[None]).round(4))
+      >>> print(token_divergence((h_s @ w_s)[None], (h_t @ w_t)[None]).round(4))
       [[0.1834]]
-      >>> loss = fused_distillation_loss(h_s, w_s, h_t, w_t, divergence="jsd", beta=0.5)
-      >>> print(loss.round(4))
+      >>> print(fused_divergence(h_s, w_s, h_t, w_t, divergence="jsd", mix=0.5).round(4))
       [0.2047]
 
     References:
@@ -297,24 +272,21 @@ def fused_distillation_loss(
         (h_t.shape[-1], w_s.shape[1]),
         f"teacher_hidden's H and the V of student_unembedding {tuple(w_s.shape)}",
     )
-    v.one_of(divergence, "divergence", _DIVERGENCES)
-    v.unit_interval(beta, "beta")
+    v.one_of(divergence, "divergence", DIVERGENCES)
+    if divergence == "jsd":
+        v.unit_interval(mix, "mix")
     v.positive_scalar(temperature, "temperature")
     if chunk_size is None:
         chunk_size = default_chunk_size(math.prod(shape))
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}.")
+    v.static_count(chunk_size, "chunk_size")
     where = v.mask_array(where, shape)
     arrays = [x for x in (h_s, w_s, b_s, h_t, w_t, b_t) if x is not None]
     dtype = v.compute_dtype(*(x.dtype for x in arrays))
     tau = lax.stop_gradient(jnp.asarray(temperature, dtype))
-    beta = lax.stop_gradient(jnp.asarray(beta, dtype))
+    mix = lax.stop_gradient(jnp.asarray(mix, dtype))
     h_s = jnp.where(where[..., None], h_s, 0).reshape(-1, h_s.shape[-1])
     h_t = jnp.where(where[..., None], h_t, 0).reshape(-1, h_t.shape[-1])
-    divergence_sum = _fused_divergence(
-        (h_s, w_s, b_s), (h_t, w_t, b_t), tau, beta, divergence, chunk_size
-    )
-    factor = _scale(tau, temperature_squared)
+    total = _fused_divergence((h_s, w_s, b_s), (h_t, w_t, b_t), tau, mix, divergence, chunk_size)
     if divergence == "jsd" and not normalize:
-        factor = factor * beta * (1 - beta)
-    return jnp.where(where, factor * divergence_sum.reshape(shape), 0.0)
+        total = mix * (1 - mix) * total
+    return jnp.where(where, total.reshape(shape), 0.0)

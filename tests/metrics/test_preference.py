@@ -13,10 +13,10 @@ from tests._helpers import (
     raises_naming,
 )
 from tests.losses import _preference_refs as ref
-from tunelib import losses
+from tunelib import losses, metrics
 
-preference_accuracy = jax.jit(losses.preference_accuracy)
-implicit_rewards = jax.jit(losses.implicit_rewards)
+preference_accuracy = jax.jit(metrics.preference_accuracy)
+implicit_rewards = jax.jit(metrics.implicit_rewards)
 
 B = 6
 # Few distinct values, so that ties are common.
@@ -44,7 +44,7 @@ def test_ties_are_not_correct_and_an_empty_batch_is_zero():
     assert out.shape == () and out.dtype == jnp.float32
     assert_close(out, 1 / 3)
     assert_traced_once(
-        losses.preference_accuracy,
+        metrics.preference_accuracy,
         [((rewards, rewards - d), {"where": jnp.array([True, True, False])}) for d in (1.0, -1.0)],
     )
 
@@ -54,7 +54,7 @@ def test_implicit_rewards_and_margins(logps, ref_logps, beta):
     chosen = implicit_rewards(logps, ref_logps, beta=beta)
     assert_close(chosen, ref.implicit_rewards(logps, ref_logps, beta), rtol=1e-5, atol=1e-5)
     rejected = implicit_rewards(ref_logps, logps, beta=beta)
-    margins = losses.reward_margins(chosen, rejected)
+    margins = metrics.reward_margins(chosen, rejected)
     assert_close(margins, 2 * ref.implicit_rewards(logps, ref_logps, beta), rtol=1e-5, atol=1e-5)
     # The DPO loss is -log sigmoid of the implicit reward margin (here against a zero reward).
     zeros = np.zeros(B, np.float32)
@@ -65,13 +65,24 @@ def test_implicit_rewards_and_margins(logps, ref_logps, beta):
 def test_errors():
     rewards = jnp.zeros(3)
     with raises_naming("rejected_rewards"):
-        losses.preference_accuracy(rewards, jnp.zeros(4))
+        metrics.preference_accuracy(rewards, jnp.zeros(4))
     with own_checks():
         with raises_naming("rejected_rewards", "(4,)", error=ValueError):
-            losses.preference_accuracy(rewards, jnp.zeros(4))
+            metrics.preference_accuracy(rewards, jnp.zeros(4))
         with raises_naming("where", error=TypeError):
-            losses.preference_accuracy(rewards, rewards, where=jnp.ones(3))
+            metrics.preference_accuracy(rewards, rewards, where=jnp.ones(3))
         with raises_naming("beta", error=ValueError):
-            losses.implicit_rewards(rewards, rewards, beta=0.0)
+            metrics.implicit_rewards(rewards, rewards, beta=0.0)
     with raises_naming("beta", error=TypeError):
-        losses.implicit_rewards(rewards, rewards)
+        metrics.implicit_rewards(rewards, rewards)
+
+
+def test_integer_masks_count_like_boolean_masks():
+    chosen, rejected = jnp.array([1.0, -2.0, 0.5]), jnp.array([0.0, -1.0, 2.0])
+    where = np.array([True, True, False])
+    for fn in (metrics.preference_accuracy, metrics.reward_margins):
+        np.testing.assert_array_equal(
+            fn(chosen, rejected, where=where.astype(np.int32)), fn(chosen, rejected, where=where)
+        )
+    with raises_naming("where", "3", error=ValueError):
+        metrics.reward_margins(chosen, rejected, where=np.array([1, 3, 0]))
