@@ -71,9 +71,10 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     import optax
     from flax import nnx
 
-    from kit import chain, data, evaluate, loop, models, optim
     from tunelib import logprobs, losses
     from tunelib.data import CharTokenizer
+
+    from kit import chain, data, evaluate, loop, models, optim
 
     teacher_flags = chain.sft_flags(
         config, num_train=config.teacher_demonstrations, steps=config.teacher_steps,

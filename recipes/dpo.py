@@ -63,8 +63,9 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     import jax.numpy as jnp
     import optax
 
-    from kit import chain, data, evaluate, loop, lora, models, optim, pairs
     from tunelib import losses, metrics, peft
+
+    from kit import chain, data, evaluate, loop, lora, models, optim, pairs
 
     folder, sft_seconds = chain.sft_start(config)
     model = models.load_model(folder)

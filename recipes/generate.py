@@ -25,9 +25,13 @@ from kit.errors import UserError
 class GenerateConfig(Config):
     RECIPE = "generate"
 
-    model: Path | None = flag(None, "the model: a run folder, its model/, or a Hugging Face checkpoint")
+    model: Path | None = flag(
+        None, "the model: a run folder, its model/, or a Hugging Face checkpoint"
+    )
     prompt: tuple[str, ...] = flag((), "a prompt (repeat the flag for more)")
-    prompts: Path | None = flag(None, "a file of prompts: one per line, or .jsonl records with 'prompt'")
+    prompts: Path | None = flag(
+        None, "a file of prompts: one per line, or .jsonl records with 'prompt'"
+    )
     chat: bool = flag(False, "chat with the model on the terminal (needs a chat template)")
     jsonl: bool = flag(False, "print one JSON line per completion instead of text")
     max_new_tokens: int = flag(64, "the most tokens of a completion")
@@ -89,9 +93,10 @@ def generate(config: GenerateConfig, _run: None) -> list[dict]:
     import jax
     import numpy as np
 
-    from kit import models
     from tunelib import rollout
     from tunelib.data import encode_prompts
+
+    from kit import models
 
     model = models.load_model(config.model)
     tok = model.tokenizer
@@ -117,7 +122,9 @@ def generate(config: GenerateConfig, _run: None) -> list[dict]:
 
     if config.chat:
         if tok.chat_template is None:
-            raise UserError(f"--chat: the model in {config.model} has no chat template; use --prompt")
+            raise UserError(
+                f"--chat: the model in {config.model} has no chat template; use --prompt"
+            )
         conversation = []
         for line in sys.stdin:
             if not line.strip():

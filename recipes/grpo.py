@@ -150,8 +150,9 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     import numpy as np
     import optax
 
-    from kit import chain, data, evaluate, loop, lora, models, optim
     from tunelib import advantages, losses, metrics, peft, rollout
+
+    from kit import chain, data, evaluate, loop, lora, models, optim
 
     mode = MODES[config.mode]
     folder, sft_seconds = chain.sft_start(config)
@@ -196,12 +197,16 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         clip = {"epsilon_low": config.epsilon_low, "epsilon_high": config.epsilon_high}
         old = batch["logps"]
         per_token = losses.policy_gradient_loss(token_logps, old, adv, **clip, where=where)
-        ref_logps, _ = jax.lax.stop_gradient(peft.lora(completion_logps)(frozen["reference"], batch))
+        ref_logps, _ = jax.lax.stop_gradient(
+            peft.lora(completion_logps)(frozen["reference"], batch)
+        )
         # Over every completion (dropped groups included) for the log; `aggregate` masks it.
         kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=batch["where"])
         per_token = per_token + config.kl_coef * kl
         norm = new_tokens if mode["aggregation"] == "seq_mean_token_sum_norm" else None
-        loss = losses.aggregate(per_token, mode=mode["aggregation"], norm_constant=norm, where=where)
+        loss = losses.aggregate(
+            per_token, mode=mode["aggregation"], norm_constant=norm, where=where
+        )
 
         def token_mean(x):
             return losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()

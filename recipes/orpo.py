@@ -49,9 +49,10 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     import jax
     import optax
 
-    from kit import chain, data, evaluate, loop, models, optim, pairs
     from tunelib import losses
     from tunelib.data import CharTokenizer
+
+    from kit import chain, data, evaluate, loop, models, optim, pairs
 
     if config.model is None:
         model = models.new_model(CharTokenizer(), config.model_size, config.seed)

@@ -58,9 +58,10 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
     import optax
     from flax import nnx
 
-    from kit import data, evaluate, loop, lora, models, optim
     from tunelib import logprobs, losses, peft
     from tunelib.data import CharTokenizer
+
+    from kit import data, evaluate, loop, lora, models, optim
 
     if config.model is None:
         model = models.new_model(CharTokenizer(), config.model_size, config.seed)

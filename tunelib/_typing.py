@@ -1,5 +1,7 @@
 """Annotation aliases shared by the public functions."""
 
+from typing import ClassVar
+
 from jax.typing import ArrayLike
 from jaxtyping import AbstractDtype, Real
 
@@ -16,4 +18,14 @@ class Mask(AbstractDtype):
     them (concrete arrays).
     """
 
-    dtypes = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+    dtypes: ClassVar[list[str]] = [
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+    ]

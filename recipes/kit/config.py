@@ -178,8 +178,7 @@ class Start(Config):
 
     model: Path | None = flag(
         None,
-        "the model to start from: a run folder, its model/ folder, or a Hugging Face "
-        "checkpoint",
+        "the model to start from: a run folder, its model/ folder, or a Hugging Face checkpoint",
     )
 
     def check(self) -> None:
@@ -296,7 +295,7 @@ def build_parser(config_type: type, description: str, prog: str) -> argparse.Arg
         if owner is not config_type:  # a group's subclass (SFTStart) joins its group
             owner = next(c for c in owner.__mro__ if c in groups)
         group = groups[owner]
-        kind, optional = _unwrap(hints[field.name])
+        kind, _ = _unwrap(hints[field.name])
         names = [_flag(field.name), *field.metadata.get("aliases", ())]
         help_text = field.metadata.get("help", "")
         if field.name == "learning_rate":
@@ -341,7 +340,7 @@ def _from_toml(config_type: type, path: Path) -> dict[str, Any]:
             raise UserError(f"--config {path}: unknown setting {key!r} (see --help)")
         if name in command_line_only:
             raise UserError(f"--config {path}: {key} is a command-line flag only (--{key})")
-        kind, optional = _unwrap(hints[name])
+        kind, _ = _unwrap(hints[name])
         if kind is Path and isinstance(value, str):
             value = Path(value)
         elif kind is float and isinstance(value, int) and not isinstance(value, bool):

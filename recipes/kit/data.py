@@ -68,6 +68,7 @@ def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
     longest_answer = max(len(tokenizer.encode(r["answer"])) for r in problems)
     prompt_length = max(2 * digits + 4, bos + longest_prompt)
     max_new_tokens = max(2 * digits + 4, longest_answer + 1)
+
     def correct(text: str, problem: dict) -> bool:
         return verify_answer(text, problem["answer"])
 

@@ -59,7 +59,9 @@ class WandB:
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
-        values = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()}
+        values = {
+            k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()
+        }
         self.run = wandb.init(project="tunelib", name=name, dir=str(folder), config=values)
 
     def write(self, record: dict) -> None:

@@ -85,7 +85,9 @@ def train(
             done, data_state = step, batches.get_state()
             log(record)
             bar.update(1)
-            bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k != "step"}, refresh=False)
+            bar.set_postfix(
+                {k: f"{v:.3g}" for k, v in record.items() if k != "step"}, refresh=False
+            )
             if step % config.checkpoint_every == 0 or step == config.steps:
                 checkpoints.save(step, state, data_state)
     except KeyboardInterrupt:

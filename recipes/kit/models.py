@@ -3,8 +3,9 @@
 A model folder is either what a recipe saves (`model/`: `config.json` with the decoder's
 fields, Orbax `params/`, and its tokenizer) or a Hugging Face checkpoint (`config.json` with a
 `model_type`, safetensors, `tokenizer.json`). `--model` may also name a run folder, whose
-`hf_model/` (a run that started from a Hugging Face checkpoint) or `model/` is meant. Whether a path is a model is decided from its files alone (`model_folder`,
-no JAX), so a wrong path stops a recipe before any work.
+`hf_model/` (a run that started from a Hugging Face checkpoint) or `model/` is meant.
+Whether a path is a model is decided from its files alone (`model_folder`, no JAX), so a
+wrong path stops a recipe before any work.
 """
 
 import dataclasses

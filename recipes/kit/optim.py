@@ -13,6 +13,4 @@ def adamw(config, *, schedule: str = "cosine", warmup: float = 0.05, weight_deca
         )
     else:
         rate = optax.warmup_constant_schedule(0.0, config.learning_rate, warmup_steps)
-    return optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=weight_decay)
-    )
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=weight_decay))

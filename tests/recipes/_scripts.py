@@ -23,7 +23,9 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def run_without_jax(recipe: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_without_jax(
+    recipe: str, *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python recipes/<recipe>.py ARGS` in a process where importing JAX or tunelib fails."""
     script = str(RECIPES / f"{recipe}.py")
     code = _WITHOUT_JAX.format(recipes=str(RECIPES), script=script)

@@ -120,9 +120,9 @@ def test_deprecated_flag_names_still_work_and_say_so(world):
 @pytest.fixture(scope="module")
 def char_model(tmp_path_factory) -> Path:
     """A small, untrained recipe model folder with the character tokenizer."""
-    from kit import models
-
     from tunelib.data import CharTokenizer
+
+    from kit import models
 
     folder = tmp_path_factory.mktemp("char-model") / "model"
     model = models.new_model(CharTokenizer(), "student", seed=0)
@@ -136,7 +136,9 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
 
     module = recipe_module(recipe)
     config_type = next(
-        v for v in vars(module).values() if isinstance(v, type) and getattr(v, "RECIPE", None) == recipe
+        v
+        for v in vars(module).values()
+        if isinstance(v, type) and getattr(v, "RECIPE", None) == recipe
     )
     train = module.generate if recipe == "generate" else module.train
     monkeypatch.chdir(cwd)
@@ -157,7 +159,9 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
         ("generate", ["--chat"], "has no chat template; use --prompt"),
     ],
 )
-def test_bad_data_files_give_one_line(world, char_model, recipe, flags, message, monkeypatch, capsys):
+def test_bad_data_files_give_one_line(
+    world, char_model, recipe, flags, message, monkeypatch, capsys
+):
     data = world / "data"
     (data / "empty.jsonl").write_text("\n")
     good = {"prompt": "1+1=", "completion": "2"}

@@ -183,7 +183,9 @@ def test_distill_trains_its_teacher_and_runs_with_the_fused_divergence(tmp_path)
     )  # fmt: skip
     assert (teacher / "model" / "config.json").exists(), "distill trains the missing teacher"
     assert {"teacher_accuracy", "accuracy_after", "teacher_seconds"} <= set(out)
-    assert all(np.isfinite(r["soft"]) and r["soft"] >= 0 for r in records_of(tmp_path / "distill")[1:])
+    assert all(
+        np.isfinite(r["soft"]) and r["soft"] >= 0 for r in records_of(tmp_path / "distill")[1:]
+    )
 
 
 REWARD = """

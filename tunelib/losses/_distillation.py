@@ -341,7 +341,9 @@ def top_k_forward_kl_loss(
     tau = jnp.asarray(temperature, dtype)
     student = jnp.where(where[..., None], student.astype(dtype), 0.0)
     top_logits = jnp.where(where[..., None], top_logits.astype(dtype), 0.0)
-    top_ids, inside = v.token_id_array(top_ids, student.shape[-1], where[..., None], "teacher_top_ids")
+    top_ids, inside = v.token_id_array(
+        top_ids, student.shape[-1], where[..., None], "teacher_top_ids"
+    )
     log_p_student = jax.nn.log_softmax(student / tau, axis=-1)
     log_q = jnp.take_along_axis(log_p_student, top_ids, axis=-1)
     log_q = jnp.where(inside, log_q, jnp.nan)
