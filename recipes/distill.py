@@ -103,7 +103,8 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         )
         model = nnx.merge(student.graphdef, params)
         hidden = model(batch["tokens"], where=batch["attention_where"])
-        soft = logprobs.fused_divergence(
+        # tau^2 keeps the soft term's gradients on the scale of the hard one (Hinton et al.).
+        soft = config.temperature**2 * logprobs.fused_divergence(
             hidden, model.unembedding(), teacher_hidden, teacher_model.unembedding(),
             divergence=config.divergence, mix=config.mix, temperature=config.temperature,
             where=batch["where"],

@@ -110,11 +110,25 @@ def test_help_answers_without_jax(world):
         assert "--seed" in proc.stdout and "--config" in proc.stdout
 
 
-def test_deprecated_flag_names_still_work_and_say_so(world):
-    proc = run_without_jax("dpo", "--sft-dir", "runs/none", cwd=world)
+@pytest.mark.parametrize(
+    ("recipe", "old", "new", "value"),
+    [
+        ("dpo", "--sft-dir", "--model", "runs/sft-seed0"),
+        ("grpo", "--sft-dir", "--model", "runs/sft-seed0"),
+        ("grpo", "--kl-beta", "--kl-coef", "0.1"),
+        ("orpo", "--lambda", "--odds-ratio-weight", "0.2"),
+        ("distill", "--teacher-dir", "--teacher", "runs/sft-seed0"),
+        ("distill", "--beta", "--mix", "0.3"),
+        ("distill", "--alpha", "--soft-weight", "0.7"),
+    ],
+)
+def test_old_flag_names_still_work_and_say_so(world, recipe, old, new, value):
+    """An old flag name sets its new flag (the run then stops at a bad --steps) and says so."""
+    proc = run_without_jax(recipe, old, value, "--steps", "0", cwd=world)
+    lines = proc.stderr.splitlines()
     assert proc.returncode == 2
-    assert "dpo.py: --sft-dir is deprecated; use --model" in proc.stderr
-    assert "--model runs/none: no such file or folder" in proc.stderr
+    assert lines[0] == f"{recipe}.py: {old} is deprecated; use {new}"
+    assert lines[1] == f"{recipe}.py: error: --steps must be >= 1, got 0"
 
 
 @pytest.fixture(scope="module")
