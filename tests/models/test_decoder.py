@@ -81,7 +81,8 @@ def randomize(model, seed: int) -> None:
 
 
 def build(config: DecoderConfig, seed: int = 0) -> Decoder:
-    model = Decoder(config, rngs=nnx.Rngs(seed))
+    """A decoder with `randomize`d weights (made abstractly first: every weight is replaced)."""
+    model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(seed)))
     randomize(model, seed)
     return model
 

@@ -1,9 +1,11 @@
 """The names of the decoder's weights that other tools need: LoRA targets, PEFT module names."""
 
-# The path of every attention and MLP projection kernel (q/k/v/o, gate/up/down) of a
-# `Decoder`, stacked (`layers/self_attn/q_proj/kernel`) or not (`layers/0/...`): the usual
-# LoRA and QLoRA targets. Embedding, norms, biases and `lm_head` are left out.
 PROJECTION_KERNELS = r"layers/.*_proj/kernel"
+"""A regular expression for the path of every attention and MLP projection kernel of a
+`Decoder` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`),
+with stacked layers (`layers/self_attn/q_proj/kernel`) or not (`layers/0/...`): the usual LoRA
+and QLoRA targets, as in `tunelib.peft.LoraRule(pattern=PROJECTION_KERNELS)`. The embedding,
+norms, biases and `lm_head` are left out."""
 
 
 def hf_module_name(path: str) -> str:

@@ -130,14 +130,13 @@ def lora(fn):
 
     Note:
       Quax (pinned to `quax>=0.4.6,<0.5` in `pyproject.toml`) does not carry custom VJPs or
-      remat regions through its trace. The first call of any `lora`-wrapped function
-      teaches it both, once for the process, and importing `tunelib.peft` changes nothing:
-      it sets `quax`'s trace class's `process_custom_vjp_call` (unless the installed Quax
-      has its own), which binds a custom-VJP function on plain arrays one level up (an
-      adapted weight passed straight into one is materialised first), and it registers a
-      Quax rule for `jax.checkpoint`'s primitive, which keeps adapted and quantised weights
-      as they are inside the region. Other Quax users in the same process see these two
-      rules from then on.
+      remat regions through its trace, so the first call of any `lora`-wrapped function
+      teaches it two rules, once per process (importing `tunelib.peft` changes nothing):
+      `process_custom_vjp_call` on Quax's trace class (unless the installed Quax has its
+      own) binds a custom-VJP function on plain arrays one level up, materialising an
+      adapted weight passed straight into one; and a Quax rule for `jax.checkpoint`'s
+      primitive keeps adapted and quantised weights as they are inside the region. Other
+      Quax users in the process see both rules from then on.
 
     Examples:
       >>> import jax, jax.numpy as jnp
