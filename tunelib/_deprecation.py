@@ -54,7 +54,7 @@ def renamed_arguments(**renames: str) -> Callable[[Callable], Callable]:
                             f"{fn.__name__}() got both {old!r} (deprecated) and {new!r}; "
                             f"pass {new!r} only."
                         )
-                    warn(f"{fn.__name__}({old}=...)", f"{fn.__name__}({new}=...)")
+                    warn(f"{fn.__qualname__}({old}=...)", f"{fn.__qualname__}({new}=...)")
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 
