@@ -154,8 +154,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         step_fn=lambda state, batch: train_step(frozen, state, batch),
         batches=data.batches(task, config, kind="preference", packing=config.packing),
     )  # fmt: skip
-    models.save_model(run.path / "model", model, tuning.dense(state["params"]))
-    tuning.save(run.path, model)
+    tuning.save(run.path, model, state["params"])
     headline = {"loss": config.loss, **tuning.headline()}
     for metric in ("accuracy", "heldout_reward_accuracy"):
         if any(metric in r for r in run.records()):

@@ -253,8 +253,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
             )
         keep = np.ones(len(texts), bool)
         if mode["dynamic_sampling"]:  # groups whose rewards all agree carry no signal
-            spread = advantages.dynamic_sampling_mask(rewards, group_size=group)
-            keep = np.repeat(np.asarray(spread), group)
+            keep = np.asarray(advantages.dynamic_sampling_mask(rewards, group_size=group))
         batch = {
             "prompt_tokens": prompt_tokens,  # [B, P]; completion_logps repeats them per group
             "prompt_where": prompt_where,
@@ -287,8 +286,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     state = loop.train(
         run, config, state=state, batches=batches, step_fn=train_step, evaluate=evaluate_fn
     )
-    models.save_model(run.path / "model", model, tuning.dense(state["params"]))
-    tuning.save(run.path, model)
+    tuning.save(run.path, model, state["params"])
     before, after = loop.first_and_last(run, "accuracy")
     last = run.records()[-1]
     return loop.finish(

@@ -132,8 +132,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, kind="sft", packing=config.packing),
     )  # fmt: skip
-    models.save_model(run.path / "model", model, tuning.dense(state["params"]))
-    tuning.save(run.path, model)
+    tuning.save(run.path, model, state["params"])
     headline = tuning.headline()
     for metric in ("accuracy", "heldout_loss"):
         if any(metric in r for r in run.records()):

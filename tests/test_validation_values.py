@@ -54,18 +54,18 @@ def test_numbers_ints_and_finiteness():
 
 
 def test_token_ids():
-    assert v.token_ids([3, np.int64(0), 3], "ids") == (3, 0, 3)
-    assert type(v.token_ids((np.int64(2),), "ids")[0]) is int
-    assert v.token_ids((), "ids", vocab_size=4) == ()
+    assert v.token_id_tuple([3, np.int64(0), 3], "ids") == (3, 0, 3)
+    assert type(v.token_id_tuple((np.int64(2),), "ids")[0]) is int
+    assert v.token_id_tuple((), "ids", vocab_size=4) == ()
     with pytest.raises(ValueError, match=r"^ids holds token id -1; token ids are >= 0\.$"):
-        v.token_ids((1, -1), "ids")
+        v.token_id_tuple((1, -1), "ids")
     with pytest.raises(ValueError, match=r"ids holds token id 4, outside \[0, 4\)"):
-        v.token_ids((1, 4), "ids", vocab_size=4)
+        v.token_id_tuple((1, 4), "ids", vocab_size=4)
     for bad in (3, "ab", np.array([1, 2])):
         with pytest.raises(TypeError, match="ids must be a tuple of int token ids"):
-            v.token_ids(bad, "ids")
+            v.token_id_tuple(bad, "ids")
     with pytest.raises(TypeError, match=r"ids must hold int token ids, got 1.0 of type float"):
-        v.token_ids((0, 1.0), "ids")
+        v.token_id_tuple((0, 1.0), "ids")
 
 
 def test_real_arrays_ddof_and_finite_entries():

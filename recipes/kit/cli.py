@@ -19,7 +19,7 @@ from typing import Any
 
 from kit.config import Run, parse
 from kit.errors import UserError
-from kit.runs import RunFolder
+from kit.runs import RunFolder, checkpoint_steps
 
 RUNS = Path("runs")
 
@@ -61,6 +61,7 @@ def main(
     prog = f"{config_type.RECIPE}.py"
     description = doc.strip().splitlines()[0]
     config = parse(config_type, argv, description=description, prog=prog)
+    run = None
     try:
         if not isinstance(config, Run):  # a script without a run folder (generate.py)
             return train(config, None)
@@ -71,14 +72,17 @@ def main(
         sys.stderr.write(f"{prog}: error: {error}\n")
         sys.exit(2)
     except Interrupted as stop:
-        if stop.step is None:
-            sys.stderr.write(f"\n{prog}: interrupted before the first step; nothing to resume\n")
-        else:
-            sys.stderr.write(
-                f"\n{prog}: interrupted; step {stop.step} is saved: continue with "
-                f"{resume_command(argv)}\n"
-            )
-        sys.exit(130)
-    except KeyboardInterrupt:
-        sys.stderr.write(f"\n{prog}: interrupted before training started; nothing was saved\n")
-        sys.exit(130)
+        _interrupted(prog, stop.step, argv)
+    except KeyboardInterrupt:  # outside the loop: before its first step or after its last
+        saved = checkpoint_steps(run.path) if run is not None else []
+        _interrupted(prog, saved[-1] if saved else None, argv)
+
+
+def _interrupted(prog: str, step: int | None, argv: list[str]) -> None:
+    if step is None:
+        sys.stderr.write(f"\n{prog}: interrupted; nothing was saved to resume from\n")
+    else:
+        sys.stderr.write(
+            f"\n{prog}: interrupted; step {step} is saved: continue with {resume_command(argv)}\n"
+        )
+    sys.exit(130)

@@ -32,6 +32,7 @@ class Task:
       max_length: tokens of a training sequence.
       prompt_length: tokens of a (left-padded) prompt for sampling.
       max_new_tokens: tokens a completion may have when sampling.
+      pack_length: the width of a packed row (`--packing`): several sequences share it.
     """
 
     name: str
@@ -43,6 +44,7 @@ class Task:
     max_length: int
     prompt_length: int
     max_new_tokens: int
+    pack_length: int
 
 
 def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
@@ -75,6 +77,7 @@ def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
     return Task(
         "arithmetic", tokenizer, train, heldout, problems, correct,
         prompt_length + max_new_tokens, prompt_length, max_new_tokens,
+        4 * (prompt_length + max_new_tokens),  # a packed row holds about four problems
     )  # fmt: skip
 
 
@@ -99,7 +102,7 @@ def _file(config, kind: str, tokenizer) -> Task:
     max_new_tokens = getattr(config, "max_new_tokens", config.max_length)
     return Task(
         str(path), tokenizer, train, heldout, problems, exact_match,
-        config.max_length, config.max_length, max_new_tokens,
+        config.max_length, config.max_length, max_new_tokens, config.max_length,
     )  # fmt: skip
 
 
@@ -122,7 +125,7 @@ def load_task(config, kind: str, tokenizer, *, num_train: int | None = None) -> 
 def max_segments(task: Task) -> int:
     """A bound on the sequences a packed row holds: each takes at least two columns (a
     prompt token and a completion token), and pairs come whole (an even bound)."""
-    return max(2, task.max_length // 2 // 2 * 2)
+    return max(2, task.pack_length // 2 // 2 * 2)
 
 
 def batches(task: Task, config, *, kind: str, packing: bool = False):
@@ -134,7 +137,8 @@ def batches(task: Task, config, *, kind: str, packing: bool = False):
     try:
         return iter(
             dataset(
-                task.train, task.tokenizer, max_length=task.max_length,
+                task.train, task.tokenizer,
+                max_length=task.pack_length if packing else task.max_length,
                 batch_size=config.batch_size, seed=config.seed, packing=packing,
                 max_segments=max_segments(task) if packing else None, on_invalid=on_invalid,
             )

@@ -8,12 +8,15 @@
 its held-out evaluation, run before the first step (logged as step 0), every `--eval-every`
 steps and after the last. A checkpoint of the state and of the data iterator's position is
 saved every `--checkpoint-every` steps and after the last step, so `--resume --steps N` can
-extend a finished run. Ctrl-C saves the state of the last finished step and raises
-`Interrupted`, which the entry point turns into one line saying how to resume.
+extend a finished run. Ctrl-C lets the current step finish, saves a checkpoint of it and
+raises `Interrupted`, which the entry point turns into one line saying how to resume; a
+second Ctrl-C stops at once, and the last periodic checkpoint is what remains.
 """
 
 import json
 import math
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,33 +74,43 @@ def train(
 
     if not run.resume:
         log({"step": 0, **{k: _number(v) for k, v in evaluate(state["params"]).items()}})
-    done, data_state = start, batches.get_state()
     bar = tqdm(
         total=config.steps, initial=start, desc=name, disable=config.no_progress,
         dynamic_ncols=True,
     )  # fmt: skip
+    stop = []
+
+    def request_stop(signum, frame):
+        if stop:  # the second Ctrl-C: at once
+            raise KeyboardInterrupt
+        stop.append(signum)
+        sys.stderr.write(f"\n{name}: stopping after this step (Ctrl-C again to stop at once)\n")
+
+    previous = signal.signal(signal.SIGINT, request_stop)
     try:
         for step in range(start + 1, config.steps + 1):
             state, metrics = step_fn(state, next(batches))
             record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
             if step % config.eval_every == 0 or step == config.steps:
                 record.update({k: _number(v) for k, v in evaluate(state["params"]).items()})
-            done, data_state = step, batches.get_state()
             log(record)
             bar.update(1)
             bar.set_postfix(
                 {k: f"{v:.3g}" for k, v in record.items() if k != "step"}, refresh=False
             )
-            if step % config.checkpoint_every == 0 or step == config.steps:
-                checkpoints.save(step, state, data_state)
-    except KeyboardInterrupt:
+            if step % config.checkpoint_every == 0 or step == config.steps or stop:
+                checkpoints.save(step, state, batches.get_state())
+            if stop:
+                raise Interrupted(step)
+    except (Interrupted, KeyboardInterrupt):
         bar.close()
-        if done > 0:
-            checkpoints.save(done, state, data_state)
+        saved = checkpoints.manager.latest_step()
         checkpoints.close()
         for writer in writers:
             writer.close()
-        raise Interrupted(done if done > 0 else None) from None
+        raise Interrupted(saved) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
     bar.close()
     checkpoints.close()
     for writer in writers:

@@ -39,14 +39,19 @@ class Tuning:
             out["base_bits_per_param"] = round(peft.bits_per_parameter(self.base), 3)
         return out
 
-    def save(self, folder, model) -> None:
-        """With LoRA, the adapters alone: Orbax (`adapters/`) and the PEFT format."""
+    def save(self, folder, model, trainable: dict) -> None:
+        """The trained model in `folder/model` (adapters merged; see `kit.models.save_model`)
+        and, with LoRA, the adapters alone: Orbax (`adapters/`) and the PEFT format
+        (`peft_adapter/`)."""
         from tunelib import peft
 
+        from kit.models import save_model
+
+        save_model(folder / "model", model, self.dense(trainable))
         if self.base is None:
             return
-        peft.save_adapters(folder / "adapters", self.trainable)
-        peft.export_peft(folder / "peft_adapter", self.trainable, self.base)
+        peft.save_adapters(folder / "adapters", trainable)
+        peft.export_peft(folder / "peft_adapter", trainable, self.base)
 
 
 def tuning(config, params: dict) -> Tuning:
