@@ -1,6 +1,6 @@
 """Supervised fine-tuning: a new model on the arithmetic task, or your model on your data.
 
-    python recipes/sft.py                      # a new model on the built-in task, ~2 min on 2 CPUs
+    python recipes/sft.py                      # a new model on the built-in task, ~4 min on 2 CPUs
     python recipes/sft.py --steps 3000         # longer
     python recipes/sft.py --resume             # continue the run from its last checkpoint
     python recipes/sft.py --model runs/sft-minus --lora-rank 16 [--qlora]   # LoRA on a model
@@ -30,7 +30,7 @@ class SFTConfig(Run, Task, DataFile, Start, Lora):
     LEARNING_RATE = 3e-3
     LORA_LEARNING_RATE = 3e-3
 
-    steps: int = flag(1000, "optimizer steps")
+    steps: int = flag(2000, "optimizer steps")
     model: Path | None = flag(
         None,
         "start from this model (a run folder, its model/, or a Hugging Face checkpoint) "
