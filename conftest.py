@@ -3,7 +3,15 @@
 Runs before anything imports JAX or tunelib: simulates 8 CPU devices, turns on runtime shape
 and dtype checking of every annotated tunelib function (jaxtyping + beartype), and registers
 the hypothesis profiles. It also makes one JAX compilation cache for the session, which the
-recipe runs the tests start as subprocesses share (`tests._helpers.user_env`).
+test processes and the recipe runs they start as subprocesses share
+(`tests._helpers.user_env`).
+
+The suite compiles thousands of small programs and runs each a few times, so compiling is
+most of its time. Two settings make it cheaper without changing what is computed: XLA's
+backend skips its most expensive LLVM passes (`JAX_DISABLE_MOST_OPTIMIZATIONS`; the HLO
+optimisations, fusion included, still run, so results differ from a fully optimised build at
+most in the order of a reduction), and programs that took long to compile are shared through
+the session's compilation cache between the two xdist workers and the recipe runs.
 """
 
 import os
@@ -14,6 +22,7 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
@@ -23,7 +32,7 @@ install_import_hook("tunelib", "beartype.beartype")
 settings.register_profile(
     "ci",
     derandomize=True,
-    max_examples=25,
+    max_examples=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     print_blob=True,
@@ -42,6 +51,12 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and _CACHE_VARIABLE not in os.environ:
         os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="tunelib-test-jax-cache-")
         config._tunelib_cache = os.environ[_CACHE_VARIABLE]
+    if _CACHE_VARIABLE in os.environ:  # every test process: share what is costly to compile
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 
 
 def pytest_unconfigure(config):
