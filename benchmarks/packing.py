@@ -153,12 +153,8 @@ def check_equal(graphdef, params, records, size: Size, seed: int) -> dict:
     (a, ga), (b, gb) = out["padded"], out["packed"]
     value_error = abs(a - b) / abs(a)
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ga))
-    grad_error = (
-        max(
-            float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb))
-        )
-        / scale
-    )
+    pairs = zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True)
+    grad_error = max(float(jnp.max(jnp.abs(x - y))) for x, y in pairs) / scale
     return {"nll_relative_error": value_error, "grad_relative_error": grad_error}
 
 
