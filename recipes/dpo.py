@@ -119,14 +119,14 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     @jax.jit
     def train_step(frozen, state, batch):
-        key, dropout_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        rng, dropout_key = loop.step_keys(state["rng"], "dropout")
         dropout_key = dropout_key if config.lora_dropout else None
         (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], frozen, batch, dropout_key
         )
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+        state = {"params": params, "opt_state": opt_state, "rng": rng}
         return state, {"loss": loss, **out}
 
     heldout = data.heldout_batches(task, config, kind="preference")

@@ -231,8 +231,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         """Sample and score a group per prompt on the host, then the jitted updates."""
         records = [task.train[i] for i in np.asarray(indices)]
         prompt_tokens, prompt_where = data.prompts(task, records)
-        # Three streams: the next step's key, this step's rollouts, this step's dropout.
-        key, sample_key, dropout_key = jax.random.split(jax.random.wrap_key_data(state["rng"]), 3)
+        rng, sample_key, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
         policy = tuning.dense(state["params"])  # LoRA adapters merged for the sampler
         out = rollout.sample(
             graphdef, policy, prompt_tokens, prompt_where, sample_key, sampling, group_size=group
@@ -263,7 +262,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
             "rewards": rewards.astype(np.float32),
             "keep": keep,
         }
-        state = {**state, "rng": jax.random.key_data(key)}
+        state = {**state, "rng": rng}
         for i in range(config.updates_per_batch):
             step_key = jax.random.fold_in(dropout_key, i) if config.lora_dropout else None
             state, out_metrics = update(frozen, state, batch, step_key)

@@ -97,7 +97,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     @jax.jit
     def train_step(state, batch):
-        key, dropout_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        rng, dropout_key = loop.step_keys(state["rng"], "dropout")
         dropout_key = dropout_key if config.lora_dropout else None
 
         def objective(trainable):  # the weights, or the adapters on the frozen base
@@ -106,7 +106,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         loss, grads = jax.value_and_grad(objective)(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(key)}
+        state = {"params": params, "opt_state": opt_state, "rng": rng}
         return state, {"loss": loss}
 
     heldout = data.heldout_batches(task, config, kind="sft")

@@ -118,6 +118,19 @@ def train(
     return state
 
 
+def step_keys(rng: Any, *streams: str) -> tuple:
+    """The PRNG keys of one step from the key data in the train state: the next state's key
+    data, then one independent key per named stream (`"dropout"`, `"rollouts"`, ...).
+
+    Every key comes from one `jax.random.split`, so no two streams of a step, nor the next
+    step's, ever share randomness.
+    """
+    import jax
+
+    keys = jax.random.split(jax.random.wrap_key_data(rng), 1 + len(streams))
+    return (jax.random.key_data(keys[0]), *keys[1:])
+
+
 def _rounded(value: Any) -> Any:
     if isinstance(value, float) and math.isfinite(value):
         return round(value, 4)

@@ -190,3 +190,24 @@ def test_bad_data_files_give_one_line(
     assert status == 2, lines
     assert len(lines) == 1 and message in lines[-1], lines
     assert snapshot(world) == before
+
+
+def test_each_step_draws_independent_keys_for_its_streams():
+    """The keys of a step (the next state's, the rollouts', dropout's) never coincide, within a
+    step or with the next step's: one split gives them all."""
+    import jax
+    import numpy as np
+
+    from kit.loop import step_keys
+
+    rng = jax.random.key_data(jax.random.key(0))
+    seen = []
+    for _ in range(3):
+        rng, rollouts, dropout = step_keys(rng, "rollouts", "dropout")
+        seen += [
+            np.asarray(rng),
+            *(np.asarray(jax.random.key_data(k)) for k in (rollouts, dropout)),
+        ]
+    assert len({x.tobytes() for x in seen}) == len(seen)
+    again = step_keys(jax.random.key_data(jax.random.key(0)), "rollouts", "dropout")
+    np.testing.assert_array_equal(again[0], seen[0])  # deterministic
