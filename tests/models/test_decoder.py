@@ -250,7 +250,9 @@ def test_scan_and_remat_equal_the_loop(scan, remat):
         grads["layers"] = jax.tree.map(
             lambda *g: np.stack(g), *[grads["layers"][i] for i in range(n)]
         )
-    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4, atol=1e-6), other_grads, grads)
+    # Gradients here reach ~15: an absolute 1e-5 is float32 rounding of another summation
+    # order (the loop and the scan fuse and vectorise their reductions differently).
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4, atol=1e-5), other_grads, grads)
     hidden, other_hidden = forward(plain)(TOKENS, WHERE)[0], forward(other)(TOKENS, WHERE)[0]
     assert_close(other_hidden, hidden, atol=1e-5)
     # Round trip: copying back gives the original weights exactly.
