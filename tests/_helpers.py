@@ -87,7 +87,11 @@ def user_env(*, compilation_cache: bool = False) -> dict:
     The cache is bounded, which makes JAX lock it while it reads and writes, so the xdist
     workers' runs share it safely. Benchmarks run without it: they time their compilations.
     """
-    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "XLA_FLAGS" and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+    }
     out["JAX_PLATFORMS"] = "cpu"
     cache = os.environ.get("TUNELIB_TEST_COMPILATION_CACHE")
     if compilation_cache and cache:

@@ -17,6 +17,7 @@ import json
 import math
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,6 @@ import numpy as np
 
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
-from kit.errors import UserError
 from kit.logs import open_writers
 from kit.plots import plot
 from kit.runs import RunFolder
@@ -56,12 +56,6 @@ def train(
     start = 0
     if run.resume:
         start, state, data_state = checkpoints.restore_latest(state)
-        if start >= config.steps:
-            checkpoints.close()
-            raise UserError(
-                f"--resume: {run.path} is at step {start} already; give --steps above {start} "
-                "to train it further"
-            )
         batches.set_state(data_state)
         print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
         kept = [r for r in run.records() if r["step"] <= start]
@@ -86,7 +80,9 @@ def train(
         stop.append(signum)
         sys.stderr.write(f"\n{name}: stopping after this step (Ctrl-C again to stop at once)\n")
 
-    previous = signal.signal(signal.SIGINT, request_stop)
+    # Only the main thread may take signals (a recipe run from a thread keeps Ctrl-C as is).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, request_stop) if main_thread else None
     try:
         for step in range(start + 1, config.steps + 1):
             state, metrics = step_fn(state, next(batches))
@@ -110,7 +106,8 @@ def train(
             writer.close()
         raise Interrupted(saved) from None
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     bar.close()
     checkpoints.close()
     for writer in writers:

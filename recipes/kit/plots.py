@@ -34,7 +34,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
                 xytext=(2, 3), textcoords="offset points",
             )  # fmt: skip
         ax.set_title(key, fontsize=9)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=7, labelbottom=True)  # steps under every panel
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(keys) :]:
         ax.axis("off")

@@ -41,17 +41,24 @@ def checkpoint_steps(folder: Path) -> list[int]:
 
 
 class RunFolder:
-    """The folder of one run, checked against `--resume` / `--overwrite` when opened."""
+    """The folder of one run, checked against `--resume` / `--overwrite` / `--steps` when
+    opened, before any work."""
 
-    def __init__(self, path: Path, *, resume: bool, overwrite: bool):
+    def __init__(self, path: Path, *, resume: bool, overwrite: bool, steps: int):
         self.path = path.resolve()
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"--out {path} is a file, not a folder")
         held = [name for name in RUN_ENTRIES if (self.path / name).exists()]
         if resume:
-            if not checkpoint_steps(self.path):
+            saved = checkpoint_steps(self.path)
+            if not saved:
                 what = "no run" if not held else "no checkpoint"
                 raise UserError(f"--resume: {path} has {what} to resume from")
+            if saved[-1] >= steps:
+                raise UserError(
+                    f"--resume: {path} is at step {saved[-1]} already; give --steps above "
+                    f"{saved[-1]} to train it further"
+                )
         elif held and not overwrite:
             raise UserError(
                 f"{path} holds a run already: pass --resume to continue it, --overwrite to "

@@ -46,9 +46,29 @@ def run_recipe_process(recipe: str, *args: str, timeout: float = 300, cwd=None, 
     )  # fmt: skip
 
 
+_MODULES: dict = {}
+
+
 def recipe_module(recipe: str):
-    """The recipe script as a module, to call its `train` through `kit.cli.main` here."""
-    return load_script(RECIPES / f"{recipe}.py", f"recipe_{recipe}")
+    """The recipe script as a module (loaded once), to call it through `kit.cli.main` here."""
+    if recipe not in _MODULES:
+        _MODULES[recipe] = load_script(RECIPES / f"{recipe}.py", f"recipe_{recipe}")
+    return _MODULES[recipe]
+
+
+def recipe_main(recipe: str, argv: list[str]):
+    """`kit.cli.main` of the recipe with `argv`, in this process: the recipe's result dict, or
+    `SystemExit` for a failure (status 2 and one line on stderr, or 130 when interrupted)."""
+    import kit
+
+    module = recipe_module(recipe)
+    config_type = next(
+        v
+        for v in vars(module).values()
+        if isinstance(v, type) and getattr(v, "RECIPE", None) == recipe
+    )
+    train = module.generate if recipe == "generate" else module.train
+    return kit.cli.main(config_type, train, module.__doc__, argv=argv)
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes._scripts import recipe_module, run_without_jax, snapshot
+from tests.recipes._scripts import recipe_main, run_without_jax, snapshot
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,7 @@ WITHOUT_JAX = [
     ("sft", ["--out", "runs/empty", "--resume"], "--resume: runs/empty has no run to resume"),
     ("sft", ["--out", "runs/none", "--resume"], "--resume: runs/none has no run to resume"),
     ("sft", ["--resume", "--overwrite"], "pass one"),
+    ("sft", ["--resume", "--steps", "10"], f"--resume: {FINISHED} is at step 10 already"),
     ("sft", ["--out", "notes.txt"], "--out notes.txt is a file, not a folder"),
     ("sft", ["--model", FINISHED, "--data", "data/missing.jsonl"], "no such file"),
     ("sft", ["--model", FINISHED, "--data", "data/table.csv"], "must be a .jsonl, .json or"),
@@ -146,18 +147,9 @@ def char_model(tmp_path_factory) -> Path:
 
 def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
     """The recipe's entry point in this process; returns (exit status, stderr lines)."""
-    import kit
-
-    module = recipe_module(recipe)
-    config_type = next(
-        v
-        for v in vars(module).values()
-        if isinstance(v, type) and getattr(v, "RECIPE", None) == recipe
-    )
-    train = module.generate if recipe == "generate" else module.train
     monkeypatch.chdir(cwd)
     with pytest.raises(SystemExit) as stop:
-        kit.cli.main(config_type, train, module.__doc__, argv=flags)
+        recipe_main(recipe, flags)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     return stop.value.code, lines
 

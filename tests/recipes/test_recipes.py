@@ -1,7 +1,9 @@
-"""End-to-end runs of the recipes as a user runs them: `python recipes/<name>.py`.
+"""End-to-end runs of the recipes.
 
-Each run is as short as still proves its point (a few steps on a small slice of the task);
-runs that need an SFT start share one, trained once per worker.
+Most runs call a recipe's entry point in this process (`kit.cli.main`, exactly what
+`python recipes/<name>.py` runs, without starting Python and JAX again); the runs that test
+what only a process shows (its output and exit status, Ctrl-C, a chat on standard input) start
+`python recipes/<name>.py` as a user does. Each run is as short as still proves its point.
 """
 
 import json
@@ -17,7 +19,7 @@ import pytest
 from flax import nnx
 
 from tests._helpers import user_env
-from tests.recipes._scripts import RECIPES, run_recipe_process
+from tests.recipes._scripts import RECIPES, recipe_main, recipe_module, run_recipe_process
 
 # A small, fast slice of the task; the model is the recipes' own.
 SMALL = ["--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no-progress"]
@@ -26,11 +28,30 @@ SMALL = ["--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no
 STEPS = ["--steps", "4", "--eval-every", "4"]
 
 
-def run_recipe(name: str, *args: str, headline: str | None = None, env=None) -> dict:
+@pytest.fixture(autouse=True)
+def shared_compilation_cache(monkeypatch):
+    """The SFT runs a recipe starts as processes share the session's compilation cache."""
+    for name, value in user_env(compilation_cache=True).items():
+        if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")):
+            monkeypatch.setenv(name, value)
+
+
+def run_recipe(name: str, *args: str, headline: str | None = None) -> dict:
+    """The recipe run in this process; its final JSON line as a dict."""
+    try:
+        result = recipe_main(name, [*SMALL, *args])
+    except SystemExit as stop:
+        pytest.fail(f"{name}.py exited with status {stop.code}")
+    assert result["recipe"] == (headline or name)
+    return result
+
+
+def run_process(name: str, *args: str, env=None) -> dict:
+    """`python recipes/<name>.py` as a user runs it; the last line it prints, as JSON."""
     proc = run_recipe_process(name, *SMALL, *args, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert last["recipe"] == (headline or name)
+    assert last["recipe"] == name
     return last
 
 
@@ -50,18 +71,33 @@ def leaves(tree) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def sft_start(tmp_path_factory) -> Path:
-    """A short SFT run that DPO, GRPO, LoRA and generation start from."""
-    folder = tmp_path_factory.mktemp("start") / "sft"
-    run_recipe("sft", *STEPS, "--out", str(folder))
-    return folder
+def chained(tmp_path_factory) -> dict:
+    """DPO without --model: it trains the seed's SFT run at its default place first (and only
+    there), then QLoRA adapters on it, on packed rows. The SFT run is the start model of the
+    other recipe tests of this module."""
+    root = tmp_path_factory.mktemp("chained")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TUNELIB_RUNS", str(root / "runs"))
+        for name, value in user_env(compilation_cache=True).items():
+            if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")):
+                patch.setenv(name, value)
+        result = run_recipe(
+            "dpo", "--sft-steps", "4", "--num-prompts", "64", *STEPS, "--lora-rank", "4",
+            "--qlora", "--packing", "--out", str(root / "dpo"),
+        )  # fmt: skip
+    return {"sft": root / "runs" / "sft-seed0", "dpo": root / "dpo", "result": result}
+
+
+@pytest.fixture(scope="module")
+def sft_start(chained) -> Path:
+    return chained["sft"]
 
 
 @pytest.mark.slow
 def test_sft_logs_plots_saves_its_config_and_reproduces_from_it(tmp_path):
     out = tmp_path / "sft"
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    result = run_recipe(
+    result = run_process(
         "sft", "--steps", "4", "--eval-every", "2", "--out", str(out),
         "--log-to", "jsonl,tensorboard,wandb", env=env,
     )  # fmt: skip
@@ -75,12 +111,14 @@ def test_sft_logs_plots_saves_its_config_and_reproduces_from_it(tmp_path):
     assert any((out / "tensorboard").glob("events.out.tfevents.*"))
     assert any((out / "wandb").rglob("*.wandb"))  # an offline W&B run
     assert json.loads((out / "model" / "char_tokenizer.json").read_text())
-    # The saved configuration repeats the run.
-    again = run_recipe(
-        "sft", "--config", str(out / "config.toml"), "--out", str(tmp_path / "again"),
-        "--log-to", "jsonl",
-    )  # fmt: skip
-    assert again["final_loss"] == result["final_loss"]
+    # The saved configuration is the run's: loaded with --config, it gives the same settings.
+    from kit.config import parse
+
+    sft = recipe_module("sft").SFTConfig
+    flags = [*SMALL, "--steps", "4", "--eval-every", "2", "--out", str(out), "--log-to",
+             "jsonl,tensorboard,wandb"]  # fmt: skip
+    original = parse(sft, flags, description="", prog="sft.py")
+    assert parse(sft, ["--config", str(out / "config.toml")], description="", prog="") == original
 
 
 @pytest.mark.slow
@@ -88,7 +126,7 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path):
     """Ctrl-C saves the last finished step and says how to continue; a checkpoint left
     half-written by a crash is ignored; the resumed run equals the straight one bit for bit,
     and `--resume` with more `--steps` extends a finished run."""
-    flags = ["--steps", "30", "--checkpoint-every", "10", "--eval-every", "1000"]
+    flags = ["--steps", "20", "--checkpoint-every", "5", "--eval-every", "1000"]
     run_recipe("sft", *flags, "--out", str(tmp_path / "straight"))
 
     stopped = tmp_path / "stopped"
@@ -98,7 +136,7 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path):
         env=user_env(compilation_cache=True),
     )  # fmt: skip
     deadline = time.monotonic() + 240
-    while not ((stopped / "metrics.jsonl").exists() and len(records_of(stopped)) > 12):
+    while not ((stopped / "metrics.jsonl").exists() and len(records_of(stopped)) > 6):
         assert proc.poll() is None, "the run ended before it could be interrupted"
         assert time.monotonic() < deadline
         time.sleep(0.02)
@@ -108,7 +146,7 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path):
     last_line = stderr.strip().splitlines()[-1]
     assert "interrupted; step" in last_line and last_line.endswith("--resume"), stderr
     saved = int(last_line.split("step ")[1].split()[0])
-    assert 12 <= saved < 30 and not (stopped / "model").exists()
+    assert 6 <= saved < 20 and not (stopped / "model").exists()
     # A later checkpoint that a crash left half-written: a temporary folder Orbax never renamed.
     partial = stopped / "checkpoints" / f"{saved + 1}.orbax-checkpoint-tmp-1234567"
     (partial / "state").mkdir(parents=True)
@@ -121,13 +159,10 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert len(straight) == len(resumed) > 0
     for a, b in zip(straight, resumed, strict=True):
         np.testing.assert_array_equal(a, b)  # bit for bit
-    assert [r["step"] for r in records_of(stopped)] == list(range(31))
-
-    proc = run_recipe_process("sft", *SMALL, *flags, "--out", str(stopped), "--resume")
-    assert proc.returncode == 2 and "is at step 30 already" in proc.stderr
-    longer = ["--steps", "32", "--checkpoint-every", "10", "--eval-every", "1000"]
+    assert [r["step"] for r in records_of(stopped)] == list(range(21))
+    longer = ["--steps", "22", "--checkpoint-every", "5", "--eval-every", "1000"]
     run_recipe("sft", *longer, "--out", str(stopped), "--resume")
-    assert [r["step"] for r in records_of(stopped)][-3:] == [30, 31, 32]
+    assert [r["step"] for r in records_of(stopped)][-3:] == [20, 21, 22]
 
 
 def losses_of(folder: Path) -> list[float]:
@@ -149,20 +184,13 @@ def test_fused_and_naive_log_probs_give_the_same_training_curves(tmp_path, sft_s
 
 
 @pytest.mark.slow
-def test_dpo_trains_its_sft_start_then_runs_packed_with_qlora(tmp_path, monkeypatch):
-    """DPO without --model trains the seed's SFT run at its default place first (and only
-    there), then QLoRA adapters on it, on packed rows."""
-    monkeypatch.setenv("TUNELIB_RUNS", str(tmp_path / "runs"))
-    out = run_recipe(
-        "dpo", "--sft-steps", "4", "--num-prompts", "64", *STEPS,
-        "--lora-rank", "4", "--qlora", "--packing", "--out", str(tmp_path / "dpo"),
-        env={"TUNELIB_RUNS": str(tmp_path / "runs")},
-    )  # fmt: skip
-    assert (tmp_path / "runs" / "sft-seed0" / "model" / "config.json").exists()
+def test_dpo_trains_its_sft_start_then_runs_packed_with_qlora(chained):
+    """See the `chained` fixture: the SFT run exists where DPO owns it, DPO took its time
+    into account, and the first step's policy is the NF4 base, so the loss is log 2."""
+    out = chained["result"]
+    assert (chained["sft"] / "model" / "config.json").exists()
     assert out["sft_seconds"] > 0 and out["tuning"] == "qlora" and out["base_bits_per_param"] < 8
-    records = records_of(tmp_path / "dpo")
-    # The policy is the reference at the first step: with QLoRA, the NF4 base itself.
-    assert abs(records[1]["loss"] - np.log(2)) < 1e-5
+    assert abs(records_of(chained["dpo"])[1]["loss"] - np.log(2)) < 1e-5
 
 
 @pytest.mark.slow
@@ -173,13 +201,13 @@ def test_orpo_runs_with_its_sft_baseline(tmp_path):
 
 
 @pytest.mark.slow
-def test_distill_trains_its_teacher_and_runs_with_the_fused_divergence(tmp_path):
+def test_distill_trains_its_teacher_and_runs_with_the_fused_divergence(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNELIB_RUNS", str(tmp_path / "runs"))
     teacher = tmp_path / "runs" / "teacher-seed0"
     out = run_recipe(
         "distill", *STEPS, "--teacher-steps", "4",
         "--teacher-demonstrations", "64", "--num-prompts", "64", "--divergence", "jsd",
         "--no-baseline", "--out", str(tmp_path / "distill"),
-        env={"TUNELIB_RUNS": str(tmp_path / "runs")},
     )  # fmt: skip
     assert (teacher / "model" / "config.json").exists(), "distill trains the missing teacher"
     assert {"teacher_accuracy", "accuracy_after", "teacher_seconds"} <= set(out)
@@ -223,7 +251,9 @@ def test_grpo_modes(tmp_path, sft_start, mode):
 
 
 @pytest.mark.slow
-def test_lora_sft_changes_the_projections_only_and_generate_reads_any_run(tmp_path, sft_start):
+def test_lora_sft_changes_the_projections_only_and_generate_reads_any_run(
+    tmp_path, sft_start, capsys
+):
     """SFT with LoRA from a trained model: only the projections change, the adapters are
     saved alone and in the PEFT format; generate.py completes prompts from the run."""
     from tunelib import peft
@@ -251,14 +281,15 @@ def test_lora_sft_changes_the_projections_only_and_generate_reads_any_run(tmp_pa
     config = json.loads((tmp_path / "lora" / "peft_adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
 
-    proc = run_recipe_process(
-        "generate", "--model", str(tmp_path / "lora"), "--prompt", "12-7=", "--prompt", "3-1=",
-        "--jsonl", "--max-new-tokens", "6",
+    lines = recipe_main(
+        "generate",
+        ["--model", str(tmp_path / "lora"), "--prompt", "12-7=", "--prompt", "3-1=", "--jsonl",
+         "--max-new-tokens", "6"],
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in proc.stdout.strip().splitlines()]
     assert [x["prompt"] for x in lines] == ["12-7=", "3-1="]
     assert all(isinstance(x["completion"], str) for x in lines)
+    printed = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-2:]]
+    assert printed == lines
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
