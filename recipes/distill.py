@@ -68,7 +68,6 @@ class DistillConfig(Run, Task):
 
 def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     import jax
-    import optax
     from flax import nnx
 
     from tunelib import logprobs, losses
@@ -120,21 +119,12 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         per_token = config.soft_weight * soft + (1 - config.soft_weight) * hard
         return mean(per_token), {"soft": mean(soft), "hard": mean(hard)}
 
-    @jax.jit
-    def train_step(state, batch):
-        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
+    train_step = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
 
     def evaluate_fn(params):
         return {"accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size)}
 
-    state = {
-        "params": student.params,
-        "opt_state": optimizer.init(student.params),
-        "rng": jax.random.key_data(jax.random.key(config.seed)),
-    }
+    state = loop.initial_state(student.params, optimizer, config.seed)
     state = loop.train(
         run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, kind="sft"),

@@ -144,23 +144,18 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
             out["accuracy"] = evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)
         return out
 
-    state = {
-        "params": tuning.trainable,
-        "opt_state": optimizer.init(tuning.trainable),
-        "rng": jax.random.key_data(jax.random.key(config.seed)),
-    }
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
     state = loop.train(
         run, config, state=state, evaluate=evaluate_fn,
         step_fn=lambda state, batch: train_step(frozen, state, batch),
         batches=data.batches(task, config, kind="preference", packing=config.packing),
     )  # fmt: skip
     tuning.save(run.path, model, state["params"])
-    headline = {"loss": config.loss, **tuning.headline()}
-    for metric in ("accuracy", "heldout_reward_accuracy"):
-        if any(metric in r for r in run.records()):
-            headline[f"{metric}_before"], headline[f"{metric}_after"] = loop.first_and_last(
-                run, metric
-            )
+    headline = {
+        "loss": config.loss,
+        **tuning.headline(),
+        **loop.before_and_after(run, "accuracy", "heldout_reward_accuracy"),
+    }
     headline["final_reward_accuracy"] = loop.first_and_last(run, "reward_accuracy")[1]
     return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})
 

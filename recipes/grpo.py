@@ -277,11 +277,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     def evaluate_fn(trainable):
         return {"accuracy": evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)}
 
-    state = {
-        "params": tuning.trainable,
-        "opt_state": optimizer.init(tuning.trainable),
-        "rng": jax.random.key_data(jax.random.key(config.seed)),
-    }
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
     state = loop.train(
         run, config, state=state, batches=batches, step_fn=train_step, evaluate=evaluate_fn
     )

@@ -47,17 +47,12 @@ class ORPOConfig(Run, Task, DataFile, Start):
 
 def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     import jax
-    import optax
 
     from tunelib import losses
-    from tunelib.data import CharTokenizer
 
     from kit import chain, data, evaluate, loop, models, optim, pairs
 
-    if config.model is None:
-        model = models.new_model(CharTokenizer(), config.model_size, config.seed)
-    else:
-        model = models.load_model(config.model)
+    model = models.start_model(config.model, config.model_size, config.seed)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer)
     optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
@@ -73,12 +68,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
             "log_odds_ratio": log_odds_ratio.mean(),
         }
 
-    @jax.jit
-    def train_step(state, batch):
-        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
+    train_step = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
 
     heldout = data.heldout_batches(task, config, kind="preference")
     heldout_loss = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
@@ -93,22 +83,13 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
             out["accuracy"] = evaluate.accuracy(graphdef, params, task, vocab_size)
         return out
 
-    state = {
-        "params": model.params,
-        "opt_state": optimizer.init(model.params),
-        "rng": jax.random.key_data(jax.random.key(config.seed)),
-    }
+    state = loop.initial_state(model.params, optimizer, config.seed)
     state = loop.train(
         run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, kind="preference"),
     )  # fmt: skip
     models.save_model(run.path / "model", model, state["params"])
-    headline = {}
-    for metric in ("accuracy", "heldout_loss"):
-        if any(metric in r for r in run.records()):
-            headline[f"{metric}_before"], headline[f"{metric}_after"] = loop.first_and_last(
-                run, metric
-            )
+    headline = loop.before_and_after(run, "accuracy", "heldout_loss")
     chained = {}
     if not config.no_baseline and task.name == "arithmetic":
         seconds, result = chain.baseline(run, config, model_size=config.model_size)

@@ -59,14 +59,10 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
     from flax import nnx
 
     from tunelib import logprobs, losses, peft
-    from tunelib.data import CharTokenizer
 
     from kit import data, evaluate, loop, lora, models, optim
 
-    if config.model is None:
-        model = models.new_model(CharTokenizer(), config.model_size, config.seed)
-    else:
-        model = models.load_model(config.model)
+    model = models.start_model(config.model, config.model_size, config.seed)
     task = data.load_task(config, "sft", model.tokenizer)
     tuning = lora.tuning(config, model.params)
     optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
@@ -123,22 +119,13 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
             out["accuracy"] = evaluate.accuracy(graphdef, params, task, model.config.vocab_size)
         return out
 
-    state = {
-        "params": tuning.trainable,
-        "opt_state": optimizer.init(tuning.trainable),
-        "rng": jax.random.key_data(jax.random.key(config.seed)),
-    }
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
     state = loop.train(
         run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, kind="sft", packing=config.packing),
     )  # fmt: skip
     tuning.save(run.path, model, state["params"])
-    headline = tuning.headline()
-    for metric in ("accuracy", "heldout_loss"):
-        if any(metric in r for r in run.records()):
-            headline[f"{metric}_before"], headline[f"{metric}_after"] = loop.first_and_last(
-                run, metric
-            )
+    headline = {**tuning.headline(), **loop.before_and_after(run, "accuracy", "heldout_loss")}
     headline["final_loss"] = loop.first_and_last(run, "loss")[1]
     return loop.finish(run, config, headline)
 

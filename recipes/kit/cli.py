@@ -66,9 +66,7 @@ def main(
         if not isinstance(config, Run):  # a script without a run folder (generate.py)
             return train(config, None)
         out = config.out or default_out(config.run_name(), config.seed)
-        run = RunFolder(
-            out, resume=config.resume, overwrite=config.overwrite, steps=config.steps
-        )
+        run = RunFolder(out, resume=config.resume, overwrite=config.overwrite, steps=config.steps)
         return train(config, run)
     except UserError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")

@@ -160,3 +160,24 @@ def first_and_last(run: RunFolder, key: str) -> tuple[float, float]:
     """The first and the last logged value of `key` (before and after training)."""
     values = [r[key] for r in run.records() if key in r]
     return values[0], values[-1]
+
+
+def before_and_after(run: RunFolder, *keys: str) -> dict:
+    """`{key}_before` and `{key}_after` of each of `keys` the run logged."""
+    out = {}
+    for key in keys:
+        if any(key in r for r in run.records()):
+            out[f"{key}_before"], out[f"{key}_after"] = first_and_last(run, key)
+    return out
+
+
+def initial_state(params, optimizer, seed: int) -> dict:
+    """The train state at step 0: the trainable parameters, the optimizer's state for them,
+    and the PRNG key data of `seed` (checkpointed like any array)."""
+    import jax
+
+    return {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "rng": jax.random.key_data(jax.random.key(seed)),
+    }

@@ -134,6 +134,16 @@ def load_model(path: Path) -> Model:
     return Model(config, graphdef, params, _tokenizer(folder), folder)
 
 
+def start_model(path: Path | None, size: str, seed: int) -> Model:
+    """The model in `path`, or a new one of `size` for the built-in task's character
+    tokenizer when `path` is None."""
+    if path is not None:
+        return load_model(path)
+    from tunelib.data import CharTokenizer
+
+    return new_model(CharTokenizer(), size, seed)
+
+
 def save_model(folder: Path, model: Model, params: dict) -> None:
     """`params` as a recipe model folder (`config.json`, Orbax `params/`, the tokenizer), and
     as a Hugging Face checkpoint in `hf_model/` beside it when the model came from one."""

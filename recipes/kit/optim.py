@@ -14,3 +14,20 @@ def adamw(config, *, schedule: str = "cosine", warmup: float = 0.05, weight_deca
     else:
         rate = optax.warmup_constant_schedule(0.0, config.learning_rate, warmup_steps)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=weight_decay))
+
+
+def update_step(loss_fn, optimizer):
+    """The jitted step of a recipe that trains every weight with one loss:
+    `step(state, batch) -> (state, {"loss": ..., **aux})` for `loss_fn(params, batch) ->
+    (loss, aux)`."""
+    import jax
+    import optax
+
+    @jax.jit
+    def step(state, batch):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **aux}
+
+    return step
