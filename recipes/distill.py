@@ -124,9 +124,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     def evaluate_fn(params):
         return {"accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size)}
 
-    state = loop.initial_state(student.params, optimizer, config.seed)
     state = loop.train(
-        run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
+        run, config, state=loop.initial_state(student.params, optimizer, config.seed),
+        step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, kind="sft"),
     )  # fmt: skip
     models.save_model(run.path / "model", student, state["params"])

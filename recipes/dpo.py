@@ -144,9 +144,9 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
             out["accuracy"] = evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)
         return out
 
-    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
     state = loop.train(
-        run, config, state=state, evaluate=evaluate_fn,
+        run, config, state=loop.initial_state(tuning.trainable, optimizer, config.seed),
+        evaluate=evaluate_fn,
         step_fn=lambda state, batch: train_step(frozen, state, batch),
         batches=data.batches(task, config, kind="preference", packing=config.packing),
     )  # fmt: skip

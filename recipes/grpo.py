@@ -277,9 +277,13 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     def evaluate_fn(trainable):
         return {"accuracy": evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)}
 
-    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
     state = loop.train(
-        run, config, state=state, batches=batches, step_fn=train_step, evaluate=evaluate_fn
+        run,
+        config,
+        state=loop.initial_state(tuning.trainable, optimizer, config.seed),
+        batches=batches,
+        step_fn=train_step,
+        evaluate=evaluate_fn,
     )
     tuning.save(run.path, model, state["params"])
     before, after = loop.first_and_last(run, "accuracy")

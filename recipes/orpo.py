@@ -83,9 +83,9 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
             out["accuracy"] = evaluate.accuracy(graphdef, params, task, vocab_size)
         return out
 
-    state = loop.initial_state(model.params, optimizer, config.seed)
     state = loop.train(
-        run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
+        run, config, state=loop.initial_state(model.params, optimizer, config.seed),
+        step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, kind="preference"),
     )  # fmt: skip
     models.save_model(run.path / "model", model, state["params"])

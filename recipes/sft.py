@@ -119,9 +119,9 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
             out["accuracy"] = evaluate.accuracy(graphdef, params, task, model.config.vocab_size)
         return out
 
-    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
     state = loop.train(
-        run, config, state=state, step_fn=train_step, evaluate=evaluate_fn,
+        run, config, state=loop.initial_state(tuning.trainable, optimizer, config.seed),
+        step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, kind="sft", packing=config.packing),
     )  # fmt: skip
     tuning.save(run.path, model, state["params"])
