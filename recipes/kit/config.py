@@ -13,6 +13,7 @@ Nothing here imports JAX.
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 import tomllib
 import types
@@ -98,6 +99,11 @@ class Run(Config):
             raise UserError(
                 f"--log-to: unknown target {sorted(unknown)[0]!r}; use jsonl, tensorboard, wandb"
             )
+        for target, module in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
+            if target in self.log_targets() and importlib.util.find_spec(module) is None:
+                raise UserError(
+                    f"--log-to {target} needs the {module} package: pip install 'tunelib[logging]'"
+                )
 
     def log_targets(self) -> list[str]:
         return [t.strip() for t in self.log_to.split(",") if t.strip()]
