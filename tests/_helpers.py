@@ -80,7 +80,8 @@ def assert_close(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-6) ->
 
 
 def user_env(*, compilation_cache: bool = False) -> dict:
-    """The environment a user's script runs in: one CPU device, not the test session's eight.
+    """The environment a user's script runs in: one CPU device, not the test session's eight
+    (the session's other compile-time XLA flags stay).
 
     With `compilation_cache`, the script shares the session's JAX compilation cache (made in
     `conftest.py`), so a train step that one recipe run compiled loads from disk in the next.
@@ -92,6 +93,9 @@ def user_env(*, compilation_cache: bool = False) -> dict:
         for k, v in os.environ.items()
         if k != "XLA_FLAGS" and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
     }
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    if flags:
+        out["XLA_FLAGS"] = " ".join(flags)
     out["JAX_PLATFORMS"] = "cpu"
     cache = os.environ.get("TUNELIB_TEST_COMPILATION_CACHE")
     if compilation_cache and cache:

@@ -13,13 +13,19 @@ from tests._helpers import assert_close, assert_traced_once, own_checks, raises_
 from tests.logprobs.test_token import ref_entropy, ref_token_logps
 from tunelib.logprobs import fused_token_logps
 
+# Jitted once per shape and option set: op-by-op dispatch would compile every operation of
+# the tiled loops (and of their gradients) for each shape instead.
+STATIC = ("with_entropy", "chunk_size", "implementation", "vocab_axis")
+fused = jax.jit(fused_token_logps, static_argnames=STATIC)
 
-def problem(n, h, v, seed=0, dtype=jnp.float32, bias=False):
-    k = jax.random.split(jax.random.key(seed), 4)
-    hidden = jax.random.normal(k[0], (n, h), dtype)
-    w = (jax.random.normal(k[1], (h, v)) * 0.7).astype(dtype)
-    targets = jax.random.randint(k[2], (n,), 0, v)
-    b = (jax.random.normal(k[3], (v,)) * 0.5).astype(dtype) if bias else None
+
+def problem(n, h, v, seed=0, dtype=np.float32, bias=False):
+    """NumPy data (drawing it with `jax.random` would compile the sampler for every shape)."""
+    rng = np.random.default_rng(seed)
+    hidden = rng.normal(size=(n, h)).astype(dtype)
+    w = (rng.normal(size=(h, v)) * 0.7).astype(dtype)
+    targets = rng.integers(0, v, n).astype(np.int32)
+    b = (rng.normal(size=v) * 0.5).astype(dtype) if bias else None
     return hidden, w, targets, b
 
 
@@ -55,8 +61,8 @@ def test_values_and_gradients_match_the_materialised_logits(tiling, tau, with_bi
     shape, chunk = tiling
     hidden, w, targets, b = problem(*shape, bias=with_bias)
     if b is None:
-        b = jnp.zeros(w.shape[1])  # a zero bias: the gradient is still checked
-    tau = jnp.float32(tau)
+        b = np.zeros(w.shape[1], np.float32)  # a zero bias: the gradient is still checked
+    tau = np.float32(tau)
     ours = values_and_grads(hidden, w, b, targets, tau, "chunked", chunk)
     naive = values_and_grads(hidden, w, b, targets, tau, "naive", 16)  # no tiles: one compile
     assert_close(ours[0], naive[0], rtol=1e-5, atol=1e-5)
@@ -68,67 +74,69 @@ def test_fixed_values_against_float64_numpy():
     hidden, w, targets, b = problem(9, 8, 41, bias=True)
     logits = np.asarray(hidden, np.float64) @ np.asarray(w, np.float64) + np.asarray(b)
     for tau in (1.0, 0.7):
-        logps, entropy = fused_token_logps(
+        logps, entropy = fused(
             hidden, w, targets, bias=b, temperature=tau, with_entropy=True, chunk_size=10
         )
         assert_close(logps, ref_token_logps(logits, targets, tau), atol=2e-5)
         assert_close(entropy, ref_entropy(logits, tau), atol=2e-5)
 
 
+@jax.jit
+def masked_values_and_grads(hidden, w, targets, where):
+    return jax.value_and_grad(
+        lambda h, w: fused_token_logps(h, w, targets, where=where, chunk_size=7).sum(), (0, 1)
+    )(hidden, w)
+
+
 def test_leading_axes_masks_and_nan_at_masked_positions():
     hidden, w, targets, _ = problem(12, 8, 30)
-    hidden = hidden.reshape(3, 4, 8).at[1, 2].set(jnp.nan)
-    targets = targets.reshape(3, 4).at[1, 2].set(-100)
-    where = jnp.ones((3, 4), bool).at[1, 2].set(False).at[2].set(False)
-    f = jax.value_and_grad(
-        lambda h, w: fused_token_logps(h, w, targets, where=where, chunk_size=7).sum(), (0, 1)
-    )
-    value, (dh, dw) = f(hidden, w)
+    hidden = hidden.reshape(3, 4, 8)
+    hidden[1, 2] = np.nan
+    targets = targets.reshape(3, 4)
+    targets[1, 2] = -100
+    where = np.ones((3, 4), bool)
+    where[1, 2] = where[2] = False
+    value, (dh, dw) = masked_values_and_grads(hidden, w, targets, where)
     assert np.isfinite(value) and np.all(np.isfinite(dh)) and np.all(np.isfinite(dw))
-    assert np.all(np.asarray(dh)[~np.asarray(where)] == 0)
-    keep = np.asarray(where)
-    sliced = fused_token_logps(hidden[keep], w, targets[keep], chunk_size=7)
-    out = fused_token_logps(hidden, w, targets, where=where, chunk_size=7)
-    assert_close(np.asarray(out)[keep], sliced, atol=1e-6)
-    assert np.all(np.asarray(out)[~keep] == 0)
-    nothing = fused_token_logps(hidden, w, targets, where=jnp.zeros_like(where))
+    assert np.all(np.asarray(dh)[~where] == 0)
+    sliced = fused(hidden[where], w, targets[where], chunk_size=7)
+    out = fused(hidden, w, targets, where=where, chunk_size=7)
+    assert_close(np.asarray(out)[where], sliced, atol=1e-6)
+    assert np.all(np.asarray(out)[~where] == 0)
+    nothing = fused(hidden, w, targets, where=np.zeros_like(where), chunk_size=7)
     assert np.all(np.asarray(nothing) == 0)
 
 
 def test_bf16_inputs_within_tolerance_of_float32():
     hidden, w, targets, _ = problem(16, 32, 200)
-    low = fused_token_logps(hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16), targets)
+    h16, w16 = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    low = fused(h16, w16, targets)
     assert low.dtype == jnp.float32
-    exact = ref_token_logps(
-        np.asarray(hidden.astype(jnp.bfloat16), np.float64)
-        @ np.asarray(w.astype(jnp.bfloat16), np.float64),
-        targets,
-    )
+    exact = ref_token_logps(np.asarray(h16, np.float64) @ np.asarray(w16, np.float64), targets)
     # Inputs rounded to bf16, products accumulated in float32: only accumulation error remains.
     assert_close(low, exact, atol=1e-3)
-    assert_close(low, fused_token_logps(hidden, w, targets), atol=0.5)
-    grads = jax.grad(lambda h, w: fused_token_logps(h, w, targets, chunk_size=64).sum(), (0, 1))(
-        hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    )
+    assert_close(low, fused(hidden, w, targets), atol=0.5)
+    grads = jax.jit(
+        jax.grad(lambda h, w: fused_token_logps(h, w, targets, chunk_size=64).sum(), (0, 1))
+    )(h16, w16)
     assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
 
 
 def test_float64_stays_float64():
     with jax.enable_x64(True):
-        hidden, w, targets, _ = problem(5, 4, 23)
-        hidden, w = hidden.astype(jnp.float64), w.astype(jnp.float64)
-        out = fused_token_logps(hidden, w, targets, chunk_size=6)
+        hidden, w, targets, _ = problem(5, 4, 23, dtype=np.float64)
+        out = fused(hidden, w, targets, chunk_size=6)
         assert out.dtype == jnp.float64
-        logits = np.asarray(hidden) @ np.asarray(w)
-        assert_close(out, ref_token_logps(logits, targets), rtol=1e-12, atol=1e-12)
+        assert_close(out, ref_token_logps(hidden @ w, targets), rtol=1e-12, atol=1e-12)
 
 
 def test_vmap_jit_and_no_retrace():
     hidden, w, targets, _ = problem(12, 8, 30)
-    batched = jax.vmap(lambda h, y: fused_token_logps(h, w, y, chunk_size=8))(
+    batched = jax.jit(jax.vmap(lambda h, y: fused_token_logps(h, w, y, chunk_size=8)))(
         hidden.reshape(3, 4, 8), targets.reshape(3, 4)
     )
-    assert_close(batched, fused_token_logps(hidden, w, targets).reshape(3, 4), atol=1e-6)
+    expected = fused(hidden, w, targets, chunk_size=8)
+    assert_close(batched, np.asarray(expected).reshape(3, 4), atol=1e-6)
     assert_traced_once(
         lambda h, w, y, tau: fused_token_logps(h, w, y, temperature=tau, chunk_size=8),
         [((hidden, w, targets, jnp.float32(t)), {}) for t in (0.5, 1.0, 2.0)],
@@ -136,18 +144,19 @@ def test_vmap_jit_and_no_retrace():
 
 
 def test_temporary_memory_does_not_grow_with_n_times_v():
-    hidden, w, targets, _ = problem(512, 64, 8192)
+    specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((512, 64), (64, 8192))]
+    targets = jax.ShapeDtypeStruct((512,), jnp.int32)
 
     def temp_bytes(implementation):
         f = jax.jit(
             jax.grad(
-                lambda h, w: fused_token_logps(
-                    h, w, targets, chunk_size=512, implementation=implementation
+                lambda h, w, y: fused_token_logps(
+                    h, w, y, chunk_size=512, implementation=implementation
                 ).mean(),
                 (0, 1),
             )
         )
-        return f.lower(hidden, w).compile().memory_analysis().temp_size_in_bytes
+        return f.lower(*specs, targets).compile().memory_analysis().temp_size_in_bytes
 
     naive, chunked = temp_bytes("naive"), temp_bytes("chunked")
     # The logits alone are 512 x 8192 x 4 bytes = 16 MiB; the chunked path holds a few
@@ -163,7 +172,7 @@ def mesh(shape, names):
 
 def test_batch_sharded_over_eight_devices_equals_one_device():
     hidden, w, targets, b = problem(16, 8, 40, bias=True)
-    f = jax.jit(objective("chunked", chunk_size=16, temperature=0.9), static_argnums=())
+    f = objective("chunked", chunk_size=16, temperature=0.9)
     grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
     expected = grad(hidden, w, b, targets)
     m = mesh((8,), ("data",))
@@ -172,6 +181,25 @@ def test_batch_sharded_over_eight_devices_equals_one_device():
     assert_close(sharded[0], expected[0], rtol=1e-5, atol=1e-5)
     for a, e in zip(sharded[1], expected[1], strict=True):
         assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def sharded_values_and_grads(fn, hidden, w, b, targets):
+    """`fn`'s log-probs and entropies, and the gradients of a weighted sum of them, under jit."""
+    weights = jax.random.normal(jax.random.key(5), (2, hidden.shape[0]))
+
+    def total(h, w, b):
+        logps, entropy = fn(h, w, b, targets)
+        return jnp.sum(weights[0] * logps) + jnp.sum(weights[1] * entropy)
+
+    return fn(hidden, w, b, targets), jax.grad(total, (0, 1, 2))(hidden, w, b)
+
+
+@jax.jit
+def unsharded_values_and_grads(hidden, w, b, targets):
+    def plain(h, w, b, y):
+        return fused_token_logps(h, w, y, bias=b, temperature=1.1, with_entropy=True)
+
+    return sharded_values_and_grads(plain, hidden, w, b, targets)
 
 
 @pytest.mark.parametrize("implementation", ["chunked", "naive"])
@@ -192,24 +220,12 @@ def test_vocabulary_sharded_over_a_model_axis_equals_unsharded(implementation):
         in_specs=(P("data"), P(None, "model"), P("model"), P("data")),
         out_specs=(P("data"), P("data")),
     )
-    expected = fused_token_logps(hidden, w, targets, bias=b, temperature=1.1, with_entropy=True)
-    got = jax.jit(sharded)(hidden, w, b, targets)
+    got, got_grads = jax.jit(functools.partial(sharded_values_and_grads, sharded))(
+        hidden, w, b, targets
+    )
+    expected, expected_grads = unsharded_values_and_grads(hidden, w, b, targets)
     assert_close(got[0], expected[0], atol=2e-5)
     assert_close(got[1], expected[1], atol=2e-5)
-
-    weights = jax.random.normal(jax.random.key(5), (2, 12))
-
-    def total(fn):
-        return lambda h, w, b: (
-            jnp.sum(weights[0] * fn(h, w, b, targets)[0])
-            + jnp.sum(weights[1] * fn(h, w, b, targets)[1])
-        )
-
-    plain = lambda h, w, b, y: fused_token_logps(  # noqa: E731
-        h, w, y, bias=b, temperature=1.1, with_entropy=True
-    )
-    got_grads = jax.jit(jax.grad(total(sharded), (0, 1, 2)))(hidden, w, b)
-    expected_grads = jax.grad(total(plain), (0, 1, 2))(hidden, w, b)
     for a, e in zip(got_grads, expected_grads, strict=True):
         assert_close(a, e, rtol=1e-4, atol=2e-5)
 
@@ -226,7 +242,7 @@ def test_errors_name_the_argument():
         with raises_naming("targets", "(3,)", "(4,)", error=ValueError):
             fused_token_logps(hidden, w, targets[:3])
         with raises_naming("bias", error=ValueError):
-            fused_token_logps(hidden, w, targets, bias=jnp.zeros(9))
+            fused_token_logps(hidden, w, targets, bias=np.zeros(9, np.float32))
         with raises_naming("hidden", error=TypeError):
             fused_token_logps(hidden.astype(int), w, targets)
         with raises_naming("chunk_size", error=ValueError):
@@ -238,23 +254,22 @@ def test_errors_name_the_argument():
 def test_temperature_gradient_matches_the_materialised_logits():
     hidden, w, targets, b = problem(7, 8, 37, bias=True)
 
-    def grad_tau(implementation):
+    @functools.partial(jax.jit, static_argnames="implementation")
+    def grad_tau(tau, implementation):
         def of_tau(tau):
             return objective(implementation, chunk_size=10, temperature=tau)(hidden, w, b, targets)
 
-        return jax.grad(of_tau)(jnp.float32(1.3))
+        return jax.grad(of_tau)(tau)
 
-    assert_close(grad_tau("chunked"), grad_tau("naive"), rtol=1e-4, atol=1e-5)
+    tau = np.float32(1.3)
+    assert_close(grad_tau(tau, "chunked"), grad_tau(tau, "naive"), rtol=1e-4, atol=1e-5)
 
 
 def test_forced_pallas_on_cpu_runs_the_kernel_in_the_interpreter():
     hidden, w, targets, b = problem(10, 16, 150, bias=True)
-    ours = fused_token_logps(
-        hidden, w, targets, bias=b, with_entropy=True, temperature=0.8, implementation="pallas"
-    )
-    reference = fused_token_logps(
-        hidden, w, targets, bias=b, with_entropy=True, temperature=0.8, implementation="naive"
-    )
+    kwargs = {"bias": b, "with_entropy": True, "temperature": 0.8}
+    ours = fused(hidden, w, targets, **kwargs, implementation="pallas")
+    reference = fused(hidden, w, targets, **kwargs, implementation="naive")
     for a, e in zip(ours, reference, strict=True):
         assert_close(a, e, rtol=1e-5, atol=1e-5)
 
@@ -264,16 +279,17 @@ def test_targets_outside_the_vocabulary(implementation):
     hidden, w, targets, _ = problem(4, 8, 10)
     kwargs = {"chunk_size": 4, "implementation": implementation}
     with raises_naming("targets", "10", "V = 10", error=ValueError):
-        fused_token_logps(hidden, w, targets.at[1].set(10), **kwargs)
+        fused_token_logps(hidden, w, np.where(np.arange(4) == 1, 10, targets), **kwargs)
     # A masked position may hold anything; under jit a counted one out of range is NaN.
-    bad = targets.at[1].set(-1).at[2].set(10)
-    where = jnp.array([True, True, False, True])
-    out = jax.jit(functools.partial(fused_token_logps, **kwargs))(hidden, w, bad, where=where)
-    expected = fused_token_logps(hidden, w, targets, **kwargs)
+    bad = targets.copy()
+    bad[1], bad[2] = -1, 10
+    where = np.array([True, True, False, True])
+    out = fused(hidden, w, bad, where=where, **kwargs)
+    expected = fused(hidden, w, targets, where=np.ones(4, bool), **kwargs)
     assert np.isnan(out[1]) and out[2] == 0
-    assert_close(out[jnp.array([0, 3])], expected[jnp.array([0, 3])], rtol=1e-6)
+    assert_close(out[np.array([0, 3])], expected[np.array([0, 3])], rtol=1e-6)
     # An integer 0/1 mask counts like the boolean one.
     np.testing.assert_array_equal(
-        fused_token_logps(hidden, w, targets, where=where.astype(jnp.int32), **kwargs),
-        fused_token_logps(hidden, w, targets, where=where, **kwargs),
+        fused(hidden, w, targets, where=where.astype(np.int32), **kwargs),
+        fused(hidden, w, targets, where=where, **kwargs),
     )
