@@ -2,10 +2,12 @@
 
 Most runs call a recipe's entry point in this process (`kit.cli.main`, exactly what
 `python recipes/<name>.py` runs, without starting Python and JAX again); the runs that test
-what only a process shows (its output and exit status, Ctrl-C, a chat on standard input) start
+what only a process shows (its output and exit status, Ctrl-C, a logger's own service) start
 `python recipes/<name>.py` as a user does. Each run is as short as still proves its point.
 """
 
+import contextlib
+import io
 import json
 import signal
 import subprocess
@@ -28,12 +30,29 @@ SMALL = ["--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no
 STEPS = ["--steps", "4", "--eval-every", "4"]
 
 
+@contextlib.contextmanager
+def shared_compilation_cache():
+    """The SFT runs a recipe starts as processes share the session's compilation cache, and
+    the runs in this process keep every program there too: the recipes build their steps
+    afresh each run, so a rerun with the same shapes finds them on disk instead of compiling."""
+    import jax
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in user_env(compilation_cache=True).items():
+            if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")):
+                patch.setenv(name, value)
+        previous = jax.config.jax_persistent_cache_min_compile_time_secs
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        try:
+            yield patch
+        finally:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
+
+
 @pytest.fixture(autouse=True)
-def shared_compilation_cache(monkeypatch):
-    """The SFT runs a recipe starts as processes share the session's compilation cache."""
-    for name, value in user_env(compilation_cache=True).items():
-        if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")):
-            monkeypatch.setenv(name, value)
+def _shared_compilation_cache():
+    with shared_compilation_cache():
+        yield
 
 
 def run_recipe(name: str, *args: str, headline: str | None = None) -> dict:
@@ -76,11 +95,8 @@ def chained(tmp_path_factory) -> dict:
     there), then QLoRA adapters on it, on packed rows. The SFT run is the start model of the
     other recipe tests of this module."""
     root = tmp_path_factory.mktemp("chained")
-    with pytest.MonkeyPatch.context() as patch:
+    with shared_compilation_cache() as patch:
         patch.setenv("TUNELIB_RUNS", str(root / "runs"))
-        for name, value in user_env(compilation_cache=True).items():
-            if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")):
-                patch.setenv(name, value)
         result = run_recipe(
             "dpo", "--sft-steps", "4", "--num-prompts", "64", *STEPS, "--lora-rank", "4",
             "--qlora", "--packing", "--out", str(root / "dpo"),
@@ -122,7 +138,7 @@ def test_sft_logs_plots_saves_its_config_and_reproduces_from_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path):
+def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path, capsys):
     """Ctrl-C saves the last finished step and says how to continue; a checkpoint left
     half-written by a crash is ignored; the resumed run equals the straight one bit for bit,
     and `--resume` with more `--steps` extends a finished run."""
@@ -152,9 +168,8 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path):
     (partial / "state").mkdir(parents=True)
     (partial / "state" / "garbage").write_bytes(b"\x00" * 64)
 
-    proc = run_recipe_process("sft", *SMALL, *flags, "--out", str(stopped), "--resume")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resuming from the checkpoint of step {saved}" in proc.stdout
+    run_recipe("sft", *flags, "--out", str(stopped), "--resume")
+    assert f"resuming from the checkpoint of step {saved}" in capsys.readouterr().out
     straight, resumed = leaves(load_params(tmp_path / "straight")), leaves(load_params(stopped))
     assert len(straight) == len(resumed) > 0
     for a, b in zip(straight, resumed, strict=True):
@@ -298,7 +313,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 @pytest.mark.slow
-def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path):
+def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, monkeypatch):
     """SFT, DPO and GRPO from a transformers checkpoint on JSON-lines files; the fine-tuned
     checkpoints (LoRA merged, or the PEFT adapter on the base) load in transformers; a chat
     with the result."""
@@ -358,11 +373,12 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path):
     )  # fmt: skip
     assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()
 
-    chat = subprocess.run(
-        [sys.executable, str(RECIPES / "generate.py"), "--model", str(tmp_path / "grpo"),
-         "--chat", "--max-new-tokens", "4"],
-        input="what is 2 + 2?\nand 3 + 3?\n\n", capture_output=True, text=True, timeout=300,
-        env=user_env(compilation_cache=True), check=False,
-    )  # fmt: skip
-    assert chat.returncode == 0, chat.stderr[-3000:]
-    assert len(chat.stdout.splitlines()) >= 2  # one answer per turn
+    # A chat on standard input, two turns.
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("what is 2 + 2?\nand 3 + 3?\n\n"))
+    chat = recipe_main(
+        "generate", ["--model", str(tmp_path / "grpo"), "--chat", "--max-new-tokens", "4"]
+    )
+    assert [m["role"] for m in chat] == ["user", "assistant"] * 2
+    assert chat[2]["content"] == "and 3 + 3?"  # the second turn sees the first
+    assert len(capsys.readouterr().out.splitlines()) >= 2  # one answer printed per turn
