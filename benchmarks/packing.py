@@ -69,7 +69,7 @@ SIZES = {
     ),
     "smoke": Size(
         layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64,
-        width=64, batch=4, records=64, median_length=8,
+        width=64, batch=4, records=32, median_length=8,
     ),
 }  # fmt: skip
 ALPHABET = "abcdefghijklmnopqrstuvwxyz "

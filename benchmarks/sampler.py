@@ -87,8 +87,8 @@ SIZES = {
         group_sizes=(1, 4, 8),
     ),
     "smoke": Size(
-        layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=192, vocab=256,
-        prompt_len=8, new_tokens=16, batch=8, batches=(1,), group_rows=8, group_sizes=(1, 4),
+        layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=64, vocab=64,
+        prompt_len=4, new_tokens=16, batch=8, batches=(1,), group_rows=8, group_sizes=(1, 4),
     ),
 }  # fmt: skip
 TOP_P = 0.9

@@ -31,7 +31,7 @@ def test_smoke_size_end_to_end(tmp_path):
     assert result == json.loads(written.read_text())
     assert result["correct"] is True and result["reason"] is None
     case = result["case"]
-    assert (case["layers"], case["hidden"], case["new_tokens"], case["batch"]) == (2, 64, 16, 8)
+    assert (case["layers"], case["hidden"], case["new_tokens"], case["batch"]) == (2, 32, 16, 8)
     new, batch = case["new_tokens"], case["batch"]
 
     runs = {(r["variant"], r["batch"], r["group_size"]): r for r in result["runs"]}

@@ -71,8 +71,11 @@ class Decoder(nnx.Module):
       Two sequences packed into one row attend only within themselves, and their default
       positions restart at 0, so each gives the hidden states it gives alone:
 
-      >>> packed = model(jnp.array([[5, 7, 9, 4, 6]]), segment_ids=jnp.array([[1, 1, 1, 2, 2]]))
-      >>> alone = model(jnp.array([[4, 6]]))
+      >>> @nnx.jit  # one compiled program for both forward passes
+      ... def packed_and_alone(model, row, segment_ids):
+      ...     return model(row, segment_ids=segment_ids), model(row[:, 3:])
+      >>> row, segment_ids = jnp.array([[5, 7, 9, 4, 6]]), jnp.array([[1, 1, 1, 2, 2]])
+      >>> packed, alone = packed_and_alone(model, row, segment_ids)
       >>> print(bool(jnp.allclose(packed[:, 3:], alone, atol=1e-6)))
       True
 

@@ -152,7 +152,7 @@ def lora(fn):
       True
       >>> def loss(adapters):
       ...     return jnp.sum(peft.lora(mlp)(peft.apply_lora(params, adapters), x) ** 2)
-      >>> grads = jax.grad(loss)(adapters)
+      >>> grads = jax.jit(jax.grad(loss))(adapters)
       >>> print(grads["w1"].a.shape, grads["w1"].b.shape)
       (4, 2) (2, 8)
     """

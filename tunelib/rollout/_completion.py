@@ -83,13 +83,13 @@ def completion_logps(
       >>> prompt_where = jnp.array([[False, True, True], [True, True, True]])
       >>> out = sample(graphdef, params, prompts, prompt_where, jax.random.key(0),
       ...              SamplingConfig(max_new_tokens=4, temperature=0.7), group_size=2)
-      >>> logps = completion_logps(graphdef, params, prompts, prompt_where, out.tokens,
-      ...                          out.where, temperature=0.7)
+      >>> score = jax.jit(completion_logps, static_argnums=0)  # the graphdef is static
+      >>> logps = score(graphdef, params, prompts, prompt_where, out.tokens, out.where,
+      ...               temperature=0.7)
       >>> print(logps.shape, bool(jnp.allclose(logps, out.logps, atol=1e-5)))
       (4, 4) True
       >>> tokens, where = jnp.array([[9, 2, 0]]), jnp.array([[True, True, False]])
-      >>> print(completion_logps(graphdef, params, prompts[:1], prompt_where[:1], tokens,
-      ...                        where).round(2))
+      >>> print(score(graphdef, params, prompts[:1], prompt_where[:1], tokens, where).round(2))
       [[-2.68 -2.61  0.  ]]
 
     References:
