@@ -12,8 +12,9 @@ backend skips its most expensive LLVM passes (`JAX_DISABLE_MOST_OPTIMIZATIONS`; 
 optimisations, fusion included, still run, so results differ from a fully optimised build at
 most in the order of a reduction); the CPU backend emits fused kernels with its older
 elemental emitter, which compiles small programs two to three times faster than the MLIR
-fusion emitters (`--xla_cpu_use_fusion_emitters=false`); and programs that took long to compile are shared through
-the session's compilation cache between the two xdist workers and the recipe runs.
+fusion emitters (`--xla_cpu_use_fusion_emitters=false`); and programs that took long to
+compile are shared through the session's compilation cache between the two xdist workers and
+the recipe runs.
 """
 
 import os

@@ -209,13 +209,11 @@ def test_properties(head, divergence, shift, beta):
 def test_odd_vocabulary_any_chunk():
     h_s, w_s, b_s, h_t, w_t, b_t = heads(1, n=4, v=13, scale=2.0)
     z_s, z_t = logits(h_s, w_s, b_s), logits(h_t, w_t, b_t)
-    materialised = logprobs.token_divergence(
-        (h_s @ w_s + b_s)[None],
-        (h_t @ w_t + b_t)[None],
-        divergence="jsd",
-        mix=1e-6,
-        temperature=1.3,
-    )[0]
+    materialised = jax.jit(
+        lambda z_s, z_t: logprobs.token_divergence(
+            z_s, z_t, divergence="jsd", mix=1e-6, temperature=1.3
+        )
+    )((h_s @ w_s + b_s)[None], (h_t @ w_t + b_t)[None])[0]
     # One column per tile; a last tile shifted left over its neighbour (13 = 5 + 5 + 3); one tile.
     for chunk_size in (1, 5, 4096):
         out = fused_divergence(
@@ -293,8 +291,10 @@ def test_masks_with_nan_hidden_states():
 
 
 def test_bf16_inputs():
-    h_s, w_s, b_s, h_t, w_t, b_t = heads(4, n=6, h_s=16, h_t=8, v=40)
-    where = np.ones(6, bool)
+    # The shapes of `test_masks_with_nan_hidden_states`: the float32 calls compile nothing new.
+    h_s, w_s, b_s, h_t, w_t, b_t = heads(4, n=8, scale=2.0)
+    h_s, h_t = h_s.reshape(2, 4, -1), h_t.reshape(2, 4, -1)
+    where = np.ones((2, 4), bool)
     bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (h_s, w_s, b_s, h_t, w_t, b_t)]
     rounded = [np.asarray(x, np.float32) for x in bf16]
     low, low_grads = jsd_values_and_grads(*bf16, where)

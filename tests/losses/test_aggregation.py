@@ -110,34 +110,37 @@ def test_micro_batches_equal_full_batch_exactly_float64(mode, batch, k):
         assert total.count == full.count
 
 
+@functools.partial(jax.jit, static_argnames="edges")
+def global_shares(values, where, n_global, *, edges):
+    """Each micro-batch's global_token_mean share and its gradient, and the full batch's
+    token_mean and its gradient: one compilation per example, not one per operation."""
+
+    def share(x, a, b):
+        return losses.aggregate(
+            x[a:b], mode="global_token_mean", norm_constant=n_global, where=where[a:b]
+        ).mean()
+
+    def full(x):
+        return losses.aggregate(x, mode="token_mean", where=where).mean()
+
+    pairs = list(itertools.pairwise(edges))
+    shares = [share(values, a, b) for a, b in pairs if b > a]
+    grads = [jax.grad(share)(values, a, b) for a, b in pairs]
+    return shares, grads, full(values), jax.grad(full)(values)
+
+
 @given(batches(dyadic=True), st.data())
 def test_global_token_mean_shares_add_up_to_the_full_batch_token_mean(batch, data):
     values, where = batch
     edges = split_points(data.draw, values.shape[0])
     n_global = float(where.sum())
-    shares = [
-        aggregate(values[a:b], mode="global_token_mean", norm_constant=n_global, where=where[a:b])
-        for a, b in itertools.pairwise(edges)
-        if b > a
-    ]
+    shares, grads, full, full_grad = global_shares(values, where, n_global, edges=tuple(edges))
     if n_global == 0:
-        assert all(share.mean() == 0 for share in shares)
+        assert all(share == 0 for share in shares)
         return
-    full = aggregate(values, mode="token_mean", where=where).mean()
-    assert_close(sum(float(share.mean()) for share in shares), float(full), rtol=1e-6, atol=1e-6)
+    assert_close(sum(float(share) for share in shares), float(full), rtol=1e-6, atol=1e-6)
     # Gradients computed per micro-batch and summed equal the full batch's.
-    grads = [
-        jax.grad(
-            lambda x, a=a, b=b: losses.aggregate(
-                x[a:b], mode="global_token_mean", norm_constant=n_global, where=where[a:b]
-            ).mean()
-        )(jnp.asarray(values))
-        for a, b in itertools.pairwise(edges)
-    ]
-    full_grad = jax.grad(lambda x: losses.aggregate(x, mode="token_mean", where=where).mean())(
-        jnp.asarray(values)
-    )
-    assert_close(sum(grads), full_grad, rtol=1e-6, atol=1e-7)
+    assert_close(sum(np.asarray(g) for g in grads), full_grad, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
@@ -238,15 +241,15 @@ def test_segments_integer_masks_and_errors():
     segments = jnp.array([[1, 1, 2, 0], [1, 2, 3, 4]])
     where = jnp.array([[1, 1, 1, 0], [1, 1, 0, 1]])
     # Sequences (1, 2), (3), (5), (6), (8): their token means, then their mean.
-    out = losses.aggregate(values, mode="seq_mean_token_mean", where=where, segment_ids=segments)
+    out = aggregate(values, mode="seq_mean_token_mean", where=where, segment_ids=segments)
     assert (out.total, out.count) == (1.5 + 3.0 + 5.0 + 6.0 + 8.0, 5.0)
     # The token modes do not see segments; an integer 0/1 mask counts like the boolean one.
     for mode in ("token_mean", "seq_mean_token_mean"):
         np.testing.assert_array_equal(
-            losses.aggregate(values, mode=mode, where=where),
-            losses.aggregate(values, mode=mode, where=where == 1),
+            aggregate(values, mode=mode, where=where),
+            aggregate(values, mode=mode, where=where == 1),
         )
-    token = losses.aggregate(values, mode="token_mean", where=where, segment_ids=segments)
+    token = aggregate(values, mode="token_mean", where=where, segment_ids=segments)
     assert (token.total, token.count) == (1.0 + 2 + 3 + 5 + 6 + 8, 6.0)
     with raises_naming("where", "2", error=ValueError):
         losses.aggregate(values, mode="token_mean", where=where * 2)

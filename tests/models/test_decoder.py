@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 
 import hypothesis.extra.numpy as hnp
 import jax
@@ -92,27 +93,43 @@ def copy_weights(source: Decoder, target: Decoder) -> None:
     pure = nnx.to_pure_dict(nnx.state(source, nnx.Param))
     layers = pure["layers"]
     n = source.config.num_hidden_layers
+    # Stacked and unstacked in NumPy: nothing to compile.
     if source.config.scan_layers and not target.config.scan_layers:
-        pure["layers"] = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n)}
+        layers = jax.tree.map(np.asarray, layers)
+        pure["layers"] = {
+            i: jax.tree.map(lambda x, i=i: jnp.asarray(x[i]), layers) for i in range(n)
+        }
     elif target.config.scan_layers and not source.config.scan_layers:
-        pure["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(n)])
+        pure["layers"] = jax.tree.map(
+            lambda *xs: jnp.asarray(np.stack(xs)), *[layers[i] for i in range(n)]
+        )
     state = nnx.state(target, nnx.Param)
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(target, state)
 
 
+def abstract(config: DecoderConfig, seed: int = 0) -> Decoder:
+    """A decoder whose weights are only shapes: for `copy_weights` to fill, nothing compiled."""
+    return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(seed)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens, where, positions, segment_ids):
+    m = nnx.merge(graphdef, state)
+    hidden = m(tokens, where=where, positions=positions, segment_ids=segment_ids)
+    return hidden, m.unembed(hidden)
+
+
 def forward(model: Decoder):
-    """A jitted `(tokens, where, positions, segment_ids) -> (hidden, logits)` for `model`."""
+    """A jitted `(tokens, where, positions, segment_ids) -> (hidden, logits)` for `model`.
+
+    One jitted function for every model, keyed on the (static) graph definition: models of
+    the same config share its compilations, across tests and modules.
+    """
     graphdef, state = nnx.split(model)
 
-    @jax.jit
-    def run(state, tokens, where, positions, segment_ids):
-        m = nnx.merge(graphdef, state)
-        hidden = m(tokens, where=where, positions=positions, segment_ids=segment_ids)
-        return hidden, m.unembed(hidden)
-
     def call(tokens, where=None, positions=None, segment_ids=None):
-        return run(state, tokens, where, positions, segment_ids)
+        return _forward(graphdef, state, tokens, where, positions, segment_ids)
 
     return call
 
@@ -159,7 +176,7 @@ def test_rope_scaling_changes_outputs():
     tokens = TOKENS % 32
     outputs = [forward(plain)(tokens)[0]]
     for variant in ("llama3_rope", "linear_rope"):
-        model = Decoder(make_config(**VARIANTS[variant]), rngs=nnx.Rngs(0))
+        model = abstract(make_config(**VARIANTS[variant]))
         copy_weights(plain, model)
         outputs.append(forward(model)(tokens)[0])
     for a in range(3):
@@ -220,28 +237,31 @@ def test_rope_is_relative(causal_run, offset):
     assert_close(np.asarray(shifted)[WHERE], np.asarray(base)[WHERE], atol=2e-3)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def weighted_loss_and_grad(graphdef, state, weights):
+    """A weighted sum of the logits and its gradient (the loop's compiles once for all cases)."""
+
+    def loss(params):
+        m = nnx.merge(graphdef, params)
+        return jnp.sum(m.unembed(m(TOKENS, where=WHERE)) * weights * WHERE[..., None])
+
+    return jax.value_and_grad(loss)(state)
+
+
 @pytest.mark.parametrize(("scan", "remat"), [(False, True), (True, False), (True, True)])
 def test_scan_and_remat_equal_the_loop(scan, remat):
     config = make_config(**VARIANTS["qk_norm_bias"])
     plain = build(config)
-    other = Decoder(dataclasses.replace(config, scan_layers=scan, remat=remat), rngs=nnx.Rngs(9))
+    other = abstract(dataclasses.replace(config, scan_layers=scan, remat=remat), seed=9)
     copy_weights(plain, other)
     # The options change the program: a scan over one layer, a checkpointed layer.
     graphdef, state = nnx.split(other)
     program = str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(TOKENS, WHERE))(state))
     assert (" scan[" in program) == scan and ("remat" in program) == remat
     weights = jax.random.normal(jax.random.key(0), (3, 7, 32))
-
-    def loss_and_grad(model):
-        graphdef, state = nnx.split(model)
-
-        def loss(params):
-            m = nnx.merge(graphdef, params)
-            return jnp.sum(m.unembed(m(TOKENS, where=WHERE)) * weights * WHERE[..., None])
-
-        return jax.jit(jax.value_and_grad(loss))(state)
-
-    (value, grads), (other_value, other_grads) = loss_and_grad(plain), loss_and_grad(other)
+    (value, grads), (other_value, other_grads) = (
+        weighted_loss_and_grad(*nnx.split(model), weights) for model in (plain, other)
+    )
     assert_close(other_value, value, rtol=1e-5)
     other_grads = nnx.to_pure_dict(other_grads)
     grads = nnx.to_pure_dict(grads)
@@ -256,7 +276,7 @@ def test_scan_and_remat_equal_the_loop(scan, remat):
     hidden, other_hidden = forward(plain)(TOKENS, WHERE)[0], forward(other)(TOKENS, WHERE)[0]
     assert_close(other_hidden, hidden, atol=1e-5)
     # Round trip: copying back gives the original weights exactly.
-    back = Decoder(config, rngs=nnx.Rngs(3))
+    back = abstract(config, seed=3)
     copy_weights(other, back)
     jax.tree.map(np.testing.assert_array_equal, params_of(back), params_of(plain))
 
@@ -286,7 +306,7 @@ def test_grad_is_finite_under_padding():
 def test_bf16_compute_close_to_float32():
     config = make_config(**VARIANTS["qk_norm_bias"])
     model = build(config)
-    low = Decoder(dataclasses.replace(config, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    low = abstract(dataclasses.replace(config, dtype="bfloat16"))
     copy_weights(model, low)
     hidden, logits = forward(model)(TOKENS, WHERE)
     low_hidden, low_logits = forward(low)(TOKENS, WHERE)
@@ -297,7 +317,7 @@ def test_bf16_compute_close_to_float32():
     logit_error = np.abs(np.asarray(low_logits) - np.asarray(logits))[WHERE]
     # Measured: max 0.16, mean 0.039 on logits of mean magnitude 8.
     assert logit_error.max() < 0.4 and logit_error.mean() < 0.08, logit_error.max()
-    stored = Decoder(dataclasses.replace(config, param_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    stored = build(dataclasses.replace(config, param_dtype="bfloat16"))
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(stored, nnx.Param))}
     assert dtypes == {jnp.dtype(jnp.bfloat16)}
     assert forward(stored)(TOKENS, WHERE)[0].dtype == jnp.float32
@@ -310,9 +330,9 @@ def test_jit_vmap_and_no_retrace():
     def hidden(params, tokens, where):
         return nnx.merge(graphdef, params)(tokens, where=where)
 
-    expected = hidden(state, TOKENS, WHERE)
+    expected = hidden(state, TOKENS, WHERE)  # eager, op by op
     assert_close(jax.jit(hidden)(state, TOKENS, WHERE), expected, atol=1e-5)
-    rows = jax.vmap(lambda t, w: hidden(state, t[None], w[None])[0])(TOKENS, WHERE)
+    rows = jax.jit(jax.vmap(lambda t, w: hidden(state, t[None], w[None])[0]))(TOKENS, WHERE)
     assert_close(rows, expected, atol=1e-5)
     rng = np.random.default_rng(0)
     calls = [((state, rng.integers(0, 32, (3, 7)), rng.random((3, 7)) < 0.7), {}) for _ in range(3)]
@@ -342,7 +362,7 @@ def test_every_weight_has_sharding_names(scan):
     config = make_config(
         use_qk_norm=True, attention_bias=True, tie_word_embeddings=False, scan_layers=scan
     )
-    model = Decoder(config, rngs=nnx.Rngs(0))
+    model = build(config)  # its names are those of `Decoder(config, rngs=...)`
     state = nnx.state(model, nnx.Param)
     specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
     flat = nnx.to_flat_state(state)
@@ -424,7 +444,7 @@ def test_initialisation():
 
 
 def test_errors_name_the_argument():
-    model = Decoder(make_config(), rngs=nnx.Rngs(0))
+    model = build(make_config())
     tokens = jnp.zeros((2, 3), jnp.int32)
     with raises_naming("tokens"):
         model(jnp.zeros((2, 3)))

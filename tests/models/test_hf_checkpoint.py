@@ -1,6 +1,9 @@
 """Hugging Face checkpoints: round trips, errors naming tensors, sharding, transformers parity."""
 
+import functools
 import json
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -64,11 +67,39 @@ def relayout(pure: dict, scanned: bool, to_scanned: bool, num_layers: int = 2) -
     return {**pure, "layers": layers}
 
 
-def saved(tmp_path, family="llama", name="ckpt", **kwargs):
-    """A tunelib model of `family`, saved; returns (directory, graphdef, params)."""
-    graphdef, params = nnx.split(build(make_config(**OURS[family])))
-    directory = save_hf_checkpoint(tmp_path / name, graphdef, params, model_type=family, **kwargs)
-    return directory, graphdef, params
+@functools.cache
+def model_of(family: str, scan: bool = False, seed: int = 0):
+    """A tunelib model of `family` as (graphdef, params), built once per module."""
+    return nnx.split(build(make_config(**OURS[family], scan_layers=scan), seed=seed))
+
+
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    """Saves `model_of(family)` once per (family, save options); tests get copies."""
+    root, directories = tmp_path_factory.mktemp("saved"), {}
+
+    def get(family, **kwargs):
+        key = (family, *sorted(kwargs.items()))
+        if key not in directories:
+            graphdef, params = model_of(family)
+            directories[key] = save_hf_checkpoint(
+                root / str(len(directories)), graphdef, params, model_type=family, **kwargs
+            )
+        return directories[key]
+
+    return get
+
+
+@pytest.fixture
+def saved(tmp_path, saved_once):
+    """`saved(family, name, **save_options)`: a tunelib model of `family` saved into
+    `tmp_path / name` (a copy of one saved once); returns (directory, graphdef, params)."""
+
+    def copy(family="llama", name="ckpt", **kwargs):
+        directory = Path(shutil.copytree(saved_once(family, **kwargs), tmp_path / name))
+        return directory, *model_of(family)
+
+    return copy
 
 
 # ----------------------------------------------------------------------------- without torch
@@ -77,8 +108,7 @@ def saved(tmp_path, family="llama", name="ckpt", **kwargs):
 @pytest.mark.parametrize("family", list(OURS))
 @pytest.mark.parametrize(("scan_save", "scan_load"), [(False, False), (False, True), (True, False)])
 def test_save_then_load_round_trips_bit_for_bit(tmp_path, family, scan_save, scan_load):
-    model = build(make_config(**OURS[family], scan_layers=scan_save))
-    graphdef, params = nnx.split(model)
+    graphdef, params = model_of(family, scan_save)
     directory = save_hf_checkpoint(tmp_path / "ckpt", graphdef, params, model_type=family)
     loaded = load_hf_checkpoint(directory, scan_layers=scan_load)
     assert loaded.config == make_config(**OURS[family], scan_layers=scan_load)
@@ -95,8 +125,8 @@ def test_save_then_load_round_trips_bit_for_bit(tmp_path, family, scan_save, sca
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
 
 
-def test_saved_tensors_are_hugging_face_layout(tmp_path):
-    directory, _, params = saved(tmp_path, "llama")
+def test_saved_tensors_are_hugging_face_layout(saved):
+    directory, _, params = saved("llama")
     tensors = load_file(directory / "model.safetensors")
     layer = params["layers"][1]
     np.testing.assert_array_equal(
@@ -118,8 +148,8 @@ def test_saved_tensors_are_hugging_face_layout(tmp_path):
     assert config["attention_bias"] and config["mlp_bias"] and config["torch_dtype"] == "float32"
 
 
-def test_tied_embeddings_write_no_lm_head(tmp_path):
-    directory, _, _ = saved(tmp_path, "qwen2")
+def test_tied_embeddings_write_no_lm_head(saved):
+    directory, _, _ = saved("qwen2")
     names = set(load_file(directory / "model.safetensors"))
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert "model.layers.0.self_attn.q_proj.bias" in names
@@ -127,8 +157,8 @@ def test_tied_embeddings_write_no_lm_head(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_low_precision_save_and_dtype_choice(tmp_path, dtype):
-    directory, _, params = saved(tmp_path, "qwen3", dtype=dtype)
+def test_low_precision_save_and_dtype_choice(saved, dtype):
+    directory, _, params = saved("qwen3", dtype=dtype)
     files = TensorFiles(directory)
     with files:
         assert {files.dtype_code(n) for n in files.names()} == {
@@ -146,8 +176,8 @@ def test_low_precision_save_and_dtype_choice(tmp_path, dtype):
         assert_bits_equal(loaded.params, expected)
 
 
-def test_sharded_save_writes_index(tmp_path):
-    directory, _, params = saved(tmp_path, "llama", max_shard_size=40_000)
+def test_sharded_save_writes_index(saved):
+    directory, _, params = saved("llama", max_shard_size=40_000)
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in directory.glob("*.safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -204,15 +234,15 @@ BAD_EDITS = {
 
 
 @pytest.mark.parametrize(("edit", "named"), list(BAD_EDITS.values()), ids=list(BAD_EDITS))
-def test_bad_tensors_are_named(tmp_path, edit, named):
-    directory, _, _ = saved(tmp_path, "llama")
+def test_bad_tensors_are_named(saved, edit, named):
+    directory, _, _ = saved("llama")
     edit_checkpoint(directory, edit)
     with raises_naming(*named, error=ValueError):
         load_hf_checkpoint(directory)
 
 
-def test_every_missing_and_unexpected_tensor_is_listed(tmp_path):
-    directory, _, _ = saved(tmp_path, "mistral")
+def test_every_missing_and_unexpected_tensor_is_listed(saved):
+    directory, _, _ = saved("mistral")
 
     def edit(tensors):
         tensors.pop("model.norm.weight")
@@ -225,8 +255,8 @@ def test_every_missing_and_unexpected_tensor_is_listed(tmp_path):
         load_hf_checkpoint(directory)
 
 
-def test_tied_lm_head_and_rotary_buffers(tmp_path):
-    directory, _, params = saved(tmp_path, "qwen2")
+def test_tied_lm_head_and_rotary_buffers(saved):
+    directory, _, params = saved("qwen2")
 
     def add_equal_head(tensors):
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
@@ -243,8 +273,8 @@ def test_tied_lm_head_and_rotary_buffers(tmp_path):
         load_hf_checkpoint(directory)
 
 
-def test_missing_files_are_named(tmp_path):
-    directory, _, _ = saved(tmp_path, "llama", max_shard_size=40_000)
+def test_missing_files_are_named(saved):
+    directory, _, _ = saved("llama", max_shard_size=40_000)
     second = sorted(directory.glob("model-*.safetensors"))[1]
     second.rename(directory / "moved.safetensors")
     with raises_naming(second.name, error=FileNotFoundError):
@@ -257,8 +287,8 @@ def test_missing_files_are_named(tmp_path):
         load_hf_checkpoint(directory)
 
 
-def test_index_must_agree_with_files(tmp_path):
-    directory, _, _ = saved(tmp_path, "llama", max_shard_size=40_000)
+def test_index_must_agree_with_files(saved):
+    directory, _, _ = saved("llama", max_shard_size=40_000)
     path = directory / "model.safetensors.index.json"
     index = json.loads(path.read_text())
     first = sorted(directory.glob("model-*.safetensors"))[0].name
@@ -270,8 +300,8 @@ def test_index_must_agree_with_files(tmp_path):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-def test_loads_onto_a_mesh_with_requested_shardings(tmp_path, scan):
-    directory, _, _ = saved(tmp_path, "llama")
+def test_loads_onto_a_mesh_with_requested_shardings(saved, scan):
+    directory, _, _ = saved("llama")
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     loaded = load_hf_checkpoint(directory, mesh=mesh, scan_layers=scan)
     wanted = param_shardings(loaded.graphdef, loaded.params, mesh, TENSOR_PARALLEL_RULES)
@@ -294,8 +324,8 @@ def test_loads_onto_a_mesh_with_requested_shardings(tmp_path, scan):
     np.testing.assert_allclose(logits(loaded.params), logits(single.params), rtol=1e-5, atol=1e-5)
 
 
-def test_explicit_shardings_and_their_errors(tmp_path):
-    directory, _, params = saved(tmp_path, "qwen3")
+def test_explicit_shardings_and_their_errors(saved):
+    directory, _, params = saved("qwen3")
     mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
@@ -312,9 +342,9 @@ def test_explicit_shardings_and_their_errors(tmp_path):
         load_hf_checkpoint(directory, shardings=shardings)
 
 
-def test_each_device_reads_only_its_shard(tmp_path, monkeypatch):
+def test_each_device_reads_only_its_shard(saved, monkeypatch):
     """No whole tensor is read for a sharded parameter: every read is one shard's slice."""
-    directory, _, _ = saved(tmp_path, "llama")
+    directory, _, _ = saved("llama")
     reads = []
     original = TensorFiles.read
 
@@ -336,8 +366,8 @@ def test_each_device_reads_only_its_shard(tmp_path, monkeypatch):
     assert sum(name == "model.norm.weight" for name, _ in reads) == 1
 
 
-def test_save_is_atomic_and_refuses_to_clobber(tmp_path, monkeypatch):
-    directory, graphdef, params = saved(tmp_path, "mistral")
+def test_save_is_atomic_and_refuses_to_clobber(tmp_path, saved, monkeypatch):
+    directory, graphdef, params = saved("mistral")
     with raises_naming(str(directory), error=FileExistsError):
         save_hf_checkpoint(directory, graphdef, params, model_type="mistral")
     # A save that fails part-way leaves neither a checkpoint nor a partial directory behind.
@@ -354,19 +384,19 @@ def test_save_is_atomic_and_refuses_to_clobber(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert_bits_equal(load_hf_checkpoint(directory).params, params)  # the old one is intact
     monkeypatch.undo()
-    other = nnx.split(build(make_config(**OURS["mistral"]), seed=1))[1]
+    other = model_of("mistral", seed=1)[1]
     save_hf_checkpoint(directory, graphdef, other, model_type="mistral", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert_bits_equal(load_hf_checkpoint(directory).params, other)
 
 
-def test_save_copies_tokenizer_files(tmp_path):
+def test_save_copies_tokenizer_files(tmp_path, saved):
     source = tmp_path / "source"
     source.mkdir()
     (source / "tokenizer.json").write_text("{}")
     (source / "chat_template.jinja").write_text("{{ messages }}")
     (source / "notes.txt").write_text("not copied")
-    directory, _, _ = saved(tmp_path, "qwen2", copy_files_from=source)
+    directory, _, _ = saved("qwen2", copy_files_from=source)
     assert sorted(p.name for p in directory.iterdir()) == [
         "chat_template.jinja",
         "config.json",
@@ -376,7 +406,7 @@ def test_save_copies_tokenizer_files(tmp_path):
 
 
 def test_save_errors_name_the_problem(tmp_path):
-    graphdef, params = nnx.split(build(make_config(**OURS["qwen3"])))
+    graphdef, params = model_of("qwen3")
     with raises_naming("model_type", error=ValueError):
         save_hf_checkpoint(tmp_path / "a", graphdef, params)
     with raises_naming("use_qk_norm", "llama", error=ValueError):
@@ -399,6 +429,12 @@ WHERE[0, :3] = False
 WHERE[1, -2:] = False
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def logits_of(graphdef, params, tokens, where):
+    model = nnx.merge(graphdef, params)
+    return model.unembed(model(tokens, where=where))
+
+
 @pytest.fixture(scope="module")
 def hf():
     return hf_modules()
@@ -412,8 +448,7 @@ def test_matches_transformers(tmp_path, hf, family):
     reference = model_class(family).from_pretrained(directory).eval()
     expected = hf_logits(reference, TOKENS, WHERE)
     loaded = load_hf_checkpoint(directory)
-    model = nnx.merge(loaded.graphdef, loaded.params)
-    logits = np.asarray(model.unembed(model(TOKENS, where=WHERE)))
+    logits = np.asarray(logits_of(loaded.graphdef, loaded.params, TOKENS, WHERE))
     assert logits.shape == (3, 12, VOCAB_SIZE)
     error = np.abs(logits - expected)[WHERE].max()
     assert error < 1e-4, error
@@ -451,8 +486,7 @@ def test_matches_transformers(tmp_path, hf, family):
 def test_transformers_loads_a_model_saved_from_scratch(tmp_path, hf, family):
     """A model tunelib built itself (no base config) is read by transformers as the same model."""
     graphdef, params = nnx.split(build(make_config(**OURS[family], vocab_size=300), seed=3))
-    model = nnx.merge(graphdef, params)
-    ours = np.asarray(model.unembed(model(TOKENS, where=WHERE)))
+    ours = np.asarray(logits_of(graphdef, params, TOKENS, WHERE))
     directory = save_hf_checkpoint(tmp_path / "ours", graphdef, params, model_type=family,
                                    max_shard_size=30_000)  # fmt: skip
     assert (directory / "model.safetensors.index.json").exists()

@@ -35,9 +35,21 @@ ALL_PROJECTIONS = [peft.LoraRule(pattern=r".*_proj/kernel", rank=4, alpha=8)]
 
 @functools.cache
 def _decoder(overrides: tuple):
-    model = Decoder(DecoderConfig(**{**CONFIG, **dict(overrides)}), rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    return graphdef, nnx.to_pure_dict(state)
+    """Made abstractly, then drawn in NumPy as the initialisers would (N(0, 0.02) weights,
+    unit norm scales, zero biases): no initialiser is compiled."""
+    config = DecoderConfig(**{**CONFIG, **dict(overrides)})
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(1)
+
+    def draw(path, x):
+        name = path[-1].key
+        if name == "scale":
+            return jnp.ones(x.shape, x.dtype)
+        if name == "bias":
+            return jnp.zeros(x.shape, x.dtype)
+        return jnp.asarray(config.initializer_range * rng.standard_normal(x.shape), x.dtype)
+
+    return graphdef, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(state))
 
 
 def decoder(**overrides):
@@ -53,17 +65,30 @@ def trained(adapters, seed=7, size=0.1):
     )
 
 
-def run_lora(graphdef, params, adapters, **kwargs):
+# Module-level jitted forwards, keyed on the (static) graph definition: every test that runs
+# the same decoder reuses one compilation.
+@functools.partial(jax.jit, static_argnums=0)
+def run_lora(graphdef, params, adapters, dropout_key=None):
     def forward(p, tokens):
         return nnx.merge(graphdef, p)(tokens, where=WHERE)
 
-    return jax.jit(lambda p, a: peft.lora(forward)(peft.apply_lora(p, a, **kwargs), TOKENS))(
-        params, adapters
-    )
+    weights = peft.apply_lora(params, adapters, dropout_key=dropout_key)
+    return peft.lora(forward)(weights, TOKENS)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def run_dense(graphdef, params):
-    return jax.jit(lambda p: nnx.merge(graphdef, p)(TOKENS, where=WHERE))(params)
+    return nnx.merge(graphdef, params)(TOKENS, where=WHERE)
+
+
+merge_lora = jax.jit(peft.merge_lora)
+unmerge_lora = jax.jit(peft.unmerge_lora)
+_init_adapters = jax.jit(peft.init_lora, static_argnames="rules")
+
+
+def init_adapters(params, rules=ALL_PROJECTIONS):
+    """`peft.init_lora` with key 1, compiled once per decoder (not one draw at a time)."""
+    return _init_adapters(params, tuple(rules), key=jax.random.key(1))
 
 
 # ----------------------------------------------------------------------------- the product
@@ -73,6 +98,23 @@ def reference(x, w, a, b, scale):
     """x W + s (x A) B in float64."""
     x, w, a, b = (np.asarray(t, np.float64) for t in (x, w, a, b))
     return x @ w + scale * (x @ a) @ b
+
+
+FORMS = {
+    "matmul": lambda p, x: x @ p["w"],
+    "einsum": lambda p, x: jnp.einsum("mi,io->mo", x, p["w"]),
+    "left": lambda p, x: (p["w"].T @ x.T).T,
+    "transposed": lambda p, x: x @ p["w"].T.T,
+    "dot_general_left": lambda p, x: jax.lax.dot_general(p["w"], x, (((0,), (1,)), ((), ()))).T,
+}
+
+
+@jax.jit
+def every_form(x, w, a, b):
+    """Each form of the product under `lora`, one compilation per shape (a warning, which
+    `lora` gives while tracing, still reaches the caller)."""
+    weight = peft.apply_lora({"w": w}, {"w": peft.LoraAdapter(a=a, b=b, alpha=3.0)})
+    return {name: peft.lora(fn)(weight, x) for name, fn in FORMS.items()}
 
 
 @settings(max_examples=10)
@@ -89,20 +131,12 @@ def test_products_equal_the_float64_reference(m, d0, d1, rank, seed):
     w = rng.standard_normal((d0, d1)).astype(np.float32)
     a = rng.standard_normal((d0, rank)).astype(np.float32)
     b = rng.standard_normal((rank, d1)).astype(np.float32)
-    weight = peft.apply_lora({"w": w}, {"w": peft.LoraAdapter(a=a, b=b, alpha=3.0)})
     expected = reference(x, w, a, b, 3.0 / rank)
-    forms = {
-        "matmul": lambda p, x: x @ p["w"],
-        "einsum": lambda p, x: jnp.einsum("mi,io->mo", x, p["w"]),
-        "left": lambda p, x: (p["w"].T @ x.T).T,
-        "transposed": lambda p, x: x @ p["w"].T.T,
-        "dot_general_left": lambda p, x: jax.lax.dot_general(p["w"], x, (((0,), (1,)), ((), ()))).T,
-    }
     with warnings.catch_warnings():
         warnings.simplefilter("error", peft.MaterializationWarning)
-        for name, fn in forms.items():
-            out = peft.lora(fn)(weight, x)
-            np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5, err_msg=name)
+        outs = every_form(x, w, a, b)
+    for name, out in outs.items():
+        np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 def test_stacked_weights_under_scan_and_batched_products():
@@ -138,14 +172,12 @@ def test_other_operations_materialise_with_a_warning():
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_zero_b_gives_the_base_outputs_bit_for_bit(scan_layers):
     graphdef, params = decoder(scan_layers=scan_layers)
-    adapters = peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1))
+    adapters = init_adapters(params)
     base = run_dense(graphdef, params)
     np.testing.assert_array_equal(run_lora(graphdef, params, adapters), base)
     # Dropout sees only the adapter's input, so with B = 0 it changes nothing either.
     dropped = [dict(rule.__dict__, dropout=0.5) for rule in ALL_PROJECTIONS]
-    with_dropout = peft.init_lora(
-        params, [peft.LoraRule(**r) for r in dropped], key=jax.random.key(1)
-    )
+    with_dropout = init_adapters(params, [peft.LoraRule(**r) for r in dropped])
     out = run_lora(graphdef, params, with_dropout, dropout_key=jax.random.key(2))
     np.testing.assert_array_equal(out, base)
 
@@ -153,20 +185,20 @@ def test_zero_b_gives_the_base_outputs_bit_for_bit(scan_layers):
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_merged_and_unmerged_forwards_agree(scan_layers):
     graphdef, params = decoder(scan_layers=scan_layers)
-    adapters = trained(peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1)))
+    adapters = trained(init_adapters(params))
     unmerged = run_lora(graphdef, params, adapters)
-    merged = run_dense(graphdef, peft.merge_lora(params, adapters))
+    merged = run_dense(graphdef, merge_lora(params, adapters))
     base = run_dense(graphdef, params)
     assert float(jnp.abs(unmerged - base).max()) > 0.1  # the adapters do change the model
     np.testing.assert_allclose(unmerged, merged, rtol=1e-5, atol=1e-5)
-    restored = peft.unmerge_lora(peft.merge_lora(params, adapters), adapters)
+    restored = unmerge_lora(merge_lora(params, adapters), adapters)
     for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6)
 
 
 def test_bf16_compute_is_close_to_float32():
     graphdef, params = decoder()
-    adapters = trained(peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1)))
+    adapters = trained(init_adapters(params))
     graphdef16, _ = decoder(dtype="bfloat16")
     out16 = run_lora(graphdef16, params, adapters)
     assert out16.dtype == jnp.bfloat16
@@ -177,7 +209,7 @@ def test_bf16_compute_is_close_to_float32():
 
 def test_gradients_flow_into_adapters_only():
     graphdef, params = decoder()
-    adapters = peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1))
+    adapters = init_adapters(params)
 
     def loss(adapters, params):
         out = peft.lora(lambda p: nnx.merge(graphdef, p)(TOKENS, where=WHERE))(
@@ -209,8 +241,13 @@ def test_labels_freeze_the_base_under_optax_partition():
     labels = peft.lora_labels(tree)
     assert labels["base"]["w1"] == "frozen" and labels["lora"]["w1"].a == "lora"
     optimizer = optax.partition({"lora": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
-    updates, _ = optimizer.update(jax.grad(loss)(tree), optimizer.init(tree), tree)
-    new = optax.apply_updates(tree, updates)
+
+    @jax.jit
+    def step(tree):
+        updates, _ = optimizer.update(jax.grad(loss)(tree), optimizer.init(tree), tree)
+        return optax.apply_updates(tree, updates)
+
+    new = step(tree)
     for after, before in zip(jax.tree.leaves(new["base"]), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(after, before)
     for after, before in zip(jax.tree.leaves(new["lora"]), jax.tree.leaves(adapters), strict=True):
@@ -224,6 +261,7 @@ def test_dropout_is_inverted_and_keyed():
     adapter = peft.LoraAdapter(a=jnp.ones((8, 1)), b=jnp.ones((1, 4)), alpha=1.0, dropout=0.5)
     x = jnp.ones((256, 8))
 
+    @jax.jit
     def out(key):
         return peft.lora(lambda p: x @ p["w"])(
             peft.apply_lora({"w": w}, {"w": adapter}, dropout_key=key)
@@ -241,7 +279,7 @@ def test_dropout_is_inverted_and_keyed():
 
 def test_second_call_with_new_adapters_does_not_retrace():
     graphdef, params = decoder()
-    adapters = peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1))
+    adapters = init_adapters(params)
 
     def forward(params, adapters):
         fn = peft.lora(lambda p: nnx.merge(graphdef, p)(TOKENS, where=WHERE))
@@ -252,7 +290,7 @@ def test_second_call_with_new_adapters_does_not_retrace():
 
 def test_sharded_over_8_devices_equals_one_device():
     graphdef, params = decoder()
-    adapters = trained(peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1)))
+    adapters = trained(init_adapters(params))
     expected = run_lora(graphdef, params, adapters)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     sharded = jax.device_put(params, param_shardings(graphdef, params, mesh))
@@ -267,6 +305,11 @@ def test_a_plain_jax_function_and_an_nnx_module_unchanged():
     def mlp(params, x):  # a user's function in the PyTorch layout: y = x W^T
         return jax.nn.gelu(x @ params["fc1"]["weight"].T) @ params["fc2"]["weight"].T
 
+    @jax.jit
+    def adapted_plain_and_merged(params, adapters, x):
+        adapted = peft.lora(mlp)(peft.apply_lora(params, adapters), x)
+        return adapted, mlp(params, x), mlp(peft.merge_lora(params, adapters), x)
+
     rng = np.random.default_rng(0)
     params = {
         "fc1": {"weight": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)},
@@ -276,16 +319,10 @@ def test_a_plain_jax_function_and_an_nnx_module_unchanged():
     adapters = peft.init_lora(params, rules, key=jax.random.key(0))
     assert float(jnp.abs(adapters["fc1"]["weight"].a).max()) == 0  # the output-side factor
     x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
-    np.testing.assert_array_equal(
-        peft.lora(mlp)(peft.apply_lora(params, adapters), x), mlp(params, x)
-    )
-    adapters = trained(adapters)
-    np.testing.assert_allclose(
-        peft.lora(mlp)(peft.apply_lora(params, adapters), x),
-        mlp(peft.merge_lora(params, adapters), x),
-        rtol=1e-5,
-        atol=1e-5,
-    )
+    adapted, plain, _ = adapted_plain_and_merged(params, adapters, x)
+    np.testing.assert_array_equal(adapted, plain)
+    adapted, _, merged = adapted_plain_and_merged(params, trained(adapters), x)
+    np.testing.assert_allclose(adapted, merged, rtol=1e-5, atol=1e-5)
 
     class Net(nnx.Module):  # a user's NNX module built from Flax layers
         def __init__(self, rngs):
@@ -300,10 +337,16 @@ def test_a_plain_jax_function_and_an_nnx_module_unchanged():
     adapters = trained(
         peft.init_lora(state, [peft.LoraRule(pattern=r".*/kernel", rank=2)], key=jax.random.key(0))
     )
-    out = peft.lora(lambda s, x: nnx.merge(graphdef, s)(x))(peft.apply_lora(state, adapters), x)
-    np.testing.assert_allclose(
-        out, nnx.merge(graphdef, peft.merge_lora(state, adapters))(x), rtol=1e-5, atol=1e-5
-    )
+
+    @jax.jit
+    def adapted_and_merged_net(state, adapters, x):
+        adapted = peft.lora(lambda s, x: nnx.merge(graphdef, s)(x))(
+            peft.apply_lora(state, adapters), x
+        )
+        return adapted, nnx.merge(graphdef, peft.merge_lora(state, adapters))(x)
+
+    out, merged = adapted_and_merged_net(state, adapters, x)
+    np.testing.assert_allclose(out, merged, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- rules and init
@@ -369,8 +412,8 @@ def test_remat_and_custom_vjp_regions_keep_the_weights_adapted():
 
     targets = jnp.roll(TOKENS, -1, axis=1)
     graphdef, params = decoder(scan_layers=True, remat=True)
-    adapters = trained(peft.init_lora(params, ALL_PROJECTIONS, key=jax.random.key(1)))
-    base = peft.quantize_params(params, [r".*_proj/kernel"])
+    adapters = trained(init_adapters(params))
+    base = jax.jit(lambda p: peft.quantize_params(p, [r".*_proj/kernel"]))(params)
 
     def loss(params):
         model = nnx.merge(graphdef, params)
@@ -389,7 +432,8 @@ def test_remat_and_custom_vjp_regions_keep_the_weights_adapted():
     with warnings.catch_warnings():
         warnings.simplefilter("error", peft.MaterializationWarning)
         for frozen in (params, base):
-            got, want = adapted(adapters, frozen), merged(adapters, peft.dequantize_params(frozen))
+            dense = jax.jit(peft.dequantize_params)(frozen)
+            got, want = adapted(adapters, frozen), merged(adapters, dense)
             np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
             for x, y in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
                 np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

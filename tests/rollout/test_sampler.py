@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,16 +29,23 @@ PROMPT_WHERE = np.array(
 )
 
 
+@functools.cache
+def _initial_state(config: DecoderConfig):
+    """The graph definition and a jitted initialisation (one compilation per config)."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    init = jax.jit(lambda key: nnx.to_pure_dict(nnx.state(Decoder(config, rngs=nnx.Rngs(key)))))
+    return graphdef, init
+
+
 def make_model(seed: int = 0, config: DecoderConfig = CONFIG):
     """A decoder with weights large enough that its next-token distributions are peaked."""
-    model = Decoder(config, rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(model)
+    graphdef, init = _initial_state(config)
     rng = np.random.default_rng(seed)
     pure = jax.tree.map(
         lambda x: jnp.asarray(
             x + (0.3 if x.ndim > 1 else 0.0) * rng.standard_normal(x.shape), x.dtype
         ),
-        nnx.to_pure_dict(state),
+        init(jax.random.key(seed)),
     )
     return graphdef, pure
 
@@ -50,18 +58,25 @@ def full_logits(graphdef, params, tokens, where):
 
 
 def naive_greedy(graphdef, params, prompts, where, steps, stop=()):
-    """Greedy decoding that re-runs the full forward pass for every token (NumPy loop)."""
-    tokens, real = np.asarray(prompts), np.asarray(where)
-    done = np.zeros(len(tokens), bool)
+    """Greedy decoding that re-runs the full forward pass for every token (NumPy loop).
+
+    The sequence lives in one buffer of its final length with the tokens still to come masked
+    out (attention is causal, so a position never sees them): every step runs the same
+    compiled forward, over the prompt and the tokens so far.
+    """
+    prompts, where = np.asarray(prompts), np.asarray(where)
+    rows, p = prompts.shape
+    tokens = np.concatenate([prompts, np.zeros((rows, steps), prompts.dtype)], axis=1)
+    real = np.concatenate([where, np.zeros((rows, steps), bool)], axis=1)
+    done = np.zeros(rows, bool)
     out, mask = [], []
-    for _ in range(steps):
+    for i in range(steps):
         logits = np.asarray(full_logits(graphdef, params, tokens, real))
-        next_token = logits[:, -1].argmax(-1)
+        next_token = logits[:, p + i - 1].argmax(-1)
         out.append(np.where(done, 0, next_token))
         mask.append(~done)
         done = done | np.isin(next_token, stop)
-        tokens = np.concatenate([tokens, next_token[:, None]], axis=1)
-        real = np.concatenate([real, np.ones((len(tokens), 1), bool)], axis=1)
+        tokens[:, p + i], real[:, p + i] = next_token, True
     return np.stack(out, 1), np.stack(mask, 1)
 
 
@@ -77,6 +92,11 @@ def completion_logits(graphdef, params, rollout, prompts=PROMPTS, where=PROMPT_W
     return np.concatenate([first, logits[:, p : p + rollout.tokens.shape[1] - 1]], axis=1)
 
 
+# The greedy config of every test that needs one on `CONFIG`'s decoder and `PROMPTS`: one
+# compilation of the sampler for all of them.
+GREEDY = SamplingConfig(max_new_tokens=6, temperature=0.0)
+
+
 def log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
@@ -84,10 +104,11 @@ def log_softmax(x):
 
 def test_temperature_zero_is_exact_greedy():
     graphdef, params = make_model()
-    config = SamplingConfig(max_new_tokens=8, temperature=0.0)
-    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), config)
-    tokens, _ = naive_greedy(graphdef, params, PROMPTS[:2], PROMPT_WHERE[:2], 8)
-    np.testing.assert_array_equal(out.tokens[:2], tokens)
+    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY)
+    # The naive loop appends after the last column, which is right only for the first two
+    # rows (the third is right-padded); the third row is checked below.
+    tokens, _ = naive_greedy(graphdef, params, PROMPTS, PROMPT_WHERE, GREEDY.max_new_tokens)
+    np.testing.assert_array_equal(out.tokens[:2], tokens[:2])
     # The right-padded row, checked against the logits of one uncached pass.
     logits = completion_logits(graphdef, params, out)
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
@@ -122,8 +143,7 @@ def test_logps_are_those_of_the_stated_distribution(logps_of):
 
 def test_top_k_one_is_greedy_and_forbidden_tokens_are_never_drawn():
     graphdef, params = make_model(2)
-    greedy = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0),
-                    SamplingConfig(max_new_tokens=6, temperature=0.0))  # fmt: skip
+    greedy = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY)
     top1 = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(5),
                   SamplingConfig(max_new_tokens=6, temperature=1.3, top_k=1))  # fmt: skip
     np.testing.assert_array_equal(top1.tokens, greedy.tokens)
@@ -287,13 +307,12 @@ def test_rollout_is_a_pytree_of_arrays_with_its_temperature():
 
 def test_sampler_inside_a_users_jit():
     graphdef, params = make_model()
-    config = SamplingConfig(max_new_tokens=5, temperature=0.0)
 
     @jax.jit
     def run(params, prompts, where):
-        return sample(graphdef, params, prompts, where, jax.random.key(0), config)
+        return sample(graphdef, params, prompts, where, jax.random.key(0), GREEDY)
 
-    eager = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), config)
+    eager = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY)
     jitted = run(params, PROMPTS, PROMPT_WHERE)
     np.testing.assert_array_equal(jitted.tokens, eager.tokens)
     assert isinstance(jitted, Rollout) and jitted.temperature == eager.temperature == 1.0
@@ -323,16 +342,16 @@ def test_sharded_greedy_equals_single_device():
 def test_state_params_and_scanned_layers_give_the_same_completions():
     config = dataclasses.replace(CONFIG, scan_layers=True)
     graphdef, pure = make_model(8, config)
-    state = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))[1]
-    nnx.replace_by_pure_dict(state, pure)
+    state = nnx.state(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, pure)  # every value replaced: made abstractly
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.9)
     a = sample(graphdef, pure, PROMPTS, PROMPT_WHERE, jax.random.key(1), sampling)
     b = sample(graphdef, state, PROMPTS, PROMPT_WHERE, jax.random.key(1), sampling)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     loop = make_model(8)  # the same weights unstacked: the loop over layers
-    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
-    stacked = sample(graphdef, pure, PROMPTS, PROMPT_WHERE, jax.random.key(0), greedy)
-    unstacked_pure = {**pure, "layers": {i: jax.tree.map(lambda x, i=i: x[i], pure["layers"])
+    stacked = sample(graphdef, pure, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY)
+    layers = jax.tree.map(np.asarray, pure["layers"])
+    unstacked_pure = {**pure, "layers": {i: jax.tree.map(lambda x, i=i: x[i], layers)
                                          for i in range(config.num_hidden_layers)}}  # fmt: skip
-    unstacked = sample(loop[0], unstacked_pure, PROMPTS, PROMPT_WHERE, jax.random.key(0), greedy)
+    unstacked = sample(loop[0], unstacked_pure, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY)
     np.testing.assert_array_equal(stacked.tokens, unstacked.tokens)
