@@ -7,11 +7,12 @@ JAX. The others (a data file's contents, a batch larger than the data) run in th
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.recipes._scripts import recipe_main, run_without_jax, snapshot
+from tests.recipes._scripts import recipe_main, recipe_module, run_without_jax, snapshot
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +204,20 @@ def test_each_step_draws_independent_keys_for_its_streams():
     assert len({x.tobytes() for x in seen}) == len(seen)
     again = step_keys(jax.random.key_data(jax.random.key(0)), "rollouts", "dropout")
     np.testing.assert_array_equal(again[0], seen[0])  # deterministic
+
+
+@pytest.mark.parametrize(
+    ("target", "module"), [("tensorboard", "tensorboardX"), ("wandb", "wandb")]
+)
+def test_a_logger_that_is_not_installed_is_one_line(monkeypatch, capsys, target, module):
+    """`--log-to` names the package to install, in one line, before anything runs."""
+    from kit.config import parse
+
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    sft = recipe_module("sft").SFTConfig
+    with pytest.raises(SystemExit) as stop:
+        parse(sft, ["--log-to", f"jsonl,{target}"], description="", prog="sft.py")
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"sft.py: error: --log-to {target} needs the {module} package: "
+                     "pip install 'tunelib[logging]'"]  # fmt: skip
