@@ -1,6 +1,6 @@
 r"""Tokens per second of SFT train steps on packed rows against padded rows.
 
-    python benchmarks/packing.py                  # the default case, a few minutes on 2 cores
+    python benchmarks/packing.py                  # the default case, about 4 minutes on 2 cores
     python benchmarks/packing.py --size smoke     # seconds; what the tests run
     python benchmarks/packing.py --json-out result.json
 
