@@ -164,10 +164,12 @@ def first_and_last(run: RunFolder, key: str) -> tuple[float, float]:
 
 def before_and_after(run: RunFolder, *keys: str) -> dict:
     """`{key}_before` and `{key}_after` of each of `keys` the run logged."""
+    records = run.records()  # the metrics file, read once
     out = {}
     for key in keys:
-        if any(key in r for r in run.records()):
-            out[f"{key}_before"], out[f"{key}_after"] = first_and_last(run, key)
+        values = [r[key] for r in records if key in r]
+        if values:
+            out[f"{key}_before"], out[f"{key}_after"] = values[0], values[-1]
     return out
 
 
