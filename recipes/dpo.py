@@ -36,7 +36,7 @@ class DPOConfig(Run, Task, DataFile, SFTStart, Lora):
     LEARNING_RATE = 1e-4
     LORA_LEARNING_RATE = 1e-3
 
-    steps: int = flag(300, "optimizer steps")
+    steps: int = flag(600, "optimizer steps")
     loss: Literal[LOSSES] = flag("dpo", "the pairwise loss of tunelib.losses")
     beta: float = flag(1.0, "the loss's strength beta")
     rejected: Literal["model", "near_miss"] = flag(

@@ -42,7 +42,7 @@ def shared_compilation_cache():
             if name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")):
                 patch.setenv(name, value)
         previous = jax.config.jax_persistent_cache_min_compile_time_secs
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         try:
             yield patch
         finally:
