@@ -7,21 +7,28 @@ test processes and the recipe runs they start as subprocesses share
 (`tests._helpers.user_env`).
 
 The suite compiles thousands of small programs and runs each a few times, so compiling is
-most of its time. Three settings make it cheaper without changing what is computed: XLA's
+most of its time. Four settings make it cheaper without changing what is computed: XLA's
 backend skips its most expensive LLVM passes (`JAX_DISABLE_MOST_OPTIMIZATIONS`; the HLO
 optimisations, fusion included, still run, so results differ from a fully optimised build at
 most in the order of a reduction); the CPU backend emits fused kernels with its older
 elemental emitter, which compiles small programs two to three times faster than the MLIR
-fusion emitters (`--xla_cpu_use_fusion_emitters=false`); and programs that took long to
-compile are shared through the session's compilation cache between the two xdist workers and
-the recipe runs.
+fusion emitters (`--xla_cpu_use_fusion_emitters=false`); it generates each program's machine
+code as one LLVM module instead of splitting it for parallel codegen threads, which the two
+xdist workers on two cores cannot use (`--xla_cpu_parallel_codegen_split_count=1`: 17 % off
+`tests/losses` and `tests/models`); and programs that took long to compile are shared through
+the session's compilation cache between the two xdist workers and the recipe runs.
 """
 
 import os
 import shutil
 import tempfile
 
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_cpu_use_fusion_emitters=false"):
+_FLAGS = (
+    "--xla_force_host_platform_device_count=8",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
