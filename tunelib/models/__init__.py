@@ -11,6 +11,15 @@ weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 
 from tunelib.models._config import DecoderConfig
 from tunelib.models._decoder import Decoder, KVCache
+from tunelib.models._gguf import (
+    GGUF_ARCHITECTURES,
+    GGUF_TENSOR_TYPES,
+    GGUFModel,
+    GGUFTensor,
+    convert_gguf,
+    gguf_tensors,
+    read_gguf,
+)
 from tunelib.models._hf_checkpoint import (
     COPIED_FILES,
     HFCheckpoint,
@@ -24,18 +33,25 @@ from tunelib.models._sharding import TENSOR_PARALLEL_RULES, param_shardings
 
 __all__ = [
     "COPIED_FILES",
+    "GGUF_ARCHITECTURES",
+    "GGUF_TENSOR_TYPES",
     "MODEL_TYPES",
     "PROJECTION_KERNELS",
     "TENSOR_PARALLEL_RULES",
     "Decoder",
     "DecoderConfig",
+    "GGUFModel",
+    "GGUFTensor",
     "HFCheckpoint",
     "KVCache",
     "config_from_hf",
     "config_to_hf",
+    "convert_gguf",
+    "gguf_tensors",
     "hf_module_name",
     "load_hf_checkpoint",
     "param_shardings",
+    "read_gguf",
     "rope_frequencies",
     "save_hf_checkpoint",
 ]

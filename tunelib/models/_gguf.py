@@ -1,0 +1,307 @@
+"""GGUF files (llama.cpp's format) read into Hugging Face terms: the metadata as a
+`config.json`, the tensors dequantised under Hugging Face names and layouts, and a conversion
+into a Hugging Face checkpoint folder that `load_hf_checkpoint` and every `--model DIR` read."""
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tunelib.models._hf_config import ARCHITECTURES
+
+# The architectures read, as `general.architecture` names them, with their `model_type`.
+# llama.cpp writes Mistral checkpoints as `llama`.
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Tensor types dequantised (every one the `gguf` package reads that a GGUF model commonly
+# holds; llama.cpp's importance-matrix types IQ* are refused by name).
+GGUF_TENSOR_TYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+# `{arch}.<key>` metadata and the config.json field each becomes.
+_CONFIG_KEYS: dict[str, str] = {
+    "vocab_size": "vocab_size",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "context_length": "max_position_embeddings",
+}
+# Keys read and checked rather than copied.
+_CHECKED_KEYS = ("rope.dimension_count", "attention.value_length", "rope.scaling.type")
+_ROPE_SCALING_KEYS = ("rope.scaling.factor", "rope.scaling.original_context_length")
+
+# GGUF tensor names (per layer after `blk.N.`) and their Hugging Face module names.
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_MAGIC = b"GGUF"
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file under its Hugging Face name (not yet dequantised)."""
+
+    gguf_name: str
+    hf_name: str
+    type_name: str
+    shape: tuple[int, ...]  # Hugging Face's (row-major, `[out, in]` for a projection)
+    unpermute_heads: int | None  # llama.cpp's query / key row order, undone with this many heads
+
+
+class GGUFModel(NamedTuple):
+    """What `read_gguf` finds in a file.
+
+    Attributes:
+      path: the file.
+      hf_config: the `config.json` of the equivalent Hugging Face checkpoint.
+      metadata: every key-value field of the file (arrays as lists).
+      tensors: the model's tensors by Hugging Face name, in file order.
+    """
+
+    path: Path
+    hf_config: dict[str, Any]
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+
+def _reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist or is not a file.")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != _MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not {_MAGIC!r}).")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:  # the reader's own errors for a damaged or truncated file
+        raise ValueError(
+            f"{path} is not a readable GGUF file ({error}); is it truncated?"
+        ) from None
+
+
+def _metadata(reader) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _hf_config(path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: general.architecture {arch!r} is not supported; the supported ones are "
+            f"{sorted(GGUF_ARCHITECTURES)}."
+        )
+    model_type = GGUF_ARCHITECTURES[arch]
+    known = set(_CONFIG_KEYS) | set(_CHECKED_KEYS) | set(_ROPE_SCALING_KEYS)
+    for key in sorted(k for k in metadata if k.startswith(f"{arch}.")):
+        if key.removeprefix(f"{arch}.") not in known:
+            raise ValueError(f"{path}: metadata key {key!r} is not supported.")
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{key}", default)
+
+    config: dict[str, Any] = {"model_type": model_type}
+    for key, field in _CONFIG_KEYS.items():
+        if get(key) is not None:
+            config[field] = get(key)
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
+        config["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):  # fmt: skip
+        if key not in config:
+            raise ValueError(f"{path}: the metadata gives no {key} ({arch}.* keys).")
+    heads = config["num_attention_heads"]
+    config.setdefault("num_key_value_heads", heads)
+    head_dim = config.get("head_dim", config["hidden_size"] // heads)
+    config["head_dim"] = head_dim
+    for key in ("rope.dimension_count", "attention.value_length"):
+        if get(key) is not None and get(key) != head_dim:
+            raise ValueError(
+                f"{path}: {arch}.{key} = {get(key)} differs from the head size {head_dim}; "
+                "partial rotary embeddings and value heads of another size are not supported."
+            )
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported.")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    if model_type in (
+        "llama",
+        "qwen3",
+    ):  # biases are config fields there (Qwen2 always has q/k/v's)
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if model_type == "llama":
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                      ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+                      ("pad_token_id", "tokenizer.ggml.padding_token_id")):  # fmt: skip
+        if name in metadata:
+            config[key] = metadata[name]
+    config["architectures"] = [ARCHITECTURES[model_type]]
+    return config
+
+
+def _hf_name(path: Path, gguf_name: str) -> str:
+    module, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        raise ValueError(f"{path}: tensor {gguf_name!r} is not a weight or a bias.")
+    if module.startswith("blk."):
+        _, layer, part = module.split(".", 2)
+        if layer.isdigit() and part in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{suffix}"
+    elif module in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[module]}.{suffix}"
+    raise ValueError(f"{path}: tensor {gguf_name!r} is not one the decoder has.")
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFModel:
+    """The config and tensor list of a GGUF model file (Llama, Qwen2 or Qwen3), without
+    dequantising anything.
+
+    The metadata become the `config.json` fields of the equivalent Hugging Face checkpoint
+    (`{arch}.block_count` is `num_hidden_layers`, `{arch}.rope.freq_base` is `rope_theta`, and
+    so on; the token ids come from `tokenizer.ggml.*`). A key of the architecture that the
+    decoder cannot honour, or does not know, is an error that names it, never ignored. The
+    embeddings are tied when the file has no `output.weight`, as llama.cpp writes it.
+
+    Args:
+      path: the `.gguf` file.
+
+    Returns:
+      A `GGUFModel`: the file, its `hf_config`, all metadata and the tensors by Hugging Face
+      name.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ValueError: naming the file and the key, type or tensor, for a file that is not GGUF or
+        is truncated, an unsupported architecture, metadata key or tensor type, or a tensor
+        the decoder does not have.
+
+    Examples:
+      >>> import tempfile, gguf, numpy as np
+      >>> from tunelib.models import read_gguf
+      >>> path = tempfile.mkdtemp() + "/tiny.gguf"
+      >>> w = gguf.GGUFWriter(path, "llama")
+      >>> for key, value in {"block_count": 1, "embedding_length": 8, "feed_forward_length": 16,
+      ...                    "attention.head_count": 2, "vocab_size": 10}.items():
+      ...     w.add_uint32(f"llama.{key}", value)
+      >>> w.add_tensor("token_embd.weight", np.ones((10, 8), np.float32))
+      >>> w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file()
+      >>> w.close()
+      >>> model = read_gguf(path)
+      >>> model.hf_config["num_hidden_layers"], model.hf_config["tie_word_embeddings"]
+      (1, True)
+      >>> model.tensors["model.embed_tokens.weight"].shape
+      (10, 8)
+    """
+    path = Path(path)
+    reader = _reader(path)
+    metadata = _metadata(reader)
+    names = {t.name for t in reader.tensors}
+    hf_config = _hf_config(path, metadata, names)
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    unpermute = hf_config["model_type"] == "llama"
+    tensors: dict[str, GGUFTensor] = {}
+    for t in reader.tensors:
+        type_name = t.tensor_type.name
+        if type_name not in GGUF_TENSOR_TYPES:
+            raise ValueError(
+                f"{path}: tensor {t.name!r} has type {type_name}, which is not supported; the "
+                f"supported types are {', '.join(GGUF_TENSOR_TYPES)}."
+            )
+        hf_name = _hf_name(path, t.name)
+        part = t.name.split(".")[-2]
+        heads_of = {"attn_q": heads, "attn_k": kv_heads}.get(part) if unpermute else None
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensors[hf_name] = GGUFTensor(t.name, hf_name, type_name, shape, heads_of)
+    return GGUFModel(path, hf_config, metadata, tensors)
+
+
+def _unpermute(x: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion of query / key rows, which interleaves the two rotary halves
+    of each head (`[h, 2, d/2] -> [h, d/2, 2]` over the rows)."""
+    rows = x.shape[0]
+    return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def gguf_tensors(model: GGUFModel, dtype: str = "float32") -> Iterator[tuple[str, np.ndarray]]:
+    """`(Hugging Face name, array)` for each tensor of `model`, dequantised one at a time with
+    the `gguf` package into float32, llama.cpp's query / key row order undone, then cast to
+    `dtype`."""
+    import gguf
+
+    reader = _reader(model.path)
+    by_name = {t.name: t for t in reader.tensors}
+    for tensor in model.tensors.values():
+        raw = by_name[tensor.gguf_name]
+        values = gguf.quants.dequantize(raw.data, raw.tensor_type).astype(np.float32, copy=False)
+        values = values.reshape(tensor.shape)
+        if tensor.unpermute_heads is not None:
+            values = _unpermute(values, tensor.unpermute_heads)
+        yield tensor.hf_name, values.astype(dtype)
+
+
+def convert_gguf(
+    path: str | os.PathLike,
+    directory: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    overwrite: bool = False,
+) -> Path:
+    """Write a GGUF model file as a Hugging Face checkpoint folder: `config.json` and the
+    dequantised weights in `model.safetensors`.
+
+    The folder then loads with `tunelib.models.load_hf_checkpoint`, with `transformers`, and
+    as any recipe's `--model`. An existing, non-empty `directory` is an error unless
+    `overwrite`.
+
+    Args:
+      path: the `.gguf` file (see `read_gguf`).
+      directory: the folder to write.
+      dtype: the weights' dtype in the folder: float32, bfloat16 or float16.
+      overwrite: replace the files of an existing folder.
+
+    Returns:
+      The folder.
+    """
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}.")
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"{directory} exists and is not empty; pass overwrite=True.")
+    model = read_gguf(path)
+    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    tensors = dict(gguf_tensors(model, target))
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = {**model.hf_config, "torch_dtype": dtype}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
