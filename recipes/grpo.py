@@ -57,7 +57,16 @@ MODES = {
 
 
 def load_reward(spec: str) -> Callable[[str, dict], float]:
-    """The function `module:function` or `path/to/file.py:function` names."""
+    """The function `module:function` or `path/to/file.py:function` names; loading it writes
+    nothing (no `__pycache__` beside the user's file)."""
+    previous, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        return _load_reward(spec)
+    finally:
+        sys.dont_write_bytecode = previous
+
+
+def _load_reward(spec: str) -> Callable[[str, dict], float]:
     source, _, name = spec.rpartition(":")
     if not source or not name:
         raise UserError(f"--reward {spec}: give module:function or file.py:function")
