@@ -2,7 +2,6 @@
 `config.json`, the tensors dequantised under Hugging Face names and layouts, and a conversion
 into a Hugging Face checkpoint folder that `load_hf_checkpoint` and every `--model DIR` read."""
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +9,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from tunelib.models._hf_checkpoint import write_checkpoint
 from tunelib.models._hf_config import ARCHITECTURES
+from tunelib.models._safetensors import TensorToWrite
 
 # The architectures read, as `general.architecture` names them, with their `model_type`.
 # llama.cpp writes Mistral checkpoints as `llama`.
@@ -150,10 +151,8 @@ def _hf_config(path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> 
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
-    if model_type in (
-        "llama",
-        "qwen3",
-    ):  # biases are config fields there (Qwen2 always has q/k/v's)
+    # Biases are config fields of Llama and Qwen3 (Qwen2 always has the q/k/v ones).
+    if model_type in ("llama", "qwen3"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if model_type == "llama":
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
@@ -249,21 +248,25 @@ def _unpermute(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
+def _dequantised(raw, tensor: GGUFTensor, dtype) -> np.ndarray:
+    """One tensor of the file in float32 with the `gguf` package, llama.cpp's query / key row
+    order undone, then cast to `dtype`."""
+    import gguf
+
+    values = gguf.quants.dequantize(raw.data, raw.tensor_type).astype(np.float32, copy=False)
+    values = values.reshape(tensor.shape)
+    if tensor.unpermute_heads is not None:
+        values = _unpermute(values, tensor.unpermute_heads)
+    return values.astype(dtype)
+
+
 def gguf_tensors(model: GGUFModel, dtype: str = "float32") -> Iterator[tuple[str, np.ndarray]]:
     """`(Hugging Face name, array)` for each tensor of `model`, dequantised one at a time with
     the `gguf` package into float32, llama.cpp's query / key row order undone, then cast to
     `dtype`."""
-    import gguf
-
-    reader = _reader(model.path)
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in _reader(model.path).tensors}
     for tensor in model.tensors.values():
-        raw = by_name[tensor.gguf_name]
-        values = gguf.quants.dequantize(raw.data, raw.tensor_type).astype(np.float32, copy=False)
-        values = values.reshape(tensor.shape)
-        if tensor.unpermute_heads is not None:
-            values = _unpermute(values, tensor.unpermute_heads)
-        yield tensor.hf_name, values.astype(dtype)
+        yield tensor.hf_name, _dequantised(by_name[tensor.gguf_name], tensor, dtype)
 
 
 def convert_gguf(
@@ -271,37 +274,41 @@ def convert_gguf(
     directory: str | os.PathLike,
     *,
     dtype: str = "float32",
+    max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
 ) -> Path:
     """Write a GGUF model file as a Hugging Face checkpoint folder: `config.json` and the
-    dequantised weights in `model.safetensors`.
+    dequantised weights in safetensors files.
 
     The folder then loads with `tunelib.models.load_hf_checkpoint`, with `transformers`, and
-    as any recipe's `--model`. An existing, non-empty `directory` is an error unless
-    `overwrite`.
+    as any recipe's `--model`. It is written as `save_hf_checkpoint` writes one: one shard's
+    tensors on the host at a time, into a temporary folder that takes `directory`'s place only
+    once complete. An existing, non-empty `directory` is an error unless `overwrite`.
 
     Args:
       path: the `.gguf` file (see `read_gguf`).
       directory: the folder to write.
       dtype: the weights' dtype in the folder: float32, bfloat16 or float16.
-      overwrite: replace the files of an existing folder.
+      max_shard_size: the most bytes of tensor data a safetensors file holds.
+      overwrite: replace an existing folder.
 
     Returns:
       The folder.
     """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}.")
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise FileExistsError(f"{directory} exists and is not empty; pass overwrite=True.")
     model = read_gguf(path)
-    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
-    tensors = dict(gguf_tensors(model, target))
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    target = np.dtype(dtype)
+    by_name = {t.name: t for t in _reader(model.path).tensors}
+    tensors = [
+        TensorToWrite(
+            t.hf_name, t.shape, target,
+            lambda t=t: _dequantised(by_name[t.gguf_name], t, target),
+        )
+        for t in model.tensors.values()
+    ]  # fmt: skip
     config = {**model.hf_config, "torch_dtype": dtype}
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return directory
+    return write_checkpoint(directory, tensors, config, max_shard_size=max_shard_size)

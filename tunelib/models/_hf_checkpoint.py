@@ -379,12 +379,29 @@ def save_hf_checkpoint(
     target = np.dtype(jnp.dtype(hf["dtype"]))
     tensors = sorted(_tensors_to_write(params, config, target), key=lambda t: _order(t.name))
 
+    return write_checkpoint(
+        directory, tensors, hf, max_shard_size=max_shard_size, copy_files_from=copy_files_from
+    )
+
+
+def write_checkpoint(
+    directory: Path,
+    tensors: Sequence[TensorToWrite],
+    hf_config: Mapping[str, Any],
+    *,
+    max_shard_size: int,
+    copy_files_from: str | os.PathLike | None = None,
+) -> Path:
+    """Write a checkpoint folder whole or not at all: the tensors (one shard on the host at a
+    time) and `config.json` go into a temporary folder beside `directory`, which replaces
+    `directory` (if any) only once complete."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     partial = directory.parent / f".{directory.name}.{uuid.uuid4().hex[:8]}.partial"
     partial.mkdir()
     try:
         write_tensors(partial, tensors, max_shard_size=max_shard_size)
-        (partial / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
+        (partial / "config.json").write_text(text)
         if copy_files_from is not None:
             for name in COPIED_FILES:
                 if (Path(copy_files_from) / name).is_file():
