@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests._helpers import own_checks, raises_naming
-from tunelib.data import OPERATIONS, arithmetic_split, preference_pairs, verify_answer
+from tunelib.data import (
+    OPERATIONS,
+    arithmetic_split,
+    last_number,
+    preference_pairs,
+    problem_in_words,
+    verify_answer,
+)
 
 PROMPT = re.compile(r"(0|[1-9]\d*)([+*-])(0|[1-9]\d*)=")
 APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -176,3 +183,53 @@ def test_preference_pairs_on_the_task():
 )
 def test_verify_answer(completion, answer, expected):
     assert verify_answer(completion, answer) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("85", "85"),
+        ("47 + 38 = 85.", "85"),
+        ("The answer is -9", "-9"),
+        ("47 - 56 = -9, so -9.", "-9"),
+        ("It is 1,024.", "1024"),
+        ("1,2", "2"),  # not a thousands group: two numbers
+        ("12345", "12345"),
+        ("no number", None),
+        ("", None),
+    ],
+)
+def test_last_number(text, expected):
+    assert last_number(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("85", "85", True),
+        (" 85 ", "85", True),
+        ("To add them: 47 + 38 = 85", "85", True),
+        ("85, or maybe 86", "85", False),  # the last number counts
+        ("To add 47 and 38, we", "85", False),
+        ("-4", "-4", True),
+        ("4", "-4", False),
+    ],
+)
+def test_verify_answer_reads_the_last_number(completion, answer, expected):
+    assert verify_answer(completion, answer, read="last_number") is expected
+
+
+def test_verify_answer_names_an_unknown_reading():
+    with own_checks(), raises_naming("read", "'first'", "exact", "last_number", error=ValueError):
+        verify_answer("1", "1", read="first")
+
+
+def test_problem_in_words_asks_each_operation():
+    train, _ = arithmetic_split(num_train=60, num_heldout=0, seed=3, operations=("+", "-", "*"))
+    for problem in train:
+        a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", problem["prompt"]).groups()
+        assert problem_in_words(problem) == [
+            {"role": "user", "content": f"What is {a} {op} {b}?"}
+        ]
+    with raises_naming("'12+'", error=ValueError):
+        problem_in_words({"prompt": "12+", "answer": "12"})

@@ -13,7 +13,15 @@ checkpoint.
 """
 
 from tunelib._deprecation import moved_names
-from tunelib.data._arithmetic import OPERATIONS, arithmetic_split, preference_pairs, verify_answer
+from tunelib.data._arithmetic import (
+    ANSWER_READINGS,
+    OPERATIONS,
+    arithmetic_split,
+    last_number,
+    preference_pairs,
+    problem_in_words,
+    verify_answer,
+)
 from tunelib.data._chat_template import (
     TemplateError,
     completion_spans,
@@ -21,6 +29,7 @@ from tunelib.data._chat_template import (
     render_chat_template,
     tokens_in_spans,
 )
+from tunelib.data._gguf_tokenizer import gguf_tokenizer, gguf_tokenizer_metadata
 from tunelib.data._pipelines import encode_prompts, preference_dataset, sft_dataset
 from tunelib.data._records import (
     REASONS,
@@ -39,6 +48,7 @@ from tunelib.data._tokenizers import (
 )
 
 __all__ = [
+    "ANSWER_READINGS",
     "DEFAULT_ALPHABET",
     "OPERATIONS",
     "REASONS",
@@ -53,9 +63,13 @@ __all__ = [
     "encode_chat",
     "encode_prompts",
     "encode_records",
+    "gguf_tokenizer",
+    "gguf_tokenizer_metadata",
+    "last_number",
     "load_tokenizer",
     "preference_dataset",
     "preference_pairs",
+    "problem_in_words",
     "read_records",
     "render_chat_template",
     "sft_dataset",

@@ -3,11 +3,12 @@
 import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 OPERATIONS = ("+", "-", "*")
 
 _INTEGER = re.compile(r"-?\d+")
+_PROMPT = re.compile(r"(\d+)([-+*])(\d+)=")
 # Off-by amounts of the "small slip" near miss: a unit or two, or a dropped / extra carry.
 _SLIPS = (-10, -2, -1, 1, 2, 10)
 
@@ -194,22 +195,66 @@ def preference_pairs(
     return pairs
 
 
-def verify_answer(completion: str, answer: str) -> bool:
-    """Whether a completion is exactly the answer: the reward of the arithmetic task.
+AnswerReading = Literal["exact", "last_number"]
+ANSWER_READINGS: tuple[str, ...] = AnswerReading.__args__
+# An integer as a model writes one: an optional minus and digits, maybe grouped by commas.
+_WRITTEN_INTEGER = re.compile(r"-?\d+(?:,\d{3})*(?!\d)")
 
-    The completion must already be cut at EOS (as `CharTokenizer.decode` does); nothing is
-    stripped, so `" 55"` or `"55 "` is wrong for `"55"`.
+
+def last_number(text: str) -> str | None:
+    """The last integer written in `text`, commas between digit groups dropped, or None.
+
+    Examples:
+      >>> from tunelib.data import last_number
+      >>> last_number("47 + 38 = 85."), last_number("It is 1,024"), last_number("no digits")
+      ('85', '1024', None)
+    """
+    found = _WRITTEN_INTEGER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def verify_answer(completion: str, answer: str, *, read: AnswerReading = "exact") -> bool:
+    """Whether a completion gives the answer: the reward of the arithmetic task.
+
+    The completion must already be cut at EOS (as the tokenizers' `decode` does). With
+    `read="exact"` (the plain task, "47+8=" -> "55") it must be exactly the answer, nothing
+    stripped, so `" 55"` or `"55 "` is wrong for `"55"`. With `read="last_number"` (the task
+    asked in words of a chat model, which may explain before it answers) the last integer the
+    completion writes (`last_number`) must equal the answer.
 
     Args:
       completion: the generated text after the prompt.
       answer: the reference answer, as from `arithmetic_split`.
+      read: "exact" or "last_number".
 
     Returns:
-      True for an exact match.
+      True when the completion gives the answer.
 
     Examples:
       >>> from tunelib.data import verify_answer
       >>> verify_answer("55", "55"), verify_answer("55 ", "55"), verify_answer("-4", "-4")
       (True, False, True)
+      >>> verify_answer("47 + 8 = 55.", "55", read="last_number")
+      True
     """
-    return completion == answer
+    if read == "exact":
+        return completion == answer
+    if read == "last_number":
+        return last_number(completion) == answer
+    raise ValueError(f"read must be one of {ANSWER_READINGS}, got {read!r}.")
+
+
+def problem_in_words(problem: Mapping[str, Any]) -> list[dict[str, str]]:
+    """An arithmetic problem as a chat model is asked it: one user message in words.
+
+    Examples:
+      >>> from tunelib.data import problem_in_words
+      >>> problem_in_words({"prompt": "47+38=", "answer": "85"})
+      [{'role': 'user', 'content': 'What is 47 + 38?'}]
+    """
+    prompt = problem.get("prompt") if isinstance(problem, Mapping) else None
+    match = _PROMPT.fullmatch(prompt) if isinstance(prompt, str) else None
+    if match is None:
+        raise ValueError(f"problem {problem!r} is not an arithmetic problem like '47+38='.")
+    a, op, b = match.groups()
+    return [{"role": "user", "content": f"What is {a} {op} {b}?"}]

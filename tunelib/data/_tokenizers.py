@@ -355,7 +355,7 @@ class HFTokenizer:
             tokens["eos_token"] = inner.id_to_token(eos[0])
         template = None
         if (directory / "chat_template.jinja").is_file():
-            template = (directory / "chat_template.jinja").read_text()
+            template = (directory / "chat_template.jinja").read_text("utf-8")
         else:
             template = _template(tokenizer_config.get("chat_template"))
         add_bos = tokenizer_config.get("add_bos_token")
@@ -376,6 +376,61 @@ class HFTokenizer:
                     f"vocab_size is {model_vocab}: the model has no embedding for them."
                 )
         return tok
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the tokenizer into `directory` as `transformers` saves one (the folder is created).
+
+        Writes `tokenizer.json`; `tokenizer_config.json` with the special tokens,
+        `add_bos_token` and the tokenizer class; and the chat template to
+        `chat_template.jinja`. `HFTokenizer.from_directory` (and `load_tokenizer`) and
+        `transformers.AutoTokenizer.from_pretrained` read back the same ids, special tokens,
+        `add_bos` and template. Stop ids after EOS are not written: they belong to the
+        model's `generation_config.json`.
+
+        Each file is written to a temporary name and renamed into place; these files are
+        replaced if the folder has them (a `chat_template.jinja` is removed when the tokenizer
+        has no template, so that none is read back). Nothing else in the folder is touched.
+
+        Returns:
+          The path of `tokenizer.json`.
+
+        Examples:
+          >>> import tempfile
+          >>> import tokenizers
+          >>> from tokenizers import decoders, models
+          >>> from tunelib.data import HFTokenizer
+          >>> inner = tokenizers.Tokenizer(models.BPE({"</s>": 0, "a": 1, "b": 2}, []))
+          >>> inner.decoder = decoders.Fuse()
+          >>> _ = inner.add_special_tokens(["</s>"])
+          >>> tok = HFTokenizer(inner, eos_token="</s>", chat_template="{{ messages }}")
+          >>> folder = tempfile.mkdtemp()
+          >>> tok.save(folder).name
+          'tokenizer.json'
+          >>> loaded = HFTokenizer.from_directory(folder)
+          >>> loaded.encode("ab"), loaded.special_tokens, loaded.chat_template
+          ([1, 2], {'eos_token': '</s>'}, '{{ messages }}')
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **self.special_tokens,
+            "add_bos_token": self.add_bos,
+            "add_eos_token": False,
+        }
+        contents = {
+            "tokenizer.json": self.tokenizer.to_str(pretty=True) + "\n",
+            "tokenizer_config.json": json.dumps(config, ensure_ascii=False, indent=2) + "\n",
+        }
+        if self.chat_template is not None:
+            contents["chat_template.jinja"] = self.chat_template
+        for name, text in contents.items():
+            partial = directory / (name + ".partial")
+            partial.write_text(text, "utf-8")
+            partial.replace(directory / name)
+        if self.chat_template is None:
+            (directory / "chat_template.jinja").unlink(missing_ok=True)
+        return directory / "tokenizer.json"
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, without special tokens (special-token text is still matched)."""
@@ -418,7 +473,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text("utf-8"))
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error}.") from None
     if not isinstance(data, dict):
