@@ -4,7 +4,8 @@
 `unembedding` turn them into logits separately, so that log-probs can be computed in chunks
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
 `config.json`; `load_hf_checkpoint` and `save_hf_checkpoint` read and write Hugging Face
-checkpoints (safetensors, one file or sharded) of the Llama, Mistral, Qwen2 and Qwen3 families.
+checkpoints (safetensors, one file or sharded) of the Llama, Mistral, Qwen2 and Qwen3 families;
+`read_gguf`, `convert_gguf` and `save_gguf` read and write llama.cpp's GGUF files.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 """
@@ -17,9 +18,12 @@ from tunelib.models._gguf import (
     GGUFModel,
     GGUFTensor,
     convert_gguf,
+    gguf_raw_tensors,
     gguf_tensors,
+    load_gguf,
     read_gguf,
 )
+from tunelib.models._gguf_writer import save_gguf
 from tunelib.models._hf_checkpoint import (
     COPIED_FILES,
     HFCheckpoint,
@@ -47,11 +51,14 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "convert_gguf",
+    "gguf_raw_tensors",
     "gguf_tensors",
     "hf_module_name",
+    "load_gguf",
     "load_hf_checkpoint",
     "param_shardings",
     "read_gguf",
     "rope_frequencies",
+    "save_gguf",
     "save_hf_checkpoint",
 ]

@@ -5,13 +5,18 @@ into a Hugging Face checkpoint folder that `load_hf_checkpoint` and every `--mod
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
+from jaxtyping import PyTree
 
-from tunelib.models._hf_checkpoint import write_checkpoint
+from tunelib.data import gguf_tokenizer
+from tunelib.models._hf_checkpoint import HFCheckpoint, load_tensors, write_checkpoint
 from tunelib.models._hf_config import ARCHITECTURES
 from tunelib.models._safetensors import TensorToWrite
+from tunelib.models._sharding import TENSOR_PARALLEL_RULES
 
 # The architectures read, as `general.architecture` names them, with their `model_type`.
 # llama.cpp writes Mistral checkpoints as `llama`.
@@ -269,6 +274,88 @@ def gguf_tensors(model: GGUFModel, dtype: str = "float32") -> Iterator[tuple[str
         yield tensor.hf_name, _dequantised(by_name[tensor.gguf_name], tensor, dtype)
 
 
+class _DequantisedTensors:
+    """A GGUF model's tensors as `load_tensors` reads them: Hugging Face names and layouts,
+    dequantised into float32 a whole tensor at a time (the last one kept for its other
+    shards)."""
+
+    def __init__(self, model: GGUFModel):
+        self.directory = model.path
+        self.model = model
+        self.file_of = {name: model.path for name in model.tensors}
+        self._raw = {t.name: t for t in _reader(model.path).tensors}
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def names(self) -> set[str]:
+        return set(self.model.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.model.tensors[name].shape
+
+    def dtype_code(self, name: str) -> str:
+        return "F32"  # dequantised
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if self._last is None or self._last[0] != name:
+            tensor = self.model.tensors[name]
+            self._last = name, _dequantised(self._raw[tensor.gguf_name], tensor, np.float32)
+        return self._last[1][index]
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    scan_layers: bool = False,
+    remat: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Sequence[tuple[str, str | None]] = TENSOR_PARALLEL_RULES,
+    shardings: PyTree[jax.sharding.Sharding] | None = None,
+) -> HFCheckpoint:
+    """Load a GGUF model file (Llama, Qwen2 or Qwen3; see `read_gguf`) into the decoder.
+
+    As `load_hf_checkpoint` loads a Hugging Face checkpoint, with the same arguments: the
+    config from the metadata, every tensor accounted for before any is read (a missing or
+    unexpected one is an error naming it), and each parameter created with its sharding,
+    its shards cut from the tensor dequantised with the `gguf` package (one tensor on the
+    host at a time). The tokenizer is `tunelib.data.gguf_tokenizer(path)`.
+
+    Args:
+      path: the `.gguf` file.
+      dtype, param_dtype, scan_layers, remat, mesh, rules, shardings: as for
+        `load_hf_checkpoint`.
+
+    Returns:
+      An `HFCheckpoint` whose `hf_config` is the equivalent `config.json`.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ValueError: as `read_gguf`, and naming the tensor for one missing from the file.
+
+    Examples:
+      >>> import tempfile
+      >>> import numpy as np
+      >>> from flax import nnx
+      >>> from tunelib.models import Decoder, DecoderConfig, load_gguf, save_gguf
+      >>> config = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+      ...                        num_hidden_layers=2, num_attention_heads=4,
+      ...                        num_key_value_heads=2, tie_word_embeddings=True)
+      >>> graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+      >>> path = save_gguf(tempfile.mkdtemp() + "/tiny.gguf", graphdef, params,
+      ...                  model_type="llama", dtype="F32")
+      >>> loaded = load_gguf(path)
+      >>> kernel = loaded.params["layers"][1]["self_attn"]["q_proj"]["kernel"]
+      >>> bool(np.array_equal(kernel, params["layers"][1]["self_attn"]["q_proj"]["kernel"][...]))
+      True
+    """
+    model = read_gguf(path)
+    return load_tensors(
+        _DequantisedTensors(model), model.hf_config, dtype=dtype, param_dtype=param_dtype,
+        scan_layers=scan_layers, remat=remat, mesh=mesh, rules=rules, shardings=shardings,
+    )  # fmt: skip
+
+
 def convert_gguf(
     path: str | os.PathLike,
     directory: str | os.PathLike,
@@ -277,8 +364,10 @@ def convert_gguf(
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
 ) -> Path:
-    """Write a GGUF model file as a Hugging Face checkpoint folder: `config.json` and the
-    dequantised weights in safetensors files.
+    """Write a GGUF model file as a Hugging Face checkpoint folder: `config.json`, the
+    dequantised weights in safetensors files, and the tokenizer (`tokenizer.json`,
+    `tokenizer_config.json` and the chat template, from `tunelib.data.gguf_tokenizer`) when
+    the file has one.
 
     The folder then loads with `tunelib.models.load_hf_checkpoint`, with `transformers`, and
     as any recipe's `--model`. It is written as `save_hf_checkpoint` writes one: one shard's
@@ -311,4 +400,52 @@ def convert_gguf(
         for t in model.tensors.values()
     ]  # fmt: skip
     config = {**model.hf_config, "torch_dtype": dtype}
-    return write_checkpoint(directory, tensors, config, max_shard_size=max_shard_size)
+    has_tokenizer = "tokenizer.ggml.model" in model.metadata
+    return write_checkpoint(
+        directory, tensors, config, max_shard_size=max_shard_size,
+        tokenizer=gguf_tokenizer(path) if has_tokenizer else None,
+    )  # fmt: skip
+
+
+def gguf_raw_tensors(
+    model: GGUFModel,
+) -> Iterator[tuple[GGUFTensor, np.ndarray, np.ndarray | None]]:
+    """`(tensor, data, rows)` for each tensor of `model`, still as the file stores it.
+
+    `data` is the tensor as the `gguf` package's reader maps it from the file, without a
+    copy: for a block type (Q8_0, Q4_K, ...) uint8 `[rows, bytes per row]`, each row of the
+    Hugging Face shape `tensor.shape` a run of whole blocks; F32 and F16 tensors as such
+    arrays. `rows` is None, or, for Llama's query and key weights, the order that undoes
+    llama.cpp's interleaving of each head's two rotary halves: row `i` of the Hugging Face
+    weight is row `rows[i]` of the file (`data[rows]`), so a quantised tensor is put back in
+    order by moving whole rows of blocks. `gguf_tensors` gives the same tensors dequantised.
+
+    Examples:
+      >>> import tempfile, gguf, numpy as np
+      >>> from tunelib.models import gguf_raw_tensors, read_gguf
+      >>> path = tempfile.mkdtemp() + "/tiny.gguf"
+      >>> w = gguf.GGUFWriter(path, "llama")
+      >>> for key, value in {"block_count": 1, "embedding_length": 32,
+      ...                    "feed_forward_length": 64, "attention.head_count": 2,
+      ...                    "vocab_size": 10}.items():
+      ...     w.add_uint32(f"llama.{key}", value)
+      >>> q8 = gguf.GGMLQuantizationType.Q8_0
+      >>> embedding = gguf.quants.quantize(np.ones((10, 32), np.float32), q8)
+      >>> w.add_tensor("token_embd.weight", embedding, raw_dtype=q8)
+      >>> w.add_tensor("blk.0.attn_q.weight", np.eye(32, dtype=np.float32))
+      >>> w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file()
+      >>> w.close()
+      >>> for tensor, data, rows in gguf_raw_tensors(read_gguf(path)):
+      ...     print(tensor.hf_name, tensor.type_name, data.dtype, data.shape)
+      ...     print("  rows:", None if rows is None else rows[:10])
+      model.embed_tokens.weight Q8_0 uint8 (10, 34)
+        rows: None
+      model.layers.0.self_attn.q_proj.weight F32 float32 (32, 32)
+        rows: [ 0  2  4  6  8 10 12 14  1  3]
+    """
+    by_name = {t.name: t for t in _reader(model.path).tensors}
+    for tensor in model.tensors.values():
+        rows = None
+        if tensor.unpermute_heads is not None:
+            rows = _unpermute(np.arange(tensor.shape[0]), tensor.unpermute_heads)
+        yield tensor, by_name[tensor.gguf_name].data, rows

@@ -19,7 +19,13 @@ from tunelib.models._config import DecoderConfig
 from tunelib.models._decoder import Decoder
 from tunelib.models._hf_config import config_from_hf, config_to_hf
 from tunelib.models._names import hf_module_name
-from tunelib.models._safetensors import FLOAT_DTYPES, TensorFiles, TensorToWrite, write_tensors
+from tunelib.models._safetensors import (
+    FLOAT_DTYPES,
+    TensorFiles,
+    TensorSource,
+    TensorToWrite,
+    write_tensors,
+)
 from tunelib.models._sharding import TENSOR_PARALLEL_RULES, param_shardings
 
 # Buffers that old `transformers` releases saved with Llama weights; they are recomputed from
@@ -173,6 +179,28 @@ def load_hf_checkpoint(
     if not config_path.exists():
         raise FileNotFoundError(f"{directory} has no config.json.")
     hf_config = json.loads(config_path.read_text())
+    with TensorFiles(directory) as files:
+        return load_tensors(
+            files, hf_config, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
+            remat=remat, mesh=mesh, rules=rules, shardings=shardings,
+        )  # fmt: skip
+
+
+def load_tensors(
+    files: TensorSource,
+    hf_config: dict[str, Any],
+    *,
+    dtype: str,
+    param_dtype: str,
+    scan_layers: bool,
+    remat: bool,
+    mesh: jax.sharding.Mesh | None,
+    rules: Sequence[tuple[str, str | None]],
+    shardings: PyTree[jax.sharding.Sharding] | None,
+) -> HFCheckpoint:
+    """The decoder of `hf_config` with its parameters read from `files` (Hugging Face names
+    and layouts: `TensorFiles` for safetensors, or a GGUF file's dequantised tensors), each
+    created with its sharding (see `load_hf_checkpoint`)."""
     config = config_from_hf(
         hf_config, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat
     )
@@ -192,12 +220,11 @@ def load_hf_checkpoint(
         )
     weights = weights_of(abstract, config)
     target = np.dtype(jnp.dtype(param_dtype))
-    with TensorFiles(directory) as files:
-        _check_tensors(files, weights, config)
-        leaves = [
-            jax.make_array_from_callback(w.shape, sharding, _ShardReader(files, w, target))
-            for w, sharding in zip(weights, jax.tree.leaves(shardings), strict=True)
-        ]
+    _check_tensors(files, weights, config)
+    leaves = [
+        jax.make_array_from_callback(w.shape, sharding, _ShardReader(files, w, target))
+        for w, sharding in zip(weights, jax.tree.leaves(shardings), strict=True)
+    ]
     params = jax.tree.unflatten(jax.tree.structure(abstract), leaves)
     return HFCheckpoint(graphdef, params, config, hf_config)
 
@@ -205,7 +232,7 @@ def load_hf_checkpoint(
 class _ShardReader:
     """The `make_array_from_callback` callback of one parameter: its shard at `index`."""
 
-    def __init__(self, files: TensorFiles, weight: _Weight, dtype: np.dtype):
+    def __init__(self, files: TensorSource, weight: _Weight, dtype: np.dtype):
         self.files, self.weight, self.dtype = files, weight, dtype
         self.done: dict[tuple, np.ndarray] = {}  # replicated shards are read once
 
@@ -232,7 +259,7 @@ def _listed(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def _check_tensors(files: TensorFiles, weights: list[_Weight], config: DecoderConfig) -> None:
+def _check_tensors(files: TensorSource, weights: list[_Weight], config: DecoderConfig) -> None:
     """Raise naming every tensor that is missing or unexpected, or the first of a wrong shape."""
     expected = {name: w.hf_shape for w in weights for name in w.hf_names}
     present = files.names()
@@ -246,7 +273,7 @@ def _check_tensors(files: TensorFiles, weights: list[_Weight], config: DecoderCo
         parts = [f"missing tensors {_listed(missing)}"] if missing else []
         parts += [f"unexpected tensors {_listed(unexpected)}"] if unexpected else []
         raise ValueError(
-            f"the checkpoint in {files.directory} does not match its config.json: "
+            f"the checkpoint in {files.directory} does not match its config: "
             + "; ".join(parts)
             + "."
         )
@@ -255,7 +282,7 @@ def _check_tensors(files: TensorFiles, weights: list[_Weight], config: DecoderCo
         if actual != shape:
             raise ValueError(
                 f"tensor {name!r} in {files.file_of[name]} has shape {list(actual)}, but "
-                f"config.json implies {list(shape)}."
+                f"the config implies {list(shape)}."
             )
         code = files.dtype_code(name)
         if code not in FLOAT_DTYPES:
@@ -265,7 +292,7 @@ def _check_tensors(files: TensorFiles, weights: list[_Weight], config: DecoderCo
             )
 
 
-def _check_tied(files: TensorFiles) -> None:
+def _check_tied(files: TensorSource) -> None:
     """With tied embeddings, a saved `lm_head.weight` must equal the embedding."""
     head, embedding = "lm_head.weight", "model.embed_tokens.weight"
     if embedding not in files.names() or files.shape(head) != files.shape(embedding):
@@ -295,6 +322,7 @@ def save_hf_checkpoint(
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
     copy_files_from: str | os.PathLike | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Save the decoder as a Hugging Face checkpoint that `transformers` loads.
 
@@ -322,6 +350,8 @@ def save_hf_checkpoint(
       overwrite: replace an existing `directory` (only once the new one is complete).
       copy_files_from: a directory whose tokenizer, chat-template and generation files
         (`COPIED_FILES`, those present) are copied in, so the result is complete.
+      tokenizer: a tokenizer with a `save(directory)` method (`tunelib.data.HFTokenizer`,
+        from a GGUF file for instance) whose files are written in, after those copied.
 
     Returns:
       The checkpoint directory.
@@ -380,8 +410,9 @@ def save_hf_checkpoint(
     tensors = sorted(_tensors_to_write(params, config, target), key=lambda t: _order(t.name))
 
     return write_checkpoint(
-        directory, tensors, hf, max_shard_size=max_shard_size, copy_files_from=copy_files_from
-    )
+        directory, tensors, hf, max_shard_size=max_shard_size, copy_files_from=copy_files_from,
+        tokenizer=tokenizer,
+    )  # fmt: skip
 
 
 def write_checkpoint(
@@ -391,10 +422,12 @@ def write_checkpoint(
     *,
     max_shard_size: int,
     copy_files_from: str | os.PathLike | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Write a checkpoint folder whole or not at all: the tensors (one shard on the host at a
-    time) and `config.json` go into a temporary folder beside `directory`, which replaces
-    `directory` (if any) only once complete."""
+    time), `config.json`, the files copied from `copy_files_from` and `tokenizer`'s go into a
+    temporary folder beside `directory`, which replaces `directory` (if any) only once
+    complete."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     partial = directory.parent / f".{directory.name}.{uuid.uuid4().hex[:8]}.partial"
     partial.mkdir()
@@ -406,6 +439,8 @@ def write_checkpoint(
             for name in COPIED_FILES:
                 if (Path(copy_files_from) / name).is_file():
                     shutil.copyfile(Path(copy_files_from) / name, partial / name)
+        if tokenizer is not None:
+            tokenizer.save(partial)
         _fsync(partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -9,7 +9,7 @@ import contextlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import ml_dtypes
 import numpy as np
@@ -25,6 +25,23 @@ FLOAT_DTYPES: dict[str, np.dtype] = {
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """Named tensors in Hugging Face's names and layouts, read a slice at a time:
+    `TensorFiles` (safetensors) or a GGUF file's dequantised tensors."""
+
+    directory: Path  # the folder or file, for messages
+    file_of: dict[str, Any]  # the file of each tensor, for messages
+
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype_code(self, name: str) -> str: ...
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray: ...
 
 
 class TensorFiles(contextlib.AbstractContextManager):

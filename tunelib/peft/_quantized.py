@@ -1,9 +1,10 @@
 r"""Quantised base weights in a parameter tree, and their matrix products.
 
-A product with an `NF4Tensor` or `Int8Tensor` inside `lora(fn)` dequantises the weight (in
-float32, cast to the compute dtype) and multiplies, under a custom VJP whose only residuals
-are the stored codes and constants: the dequantised weight exists only while one layer's
-product runs, in the forward pass and again in the backward pass, never for the whole model.
+A product with an `NF4Tensor`, `Int8Tensor` or `GGMLTensor` inside `lora(fn)` dequantises the
+weight (in float32, cast to the compute dtype) and multiplies, under a custom VJP whose only
+residuals are the stored codes and constants: the dequantised weight exists only while one
+layer's product runs, in the forward pass and again in the backward pass, never for the whole
+model. An embedding lookup in a quantised table dequantises only the rows it takes.
 """
 
 from collections.abc import Sequence
@@ -15,13 +16,14 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
+from tunelib.peft._gguf_blocks import GGMLTensor, decode_blocks
 from tunelib.peft._int8 import Int8Tensor, int8_quantize
 from tunelib.peft._nf4 import NF4_VALUES, NF4Tensor, nf4_quantize, unpack_nibbles
 from tunelib.peft._rules import Layout, match_rules, path_string
 
 QuantFormat = Literal["nf4", "int8"]
 QUANT_FORMATS: tuple[str, ...] = QuantFormat.__args__
-Quantized = NF4Tensor | Int8Tensor
+Quantized = NF4Tensor | Int8Tensor | GGMLTensor
 
 
 def quantize_params(
@@ -210,6 +212,10 @@ def _row_values(weight, rows: Array) -> Array:
     if isinstance(weight, Int8Tensor):
         scale = weight.scale[rows][..., None] if weight.channel_axis == -2 else weight.scale
         return (weight.values[rows].astype(jnp.float32) * scale).astype(weight.dtype)
+    if isinstance(weight, GGMLTensor):
+        mins = None if weight.mins is None else weight.mins[rows]
+        values = decode_blocks(weight.scales[rows], mins, weight.codes[rows], weight.type_name)
+        return values.reshape(*rows.shape, -1).astype(weight.dtype)
     m, n = weight.stored_shape
     codes = unpack_nibbles(weight.codes.reshape(m, n // 2)[rows], n)
     absmax = weight.block_absmax().reshape(m, n // weight.block_size)[rows]
@@ -221,8 +227,10 @@ def _row_values(weight, rows: Array) -> Array:
 def _gather(weight, indices, *, dimension_numbers, slice_sizes, mode, fill_value, **params):
     """An embedding lookup in a quantised table dequantises the looked-up rows only."""
     indices = jnp.asarray(indices)
+    # A row of the array must be a row of the stored matrix, of whole blocks.
     whole_blocks = isinstance(weight, Int8Tensor) or (
-        not weight.transposed and weight.stored_shape[1] % weight.block_size == 0
+        not weight.transposed
+        and (isinstance(weight, GGMLTensor) or weight.stored_shape[1] % weight.block_size == 0)
     )
     if not (whole_blocks and _gathers_rows(weight, indices, dimension_numbers, slice_sizes)):
         return lax.gather(
@@ -238,5 +246,5 @@ def _gather(weight, indices, *, dimension_numbers, slice_sizes, mode, fill_value
     return out
 
 
-for _cls in (NF4Tensor, Int8Tensor):
+for _cls in (NF4Tensor, Int8Tensor, GGMLTensor):
     _register(_cls)
