@@ -3,9 +3,8 @@
 into a Hugging Face checkpoint folder that `load_hf_checkpoint` and every `--model DIR` read."""
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
