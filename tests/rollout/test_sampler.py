@@ -355,3 +355,24 @@ def test_state_params_and_scanned_layers_give_the_same_completions():
                                          for i in range(config.num_hidden_layers)}}  # fmt: skip
     unstacked = sample(loop[0], unstacked_pure, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY)
     np.testing.assert_array_equal(stacked.tokens, unstacked.tokens)
+
+
+def test_sample_keeps_no_reference_to_the_weights_it_was_given():
+    """A training loop samples with new weights every step: once `sample` returns, nothing may
+    hold the old ones (a module merged from them sits in reference cycles until Python's
+    next garbage collection, which large arrays alone never trigger)."""
+    import gc
+
+    graphdef, params = make_model()
+    prompts, where = jnp.ones((2, 4), jnp.int32), jnp.ones((2, 4), bool)
+    config = SamplingConfig(max_new_tokens=2, temperature=0.0)
+    gc.disable()
+    try:
+        for step in range(3):
+            weights = jax.tree.map(lambda x, step=step: x + step, params)
+            ids = {id(x) for x in jax.tree.leaves(weights)}
+            sample(graphdef, weights, prompts, where, jax.random.key(0), config)
+            del weights
+            assert not ids & {id(x) for x in jax.live_arrays()}
+    finally:
+        gc.enable()

@@ -220,7 +220,10 @@ def sample(
     if prompt_tokens.ndim != 2:
         raise ValueError(f"prompt_tokens must have shape [B, P], got {prompt_tokens.shape}.")
     prompt_where = v.mask_array(prompt_where, prompt_tokens.shape, "prompt_where")
-    model_config = nnx.merge(graphdef, params).config
+    # The config of a model merged from shapes alone: a module made of the arrays themselves
+    # would hold them in reference cycles until Python's next garbage collection.
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    model_config = nnx.merge(graphdef, shapes).config
     check_sampling_args(
         vocab_size=model_config.vocab_size,
         temperature=config.temperature,
