@@ -2,6 +2,7 @@
 `config.json`, the tensors dequantised under Hugging Face names and layouts, and a conversion
 into a Hugging Face checkpoint folder that `load_hf_checkpoint` and every `--model DIR` read."""
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -93,14 +94,23 @@ class GGUFModel(NamedTuple):
 
 
 def _reader(path: Path):
-    import gguf
-
+    """The `gguf.GGUFReader` of `path`, one per version of the file: parsing a vocabulary's
+    metadata takes seconds (5 s for SmolLM2's), and `read_gguf`, `load_gguf` and
+    `tunelib.peft.gguf_base` each need the reader."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist or is not a file.")
     with open(path, "rb") as f:
         head = f.read(4)
     if head != _MAGIC:
         raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not {_MAGIC!r}).")
+    stat = path.stat()
+    return _cached_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: Path, size: int, mtime_ns: int):
+    import gguf
+
     try:
         return gguf.GGUFReader(path)
     except Exception as error:  # the reader's own errors for a damaged or truncated file

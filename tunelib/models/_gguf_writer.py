@@ -9,14 +9,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 from flax import nnx
 from jaxtyping import PyTree
 
 from tunelib.models._config import DecoderConfig
 from tunelib.models._gguf import _CONFIG_KEYS, _GLOBAL_TENSORS, _LAYER_TENSORS, GGUF_ARCHITECTURES
-from tunelib.models._hf_checkpoint import _order, _tensors_to_write, abstract_params, weights_of
+from tunelib.models._hf_checkpoint import _order, _tensors_to_write, checked_config
 from tunelib.models._hf_config import config_to_hf
 
 # The tensor types `save_gguf` writes its 2-D weights in, with llama.cpp's `general.file_type`
@@ -180,7 +179,7 @@ def save_gguf(
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it.")
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
-    config = _checked_config(graphdef, params)
+    config = checked_config(graphdef, params)
     model_type = model_type or (hf_config or {}).get("model_type")
     if model_type not in _ARCHITECTURE_OF:
         raise ValueError(
@@ -207,25 +206,6 @@ def save_gguf(
         raise
     _fsync_directory(path.parent)
     return path
-
-
-def _checked_config(graphdef: nnx.GraphDef, params: PyTree) -> DecoderConfig:
-    """The decoder's config, once `params` are known to be its parameters on this process."""
-    config = getattr(nnx.merge(graphdef, params), "config", None)
-    if not isinstance(config, DecoderConfig):
-        raise TypeError("graphdef must be the nnx.GraphDef of a tunelib.models.Decoder.")
-    _, abstract = abstract_params(config)
-    got = {w.path: w.shape for w in weights_of(params, config)}
-    for w in weights_of(abstract, config):
-        if got.get(w.path) != w.shape:
-            name = "/".join(map(str, w.path))
-            raise ValueError(f"params[{name!r}] has shape {got.get(w.path)}, expected {w.shape}.")
-    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
-        raise ValueError(
-            "params are spread over several processes; gather them into one (for example "
-            "with jax.experimental.multihost_utils.process_allgather) and save from it."
-        )
-    return config
 
 
 def _architecture_fields(

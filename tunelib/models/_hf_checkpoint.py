@@ -384,24 +384,11 @@ def save_hf_checkpoint(
     directory = Path(directory)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
-    config = getattr(nnx.merge(graphdef, params), "config", None)
-    if not isinstance(config, DecoderConfig):
-        raise TypeError("graphdef must be the nnx.GraphDef of a tunelib.models.Decoder.")
+    config = checked_config(graphdef, params)
     model_type = model_type or (hf_config or {}).get("model_type")
     if model_type is None:
         raise ValueError("model_type is None and hf_config has none: name the model family.")
     hf = config_to_hf(config, model_type=model_type, base=hf_config, dtype=dtype)
-    _, abstract = abstract_params(config)
-    got = {w.path: w.shape for w in weights_of(params, config)}
-    for w in weights_of(abstract, config):
-        if got.get(w.path) != w.shape:
-            name = "/".join(map(str, w.path))
-            raise ValueError(f"params[{name!r}] has shape {got.get(w.path)}, expected {w.shape}.")
-    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
-        raise ValueError(
-            "params are spread over several processes; gather them into one (for example "
-            "with jax.experimental.multihost_utils.process_allgather) and save from it."
-        )
     if max_shard_size < 1:
         raise ValueError(f"max_shard_size must be >= 1 byte, got {max_shard_size}.")
     if directory.exists() and not overwrite:
@@ -413,6 +400,27 @@ def save_hf_checkpoint(
         directory, tensors, hf, max_shard_size=max_shard_size, copy_files_from=copy_files_from,
         tokenizer=tokenizer,
     )  # fmt: skip
+
+
+def checked_config(graphdef: nnx.GraphDef, params: PyTree) -> DecoderConfig:
+    """The decoder's config, once `params` are known to be its parameters, all on this
+    process (what a saved file needs)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    config = getattr(nnx.merge(graphdef, shapes), "config", None)
+    if not isinstance(config, DecoderConfig):
+        raise TypeError("graphdef must be the nnx.GraphDef of a tunelib.models.Decoder.")
+    _, abstract = abstract_params(config)
+    got = {w.path: w.shape for w in weights_of(params, config)}
+    for w in weights_of(abstract, config):
+        if got.get(w.path) != w.shape:
+            name = "/".join(map(str, w.path))
+            raise ValueError(f"params[{name!r}] has shape {got.get(w.path)}, expected {w.shape}.")
+    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
+        raise ValueError(
+            "params are spread over several processes; gather them into one (for example "
+            "with jax.experimental.multihost_utils.process_allgather) and save from it."
+        )
+    return config
 
 
 def write_checkpoint(
