@@ -81,7 +81,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
             for pair, answer in zip(task.train, answers, strict=True)
         ]
         task = dataclasses.replace(task, train=train)
-    tuning = lora.tuning(config, model.params)
+    tuning = lora.tuning(config, model)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     optimizer = optim.adamw(config, warmup=0.1)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import kit
-from kit.config import Config, flag
+from kit.config import MODELS, Config, flag
 from kit.errors import UserError
 
 
@@ -25,9 +25,7 @@ from kit.errors import UserError
 class GenerateConfig(Config):
     RECIPE = "generate"
 
-    model: Path | None = flag(
-        None, "the model: a run folder, its model/, or a Hugging Face checkpoint"
-    )
+    model: Path | None = flag(None, f"the model: {MODELS}")
     prompt: tuple[str, ...] = flag((), "a prompt (repeat the flag for more)")
     prompts: Path | None = flag(
         None, "a file of prompts: one per line, or .jsonl records with 'prompt'"

@@ -123,7 +123,9 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora):
         None, "your reward function, module:function or file.py:function (see the docstring)"
     )
     num_prompts: int = flag(9000, "built-in task: training prompts sampled from")
-    max_new_tokens: int = flag(64, "with --data: tokens per completion")
+    max_new_tokens: int = flag(
+        64, "the most tokens of a sampled completion (the built-in task's room may be less)"
+    )
 
     def run_name(self) -> str:
         return "grpo" if self.mode == "grpo" else f"grpo-{self.mode}"
@@ -168,7 +170,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     model = models.load_model(folder)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
-    tuning = lora.tuning(config, model.params)
+    tuning = lora.tuning(config, model)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     group = config.group_size
@@ -184,7 +186,11 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
             return task.correct(text, record) + format_weight * well_formed(text, truncated)
 
     greedy = evaluate.greedy_config(task, vocab_size)
-    sampling = dataclasses.replace(greedy, temperature=config.temperature)
+    sampling = dataclasses.replace(
+        greedy,
+        temperature=config.temperature,
+        max_new_tokens=min(config.max_new_tokens, greedy.max_new_tokens),
+    )
     new_tokens = sampling.max_new_tokens
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     batches = iter(order.batch(config.batch_size).to_iter_dataset())
@@ -206,12 +212,15 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         clip = {"epsilon_low": config.epsilon_low, "epsilon_high": config.epsilon_high}
         old = batch["logps"]
         per_token = losses.policy_gradient_loss(token_logps, old, adv, **clip, where=where)
-        ref_logps, _ = jax.lax.stop_gradient(
-            peft.lora(completion_logps)(frozen["reference"], batch)
-        )
-        # Over every completion (dropped groups included) for the log; `aggregate` masks it.
-        kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=batch["where"])
-        per_token = per_token + config.kl_coef * kl
+        logged = {}
+        if config.kl_coef:  # without the penalty, no forward pass of the reference
+            ref_logps, _ = jax.lax.stop_gradient(
+                peft.lora(completion_logps)(frozen["reference"], batch)
+            )
+            # Over every completion (dropped groups included) for the log; `aggregate` masks it.
+            kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=batch["where"])
+            per_token = per_token + config.kl_coef * kl
+            logged["kl"] = kl
         norm = new_tokens if mode["aggregation"] == "seq_mean_token_sum_norm" else None
         loss = losses.aggregate(
             per_token, mode=mode["aggregation"], norm_constant=norm, where=where
@@ -223,7 +232,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         fractions = metrics.clip_fractions(token_logps, old, adv, **clip, where=where)
         return loss.mean(), {
             "entropy": token_mean(entropy),
-            "kl": token_mean(kl),
+            **{name: token_mean(value) for name, value in logged.items()},
             "clip_fraction": fractions.region,
         }
 

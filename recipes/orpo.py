@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 import kit
-from kit.config import DataFile, Run, Start, Task, flag
+from kit.config import MODELS, DataFile, Run, Start, Task, flag
 from kit.errors import UserError
 
 
@@ -28,8 +28,7 @@ class ORPOConfig(Run, Task, DataFile, Start):
     LEARNING_RATE = 3e-3
 
     model: Path | None = flag(
-        None, "start from this model instead of a new one (a run folder, its model/, or a "
-        "Hugging Face checkpoint)",
+        None, f"start from this model instead of a new one: {MODELS}",
     )  # fmt: skip
     model_size: Literal["student", "base", "teacher"] = flag("base", "the size of a new model")
     odds_ratio_weight: float = flag(

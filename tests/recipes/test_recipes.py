@@ -255,10 +255,15 @@ def test_grpo_modes(tmp_path, sft_start, mode):
     assert out["tuning"] == ("lora" if lora else "full") and out["sft_seconds"] is None
     records = records_of(tmp_path / mode)
     assert [r["step"] for r in records] == [0, 1, 2]
-    for key in ("reward", "sample_accuracy", "entropy", "kl", "clip_fraction", "kept_groups"):
+    for key in ("reward", "sample_accuracy", "entropy", "clip_fraction", "kept_groups"):
         assert all(np.isfinite(r[key]) for r in records[1:]), key
-    # On-policy first step: the policy is the reference, the ratio is 1 (nothing clipped).
-    assert abs(records[1]["kl"]) < 1e-5 and records[1]["clip_fraction"] == 0.0
+    # On-policy first step: the ratio is 1 (nothing clipped); with GRPO's KL penalty the
+    # policy is the reference (DAPO and Dr. GRPO have none, and skip the reference's pass).
+    assert records[1]["clip_fraction"] == 0.0
+    if mode == "grpo":
+        assert abs(records[1]["kl"]) < 1e-5
+    else:
+        assert "kl" not in records[1]
     if reward:  # every reward is the user's: 0.25 for a right answer, -0.5 otherwise
         for r in records[1:]:
             expected = 0.25 * r["sample_accuracy"] - 0.5 * (1 - r["sample_accuracy"])
@@ -382,3 +387,45 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, m
     assert [m["role"] for m in chat] == ["user", "assistant"] * 2
     assert chat[2]["content"] == "and 3 + 3?"  # the second turn sees the first
     assert len(capsys.readouterr().out.splitlines()) >= 2  # one answer printed per turn
+
+
+@pytest.mark.slow
+def test_recipes_on_a_gguf_file_with_qlora_on_its_own_blocks(tmp_path):
+    """SFT straight from a GGUF file (its tokenizer and chat template: the built-in task asked
+    in words), QLoRA on the file's Q8_0 blocks; GRPO from that run. The run's Hugging Face
+    export carries the tokenizer and the template, and loads in transformers with equal
+    logits."""
+    from tests._gguf import write_tiny_gguf
+    from tests._hf import hf_logits, hf_modules
+    from tunelib.data import load_tokenizer, render_chat_template
+    from tunelib.models import load_hf_checkpoint
+
+    texts = tuple(f"What is {a} + {b}? {a + b}" for a in range(0, 100, 7) for b in range(9))
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", texts, dtype="Q8_0")
+    sft = run_recipe(
+        "sft", "--model", str(model), "--lora-rank", "4", "--qlora", *STEPS,
+        "--out", str(tmp_path / "sft"),
+    )  # fmt: skip
+    assert sft["tuning"] == "qlora-gguf" and sft["base_bits_per_param"] < 32
+    assert {"accuracy_before", "accuracy_after"} <= set(sft)
+    export = tmp_path / "sft" / "hf_model"
+    tokenizer = load_tokenizer(export)
+    assert tokenizer.chat_template and tokenizer.eos_id == 2
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    rendered = render_chat_template(tokenizer.chat_template, messages, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"
+    _, transformers = hf_modules()
+    ours = load_hf_checkpoint(export)
+    decoder = nnx.merge(ours.graphdef, ours.params)
+    tokens = np.array([[1, 40, 41, 42, 2, 3], [1, 50, 51, 52, 53, 54]])
+    where = np.ones(tokens.shape, bool)
+    where[0, :2] = False
+    logits = np.asarray(decoder.unembed(decoder(tokens, where=where)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    np.testing.assert_allclose(hf_logits(theirs, tokens, where)[where], logits[where], atol=1e-4)
+
+    grpo = run_recipe(
+        "grpo", "--model", str(tmp_path / "sft"), "--lora-rank", "4", "--steps", "2",
+        "--group-size", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "grpo"),
+    )  # fmt: skip
+    assert {"accuracy_before", "accuracy_after"} <= set(grpo)
