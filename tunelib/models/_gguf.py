@@ -332,8 +332,16 @@ def load_gguf(
 
     Args:
       path: the `.gguf` file.
-      dtype, param_dtype, scan_layers, remat, mesh, rules, shardings: as for
-        `load_hf_checkpoint`.
+      dtype: the compute dtype (see `DecoderConfig.dtype`).
+      param_dtype: the dtype the parameters are created in.
+      scan_layers: stack the layers (`DecoderConfig.scan_layers`).
+      remat: rematerialise each layer in the backward pass.
+      mesh: shard every parameter over this mesh by its logical axis names and `rules`, as
+        `load_hf_checkpoint` does; None (and no `shardings`) puts every parameter on the
+        default device.
+      rules: the logical-name-to-mesh-axis rules used with `mesh`.
+      shardings: instead of `mesh`, a pure dict of `jax.sharding.Sharding` with the
+        structure of the parameters.
 
     Returns:
       An `HFCheckpoint` whose `hf_config` is the equivalent `config.json`.
