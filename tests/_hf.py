@@ -117,6 +117,9 @@ def hf_modules() -> tuple[Any, Any]:
             "pip install -e '.[test]'"
         )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # One intra-op thread: the test workers share the cores, and PyTorch's spinning OpenMP
+    # threads competing with another worker made a 30-layer `generate` ten times slower.
+    torch.set_num_threads(1)
     return torch, transformers
 
 

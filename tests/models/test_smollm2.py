@@ -7,6 +7,7 @@ tests never skip: without the file they fail.
 """
 
 import copy
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from flax import nnx
 
 from tests._hf import hf_logits, hf_modules
 from tunelib import rollout
+from tunelib.data import gguf_tokenizer, render_chat_template
 from tunelib.models import load_gguf
 
 CONVERSATIONS = [
@@ -39,32 +41,33 @@ def smollm2_file() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """transformers' model and tokenizer from the same file, in float32."""
+def transformers_smollm2():
+    """transformers' model from the file, in float32. Its GGUF loader parses the file twice
+    and builds the `gguf` package's tensor-name map once per module (397 times), half of its
+    minute: both are cached while it loads, which changes nothing it computes."""
+    import gguf
+
     torch, transformers = hf_modules()
     path = smollm2_file()
-    kwargs = {"gguf_file": path.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, torch_dtype=torch.float32, **kwargs
-    )
-    return model.eval(), tokenizer
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.lru_cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    return model.eval()
 
 
-@pytest.fixture(scope="module")
-def ours():
-    return load_gguf(smollm2_file(), scan_layers=True)
-
-
-@pytest.fixture(scope="module")
-def prompts(reference):
+def chat_prompts(tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """The conversations rendered by the model's chat template, left-padded into one batch."""
-    _, tokenizer = reference
-    ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in CONVERSATIONS]
-    ids = [list(getattr(i, "input_ids", i)) for i in ids]  # a BatchEncoding in new releases
+    texts = [
+        render_chat_template(tokenizer.chat_template, c, add_generation_prompt=True,
+                    **tokenizer.special_tokens)
+        for c in CONVERSATIONS
+    ]  # fmt: skip
+    ids = [tokenizer.encode(text) for text in texts]
     width = max(map(len, ids))
-    tokens = np.full((len(ids), width), 2, np.int32)
+    tokens = np.full((len(ids), width), tokenizer.pad_id, np.int32)
     where = np.zeros((len(ids), width), bool)
     for row, sequence in enumerate(ids):
         tokens[row, width - len(sequence) :] = sequence
@@ -72,22 +75,27 @@ def prompts(reference):
     return tokens, where
 
 
-def test_the_file_is_smollm2_135m_instruct(ours):
+def test_smollm2_loads_and_answers_as_in_transformers():
+    """One test, so that each model loads once (transformers' GGUF loader takes a minute).
+
+    The logits are held within float32's own noise: transformers' float32 logits differ from
+    its float64 ones by 9.3e-5 on these prompts (30 layers); tunelib's differ from them by
+    1.7e-4 to 1.9e-4 (runs vary with XLA's threading), so they are held to within three
+    times transformers' distance, within 3e-4 of transformers' float32 logits (measured 1.4e-4
+    to 1.9e-4: not the 1e-4 of the tiny files), and to the same argmax at every position.
+    32 greedy tokens of tunelib's sampler equal transformers' `generate`."""
+    torch, _ = hf_modules()
+    ours = load_gguf(smollm2_file(), scan_layers=True)
     config = ours.config
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
     assert config.tie_word_embeddings and config.rope_theta == 1e5
 
-
-def test_logits_equal_transformers_on_a_padded_batch_of_chats(reference, ours, prompts):
-    """Within float32's own noise: transformers' float32 logits differ from its float64 ones
-    by 9.3e-5 on these prompts (30 layers); tunelib's differ from them by 1.7e-4 to 1.9e-4
-    (runs vary with XLA's threading), so they are held to within three times transformers'
-    distance, within 3e-4 of transformers' float32 logits (measured 1.4e-4 to 1.9e-4: not
-    the 1e-4 of the tiny files), and to the same argmax at every position."""
-    model, _ = reference
-    tokens, where = prompts
+    # The prompts are rendered by tunelib's tokenizer of the file, which
+    # tests/data/test_gguf_tokenizer.py holds equal to transformers'.
+    tokens, where = chat_prompts(gguf_tokenizer(smollm2_file()))
     assert where.sum(axis=1).min() < tokens.shape[1]  # the batch is padded
+    model = transformers_smollm2()
     expected = hf_logits(model, tokens, where)[where]
     exact = hf_logits(copy.deepcopy(model).double(), tokens, where)[where]
     decoder = nnx.merge(ours.graphdef, ours.params)
@@ -98,11 +106,6 @@ def test_logits_equal_transformers_on_a_padded_batch_of_chats(reference, ours, p
     assert np.abs(logits - expected).max() < 3e-4
     assert np.array_equal(logits.argmax(-1), expected.argmax(-1))
 
-
-def test_32_greedy_tokens_equal_transformers_generate(reference, ours, prompts):
-    torch, _ = hf_modules()
-    model, _ = reference
-    tokens, where = prompts
     with torch.no_grad():
         generated = model.generate(
             input_ids=torch.tensor(tokens, dtype=torch.long),
