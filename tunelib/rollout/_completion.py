@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, Int, PyTree
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
 from tunelib.logprobs import IMPLEMENTATIONS, fused_token_logps
+from tunelib.models import KVCache
 
 
 def completion_logps(
@@ -23,6 +24,7 @@ def completion_logps(
     temperature: Scalar = 1.0,
     with_entropy: bool = False,
     implementation: str = "auto",
+    share_prompts: bool = True,
 ) -> Float[Array, "R N"] | tuple[Float[Array, "R N"], Float[Array, "R N"]]:
     r"""Log-probs (and entropy) of completion tokens after their prompts, under `params`.
 
@@ -47,8 +49,14 @@ def completion_logps(
     continues prompt `b`). Wrap it in `tunelib.peft.lora` to score under adapters:
     `peft.lora(completion_logps)(graphdef, peft.apply_lora(params, adapters), ...)`.
 
-    Each prompt needs at least one real token, as for `sample`. The prompt is run once per
-    completion (G times in a group): the forward pass is over `[R, P + N]` tokens.
+    Each prompt needs at least one real token, as for `sample`. With groups (`R = B * G`,
+    G > 1) and `share_prompts` (the default), each prompt is run once, into a KV cache that
+    its G completions then attend to (`Decoder.extend`, as `sample` runs them): the layers
+    see `B * P + R * N` tokens instead of `R * (P + N)`, and gradients reach the prompt's
+    keys and values through every completion of its group. The values equal those of the
+    concatenated forward pass up to float rounding (the attention over the cache sums in
+    another order); `share_prompts=False` runs that pass, each prompt once per completion,
+    as TRL and Tunix do.
 
     Note:
       TRL and Tunix slice the logits of left-padded prompts at `[P - 1, P + N - 1)` and
@@ -67,6 +75,9 @@ def completion_logps(
       with_entropy: also return the per-token entropy $H_j$ (static).
       implementation: the fused head's implementation, one of
         `tunelib.logprobs.IMPLEMENTATIONS` (static; "auto" picks per backend).
+      share_prompts: with groups, run each prompt once and its completions over its KV
+        cache (static; default True); False: one forward pass over each prompt and
+        completion concatenated.
 
     Returns:
       `[R, N]` float32 log-probs; with `with_entropy`, the pair `(logps, entropy)`.
@@ -112,13 +123,32 @@ def completion_logps(
             f"tokens has {rows} rows, which is not a multiple of the {batch} prompts of "
             f"prompt_tokens {prompt_tokens.shape}: row b * G + g must continue prompt b."
         )
-    if rows > batch:  # a group of G completions per prompt, as `sample` lays them out
-        group = rows // batch
-        prompt_tokens = repeat(prompt_tokens, "b p -> (b g) p", g=group)
-        prompt_where = repeat(prompt_where, "b p -> (b g) p", g=group)
     model = nnx.merge(graphdef, params)
-    all_where = jnp.concatenate([prompt_where, where], axis=1)
-    hidden = model(jnp.concatenate([prompt_tokens, tokens], axis=1), where=all_where)
+    group = rows // batch
+    if group > 1 and share_prompts:
+        # Each prompt once into a KV cache, the cache repeated over its group, then every
+        # completion on top of it: the hidden states of the concatenation, as `sample` has them.
+        cache = model.init_cache(batch, prompt_len + tokens.shape[1])
+        prompt_hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
+        keys, values, cache_where, lengths, index = cache
+        cache = KVCache(
+            repeat(keys, "l b s k d -> l (b g) s k d", g=group),
+            repeat(values, "l b s k d -> l (b g) s k d", g=group),
+            repeat(cache_where, "b s -> (b g) s", g=group),
+            repeat(lengths, "b -> (b g)", g=group),
+            index,
+        )
+        completion_hidden, _ = model.extend(tokens, where, cache)
+        prompt_hidden = repeat(prompt_hidden, "b p h -> (b g) p h", g=group)
+        hidden = jnp.concatenate([prompt_hidden, completion_hidden], axis=1)
+        prompt_where = repeat(prompt_where, "b p -> (b g) p", g=group)
+        all_where = jnp.concatenate([prompt_where, where], axis=1)
+    else:
+        if group > 1:  # each prompt run again for each of its G completions
+            prompt_tokens = repeat(prompt_tokens, "b p -> (b g) p", g=group)
+            prompt_where = repeat(prompt_where, "b p -> (b g) p", g=group)
+        all_where = jnp.concatenate([prompt_where, where], axis=1)
+        hidden = model(jnp.concatenate([prompt_tokens, tokens], axis=1), where=all_where)
     # Completion token j sits at column P + j and is predicted by the last real column
     # before it: a running max of the real columns' indices, read at P - 1 + j.
     columns = jnp.arange(all_where.shape[1] - 1)
