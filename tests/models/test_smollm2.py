@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._hf import hf_logits, hf_modules
+from tests._hf import hf_modules
 from tunelib import rollout
 from tunelib.data import gguf_tokenizer, render_chat_template
 from tunelib.models import load_gguf
@@ -58,6 +58,51 @@ def transformers_smollm2():
     return model.eval()
 
 
+def float64_throughout(model):
+    """transformers' model in float64 in every operation. `.double()` alone leaves two of
+    them in float32, inside any dtype: the RoPE angles (`inv_freq` and positions cast to
+    float) and the RMSNorm (the input cast to float32); they moved its float64 logits by
+    2.4e-5 here. These two are recomputed in float64, from the module's own config."""
+    torch, _ = hf_modules()
+    model = copy.deepcopy(model).double()
+    rotary = model.model.rotary_emb
+    theta = (rotary.config.rope_parameters or {}).get("rope_theta", 10000.0)
+    half = rotary.inv_freq.shape[0]
+    inverse = theta ** -(torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
+
+    def angles(x, position_ids):
+        angle = position_ids[..., None].double() * inverse
+        angle = torch.cat([angle, angle], dim=-1)
+        scale = rotary.attention_scaling
+        return (angle.cos() * scale).to(x.dtype), (angle.sin() * scale).to(x.dtype)
+
+    def norm(module):
+        def forward(x):
+            scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+            return module.weight * (x * scale)
+
+        return forward
+
+    rotary.forward = angles
+    for module in model.modules():
+        if type(module).__name__ == "LlamaRMSNorm":
+            module.forward = norm(module)
+    return model
+
+
+def logits_of(model, tokens, where) -> np.ndarray:
+    """transformers' logits in their own dtype, with tunelib's default positions."""
+    torch, _ = hf_modules()
+    positions = np.maximum(np.cumsum(where, axis=-1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(np.where(where, tokens, 0), dtype=torch.long),
+            attention_mask=torch.tensor(where.astype(np.int64)),
+            position_ids=torch.tensor(positions, dtype=torch.long),
+        )
+    return out.logits.numpy()
+
+
 def chat_prompts(tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """The conversations rendered by the model's chat template, left-padded into one batch."""
     texts = [
@@ -78,11 +123,12 @@ def chat_prompts(tokenizer) -> tuple[np.ndarray, np.ndarray]:
 def test_smollm2_loads_and_answers_as_in_transformers():
     """One test, so that each model loads once (transformers' GGUF loader takes a minute).
 
-    The logits are held within float32's own noise: transformers' float32 logits differ from
-    its float64 ones by 9.3e-5 on these prompts (30 layers); tunelib's differ from them by
-    1.7e-4 to 1.9e-4 (runs vary with XLA's threading), so they are held to within three
-    times transformers' distance, within 3e-4 of transformers' float32 logits (measured 1.4e-4
-    to 1.9e-4: not the 1e-4 of the tiny files), and to the same argmax at every position.
+    In float64 tunelib's logits equal transformers' run in float64 throughout (measured
+    2.6e-13). In float32 both are off the float64 logits by float32's rounding over 30
+    layers: transformers by 8.9e-5, tunelib by 1.7e-4 to 1.9e-4 (runs vary with XLA's
+    threading; logits up to 39), so the two float32 results are 1.4e-4 to 1.9e-4 apart, not
+    the 1e-4 of the tiny files. tunelib is held to three times transformers' own float32
+    error, within 3e-4 of its float32 logits, and to the same argmax at every position.
     32 greedy tokens of tunelib's sampler equal transformers' `generate`."""
     torch, _ = hf_modules()
     ours = load_gguf(smollm2_file(), scan_layers=True)
@@ -96,8 +142,16 @@ def test_smollm2_loads_and_answers_as_in_transformers():
     tokens, where = chat_prompts(gguf_tokenizer(smollm2_file()))
     assert where.sum(axis=1).min() < tokens.shape[1]  # the batch is padded
     model = transformers_smollm2()
-    expected = hf_logits(model, tokens, where)[where]
-    exact = hf_logits(copy.deepcopy(model).double(), tokens, where)[where]
+    expected = logits_of(model, tokens, where)[where]
+    exact = logits_of(float64_throughout(model), tokens, where)[where]
+    assert exact.dtype == np.float64
+    with jax.enable_x64(True):
+        ours64 = load_gguf(smollm2_file(), scan_layers=True, dtype="float64",
+                           param_dtype="float64")  # fmt: skip
+        decoder = nnx.merge(ours64.graphdef, ours64.params)
+        logits64 = np.asarray(decoder.unembed(decoder(tokens, where=where)))[where]
+    assert logits64.dtype == np.float64
+    assert np.abs(logits64 - exact).max() < 1e-9
     decoder = nnx.merge(ours.graphdef, ours.params)
     logits = np.asarray(decoder.unembed(decoder(tokens, where=where)))[where]
     noise = np.abs(expected - exact).max()
