@@ -235,7 +235,8 @@ def write_chat_jsonl(path: Path, num_records: int, *, seed: int = 0) -> Path:
 
 
 def hf_logits(model: Any, tokens: np.ndarray, where: np.ndarray) -> np.ndarray:
-    """`model`'s float32 logits with tunelib's default positions (real tokens counted)."""
+    """`model`'s logits with tunelib's default positions (real tokens counted): float32, or
+    float64 for a float64 model."""
     torch, _ = hf_modules()
     positions = np.maximum(np.cumsum(where, axis=-1) - 1, 0)
     with torch.no_grad():
@@ -244,4 +245,5 @@ def hf_logits(model: Any, tokens: np.ndarray, where: np.ndarray) -> np.ndarray:
             attention_mask=torch.tensor(where.astype(np.int64)),
             position_ids=torch.tensor(positions, dtype=torch.long),
         )
-    return out.logits.float().numpy()
+    logits = out.logits
+    return (logits if logits.dtype == torch.float64 else logits.float()).numpy()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._hf import hf_modules
+from tests._hf import hf_logits, hf_modules
 from tunelib import rollout
 from tunelib.data import gguf_tokenizer, render_chat_template
 from tunelib.models import load_gguf
@@ -90,19 +90,6 @@ def float64_throughout(model):
     return model
 
 
-def logits_of(model, tokens, where) -> np.ndarray:
-    """transformers' logits in their own dtype, with tunelib's default positions."""
-    torch, _ = hf_modules()
-    positions = np.maximum(np.cumsum(where, axis=-1) - 1, 0)
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(np.where(where, tokens, 0), dtype=torch.long),
-            attention_mask=torch.tensor(where.astype(np.int64)),
-            position_ids=torch.tensor(positions, dtype=torch.long),
-        )
-    return out.logits.numpy()
-
-
 def chat_prompts(tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """The conversations rendered by the model's chat template, left-padded into one batch."""
     texts = [
@@ -142,8 +129,8 @@ def test_smollm2_loads_and_answers_as_in_transformers():
     tokens, where = chat_prompts(gguf_tokenizer(smollm2_file()))
     assert where.sum(axis=1).min() < tokens.shape[1]  # the batch is padded
     model = transformers_smollm2()
-    expected = logits_of(model, tokens, where)[where]
-    exact = logits_of(float64_throughout(model), tokens, where)[where]
+    expected = hf_logits(model, tokens, where)[where]
+    exact = hf_logits(float64_throughout(model), tokens, where)[where]
     assert exact.dtype == np.float64
     with jax.enable_x64(True):
         ours64 = load_gguf(smollm2_file(), scan_layers=True, dtype="float64",
