@@ -60,7 +60,7 @@ _CORPUS = [
 # Tiny configs (hidden 64, 2 layers), transformers' field names; each family's distinguishing
 # options are on: Llama 3 RoPE scaling and every bias, Qwen2 q/k/v biases (implied) with tied
 # embeddings, Qwen3 QK-norm (implied) with N * D != H, Mistral a sliding window shorter than
-# the test sequences.
+# the test sequences, Qwen3-MoE 4 experts with top-2 routing renormalised.
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -92,12 +92,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
         head_dim=32, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
     ),
     "mistral": dict(sliding_window=5),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
 }
 _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 

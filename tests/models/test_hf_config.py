@@ -142,6 +142,16 @@ EXPRESSIBLE = {
     "mistral": dict(sliding_window=16),
     "qwen2": dict(attention_bias=True, sliding_window=32),
     "qwen3": dict(use_qk_norm=True, head_dim=32, attention_bias=True, o_proj_bias=True),
+    "qwen3_moe": dict(
+        use_qk_norm=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+        mlp_only_layers=(1,),
+        sliding_window=8,
+    ),
 }
 
 

@@ -7,7 +7,8 @@ families: the DPO family against a reference model (`_dpo.py`), reference-free p
 losses (`_reference_free.py`), unpaired feedback (`_kto.py`), reward models
 (`_reward_model.py`); RL objectives (`_policy_gradient.py`, `_kl.py`, `_value.py`,
 `_entropy.py`, `_off_policy.py`); SFT (`_sft.py`); distillation (`_distillation.py`,
-`_feature_matching.py`); and `_aggregation.py`. Diagnostics are in `tunelib.metrics`.
+`_feature_matching.py`); mixture-of-experts routers (`_router.py`); and `_aggregation.py`.
+Diagnostics are in `tunelib.metrics`.
 """
 
 from tunelib._deprecation import moved_names
@@ -51,6 +52,7 @@ from tunelib.losses._policy_gradient import (
 )
 from tunelib.losses._reference_free import cpo_loss, orpo_log_odds_ratio, orpo_loss, simpo_loss
 from tunelib.losses._reward_model import bradley_terry_loss
+from tunelib.losses._router import load_balancing_loss, router_z_loss
 from tunelib.losses._sft import nll_loss
 from tunelib.losses._value import value_loss
 
@@ -107,6 +109,7 @@ __all__ = [
     "kto_loss",
     "kto_reference_point",
     "length_normalized_dpo_loss",
+    "load_balancing_loss",
     "nca_loss",
     "nll_loss",
     "orpo_log_odds_ratio",
@@ -114,6 +117,7 @@ __all__ = [
     "policy_gradient_loss",
     "reverse_kl_loss",
     "robust_dpo_loss",
+    "router_z_loss",
     "sapo_loss",
     "simpo_loss",
     "soft_hard_distillation_loss",

@@ -1,10 +1,11 @@
-"""The reference decoder (Llama / Qwen2 / Qwen3 / Mistral family) in Flax NNX.
+"""The reference decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral family) in Flax NNX.
 
 `Decoder(config, rngs=...)` maps token ids to final-norm hidden states; `unembed` and
 `unembedding` turn them into logits separately, so that log-probs can be computed in chunks
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
 `config.json`; `load_hf_checkpoint` and `save_hf_checkpoint` read and write Hugging Face
-checkpoints (safetensors, one file or sharded) of the Llama, Mistral, Qwen2 and Qwen3 families;
+checkpoints (safetensors, one file or sharded) of the Llama, Mistral, Qwen2, Qwen3 and
+Qwen3-MoE families; `MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer;
 `read_gguf`, `convert_gguf` and `save_gguf` read and write llama.cpp's GGUF files.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
@@ -24,6 +25,7 @@ from tunelib.models._gguf import (
     read_gguf,
 )
 from tunelib.models._gguf_writer import save_gguf
+from tunelib.models._grouped_matmul import GROUPED_IMPLEMENTATIONS, grouped_matmul
 from tunelib.models._hf_checkpoint import (
     COPIED_FILES,
     HFCheckpoint,
@@ -31,14 +33,21 @@ from tunelib.models._hf_checkpoint import (
     save_hf_checkpoint,
 )
 from tunelib.models._hf_config import MODEL_TYPES, config_from_hf, config_to_hf
+from tunelib.models._moe import MoE, route
 from tunelib.models._names import PROJECTION_KERNELS, hf_module_name
 from tunelib.models._rope import rope_frequencies
-from tunelib.models._sharding import TENSOR_PARALLEL_RULES, param_shardings
+from tunelib.models._sharding import (
+    EXPERT_PARALLEL_RULES,
+    TENSOR_PARALLEL_RULES,
+    param_shardings,
+)
 
 __all__ = [
     "COPIED_FILES",
+    "EXPERT_PARALLEL_RULES",
     "GGUF_ARCHITECTURES",
     "GGUF_TENSOR_TYPES",
+    "GROUPED_IMPLEMENTATIONS",
     "MODEL_TYPES",
     "PROJECTION_KERNELS",
     "TENSOR_PARALLEL_RULES",
@@ -48,17 +57,20 @@ __all__ = [
     "GGUFTensor",
     "HFCheckpoint",
     "KVCache",
+    "MoE",
     "config_from_hf",
     "config_to_hf",
     "convert_gguf",
     "gguf_raw_tensors",
     "gguf_tensors",
+    "grouped_matmul",
     "hf_module_name",
     "load_gguf",
     "load_hf_checkpoint",
     "param_shardings",
     "read_gguf",
     "rope_frequencies",
+    "route",
     "save_gguf",
     "save_hf_checkpoint",
 ]

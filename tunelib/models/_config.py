@@ -2,7 +2,7 @@
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Mistral style decoder.
+    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral style decoder.
 
     Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
     be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
@@ -63,6 +63,17 @@ class DecoderConfig:
         kernel and the embedding.
       use_qk_norm: ours (Qwen3 has it, with no `config.json` flag): an RMSNorm over
         `head_dim` applied to every query and key head before RoPE.
+      num_experts: $E$, experts of each mixture-of-experts layer; 0 (the default) means
+        every layer has the dense MLP. See `tunelib.models.MoE`.
+      num_experts_per_tok: $k$, experts each token is routed to ($1 \le k \le E$).
+      moe_intermediate_size: width of each expert's SwiGLU MLP; None means
+        `intermediate_size`.
+      norm_topk_prob: whether the $k$ chosen routing probabilities are renormalised to sum
+        to 1 (Qwen3-MoE's flag; its default is False, Mixtral's behaviour is True).
+      decoder_sparse_step: layer $l$ (from 0) is a mixture of experts when
+        $(l + 1) \bmod$ `decoder_sparse_step` $= 0$ and $l$ is not in `mlp_only_layers`.
+      mlp_only_layers: indices of the layers that keep the dense MLP (width
+        `intermediate_size`) in a mixture-of-experts model.
       scan_layers: ours: store the layers stacked on a leading "layers" axis and run them
         with `nnx.scan` (one compiled layer instead of $L$).
       remat: ours: recompute each layer's activations in the backward pass (`nnx.remat`).
@@ -90,6 +101,12 @@ class DecoderConfig:
     sliding_window: int | None = None
     initializer_range: float | int = 0.02
     use_qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: Sequence[int] = ()
     scan_layers: bool = False
     remat: bool = False
     dtype: str = "float32"
@@ -133,6 +150,7 @@ class DecoderConfig:
             "o_proj_bias",
             "mlp_bias",
             "use_qk_norm",
+            "norm_topk_prob",
             "scan_layers",
             "remat",
         ):
@@ -146,6 +164,51 @@ class DecoderConfig:
                     f"{name} must be one of {DTYPE_NAMES}, got {getattr(self, name)!r}."
                 )
         object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int):
+            raise TypeError(f"num_experts must be an int, got {self.num_experts!r}.")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}.")
+        _check_positive_int(self.num_experts_per_tok, "num_experts_per_tok")
+        _check_positive_int(self.decoder_sparse_step, "decoder_sparse_step")
+        if self.moe_intermediate_size is None:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+        _check_positive_int(self.moe_intermediate_size, "moe_intermediate_size")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                f"({self.num_experts}): a token cannot be routed to more experts than exist."
+            )
+        layers = self.mlp_only_layers
+        if isinstance(layers, str) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers
+        ):
+            raise TypeError(f"mlp_only_layers must be a sequence of ints, got {layers!r}.")
+        layers = tuple(sorted(set(layers)))
+        if any(not 0 <= i < self.num_hidden_layers for i in layers):
+            raise ValueError(
+                f"mlp_only_layers must be layer indices in [0, {self.num_hidden_layers}), got "
+                f"{list(layers)}."
+            )
+        object.__setattr__(self, "mlp_only_layers", layers)
+        if self.scan_layers and len(set(self.moe_layers)) > 1:
+            raise ValueError(
+                "scan_layers needs every layer to be of one kind, but decoder_sparse_step="
+                f"{self.decoder_sparse_step} and mlp_only_layers={list(layers)} mix "
+                "mixture-of-experts and dense layers; use scan_layers=False."
+            )
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """For each layer, whether it is a mixture of experts (see `decoder_sparse_step`)."""
+        return tuple(
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_hidden_layers)
+        )
 
     def __hash__(self) -> int:
         # The config is static module data that `jax.jit` hashes; `rope_scaling` is a dict.

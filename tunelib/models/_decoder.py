@@ -1,4 +1,4 @@
-"""The reference decoder: Llama / Qwen2 / Qwen3 / Mistral in Flax NNX."""
+"""The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral in Flax NNX."""
 
 from typing import NamedTuple
 
@@ -12,8 +12,9 @@ from jaxtyping import Array, Bool, Float, Int
 from tunelib import _validation as v
 from tunelib._deprecation import renamed_arguments
 from tunelib._typing import Mask
+from tunelib.models._block import DecoderLayer
 from tunelib.models._config import DecoderConfig
-from tunelib.models._layers import DecoderLayer, Dense, Embedding, RMSNorm
+from tunelib.models._layers import Dense, Embedding, RMSNorm
 from tunelib.models._rope import rope_angles, rope_frequencies
 
 
@@ -98,7 +99,7 @@ class Decoder(nnx.Module):
         if c.scan_layers:
             self.layers = _stacked_layers(c, rngs)
         else:
-            self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_hidden_layers)])
+            self.layers = nnx.List([DecoderLayer(c, moe=m, rngs=rngs) for m in c.moe_layers])
         self.norm = RMSNorm(c.hidden_size, "embed", c, rngs=rngs)
         self.lm_head = (
             None
@@ -115,8 +116,10 @@ class Decoder(nnx.Module):
         where: Mask[ArrayLike, "B T"] | None = None,
         positions: Int[ArrayLike, "B T"] | None = None,
         segment_ids: Int[ArrayLike, "B T"] | None = None,
-    ) -> Float[Array, "B T H"]:
-        """Final-norm hidden states of every position.
+        *,
+        return_router_logits: bool = False,
+    ) -> Float[Array, "B T H"] | tuple[Float[Array, "B T H"], Float[Array, "M B T E"]]:
+        """Final-norm hidden states of every position (and the router logits).
 
         Args:
           tokens: `[B, T]` integer token ids in `[0, V)`; ids at padded positions are
@@ -135,9 +138,14 @@ class Decoder(nnx.Module):
             0 is padding whatever `where` says). A query attends only to keys of its own
             segment, so every packed sequence gives the hidden states it gives alone. None
             means one sequence per row.
+          return_router_logits: also return the router logits of the $M$
+            mixture-of-experts layers (`config.moe_layers`), for the auxiliary losses
+            (`tunelib.losses.load_balancing_loss`, `tunelib.losses.router_z_loss`).
 
         Returns:
-          `[B, T, H]` hidden states in the compute dtype `config.dtype`.
+          `[B, T, H]` hidden states in the compute dtype `config.dtype`; with
+          `return_router_logits`, the pair of them and the `[M, B, T, E]` router logits
+          (float32, float64 for a float64 model; $M = 0$ for a dense model).
         """
         c = self.config
         tokens = v.int_array(tokens, "tokens")
@@ -156,8 +164,12 @@ class Decoder(nnx.Module):
 
         high = v.compute_dtype(c.compute_dtype)
         allowed, fill = _attention_mask(where, segment_ids, high, c.sliding_window)
-        x, _ = self._run_layers(tokens, where, positions, allowed, fill)
-        return self.norm(x)
+        x, _, router_logits = self._run_layers(tokens, where, positions, allowed, fill)
+        if not return_router_logits:
+            return self.norm(x)
+        if router_logits is None:
+            router_logits = jnp.zeros((0, *tokens.shape, max(c.num_experts, 1)), high)
+        return self.norm(x), router_logits
 
     def init_cache(self, batch_size: int, length: int) -> "KVCache":
         """An empty `KVCache` of `length` slots for `batch_size` rows, in the compute dtype.
@@ -232,7 +244,7 @@ class Decoder(nnx.Module):
         allowed = rearrange(allowed, "b t s -> b 1 1 t s")  # over kv heads, groups
         lowest = jnp.finfo(v.compute_dtype(c.compute_dtype)).min
         fill = jnp.where(causal, 0.5 * lowest, lowest).astype(v.compute_dtype(c.compute_dtype))
-        x, (keys, values) = self._run_layers(
+        x, (keys, values), _ = self._run_layers(
             tokens, where, positions, allowed, fill, (cache.keys, cache.values, cache.index)
         )
         cache = KVCache(keys, values, key_where, cache.lengths + counts[:, -1], cache.index + t)
@@ -251,28 +263,32 @@ class Decoder(nnx.Module):
         def run(layer, carry, cos, sin, allowed, fill, i, index):
             x, keys, values = carry
             layer_cache = None if keys is None else (keys, values, i, index)
-            x, layer_cache = layer(x, cos, sin, allowed, fill, layer_cache)
-            return (x, None, None) if layer_cache is None else (x, *layer_cache[:2])
+            x, layer_cache, router_logits = layer(x, cos, sin, allowed, fill, layer_cache)
+            carry = (x, None, None) if layer_cache is None else (x, *layer_cache[:2])
+            return carry, router_logits
 
         if c.remat:
             run = nnx.remat(run)
         carry = (x, keys, values)
         if not c.scan_layers:
+            router_logits = []
             for i, layer in enumerate(self.layers):
-                carry = run(layer, carry, cos, sin, allowed, fill, i, index)
-            return carry[0], carry[1:]
+                carry, logits = run(layer, carry, cos, sin, allowed, fill, i, index)
+                router_logits += [] if logits is None else [logits]
+            stacked = jnp.stack(router_logits) if router_logits else None
+            return carry[0], carry[1:], stacked
 
         @nnx.scan(
             in_axes=(nnx.Carry, 0, None, None, None, None, 0, None),
-            out_axes=nnx.Carry,
+            out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: "layers"},
         )
         def scan(carry, layer, cos, sin, allowed, fill, i, index):
             return run(layer, carry, cos, sin, allowed, fill, i, index)
 
         layer_ids = jnp.arange(c.num_hidden_layers)
-        carry = scan(carry, self.layers, cos, sin, allowed, fill, layer_ids, index)
-        return carry[0], carry[1:]
+        carry, router_logits = scan(carry, self.layers, cos, sin, allowed, fill, layer_ids, index)
+        return carry[0], carry[1:], router_logits
 
     def unembedding(self) -> Float[Array, "H V"]:
         """The `[H, V]` unembedding matrix $U$ in the compute dtype.
@@ -378,6 +394,6 @@ def _stacked_layers(config: DecoderConfig, rngs: nnx.Rngs) -> DecoderLayer:
     @nnx.split_rngs(splits=config.num_hidden_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(config, rngs=rngs)
+        return DecoderLayer(config, moe=config.moe_layers[0], rngs=rngs)
 
     return create(rngs)

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints (`config.json` + safetensors) into the decoder and back."""
 
+import itertools
 import json
 import os
 import re
@@ -69,15 +70,21 @@ class _Weight(NamedTuple):
     """One parameter and the Hugging Face tensors it is made of."""
 
     path: tuple[Any, ...]  # keys into the pure-dict params
-    hf_names: tuple[str, ...]  # one tensor, or one per layer when the layers are stacked
-    stacked: bool
+    # One tensor per index of the leading `stacked` axes (layers when stacked, experts), in
+    # row-major order; a single tensor when `stacked` is 0.
+    hf_names: tuple[str, ...]
+    stacked: int
     transpose: bool  # kernels are [in, out]; Hugging Face's Linear weights are [out, in]
     shape: tuple[int, ...]  # ours
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        shape = self.shape[1:] if self.stacked else self.shape
+        shape = self.shape[self.stacked :]
         return shape[::-1] if self.transpose else shape
+
+    def tensor_index(self, flat: int) -> tuple[int, ...]:
+        """The index into the leading axes of the `flat`-th of `hf_names`."""
+        return tuple(int(i) for i in np.unravel_index(flat, self.shape[: self.stacked]))
 
 
 def abstract_params(config: DecoderConfig) -> tuple[nnx.GraphDef, PyTree[jax.ShapeDtypeStruct]]:
@@ -93,16 +100,22 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
         path = tuple(k.key for k in keypath)
         *modules, name = path
         suffix = "bias" if name == "bias" else "weight"
-        stacked = config.scan_layers and modules[0] == "layers"
-        if stacked:
-            layers = range(config.num_hidden_layers)
-            module_paths = [("layers", layer, *modules[1:]) for layer in layers]
-        else:
-            module_paths = [tuple(modules)]
+        # Axes that index separate tensors, as (position in the module path, size).
+        split = []
+        if config.scan_layers and modules[0] == "layers":
+            split.append((1, config.num_hidden_layers))
+        if "experts" in modules:
+            split.append((modules.index("experts") + 1, config.num_experts))
+        module_paths = []
+        for index in np.ndindex(*(size for _, size in split)):
+            module = list(modules)
+            for (position, _), i in sorted(zip(split, index, strict=True), reverse=True):
+                module.insert(position, i)
+            module_paths.append(module)
         hf_names = tuple(
             f"{hf_module_name('/'.join(map(str, (*m, name))))}.{suffix}" for m in module_paths
         )
-        out.append(_Weight(path, hf_names, stacked, name == "kernel", tuple(leaf.shape)))
+        out.append(_Weight(path, hf_names, len(split), name == "kernel", tuple(leaf.shape)))
     return out
 
 
@@ -241,8 +254,13 @@ class _ShardReader:
         if key not in self.done:
             w = self.weight
             if w.stacked:
-                layers = range(len(w.hf_names))[index[0]]
-                shard = np.stack([self._read(w.hf_names[i], index[1:]) for i in layers])
+                lead = w.shape[: w.stacked]
+                picked = [range(n)[i] for n, i in zip(lead, index, strict=False)]
+                tensors = [
+                    self._read(w.hf_names[int(np.ravel_multi_index(i, lead))], index[w.stacked :])
+                    for i in itertools.product(*picked)
+                ]
+                shard = np.stack(tensors).reshape(*map(len, picked), *tensors[0].shape)
             else:
                 shard = self._read(w.hf_names[0], index)
             self.done[key] = shard
@@ -467,10 +485,11 @@ def _tensors_to_write(params: PyTree, config: DecoderConfig, dtype: np.dtype):
     leaves = dict(zip(_paths(params), jax.tree.leaves(params), strict=True))
     for w in weights_of(params, config):
         array = leaves[w.path]
-        for layer, name in enumerate(w.hf_names):
+        for flat, name in enumerate(w.hf_names):
+            index = w.tensor_index(flat)
 
-            def fetch(array=array, layer=layer, w=w):
-                host = np.asarray(jax.device_get(array[layer] if w.stacked else array))
+            def fetch(array=array, index=index, w=w):
+                host = np.asarray(jax.device_get(array[index]))
                 return (host.T if w.transpose else host).astype(dtype)
 
             yield TensorToWrite(name, w.hf_shape, dtype, fetch)

@@ -1,4 +1,5 @@
-"""Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3."""
+"""Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
+Qwen3-MoE."""
 
 import math
 from collections.abc import Callable, Mapping
@@ -12,6 +13,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
@@ -27,6 +29,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    "qwen3_moe": {
+        "num_key_value_heads": 4,
+        "head_dim": None,
+        "max_position_embeddings": 32768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": None,
+    },
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -70,7 +83,8 @@ def config_from_hf(
     scan_layers: bool = False,
     remat: bool = False,
 ) -> DecoderConfig:
-    """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3).
+    """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3,
+    Qwen3-MoE).
 
     Reads the fields that the `transformers` model of the config's `model_type` reads, with
     `transformers`' defaults for the ones left out, so the decoder computes what that model
@@ -84,6 +98,12 @@ def config_from_hf(
     | `mistral` | none | no | `sliding_window` (default 4096) |
     | `qwen2` | q/k/v always | no | `use_sliding_window`, all layers |
     | `qwen3` | q/k/v/o with `attention_bias` | yes | `use_sliding_window`, all layers |
+    | `qwen3_moe` | q/k/v/o with `attention_bias` | yes | `use_sliding_window`, all layers |
+
+    Qwen3-MoE's experts come from `num_experts` (or `num_local_experts`, the name
+    `transformers` saves it under), `num_experts_per_tok`, `moe_intermediate_size`,
+    `norm_topk_prob`, `decoder_sparse_step` and `mlp_only_layers`; `output_router_logits` and
+    `router_aux_loss_coef` only concern its training loss and are not read.
 
     A value the decoder cannot reproduce is an error naming the field, never ignored: an
     activation other than SiLU, dropout, a RoPE type other than default / linear / llama3,
@@ -172,9 +192,24 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type == "qwen3":
+    elif model_type in ("qwen3", "qwen3_moe"):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
+    experts = {}
+    if model_type == "qwen3_moe":
+        if "num_experts" not in hf_config and "num_local_experts" in hf_config:
+            hf_config = {**hf_config, "num_experts": hf_config["num_local_experts"]}
+        experts = {
+            name: get(name)
+            for name in (
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "decoder_sparse_step",
+            )
+        }
+        experts["norm_topk_prob"] = _bool(get("norm_topk_prob"), "norm_topk_prob")
+        experts["mlp_only_layers"] = tuple(get("mlp_only_layers") or ())
 
     return DecoderConfig(
         vocab_size=get("vocab_size"),
@@ -190,13 +225,14 @@ def config_from_hf(
         max_position_embeddings=get("max_position_embeddings"),
         tie_word_embeddings=get("tie_word_embeddings"),
         initializer_range=get("initializer_range"),
-        use_qk_norm=model_type == "qwen3",
+        use_qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=_sliding_window(model_type, get),
         scan_layers=scan_layers,
         remat=remat,
         dtype=dtype,
         param_dtype=param_dtype,
         **biases,
+        **experts,
     )
 
 
@@ -216,8 +252,9 @@ def config_to_hf(
 
     Args:
       config: the decoder's config.
-      model_type: "llama", "mistral", "qwen2" or "qwen3"; the config must be one this family
-        can express (Qwen2 needs q/k/v biases and no output bias, Qwen3 needs QK-norm, ...).
+      model_type: one of `MODEL_TYPES`; the config must be one this family can express
+        (Qwen2 needs q/k/v biases and no output bias, Qwen3 needs QK-norm, only Qwen3-MoE
+        has experts, ...).
       base: fields to start from; architectural ones are overwritten.
       dtype: the storage dtype of the saved weights, written as `torch_dtype` and `dtype`;
         None means `config.param_dtype`.
@@ -247,7 +284,7 @@ def config_to_hf(
     _check_expressible(config, model_type)
     out = dict(base or {})
     stale_keys = ("rope_scaling", "rope_parameters", "rope_theta", "layer_types", "rope_type")
-    for stale in (*stale_keys, "transformers_version"):
+    for stale in (*stale_keys, "transformers_version", "num_local_experts"):
         out.pop(stale, None)
     scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
     out.update(
@@ -289,14 +326,26 @@ def config_to_hf(
             layer_types=[("sliding" if sliding else "full") + "_attention"]
             * config.num_hidden_layers,
         )
-        if model_type == "qwen3":
+        if model_type in ("qwen3", "qwen3_moe"):
             out.update(attention_bias=config.attention_bias)
+        if model_type == "qwen3_moe":
+            del out["max_window_layers"], out["layer_types"]
+            out.update(
+                num_experts=config.num_experts,
+                num_experts_per_tok=config.num_experts_per_tok,
+                moe_intermediate_size=config.moe_intermediate_size,
+                norm_topk_prob=config.norm_topk_prob,
+                decoder_sparse_step=config.decoder_sparse_step,
+                mlp_only_layers=list(config.mlp_only_layers),
+            )
     return out
 
 
 def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     """Raise naming the first field of `config` that `model_type` cannot express."""
-    need: dict[str, Any] = {"use_qk_norm": model_type == "qwen3"}
+    need: dict[str, Any] = {"use_qk_norm": model_type in ("qwen3", "qwen3_moe")}
+    if model_type != "qwen3_moe":
+        need["num_experts"] = 0
     if model_type == "llama":
         need.update(o_proj_bias=config.attention_bias, sliding_window=None)
     elif model_type == "mistral":
@@ -370,6 +419,8 @@ def _sliding_window(model_type: str, get: Callable[[str], Any]) -> int | None:
     window = (
         get("sliding_window") if _bool(get("use_sliding_window"), "use_sliding_window") else None
     )
+    if model_type == "qwen3_moe":  # one window for all layers, or none
+        return window
     layers = get("num_hidden_layers")
     types = get("layer_types")
     if types is None:

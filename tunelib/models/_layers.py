@@ -1,4 +1,4 @@
-"""The building blocks of the decoder: RMSNorm, dense projections, attention, SwiGLU, layer.
+"""The building blocks of the decoder: RMSNorm, dense projections, attention, SwiGLU.
 
 Every weight is an `nnx.Param` whose `out_sharding` metadata names its axes with logical names
 (see `docs/models.md`); map them to mesh axes with `nnx.logical_axis_rules` and read the
@@ -174,27 +174,3 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm residual layer: attention, then the MLP, each on its own RMSNorm."""
-
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
-        h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, "embed", config, rngs=rngs)
-        self.self_attn = Attention(config, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(h, "embed", config, rngs=rngs)
-        self.mlp = MLP(config, rngs=rngs)
-
-    def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        allowed: jax.Array,
-        fill: jax.Array,
-        cache: LayerCache | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
-        attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, allowed, fill, cache)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), cache

@@ -1,0 +1,286 @@
+"""The mixture-of-experts layer: grouped products, routing, the layer, Qwen3-MoE parity."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
+from tests._hf import hf_logits, hf_modules, model_class, write_tiny_checkpoint
+from tunelib import losses
+from tunelib.models import (
+    EXPERT_PARALLEL_RULES,
+    Decoder,
+    DecoderConfig,
+    MoE,
+    grouped_matmul,
+    load_hf_checkpoint,
+    param_shardings,
+    route,
+)
+
+IMPLEMENTATIONS = ("blocked", "ragged_dot")
+
+
+def grouped_reference(x, w, sizes):
+    """Row runs times their group's matrix, group by group in float64."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out, start = np.zeros((x.shape[0], w.shape[2])), 0
+    for g, n in enumerate(sizes):
+        out[start : start + n] = x[start : start + n] @ w[g]
+        start += n
+    return out
+
+
+@given(
+    st.lists(st.integers(0, 12), min_size=1, max_size=5),
+    st.integers(0, 4),
+    st.sampled_from(IMPLEMENTATIONS),
+    st.sampled_from([None, 1, 4]),
+)
+def test_grouped_matmul_equals_the_float64_reference(sizes, spare, implementation, block):
+    """Values and both gradients, empty groups and rows past the last group included."""
+    rng = np.random.default_rng(sum(sizes) + spare)
+    m, k, n = sum(sizes) + spare, 3, 2
+    x = rng.normal(size=(max(m, 1), k))
+    w = rng.normal(size=(len(sizes), k, n))
+    ct = rng.normal(size=(max(m, 1), n))
+    sizes = np.array(sizes, np.int32)
+    with jax.enable_x64(True):
+
+        def f(x, w):
+            out = grouped_matmul(x, w, sizes, implementation=implementation, block_size=block)
+            return jnp.sum(out * ct), out
+
+        (_, out), (dx, dw) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w)
+    assert_close(out, grouped_reference(x, w, sizes), rtol=1e-12, atol=1e-12)
+    expected_dx, expected_dw, start = np.zeros_like(x), np.zeros_like(w), 0
+    for g, count in enumerate(sizes):
+        rows = slice(start, start + count)
+        expected_dx[rows] = ct[rows] @ w[g].T
+        expected_dw[g] = x[rows].T @ ct[rows]
+        start += count
+    assert_close(dx, expected_dx, rtol=1e-12, atol=1e-12)
+    assert_close(dw, expected_dw, rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_matmul_jvp_vmap_dtypes_and_one_compilation():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10, 4)).astype(np.float32)
+    w = rng.normal(size=(3, 4, 5)).astype(np.float32)
+    sizes = np.array([4, 0, 5], np.int32)
+    expected = grouped_reference(x, w, sizes)
+    for implementation in IMPLEMENTATIONS:
+        run = lambda x, w, impl=implementation: grouped_matmul(x, w, sizes, implementation=impl)  # noqa: E731
+        _, tangent = jax.jvp(run, (x, w), (x, np.zeros_like(w)))
+        assert_close(tangent, expected, rtol=1e-5, atol=1e-5)
+        batched = jax.vmap(run, in_axes=(0, None))(np.stack([x, -x]), w)
+        assert_close(batched[1], -expected, rtol=1e-5, atol=1e-5)
+        low = run(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+        assert low.dtype == jnp.bfloat16
+        assert_close(low, expected, rtol=5e-2, atol=5e-2)
+        calls = [((x, w, s), {}) for s in (sizes, np.array([1, 8, 1], np.int32))]
+        assert_traced_once(
+            lambda x, w, s, impl=implementation: grouped_matmul(x, w, s, implementation=impl), calls
+        )
+
+
+def test_grouped_matmul_errors():
+    x, w = np.ones((4, 3), np.float32), np.ones((2, 3, 5), np.float32)
+    with own_checks():
+        with raises_naming("x", "w", "group_sizes"):
+            grouped_matmul(x, w[:, :2], np.array([2, 2]))
+        with raises_naming("x", "w", "group_sizes"):
+            grouped_matmul(x, w, np.array([2, 1, 1]))
+        with raises_naming("implementation", "blocked"):
+            grouped_matmul(x, w, np.array([2, 2]), implementation="loop")
+        with raises_naming("block_size"):
+            grouped_matmul(x, w, np.array([2, 2]), block_size=0)
+        with raises_naming("group_sizes", error=TypeError):
+            grouped_matmul(x, w, np.array([2.0, 2.0]))
+
+
+def softmax64(z):
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@given(st.integers(1, 6), st.booleans(), st.integers(0, 10**6))
+def test_route_is_softmax_top_k(top_k, normalize, seed):
+    logits = np.random.default_rng(seed).normal(size=(5, 6)).astype(np.float32) * 3
+    weights, experts = route(logits, top_k=top_k, norm_topk_prob=normalize)
+    p = softmax64(logits)
+    order = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    np.testing.assert_array_equal(experts, order)
+    chosen = np.take_along_axis(p, order, axis=-1)
+    if normalize:
+        chosen = chosen / chosen.sum(-1, keepdims=True)
+    assert_close(weights, chosen, rtol=1e-5, atol=1e-7)
+    with own_checks(), raises_naming("top_k", "[1, 6]"):
+        route(logits, top_k=7)
+
+
+CONFIG = dict(
+    vocab_size=40,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=12,
+    initializer_range=0.5,
+)
+
+
+def moe_reference(params, x, top_k, normalize):
+    """The layer's formula token by token in float64: sum over chosen experts of w_e * MLP_e."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    out, logits = np.zeros_like(x, np.float64), x @ p["router"]
+    for t, row in enumerate(np.asarray(x, np.float64)):
+        probs = softmax64(logits[t])
+        chosen = np.argsort(-probs, kind="stable")[:top_k]
+        weights = probs[chosen] / (probs[chosen].sum() if normalize else 1.0)
+        for e, weight in zip(chosen, weights, strict=True):
+            g, u = row @ p["gate"][e], row @ p["up"][e]
+            out[t] += weight * ((g / (1 + np.exp(-g)) * u) @ p["down"][e])
+    return out, logits
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("normalize", [False, True])
+def test_moe_layer_equals_its_formula_and_a_dense_dispatch(implementation, normalize):
+    config = DecoderConfig(**CONFIG, norm_topk_prob=normalize)
+    layer = MoE(config, implementation=implementation, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(1).normal(size=(3, 7, 16)).astype(np.float32)
+    out, logits = layer(jnp.asarray(x))
+    assert out.shape == (3, 7, 16) and logits.shape == (3, 7, 4)
+    e = layer.experts
+    params = {
+        "router": layer.gate.kernel[...],
+        "gate": e["gate_proj"].kernel[...],
+        "up": e["up_proj"].kernel[...],
+        "down": e["down_proj"].kernel[...],
+    }
+    expected, expected_logits = moe_reference(params, x.reshape(-1, 16), 2, normalize)
+    assert_close(out.reshape(-1, 16), expected, rtol=2e-5, atol=2e-5)
+    assert_close(logits.reshape(-1, 4), expected_logits, rtol=1e-5, atol=1e-5)
+
+    def dense(params, x):
+        """Every token through every expert, weighted by a one-hot of its choices."""
+        weights, chosen = route(x @ params["router"], top_k=2, norm_topk_prob=normalize)
+        gates = jnp.sum(jax.nn.one_hot(chosen, 4) * weights[..., None], axis=-2)  # [N, E]
+        hidden = jax.nn.silu(jnp.einsum("nh,ehf->nef", x, params["gate"]))
+        hidden = hidden * jnp.einsum("nh,ehf->nef", x, params["up"])
+        return jnp.einsum("nef,efh,ne->nh", hidden, params["down"], gates)
+
+    graphdef, state = nnx.split(layer)
+
+    def ours(params, x):
+        pure = nnx.to_pure_dict(state)
+        pure["gate"]["kernel"] = params["router"]
+        for name, key in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            pure["experts"][name]["kernel"] = params[key]
+        return nnx.merge(graphdef, pure)(x.reshape(3, 7, 16))[0].reshape(-1, 16)
+
+    ct = np.random.default_rng(2).normal(size=(21, 16)).astype(np.float32)
+    flat = x.reshape(-1, 16)
+    grads = jax.grad(lambda p, x: jnp.sum(ours(p, x) * ct), argnums=(0, 1))(params, flat)
+    expected = jax.grad(lambda p, x: jnp.sum(dense(p, x) * ct), argnums=(0, 1))(params, flat)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_kinds_scan_and_config_errors():
+    config = DecoderConfig(**{**CONFIG, "num_hidden_layers": 4}, decoder_sparse_step=2,
+                           mlp_only_layers=[3])  # fmt: skip
+    assert config.moe_layers == (False, True, False, False)
+    assert config.mlp_only_layers == (3,)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    kinds = [type(layer.mlp).__name__ for layer in model.layers]
+    assert kinds == ["MLP", "MoE", "MLP", "MLP"]
+    hidden, router_logits = model(np.ones((2, 3), np.int32), return_router_logits=True)
+    assert hidden.shape == (2, 3, 16) and router_logits.shape == (1, 2, 3, 4)
+    scanned = Decoder(DecoderConfig(**CONFIG, scan_layers=True), rngs=nnx.Rngs(0))
+    assert scanned(np.ones((2, 3), np.int32), return_router_logits=True)[1].shape == (2, 2, 3, 4)
+    dense = Decoder(DecoderConfig(**{**CONFIG, "num_experts": 0}), rngs=nnx.Rngs(0))
+    assert dense(np.ones((2, 3), np.int32), return_router_logits=True)[1].shape == (0, 2, 3, 1)
+    with raises_naming("num_experts_per_tok", "num_experts"):
+        DecoderConfig(**{**CONFIG, "num_experts_per_tok": 5})
+    with raises_naming("scan_layers", "mlp_only_layers"):
+        DecoderConfig(**CONFIG, mlp_only_layers=[0], scan_layers=True)
+    with raises_naming("mlp_only_layers"):
+        DecoderConfig(**CONFIG, mlp_only_layers=[2])
+
+
+def test_expert_parallel_sharding_equals_one_device():
+    """8 devices: experts over "expert" (4), heads and MLP width over "model" (2)."""
+    config = DecoderConfig(**{**CONFIG, "num_experts": 8, "num_attention_heads": 4})
+    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+    tokens = np.random.default_rng(0).integers(0, 40, size=(4, 6))
+
+    def loss(params, tokens):
+        model = nnx.merge(graphdef, params)
+        hidden, router_logits = model(tokens, return_router_logits=True)
+        aux = losses.load_balancing_loss(router_logits, top_k=2)
+        return jnp.mean(model.unembed(hidden) ** 2) + 0.1 * aux
+
+    step = jax.jit(jax.value_and_grad(loss))
+    single = step(params, tokens)
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh((1, 4, 2), ("data", "expert", "model"), axis_types=auto)
+    shardings = param_shardings(graphdef, params, mesh, EXPERT_PARALLEL_RULES)
+    kernel = shardings["layers"][0]["mlp"]["experts"]["gate_proj"]["kernel"]
+    assert kernel.spec == jax.sharding.PartitionSpec("expert", None, "model")
+    sharded = step(jax.device_put(params, shardings), tokens)
+    for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+        assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_qwen3_moe_layer_kinds_routing_and_aux_loss_match_transformers(tmp_path):
+    """Sparse step 2 with a dense layer forced: logits, each token's experts, and the
+    auxiliary loss equal transformers' (its `aux_loss` over a padded batch)."""
+    torch, _ = hf_modules()
+    directory = write_tiny_checkpoint(
+        tmp_path / "hf", "qwen3_moe", tokenizer=False, num_hidden_layers=4,
+        decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False,
+    )  # fmt: skip
+    reference = model_class("qwen3_moe").from_pretrained(directory).eval()
+    loaded = load_hf_checkpoint(directory)
+    assert loaded.config.moe_layers == (False, True, False, False)
+    tokens = np.random.default_rng(0).integers(4, 300, size=(3, 9))
+    where = np.ones(tokens.shape, bool)
+    where[0, :3] = False
+    where[1, -2:] = False
+    model = nnx.merge(loaded.graphdef, loaded.params)
+    hidden, router_logits = model(tokens, where=where, return_router_logits=True)
+    expected = hf_logits(reference, tokens, where)
+    assert np.abs(np.asarray(model.unembed(hidden)) - expected)[where].max() < 1e-4
+    with torch.no_grad():
+        out = reference(
+            input_ids=torch.tensor(np.where(where, tokens, 0)),
+            attention_mask=torch.tensor(where.astype(np.int64)),
+            output_router_logits=True,
+        )
+    (theirs,) = out.router_logits  # one sparse layer
+    theirs = theirs.numpy().reshape(3, 9, -1)
+    assert np.abs(np.asarray(router_logits[0]) - theirs)[where].max() < 1e-5
+    chosen = np.asarray(route(router_logits[0], top_k=2)[1])
+    their_chosen = torch.topk(torch.softmax(torch.tensor(theirs), -1), 2).indices.numpy()
+    np.testing.assert_array_equal(chosen[where], their_chosen[where])
+    aux = losses.load_balancing_loss(router_logits, top_k=2, where=where)
+    assert_close(aux, float(out.aux_loss), rtol=1e-5)
+
+
+def test_checkpoint_with_another_expert_count_names_the_tensor(tmp_path):
+    hf_modules()
+    directory = write_tiny_checkpoint(tmp_path / "hf", "qwen3_moe", tokenizer=False)
+    config = directory / "config.json"
+    config.write_text(config.read_text().replace('"num_local_experts": 4', '"num_experts": 3'))
+    with raises_naming("unexpected", "model.layers.0.mlp.experts.3.down_proj.weight"):
+        load_hf_checkpoint(directory)

@@ -1,0 +1,145 @@
+"""The mixture-of-experts MLP: softmax top-k routing and dropless experts (Qwen3-MoE)."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int
+
+from tunelib import _validation as v
+from tunelib.models._config import DecoderConfig
+from tunelib.models._grouped_matmul import GroupedImplementation, grouped_matmul
+from tunelib.models._layers import Dense, kernel_init, param
+
+
+def route(
+    router_logits: Float[ArrayLike, "*N E"],
+    *,
+    top_k: int,
+    norm_topk_prob: bool = False,
+) -> tuple[Float[Array, "*N k"], Int[Array, "*N k"]]:
+    r"""Softmax top-k routing: each token's `top_k` experts and their weights.
+
+    $p = \mathrm{softmax}(z)$ over the $E$ experts (in at least float32); the chosen experts
+    are the $k$ largest $p_e$, in decreasing order, and their weights are those $p_e$, divided
+    by their sum when `norm_topk_prob` (Qwen3-MoE's flag; Mixtral always renormalises).
+
+    Args:
+      router_logits: `[..., E]` router logits $z$ (`tunelib.models.Decoder` returns them
+        with `return_router_logits=True`).
+      top_k: $k$, static, in `[1, E]`.
+      norm_topk_prob: renormalise the chosen weights to sum to 1.
+
+    Returns:
+      `(weights, experts)`: `[..., k]` float weights (float32, float64 for float64 logits)
+      and `[..., k]` int32 expert indices.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.models import route
+      >>> weights, experts = route(jnp.log(jnp.array([0.1, 0.6, 0.3])), top_k=2)
+      >>> print(experts, weights.round(3))
+      [1 2] [0.6 0.3]
+      >>> print(route(jnp.log(jnp.array([0.1, 0.6, 0.3])), top_k=2, norm_topk_prob=True)[0])
+      [0.6666667 0.3333333]
+    """
+    logits = v.float_array(router_logits, "router_logits")
+    experts = logits.shape[-1] if logits.ndim else 0
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(
+            f"top_k must be an int in [1, {experts}] (the experts in router_logits "
+            f"{logits.shape}), got {top_k!r}."
+        )
+    probs = jax.nn.softmax(logits.astype(v.compute_dtype(logits.dtype)), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, chosen.astype(jnp.int32)
+
+
+class ExpertDense(nnx.Module):
+    """`E` kernels `[E, in, out]`: expert `e`'s rows times `kernel[e]` (a grouped product)."""
+
+    def __init__(
+        self,
+        features_in: int,
+        features_out: int,
+        names: tuple[str, str],
+        config: DecoderConfig,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        self.dtype = config.compute_dtype
+        shape = (config.num_experts, features_in, features_out)
+        names = ("experts", *names)
+        self.kernel = param(rngs, kernel_init(config), shape, names, config.storage_dtype)
+
+    def __call__(self, rows: jax.Array, group_sizes: jax.Array, implementation) -> jax.Array:
+        kernel = self.kernel[...].astype(self.dtype)
+        return grouped_matmul(
+            rows.astype(self.dtype), kernel, group_sizes, implementation=implementation
+        )
+
+
+class MoE(nnx.Module):
+    r"""A sparse mixture of SwiGLU experts with softmax top-k routing, computed dropless.
+
+    For a token $x$ with router logits $z = x W_r$ and chosen experts $\mathcal{K}$, weights
+    $w_e$ (`tunelib.models.route`):
+
+    $$ y = \sum_{e \in \mathcal{K}} w_e \, W^{(e)}_d \big(\mathrm{silu}(x W^{(e)}_g)
+    \odot x W^{(e)}_u\big) $$
+
+    Every token reaches all of its $k$ experts (no capacity, nothing dropped): the $N k$
+    (token, expert) pairs are sorted by expert and each expert's run of rows goes through its
+    weights in one grouped product (`tunelib.models.grouped_matmul`), with no loop over
+    experts. Weights are stored stacked, `experts/gate_proj/kernel` `[E, H, F]` and so on, so
+    the "experts" axis can be sharded (expert parallelism). As in Qwen3-MoE, the router
+    weights are cast to the compute dtype before they scale the experts' outputs.
+
+    References:
+      Shazeer et al., "Outrageously Large Neural Networks: The Sparsely-Gated
+      Mixture-of-Experts Layer", 2017, https://arxiv.org/abs/1701.06538.
+      Gale et al., "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", 2022,
+      https://arxiv.org/abs/2211.15841.
+      Yang et al., "Qwen3 Technical Report", 2025, https://arxiv.org/abs/2505.09388.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        implementation: GroupedImplementation = "auto",
+        rngs: nnx.Rngs,
+    ):
+        c = config
+        h, f = c.hidden_size, c.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        self.num_experts, self.dtype = c.num_experts, c.compute_dtype
+        self.implementation = implementation
+        self.gate = Dense(h, c.num_experts, ("embed", "router"), c, use_bias=False, rngs=rngs)
+        self.experts = nnx.Dict(
+            gate_proj=ExpertDense(h, f, ("embed", "mlp"), c, rngs=rngs),
+            up_proj=ExpertDense(h, f, ("embed", "mlp"), c, rngs=rngs),
+            down_proj=ExpertDense(f, h, ("mlp", "embed"), c, rngs=rngs),
+        )
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The layer's output for `x [B, T, H]` and its router logits `[B, T, E]` (float32,
+        float64 for a float64 model)."""
+        *lead, h = x.shape
+        flat = x.reshape(-1, h)
+        logits = self.gate(flat)
+        weights, chosen = route(logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+        pairs = chosen.reshape(-1)  # (token, choice) pairs, token-major
+        order = jnp.argsort(pairs, stable=True)
+        sizes = jnp.bincount(pairs, length=self.num_experts).astype(jnp.int32)
+        rows = flat[order // self.top_k]
+        e = self.experts
+        gate = e["gate_proj"](rows, sizes, self.implementation)
+        up = e["up_proj"](rows, sizes, self.implementation)
+        out = e["down_proj"](jax.nn.silu(gate) * up, sizes, self.implementation)
+        out = out * weights.astype(self.dtype).reshape(-1)[order][:, None]
+        out = jnp.zeros_like(out).at[order].set(out).reshape(-1, self.top_k, h).sum(axis=1)
+        high = v.compute_dtype(self.dtype)
+        return out.reshape(*lead, h), logits.astype(high).reshape(*lead, self.num_experts)
