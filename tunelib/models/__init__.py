@@ -25,7 +25,11 @@ from tunelib.models._gguf import (
     read_gguf,
 )
 from tunelib.models._gguf_writer import save_gguf
-from tunelib.models._grouped_matmul import GROUPED_IMPLEMENTATIONS, grouped_matmul
+from tunelib.models._grouped_matmul import (
+    GROUPED_IMPLEMENTATIONS,
+    grouped_matmul,
+    grouped_matmul_p,
+)
 from tunelib.models._hf_checkpoint import (
     COPIED_FILES,
     HFCheckpoint,
@@ -64,6 +68,7 @@ __all__ = [
     "gguf_raw_tensors",
     "gguf_tensors",
     "grouped_matmul",
+    "grouped_matmul_p",
     "hf_module_name",
     "load_gguf",
     "load_hf_checkpoint",

@@ -1,6 +1,7 @@
 """Adapters on disk: Orbax checkpoints of their own, and the Hugging Face PEFT format."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -111,14 +112,27 @@ def restore_adapters(directory: str | os.PathLike) -> dict:
 
 
 def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str]) -> list[str]:
-    """The module names of a weight: one, or one per layer of a stacked `[L, ...]` weight
-    (the layer index goes after the path's first key, where `nnx.scan` stacks it)."""
-    if len(shape) == 2:
-        return [module_name(path)]
-    if len(shape) != 3:
-        raise ValueError(f"{path!r} has shape {shape}; only one stacking axis can be exported.")
-    first, rest = path.split("/", 1)
-    return [module_name(f"{first}/{layer}/{rest}") for layer in range(shape[0])]
+    """The module names of a weight `[..., in, out]`, one per index of its leading axes, in
+    row-major order: a stacked `[L, ...]` weight gets the layer index after the path's first
+    key (where `nnx.scan` stacks it), and stacked experts (`.../experts/<name>/kernel`,
+    `[E, ...]` or `[L, E, ...]`) the expert index after "experts", as PEFT named each
+    expert's module in the per-expert layout."""
+    keys = path.split("/")
+    lead = shape[:-2]
+    positions = [keys.index("experts") + 1] if "experts" in keys else []
+    if len(lead) > len(positions):
+        positions.insert(0, 1)
+    if len(shape) < 2 or len(lead) != len(positions):
+        raise ValueError(
+            f"{path!r} has shape {shape}; only a layer axis and an expert axis can be exported."
+        )
+    names = []
+    for index in np.ndindex(*lead):
+        named = list(keys)
+        for position, i in sorted(zip(positions, index, strict=True), reverse=True):
+            named.insert(position, str(i))
+        names.append(module_name("/".join(named)))
+    return names
 
 
 def _factors(adapter: LoraAdapter) -> tuple[np.ndarray, np.ndarray]:
@@ -142,8 +156,10 @@ def export_peft(
 
     Tensors are named `base_model.model.<module>.lora_A.weight` (`[r, in]`) and
     `...lora_B.weight` (`[out, r]`), the layout of `peft.LoraModel`; a stacked adapter
-    `[L, ...]` is written per layer. The config holds `r` and `lora_alpha` (the most common
-    among the adapters, with `rank_pattern` / `alpha_pattern` for the others), `use_rslora`,
+    `[L, ...]` is written per layer, and stacked experts per expert
+    (`model.layers.0.mlp.experts.3.gate_proj`, the per-expert module layout). The config
+    holds `r` and `lora_alpha` (the most common among the adapters, with `rank_pattern` /
+    `alpha_pattern` for the others), `use_rslora`,
     `lora_dropout`, and `target_modules`: the list of module suffixes when every module of
     the base with those suffixes is adapted, else a regular expression of exactly the
     adapted modules. The directory is written in full next to `directory` and renamed into
@@ -169,10 +185,12 @@ def export_peft(
     for path, adapter in found.items():
         lora_a, lora_b = _factors(adapter)
         names = _modules(path, (*adapter.a.shape[:-1], adapter.b.shape[-1]), module_name)
-        if lora_a.ndim == 3:
-            parts = zip(names, lora_a, lora_b, strict=True)
-        else:
-            parts = [(names[0], lora_a, lora_b)]
+        parts = zip(
+            names,
+            lora_a.reshape(-1, *lora_a.shape[-2:]),
+            lora_b.reshape(-1, *lora_b.shape[-2:]),
+            strict=True,
+        )
         for name, part_a, part_b in parts:
             for factor, value in (("A", part_a), ("B", part_b)):
                 if value.dtype not in (np.float16, np.float32):
@@ -221,7 +239,7 @@ def _target_modules(adapted: set[str], params: PyTree, module_name) -> list[str]
     every = [
         name
         for path, leaf in array_leaves(params).items()
-        if len(leaf.shape) in (2, 3)
+        if 2 <= len(leaf.shape) <= 4
         for name in _modules(path, tuple(leaf.shape), module_name)
     ]
     suffixes = sorted({name.rsplit(".", 1)[-1] for name in adapted})
@@ -284,16 +302,16 @@ def import_peft(
         if set(pair) != {"A", "B"}:
             raise ValueError(f"module {module!r} has lora_{next(iter(pair))} but not its partner.")
     weights = array_leaves(params)
-    where = {}  # module name -> (weight path, layer index or None)
+    where = {}  # module name -> (weight path, flat index over its leading axes)
     for path, leaf in weights.items():
-        if len(leaf.shape) in (2, 3):
+        if 2 <= len(leaf.shape) <= 4:
             names = _modules(path, tuple(leaf.shape), module_name)
             for i, name in enumerate(names):
-                where[name] = (path, i if len(leaf.shape) == 3 else None)
+                where[name] = (path, i)
     unknown = sorted(set(factors) - set(where))
     if unknown:
         raise ValueError(f"{WEIGHTS_FILE} has adapters for modules params lacks: {unknown}.")
-    per_path: dict[str, dict[int | None, tuple[np.ndarray, np.ndarray, str]]] = {}
+    per_path: dict[str, dict[int, tuple[np.ndarray, np.ndarray, str]]] = {}
     for module, pair in factors.items():
         path, layer = where[module]
         per_path.setdefault(path, {})[layer] = (pair["A"], pair["B"], module)
@@ -309,9 +327,8 @@ def import_peft(
         if len(ranks) > 1 or len(alphas) > 1:
             raise ValueError(f"the layers of stacked {path!r} have different ranks or alphas.")
         r, alpha = ranks.pop(), alphas.pop()
-        per_layer = [None] if len(shape) == 2 else list(range(shape[0]))
         a_parts, b_parts = [], []
-        for layer in per_layer:
+        for layer in range(math.prod(shape[:-2])):
             matrix = shape[-2:]
             if layer in layers:
                 lora_a, lora_b, module = layers[layer]
@@ -326,8 +343,8 @@ def import_peft(
                 a, b = np.zeros((matrix[0], r), dtype), np.zeros((r, matrix[1]), dtype)
             a_parts.append(a)
             b_parts.append(b)
-        a = a_parts[0] if len(shape) == 2 else np.stack(a_parts)
-        b = b_parts[0] if len(shape) == 2 else np.stack(b_parts)
+        a = np.stack(a_parts).reshape(*shape[:-2], *a_parts[0].shape)
+        b = np.stack(b_parts).reshape(*shape[:-2], *b_parts[0].shape)
         adapter = LoraAdapter(
             a=jnp.asarray(a),
             b=jnp.asarray(b),

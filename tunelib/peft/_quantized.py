@@ -4,7 +4,8 @@ A product with an `NF4Tensor`, `Int8Tensor` or `GGMLTensor` inside `lora(fn)` de
 weight (in float32, cast to the compute dtype) and multiplies, under a custom VJP whose only
 residuals are the stored codes and constants: the dequantised weight exists only while one
 layer's product runs, in the forward pass and again in the backward pass, never for the whole
-model. An embedding lookup in a quantised table dequantises only the rows it takes.
+model. Grouped products over stacked experts (`tunelib.models.grouped_matmul`) do the same.
+An embedding lookup in a quantised table dequantises only the rows it takes.
 """
 
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
+from tunelib.models import grouped_matmul_p
 from tunelib.peft._gguf_blocks import GGMLTensor, decode_blocks
 from tunelib.peft._int8 import Int8Tensor, int8_quantize
 from tunelib.peft._nf4 import NF4_VALUES, NF4Tensor, nf4_quantize, unpack_nibbles
@@ -167,7 +169,35 @@ def quantized_dot_general(x: Array, weight, dimension_numbers, params, weight_is
     return matmul(x, weight)
 
 
+def quantized_grouped_matmul(x: Array, weight, group_sizes: Array, params):
+    """A grouped product (stacked experts) with a quantised weight, dequantised inside a
+    custom VJP as `quantized_dot_general` does."""
+    x_struct = jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    def product(x, weight, group_sizes):
+        return grouped_matmul_p.bind(x, weight.dequantize(), group_sizes, **params)
+
+    @jax.custom_vjp
+    def matmul(x, weight, group_sizes):
+        return product(x, weight, group_sizes)
+
+    def forward(x, weight, group_sizes):
+        return product(x, weight, group_sizes), (weight, group_sizes)
+
+    def backward(saved, cotangent):
+        weight, group_sizes = saved
+        transpose = jax.linear_transpose(lambda x: product(x, weight, group_sizes), x_struct)
+        return transpose(cotangent)[0], None, None  # the base is frozen
+
+    matmul.defvjp(forward, backward)
+    return matmul(x, weight, group_sizes)
+
+
 def _register(cls) -> None:
+    @quax.register(grouped_matmul_p)
+    def _grouped(x: ArrayLike, w: cls, group_sizes: ArrayLike, **params) -> Array:
+        return quantized_grouped_matmul(jnp.asarray(x), w, jnp.asarray(group_sizes), params)
+
     @quax.register(lax.dot_general_p)
     def _dot_right(lhs: ArrayLike, rhs: cls, *, dimension_numbers, **params) -> Array:
         return quantized_dot_general(jnp.asarray(lhs), rhs, dimension_numbers, params, True)

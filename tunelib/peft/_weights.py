@@ -2,7 +2,8 @@ r"""Adapted weights that act as arrays inside any JAX function, via Quax's dispa
 
 `apply_lora` replaces each adapted weight of a parameter tree by a `LoraWeight` $(W, A, B, s)$;
 `lora(fn)` wraps a function so that, while it runs, a matrix product with a `LoraWeight`
-computes $x W + s\,(x A) B$ and casting or transposing it acts on the parts. The function's
+computes $x W + s\,(x A) B$ (for stacked experts, `tunelib.models.grouped_matmul`, per
+group) and casting or transposing it acts on the parts. The function's
 own code does not change: a Flax NNX module, a plain JAX function or a Haiku-style `apply`
 see arrays. Any other operation on a `LoraWeight` (indexing, reshaping, a gather) first
 materialises $W + s\,AB$ and warns with a `MaterializationWarning`.
@@ -21,6 +22,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
 from tunelib._validation import compute_dtype
+from tunelib.models import grouped_matmul_p
 from tunelib.peft import _transforms
 from tunelib.peft._adapters import check_adapters
 from tunelib.peft._rules import path_string
@@ -252,3 +254,15 @@ def _dot_lora_right(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers, **par
 @quax.register(lax.dot_general_p)
 def _dot_lora_left(lhs: LoraWeight, rhs: ArrayLike, *, dimension_numbers, **params) -> Array:
     return lora_dot_general(jnp.asarray(rhs), lhs, dimension_numbers, params, False)
+
+
+@quax.register(grouped_matmul_p)
+def _grouped_lora(x: ArrayLike, w: LoraWeight, group_sizes: ArrayLike, **params) -> Array:
+    r"""A grouped product with adapted expert weights: $x W_g + s\,(x A_g) B_g$ per group."""
+    x = jnp.asarray(x)
+    y = quax.quaxify(grouped_matmul_p.bind)(x, w.w, group_sizes, **params)
+    dtype = jnp.result_type(x.dtype, w.a.dtype)
+    inputs = _dropped(x, w).astype(dtype)
+    t = grouped_matmul_p.bind(inputs, w.a.astype(dtype), group_sizes, **params)
+    u = grouped_matmul_p.bind(t, w.b.astype(dtype), group_sizes, **params)
+    return y + (w.scale * u).astype(y.dtype)

@@ -1,0 +1,114 @@
+"""LoRA and quantised bases on mixture-of-experts weights: the grouped-product rules."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests._helpers import assert_close
+from tunelib import peft
+from tunelib.models import PROJECTION_KERNELS, Decoder, DecoderConfig
+
+CONFIG = dict(
+    vocab_size=40,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    initializer_range=0.3,
+)
+RULES = [
+    peft.LoraRule(pattern=PROJECTION_KERNELS, rank=4, alpha=8.0),
+    peft.LoraRule(pattern=r"layers/(\d+/)?mlp/gate/kernel", rank=2, alpha=4.0),  # routers
+]
+TOKENS = np.random.default_rng(0).integers(0, 40, size=(2, 7))
+
+
+def model_and_adapters(scan_layers: bool):
+    config = DecoderConfig(**CONFIG, scan_layers=scan_layers)
+    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    adapters = peft.init_lora(params, RULES, key=jax.random.key(1))
+    # Nonzero B everywhere, so the low-rank path counts in every product.
+    adapters = jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape), adapters
+    )
+    return graphdef, params, adapters
+
+
+def forward(graphdef):
+    def run(params, tokens):
+        model = nnx.merge(graphdef, params)
+        return model.unembed(model(tokens))
+
+    return run
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_adapted_experts_equal_the_merged_weights_in_values_and_gradients(scan_layers):
+    graphdef, params, adapters = model_and_adapters(scan_layers)
+    kernel = adapters["layers"]
+    kernel = kernel["mlp"] if scan_layers else kernel[0]["mlp"]
+    lead = (2,) if scan_layers else ()
+    assert kernel["experts"]["gate_proj"]["kernel"].a.shape == (*lead, 4, 32, 4)
+    assert kernel["gate"]["kernel"].b.shape == (*lead, 2, 4)
+    run = forward(graphdef)
+    ct = np.random.default_rng(3).normal(size=(2, 7, 40)).astype(np.float32)
+
+    def adapted(adapters):
+        return jnp.sum(peft.lora(run)(peft.apply_lora(params, adapters), TOKENS) * ct)
+
+    def merged(adapters):
+        return jnp.sum(run(peft.merge_lora(params, adapters), TOKENS) * ct)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", peft.MaterializationWarning)  # no dense W + sAB
+        value, grads = jax.jit(jax.value_and_grad(adapted))(adapters)
+    expected_value, expected = jax.jit(jax.value_and_grad(merged))(adapters)
+    assert_close(value, expected_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        assert float(jnp.abs(want).max()) > 0
+        assert_close(got, want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_quantised_experts_equal_their_dequantised_base(fmt):
+    graphdef, params, adapters = model_and_adapters(False)
+    expert_kernels = r"layers/\d+/mlp/experts/.*_proj/kernel"
+    base = peft.quantize_params(params, [expert_kernels], format=fmt)
+    kernel = base["layers"][0]["mlp"]["experts"]["down_proj"]["kernel"]
+    assert type(kernel).__name__ == {"nf4": "NF4Tensor", "int8": "Int8Tensor"}[fmt]
+    assert kernel.shape == (4, 64, 32)
+    run = forward(graphdef)
+    dense = peft.dequantize_params(base)
+
+    def loss(adapters, params, wrap):
+        return jnp.sum(wrap(run)(peft.apply_lora(params, adapters), TOKENS) ** 2)
+
+    got, grads = jax.jit(jax.value_and_grad(lambda a: loss(a, base, peft.lora)))(adapters)
+    want, expected = jax.jit(jax.value_and_grad(lambda a: loss(a, dense, peft.lora)))(adapters)
+    assert_close(got, want, rtol=1e-5)
+    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_expert_adapters_round_trip_through_the_peft_format(tmp_path, scan_layers):
+    from safetensors.numpy import load_file
+
+    _, params, adapters = model_and_adapters(scan_layers)
+    peft.export_peft(tmp_path / "peft", adapters, params)
+    names = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.1.mlp"
+    assert names[f"{prefix}.experts.3.down_proj.lora_A.weight"].shape == (4, 64)
+    assert names[f"{prefix}.gate.lora_B.weight"].shape == (4, 2)
+    back = peft.import_peft(tmp_path / "peft", params)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(adapters), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
