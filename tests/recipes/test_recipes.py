@@ -390,6 +390,37 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, m
 
 
 @pytest.mark.slow
+def test_recipes_on_a_mixture_of_experts_checkpoint(tmp_path):
+    """SFT (LoRA on the attention, the experts and nothing else), DPO and GRPO from a
+    transformers Qwen3-MoE checkpoint; the SFT model, merged, loads in transformers with equal
+    logits."""
+    from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
+    from tunelib.models import load_hf_checkpoint
+
+    _, transformers = hf_modules()
+    source = write_tiny_checkpoint(tmp_path / "model", "qwen3_moe", seed=2)
+    flags = ["--model", str(source), "--batch-size", "4", *STEPS]
+    sft = run_recipe("sft", *flags, "--lora-rank", "4", "--out", str(tmp_path / "sft"))
+    assert sft["tuning"] == "lora" and np.isfinite(sft["final_loss"])
+    assert sft["heldout_loss_after"] < sft["heldout_loss_before"]
+    ours = load_hf_checkpoint(tmp_path / "sft" / "hf_model")
+    assert ours.config.num_experts == 4
+    tokens = np.random.default_rng(0).integers(0, 300, size=(2, 9))
+    where = np.ones((2, 9), bool)
+    model = nnx.merge(ours.graphdef, ours.params)
+    logits = np.asarray(model.unembed(model(tokens, where=where)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "hf_model")
+    np.testing.assert_allclose(hf_logits(theirs.eval(), tokens, where), logits, atol=1e-4)
+    dpo = run_recipe("dpo", *flags, "--out", str(tmp_path / "dpo"))
+    assert 0.0 <= dpo["heldout_reward_accuracy_after"] <= 1.0
+    grpo = run_recipe(
+        "grpo", *flags, "--group-size", "2", "--max-new-tokens", "4", "--out",
+        str(tmp_path / "grpo"),
+    )  # fmt: skip
+    assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()
+
+
+@pytest.mark.slow
 def test_recipes_on_a_gguf_file_with_qlora_on_its_own_blocks(tmp_path):
     """SFT straight from a GGUF file (its tokenizer and chat template: the built-in task asked
     in words), QLoRA on the file's Q8_0 blocks; GRPO from that run. The run's Hugging Face

@@ -150,7 +150,7 @@ def _near_miss(answer: int, rng: random.Random) -> int:
 
 def preference_pairs(
     problems: Iterable[Mapping[str, Any]], *, seed: int = 0
-) -> list[dict[str, str]]:
+) -> list[dict[str, Any]]:
     r"""Preference pairs from arithmetic problems: the correct answer against a near miss.
 
     $$
@@ -168,7 +168,8 @@ def preference_pairs(
       seed: the pairs are a deterministic function of `seed` and `problems`.
 
     Returns:
-      A list of `{"prompt", "chosen", "rejected"}` dicts in the order of `problems`.
+      A list of `{"prompt", "chosen", "rejected"}` dicts in the order of `problems`; each
+      prompt as its problem has it (a string, or chat messages).
 
     Raises:
       ValueError: naming the problem index when a problem has no integer answer.
