@@ -152,6 +152,18 @@ EXPRESSIBLE = {
         mlp_only_layers=(1,),
         sliding_window=8,
     ),
+    "gemma3_text": dict(
+        use_qk_norm=True,
+        norm_offset=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+        rope_local_base_freq=1e4,
+    ),
 }
 
 

@@ -8,6 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
+HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 ROPE_TYPES: tuple[str, ...] = ("linear", "llama3")
 _ROPE_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
@@ -22,7 +24,7 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral style decoder.
+    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 3 decoder.
 
     Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
     be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
@@ -59,6 +61,23 @@ class DecoderConfig:
         slots $s$ with $t - W < s \le t$, itself and the $W - 1$ slots before it (Mistral;
         Qwen2 and Qwen3 when every layer slides). Slots are columns of the input (or of the
         KV cache), padding included, as in Hugging Face.
+      layer_types: None, or for each layer "full_attention" or "sliding_attention" (Gemma 3
+        interleaves five sliding layers with one full one); `sliding_window` is the window
+        of the sliding ones. None means every layer slides when `sliding_window` is set.
+      rope_local_base_freq: $\theta$ of the sliding layers' RoPE (unscaled), Gemma 3's local
+        base frequency; None means they rotate as the full layers do (`rope_theta`,
+        `rope_scaling`).
+      hidden_act: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU
+        with the tanh approximation, Gemma).
+      query_pre_attn_scalar: attention scores are scaled by this to the power $-1/2$
+        (Gemma); None means `head_dim`.
+      norm_offset: ours (Gemma): every RMSNorm scales by $(1 + g)$, multiplied in float32
+        before the cast to the compute dtype, with $g$ initialised to 0.
+      sandwich_norms: ours (Gemma 2 and 3): the attention and MLP outputs are normalised too
+        (`post_attention_layernorm`, `post_feedforward_layernorm`) before each residual
+        addition, and the MLP's input by `pre_feedforward_layernorm`.
+      scale_embeddings: ours (Gemma): the token embeddings are multiplied by
+        $\sqrt{H}$ (rounded to the parameter dtype) before the first layer.
       initializer_range: standard deviation of the normal initialisation of every matmul
         kernel and the embedding.
       use_qk_norm: ours (Qwen3 has it, with no `config.json` flag): an RMSNorm over
@@ -101,6 +120,13 @@ class DecoderConfig:
     sliding_window: int | None = None
     initializer_range: float | int = 0.02
     use_qk_norm: bool = False
+    layer_types: Sequence[str] | None = None
+    rope_local_base_freq: float | int | None = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | int | None = None
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 1
     moe_intermediate_size: int | None = None
@@ -150,6 +176,9 @@ class DecoderConfig:
             "o_proj_bias",
             "mlp_bias",
             "use_qk_norm",
+            "norm_offset",
+            "sandwich_norms",
+            "scale_embeddings",
             "norm_topk_prob",
             "scan_layers",
             "remat",
@@ -165,6 +194,35 @@ class DecoderConfig:
                 )
         object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
         self._check_experts()
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}.")
+        for name in ("rope_local_base_freq", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None:
+                _check_positive_float(getattr(self, name), name)
+        types = self.layer_types
+        if types is None:
+            return
+        if isinstance(types, str) or len(types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types must list one type for each of the {self.num_hidden_layers} "
+                f"layers, got {types!r}."
+            )
+        types = tuple(types)
+        if set(types) - set(LAYER_TYPES):
+            raise ValueError(f"layer_types may only hold {LAYER_TYPES}, got {list(types)}.")
+        if "sliding_attention" in types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding layers, so sliding_window must be set.")
+        object.__setattr__(self, "layer_types", types)
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """For each layer, whether it attends within `sliding_window` only."""
+        if self.layer_types is None:
+            return (self.sliding_window is not None,) * self.num_hidden_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
 
     def _check_experts(self) -> None:
         if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int):

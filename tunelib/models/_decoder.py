@@ -163,8 +163,10 @@ class Decoder(nnx.Module):
             v.check_shape(positions, "positions", tokens.shape, f"tokens {tokens.shape}")
 
         high = v.compute_dtype(c.compute_dtype)
-        allowed, fill = _attention_mask(where, segment_ids, high, c.sliding_window)
-        x, _, router_logits = self._run_layers(tokens, where, positions, allowed, fill)
+        allowed, fill = _attention_mask(where, segment_ids, high)
+        t = jnp.arange(tokens.shape[1])
+        masks = self._masks(allowed, t, t)
+        x, _, router_logits = self._run_layers(tokens, where, positions, masks, fill)
         if not return_router_logits:
             return self.norm(x)
         if router_logits is None:
@@ -238,26 +240,46 @@ class Decoder(nnx.Module):
         key_where = jax.lax.dynamic_update_slice_in_dim(cache.where, where, cache.index, 1)
         query_slots = cache.index + jnp.arange(t)
         causal = jnp.arange(slots)[None, :] <= query_slots[:, None]  # [T, S]
-        allowed = causal & key_where[:, None, :]
-        if c.sliding_window is not None:
-            allowed &= _in_window(query_slots, jnp.arange(slots), c.sliding_window)
-        allowed = rearrange(allowed, "b t s -> b 1 1 t s")  # over kv heads, groups
+        allowed = rearrange(causal & key_where[:, None, :], "b t s -> b 1 1 t s")
+        masks = self._masks(allowed, query_slots, jnp.arange(slots))
         lowest = jnp.finfo(v.compute_dtype(c.compute_dtype)).min
         fill = jnp.where(causal, 0.5 * lowest, lowest).astype(v.compute_dtype(c.compute_dtype))
         x, (keys, values), _ = self._run_layers(
-            tokens, where, positions, allowed, fill, (cache.keys, cache.values, cache.index)
+            tokens, where, positions, masks, fill, (cache.keys, cache.values, cache.index)
         )
         cache = KVCache(keys, values, key_where, cache.lengths + counts[:, -1], cache.index + t)
         return self.norm(x), cache
 
-    def _run_layers(self, tokens, where, positions, allowed, fill, cache=None):
-        """The embedded tokens through every layer; with a cache, also its new keys/values."""
+    def _masks(self, allowed, query_slots, key_slots) -> dict[bool, jax.Array]:
+        """`allowed` `[B, 1, 1, T, S]` for the layer kinds present: `True` (sliding, within
+        the window) and `False` (full)."""
+        c = self.config
+        masks = {}
+        for sliding in set(c.sliding_layers):
+            window = _in_window(query_slots, key_slots, c.sliding_window) if sliding else True
+            masks[sliding] = allowed & window
+        return masks
+
+    def _run_layers(self, tokens, where, positions, masks, fill, cache=None):
+        """The embedded tokens through every layer; with a cache, also its new keys/values.
+
+        `masks` maps each layer kind (sliding or not) to its `allowed`; each kind rotates by
+        its own RoPE (`rope_local_base_freq` for sliding layers, when set)."""
         c = self.config
         high = v.compute_dtype(c.compute_dtype)
-        frequencies = rope_frequencies(c.head_dim, theta=c.rope_theta, scaling=c.rope_scaling)
-        cos, sin = rope_angles(positions, frequencies, high)
+        inputs = {}
+        for sliding, allowed in masks.items():
+            local = sliding and c.rope_local_base_freq is not None
+            theta, scaling = (
+                (c.rope_local_base_freq, None) if local else (c.rope_theta, c.rope_scaling)
+            )
+            frequencies = rope_frequencies(c.head_dim, theta=theta, scaling=scaling)
+            inputs[sliding] = (*rope_angles(positions, frequencies, high), allowed)
         embedding = self.embed_tokens.embedding[...]
-        x = jnp.take(embedding, jnp.where(where, tokens, 0), axis=0).astype(c.compute_dtype)
+        x = jnp.take(embedding, jnp.where(where, tokens, 0), axis=0)
+        if c.scale_embeddings:
+            x = x * jnp.asarray(c.hidden_size**0.5, embedding.dtype)
+        x = x.astype(c.compute_dtype)
         keys, values, index = (None, None, None) if cache is None else cache
 
         def run(layer, carry, cos, sin, allowed, fill, i, index):
@@ -272,22 +294,28 @@ class Decoder(nnx.Module):
         carry = (x, keys, values)
         if not c.scan_layers:
             router_logits = []
-            for i, layer in enumerate(self.layers):
-                carry, logits = run(layer, carry, cos, sin, allowed, fill, i, index)
+            for i, (layer, sliding) in enumerate(zip(self.layers, c.sliding_layers, strict=True)):
+                carry, logits = run(layer, carry, *inputs[sliding], fill, i, index)
                 router_logits += [] if logits is None else [logits]
             stacked = jnp.stack(router_logits) if router_logits else None
             return carry[0], carry[1:], stacked
 
+        # Stacked layers of both kinds pick their inputs by a per-layer index into a stack.
+        kinds = sorted(inputs)
+        table = jax.tree.map(lambda *parts: jnp.stack(parts), *(inputs[k] for k in kinds))
+        kind_ids = jnp.asarray([kinds.index(s) for s in c.sliding_layers], jnp.int32)
+
         @nnx.scan(
-            in_axes=(nnx.Carry, 0, None, None, None, None, 0, None),
+            in_axes=(nnx.Carry, 0, None, None, 0, 0, None),
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: "layers"},
         )
-        def scan(carry, layer, cos, sin, allowed, fill, i, index):
+        def scan(carry, layer, table, fill, i, kind, index):
+            cos, sin, allowed = jax.tree.map(lambda x: x[kind], table)
             return run(layer, carry, cos, sin, allowed, fill, i, index)
 
         layer_ids = jnp.arange(c.num_hidden_layers)
-        carry, router_logits = scan(carry, self.layers, cos, sin, allowed, fill, layer_ids, index)
+        carry, router_logits = scan(carry, self.layers, table, fill, layer_ids, kind_ids, index)
         return carry[0], carry[1:], router_logits
 
     def unembedding(self) -> Float[Array, "H V"]:
@@ -362,12 +390,12 @@ def _default_positions(where: jax.Array, segment_ids: jax.Array | None) -> jax.A
 
 
 def _attention_mask(
-    where: jax.Array, segment_ids: jax.Array | None, dtype: jnp.dtype, window: int | None
+    where: jax.Array, segment_ids: jax.Array | None, dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
     """Which keys each query sees, `[B, 1, 1, T, S]`, and the scores of the others, `[T, S]`.
 
-    A query sees the real keys of its own segment at or before it (and, with a sliding
-    `window`, less than `window` slots before it). The scores of unseen keys are finite, so a
+    A query sees the real keys of its own segment at or before it (a sliding layer also
+    needs them within its window: `Decoder._masks`). The scores of unseen keys are finite, so a
     padded query with no visible key still gives finite outputs; future keys score far below
     padded ones, so such a query attends to the padded keys before it and stays causal.
     """
@@ -376,8 +404,6 @@ def _attention_mask(
     allowed = causal & where[:, None, :]
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
-    if window is not None:
-        allowed &= _in_window(jnp.arange(t), jnp.arange(t), window)
     lowest = jnp.finfo(dtype).min
     fill = jnp.where(causal, 0.5 * lowest, lowest).astype(dtype)
     return rearrange(allowed, "b t s -> b 1 1 t s"), fill  # over kv heads, groups

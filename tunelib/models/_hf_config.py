@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tunelib.models._config import DTYPE_NAMES, DecoderConfig
+from tunelib.models._hf_gemma import GEMMA3_DEFAULTS, gemma3_config, gemma3_fields
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
 ARCHITECTURES: dict[str, str] = {
@@ -14,6 +15,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
@@ -40,6 +42,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": None,
     },
+    "gemma3_text": GEMMA3_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -171,7 +174,7 @@ def config_from_hf(
             return _DEFAULTS[model_type].get(name, _COMMON_DEFAULTS.get(name))
         return value
 
-    if get("hidden_act") not in ("silu", "swish"):
+    if model_type != "gemma3_text" and get("hidden_act") not in ("silu", "swish"):
         raise ValueError(
             f"config.json: hidden_act must be 'silu' (SwiGLU), got {get('hidden_act')!r}."
         )
@@ -180,7 +183,16 @@ def config_from_hf(
             f"config.json: attention_dropout is {get('attention_dropout')!r}; the decoder has no "
             "dropout, so only 0 is supported."
         )
-    theta, scaling = _rope(hf_config, get("max_position_embeddings"))
+    if model_type == "gemma3_text":
+        family = gemma3_fields(hf_config, get, lambda hf: _rope(hf, hf["max_position_embeddings"]))
+    else:
+        theta, scaling = _rope(hf_config, get("max_position_embeddings"))
+        family = {
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "use_qk_norm": model_type in ("qwen3", "qwen3_moe"),
+            "sliding_window": _sliding_window(model_type, get),
+        }
 
     biases = {"attention_bias": False, "o_proj_bias": False, "mlp_bias": False}
     if model_type == "llama":
@@ -192,7 +204,7 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type in ("qwen3", "qwen3_moe"):
+    elif model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
@@ -220,19 +232,16 @@ def config_from_hf(
         num_key_value_heads=get("num_key_value_heads"),
         head_dim=get("head_dim"),
         rms_norm_eps=get("rms_norm_eps"),
-        rope_theta=theta,
-        rope_scaling=scaling,
         max_position_embeddings=get("max_position_embeddings"),
         tie_word_embeddings=get("tie_word_embeddings"),
         initializer_range=get("initializer_range"),
-        use_qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        sliding_window=_sliding_window(model_type, get),
         scan_layers=scan_layers,
         remat=remat,
         dtype=dtype,
         param_dtype=param_dtype,
         **biases,
         **experts,
+        **family,
     )
 
 
@@ -297,7 +306,6 @@ def config_to_hf(
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
-        hidden_act="silu",
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.initializer_range,
@@ -313,8 +321,12 @@ def config_to_hf(
         torch_dtype=dtype,
         dtype=dtype,
     )
+    if model_type != "gemma3_text":
+        out.update(hidden_act="silu")
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+    elif model_type == "gemma3_text":
+        out.update(attention_bias=config.attention_bias, **gemma3_config(config))
     elif model_type == "mistral":
         out.update(sliding_window=config.sliding_window)
     else:
@@ -343,9 +355,23 @@ def config_to_hf(
 
 def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     """Raise naming the first field of `config` that `model_type` cannot express."""
-    need: dict[str, Any] = {"use_qk_norm": model_type in ("qwen3", "qwen3_moe")}
+    gemma = model_type == "gemma3_text"
+    need: dict[str, Any] = {
+        "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        "norm_offset": gemma,
+        "sandwich_norms": gemma,
+        "scale_embeddings": gemma,
+        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
+    }
     if model_type != "qwen3_moe":
         need["num_experts"] = 0
+    if not gemma:
+        need.update(query_pre_attn_scalar=None, rope_local_base_freq=None)
+        if len(set(config.sliding_layers)) > 1:
+            raise ValueError(
+                f"model_type {model_type!r} cannot express layer_types mixing sliding and full "
+                "layers; only gemma3_text can."
+            )
     if model_type == "llama":
         need.update(o_proj_bias=config.attention_bias, sliding_window=None)
     elif model_type == "mistral":

@@ -43,17 +43,22 @@ class RMSNorm(nnx.Module):
 
     $y = \mathrm{cast}\big(x / \sqrt{\mathrm{mean}(x^2) + \epsilon}\big) \odot g$: the
     statistic and the division run in at least float32; the result is cast to the compute
-    dtype before the scale $g$ multiplies it (as Meta's Llama and Hugging Face do).
+    dtype before the scale $g$ multiplies it (as Meta's Llama and Hugging Face do). With
+    `config.norm_offset` (Gemma) it is $\mathrm{cast}\big(\hat x \odot (1 + g)\big)$
+    instead, the product in float32, and $g$ starts at 0.
     """
 
     def __init__(self, dim: int, name: str, config: DecoderConfig, *, rngs: nnx.Rngs):
-        self.eps = config.rms_norm_eps
+        self.eps, self.offset = config.rms_norm_eps, config.norm_offset
         self.dtype = config.compute_dtype
-        self.scale = param(rngs, jax.nn.initializers.ones, (dim,), (name,), config.storage_dtype)
+        init = jax.nn.initializers.zeros if self.offset else jax.nn.initializers.ones
+        self.scale = param(rngs, init, (dim,), (name,), config.storage_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         high = x.astype(v.compute_dtype(x.dtype))
         normed = high * jax.lax.rsqrt(jnp.mean(high * high, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (1 + self.scale[...].astype(high.dtype))).astype(self.dtype)
         return normed.astype(self.dtype) * self.scale[...].astype(self.dtype)
 
 
@@ -118,6 +123,7 @@ class Attention(nnx.Module):
         )
         self.q_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
+        self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
 
     def __call__(
         self,
@@ -155,14 +161,22 @@ class Attention(nnx.Module):
         q = rearrange(q, "b t (k g) d -> b t k g d", k=self.num_kv_heads)
         high = v.compute_dtype(self.dtype)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=high)
-        scores = jnp.where(allowed, scores * jnp.asarray(d**-0.5, high), fill)
+        scores = jnp.where(allowed, scores * jnp.asarray(self.scale, high), fill)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, val.astype(self.dtype))
         return self.o_proj(rearrange(out, "b t k g d -> b t (k g d)")), cache
 
 
+def activation(name: str):
+    """The gate activation `config.hidden_act` names."""
+    if name == "gelu_pytorch_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu
+
+
 class MLP(nnx.Module):
-    r"""SwiGLU feed-forward block: $W_d\,(\mathrm{silu}(x W_g) \odot x W_u)$."""
+    r"""Gated feed-forward block: $W_d\,(\phi(x W_g) \odot x W_u)$, with $\phi$ = SiLU
+    (SwiGLU) or the tanh GELU (GeGLU, Gemma) as `config.hidden_act` says."""
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
         c = config
@@ -171,6 +185,7 @@ class MLP(nnx.Module):
         self.gate_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=bias, rngs=rngs)
         self.up_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=bias, rngs=rngs)
         self.down_proj = Dense(f, h, ("mlp", "embed"), c, use_bias=bias, rngs=rngs)
+        self.act = c.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 from tunelib import _validation as v
 from tunelib.models._config import DecoderConfig
 from tunelib.models._grouped_matmul import GroupedImplementation, grouped_matmul
-from tunelib.models._layers import Dense, kernel_init, param
+from tunelib.models._layers import Dense, activation, kernel_init, param
 
 
 def route(
@@ -116,7 +116,7 @@ class MoE(nnx.Module):
         h, f = c.hidden_size, c.moe_intermediate_size
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.num_experts, self.dtype = c.num_experts, c.compute_dtype
-        self.implementation = implementation
+        self.implementation, self.act = implementation, c.hidden_act
         self.gate = Dense(h, c.num_experts, ("embed", "router"), c, use_bias=False, rngs=rngs)
         self.experts = nnx.Dict(
             gate_proj=ExpertDense(h, f, ("embed", "mlp"), c, rngs=rngs),
@@ -138,7 +138,7 @@ class MoE(nnx.Module):
         e = self.experts
         gate = e["gate_proj"](rows, sizes, self.implementation)
         up = e["up_proj"](rows, sizes, self.implementation)
-        out = e["down_proj"](jax.nn.silu(gate) * up, sizes, self.implementation)
+        out = e["down_proj"](activation(self.act)(gate) * up, sizes, self.implementation)
         out = out * weights.astype(self.dtype).reshape(-1)[order][:, None]
         out = jnp.zeros_like(out).at[order].set(out).reshape(-1, self.top_k, h).sum(axis=1)
         high = v.compute_dtype(self.dtype)
