@@ -390,21 +390,22 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, m
 
 
 @pytest.mark.slow
-def test_recipes_on_a_mixture_of_experts_checkpoint(tmp_path):
-    """SFT (LoRA on the attention, the experts and nothing else), DPO and GRPO from a
-    transformers Qwen3-MoE checkpoint; the SFT model, merged, loads in transformers with equal
-    logits."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3_text"])
+def test_recipes_on_the_newer_families(tmp_path, family):
+    """SFT (LoRA on the projections: attention, MLP or experts), DPO and GRPO from a
+    transformers Qwen3-MoE or Gemma 3 checkpoint; the SFT model, merged, loads in transformers
+    with equal logits."""
     from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
     from tunelib.models import load_hf_checkpoint
 
     _, transformers = hf_modules()
-    source = write_tiny_checkpoint(tmp_path / "model", "qwen3_moe", seed=2)
+    source = write_tiny_checkpoint(tmp_path / "model", family, seed=2)
     flags = ["--model", str(source), "--batch-size", "4", *STEPS]
     sft = run_recipe("sft", *flags, "--lora-rank", "4", "--out", str(tmp_path / "sft"))
     assert sft["tuning"] == "lora" and np.isfinite(sft["final_loss"])
     assert sft["heldout_loss_after"] < sft["heldout_loss_before"]
     ours = load_hf_checkpoint(tmp_path / "sft" / "hf_model")
-    assert ours.config.num_experts == 4
+    assert ours.config.num_experts == (4 if family == "qwen3_moe" else 0)
     tokens = np.random.default_rng(0).integers(0, 300, size=(2, 9))
     where = np.ones((2, 9), bool)
     model = nnx.merge(ours.graphdef, ours.params)
