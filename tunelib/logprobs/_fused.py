@@ -18,13 +18,21 @@ from jaxtyping import Array, Float, Int
 
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
-from tunelib.logprobs._tiles import default_chunk_size, tile_logits, tiles, vocab_tile
+from tunelib.logprobs._tiles import (
+    cap_slope,
+    capped,
+    checked_softcap,
+    default_chunk_size,
+    tile_logits,
+    tiles,
+    vocab_tile,
+)
 
 Implementation = Literal["auto", "chunked", "pallas", "naive"]
 IMPLEMENTATIONS: tuple[str, ...] = Implementation.__args__
 
 
-def _target_logits(h, w, b, targets, tau, dtype, offset):
+def _target_logits(h, w, b, targets, tau, dtype, offset, softcap=None):
     """z at each target id, from the target's column alone; 0 where the target is elsewhere."""
     local = targets - offset
     inside = (local >= 0) & (local < w.shape[1])
@@ -33,7 +41,7 @@ def _target_logits(h, w, b, targets, tau, dtype, offset):
     z = jnp.sum(h.astype(dtype) * columns.astype(dtype), axis=-1)
     if b is not None:
         z = z + jnp.take(b, local).astype(dtype)
-    return jnp.where(inside, z / tau, 0.0), inside, local
+    return jnp.where(inside, capped(z, softcap) / tau, 0.0), inside, local
 
 
 def _vocab_offset(vocab_local: int, axis: str | None) -> int | jax.Array:
@@ -70,7 +78,7 @@ def _finish(stats, target_z, axis):
     return target_z - lse, lse, a / s
 
 
-def _forward(h, w, b, targets, tau, chunk, with_entropy, axis):
+def _forward(h, w, b, targets, tau, chunk, with_entropy, axis, softcap):
     """logps, lse and E_p[z] per token, streaming vocabulary tiles with an online log-sum-exp."""
     vocab = w.shape[1]
     dtype = v.compute_dtype(h.dtype, w.dtype)
@@ -79,28 +87,30 @@ def _forward(h, w, b, targets, tau, chunk, with_entropy, axis):
 
     def stats(index):
         _, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
-        return _tile_stats(tile_logits(h, w_tile, b_tile, tau, dtype), owned, with_entropy)
+        z = tile_logits(h, w_tile, b_tile, tau, dtype, softcap)
+        return _tile_stats(z, owned, with_entropy)
 
     # The first tile seeds the loop, so the carry has the type (and, under shard_map, the
     # device variance) of the tiles.
     total = lax.fori_loop(1, n_tiles, lambda i, acc: _merge_stats(acc, stats(i)), stats(0))
-    target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, _vocab_offset(vocab, axis))
+    offset = _vocab_offset(vocab, axis)
+    target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, offset, softcap)
     return _finish(total, target_z, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _chunked(h, w, b, targets, tau, chunk, with_entropy, axis):
-    logps, lse, expected_z = _forward(h, w, b, targets, tau, chunk, with_entropy, axis)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _chunked(h, w, b, targets, tau, chunk, with_entropy, axis, softcap):
+    logps, lse, expected_z = _forward(h, w, b, targets, tau, chunk, with_entropy, axis, softcap)
     return logps, lse - expected_z
 
 
-def _chunked_fwd(h, w, b, targets, tau, chunk, with_entropy, axis):
-    logps, lse, expected_z = _forward(h, w, b, targets, tau, chunk, with_entropy, axis)
+def _chunked_fwd(h, w, b, targets, tau, chunk, with_entropy, axis, softcap):
+    logps, lse, expected_z = _forward(h, w, b, targets, tau, chunk, with_entropy, axis, softcap)
     residuals = (h, w, b, targets, tau, lse, expected_z)
     return (logps, lse - expected_z), residuals
 
 
-def _chunked_bwd(chunk, with_entropy, axis, residuals, cotangents):
+def _chunked_bwd(chunk, with_entropy, axis, softcap, residuals, cotangents):
     h, w, b, targets, tau, lse, expected_z = residuals
     g, e = cotangents
     vocab = w.shape[1]
@@ -112,13 +122,13 @@ def _chunked_bwd(chunk, with_entropy, axis, residuals, cotangents):
 
     def tile_grads(index):
         start, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
-        z = tile_logits(h, w_tile, b_tile, tau_c, dtype)
+        z = tile_logits(h, w_tile, b_tile, tau_c, dtype, softcap)
         p = jnp.where(owned, jnp.exp(z - lse[:, None]), 0.0)
         dz = -g[:, None] * p  # the one-hot part of d logp / dz is added from the targets
         if with_entropy:
             dz = dz - e[:, None] * p * (z - expected_z[:, None])
         z_dz = jnp.sum(dz * jnp.where(owned, z, 0.0))  # for the temperature's gradient
-        dz = dz / tau_c
+        dz = dz / tau_c * cap_slope(z, tau_c, softcap)  # d/d(h W + b)
         dh = jnp.matmul(dz, w_tile.T.astype(dtype), preferred_element_type=dtype)
         dw_tile = jnp.matmul(h.T.astype(dtype), dz, preferred_element_type=dtype)
         return start, dh, dw_tile, jnp.sum(dz, axis=0), z_dz
@@ -150,11 +160,12 @@ def _chunked_bwd(chunk, with_entropy, axis, residuals, cotangents):
     dh, dw, db, z_dz = lax.fori_loop(1, n_tiles, add_tile, init)
     # The one-hot part: g / tau at each token's target column (in whichever shard holds it).
     target_z, inside, local = _target_logits(
-        h, w, b, targets, tau_c, dtype, _vocab_offset(vocab, axis)
+        h, w, b, targets, tau_c, dtype, _vocab_offset(vocab, axis), softcap
     )
-    g_target = jnp.where(inside, g, 0.0) / tau_c
+    g_inside = jnp.where(inside, g, 0.0)
     # z = logits / tau, so d/d tau = -sum(dz * z) / tau over every logit and the targets.
-    d_tau = -(z_dz + jnp.sum(g_target * tau_c * target_z)) / tau_c
+    d_tau = -(z_dz + jnp.sum(g_inside * target_z)) / tau_c
+    g_target = g_inside / tau_c * cap_slope(target_z, tau_c, softcap)
     dh = dh + g_target[:, None] * jnp.take(w, local, axis=1).T.astype(dtype)
     dw = dw.at[:, local].add(h.T.astype(dtype) * g_target[None, :])
     if db is not None:
@@ -188,12 +199,13 @@ def _varying_axes(x: ArrayLike) -> frozenset[str]:
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _naive(h, w, b, targets, tau, with_entropy, axis):
+def _naive(h, w, b, targets, tau, with_entropy, axis, softcap):
     """Materialised logits: the reference path, and the baseline the benchmarks compare with."""
     dtype = v.compute_dtype(h.dtype, w.dtype)
     tau = tau.astype(dtype)
-    z = tile_logits(h, w, b, tau, dtype)
-    target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, _vocab_offset(w.shape[1], axis))
+    z = tile_logits(h, w, b, tau, dtype, softcap)
+    offset = _vocab_offset(w.shape[1], axis)
+    target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, offset, softcap)
     if axis is None and not with_entropy:  # the plain path: log-sum-exp and a gather
         lse = jax.nn.logsumexp(z, axis=-1)
         return target_z - lse, jnp.zeros_like(lse)
@@ -218,6 +230,7 @@ def fused_token_logps(
     *,
     bias: Float[ArrayLike, " V"] | None = None,
     temperature: Scalar = 1.0,
+    softcap: float | None = None,
     with_entropy: bool = False,
     where: Mask[ArrayLike, "*B"] | None = None,
     chunk_size: int | None = None,
@@ -227,15 +240,17 @@ def fused_token_logps(
     r"""Target log-probs (and entropy) from hidden states, without forming `[..., V]` logits.
 
     $$
-    z_{n} = (h_n W + b) / \tau, \qquad
+    z_{n} = \mathrm{cap}(h_n W + b) / \tau, \qquad
     \log \pi(y_n) = z_{n, y_n} - \log \sum_v e^{z_{n,v}}, \qquad
     H_n = \log \sum_v e^{z_{n,v}} - \sum_v \pi_{n,v} z_{n,v}
     $$
 
     with hidden states $h$ = `hidden`, unembedding $W$ = `unembedding` (`[H, V]`, for a
     decoder `model.unembedding()`), bias $b$ = `bias`, targets $y$ = `targets` and temperature
-    $\tau$ = `temperature`. The values equal `token_logps` / `token_entropy` of the
-    materialised logits; the memory does not grow with $N \times V$.
+    $\tau$ = `temperature`, and $\mathrm{cap}(l) = c \tanh(l / c)$ with $c$ = `softcap` (the
+    final-logit soft-capping of Gemma 2 and 4, applied before the temperature as
+    `transformers` does; the identity when None). The values equal `token_logps` /
+    `token_entropy` of the materialised logits; the memory does not grow with $N \times V$.
 
     The ``"chunked"`` implementation streams the vocabulary in tiles of `chunk_size` columns
     with an online log-sum-exp, and its custom VJP recomputes each tile in the backward pass:
@@ -253,6 +268,7 @@ def fused_token_logps(
         (outside `jax.jit`); under `jit` the position's log-prob is NaN (see `token_logps`).
       bias: optional `[V]` bias (the local shard with `vocab_axis`).
       temperature: $\tau > 0$; may be traced.
+      softcap: $c > 0$, static, or None (no capping). Not supported by ``"pallas"``.
       with_entropy: also return the per-token entropy $H_n$ (static).
       where: `[...]` mask, True (or 1) = counts; masked positions give 0 and send exactly 0
         gradient, even when their hidden states are NaN and their targets out of range.
@@ -310,6 +326,9 @@ def fused_token_logps(
     implementation = _resolve(implementation)
     if implementation == "pallas" and vocab_axis is not None:
         raise ValueError("implementation='pallas' does not support vocab_axis; use 'chunked'.")
+    softcap = checked_softcap(softcap)
+    if softcap is not None and implementation == "pallas":
+        raise ValueError("implementation='pallas' does not support softcap; use 'chunked'.")
     where = v.mask_array(where, targets.shape)
     vocab = unembedding.shape[1]
     if vocab_axis is not None:
@@ -321,10 +340,10 @@ def fused_token_logps(
     tau = jnp.asarray(temperature, v.compute_dtype(hidden.dtype, unembedding.dtype))
     if implementation == "chunked":
         logps, entropy = _chunked(
-            h, unembedding, bias, y, tau, chunk_size, with_entropy, vocab_axis
+            h, unembedding, bias, y, tau, chunk_size, with_entropy, vocab_axis, softcap
         )
     elif implementation == "naive":
-        logps, entropy = _naive(h, unembedding, bias, y, tau, with_entropy, vocab_axis)
+        logps, entropy = _naive(h, unembedding, bias, y, tau, with_entropy, vocab_axis, softcap)
     else:
         from tunelib.kernels import fused_token_logps_pallas
 

@@ -19,19 +19,26 @@ from jaxtyping import Array, Float
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
 from tunelib.logprobs._divergence import DIVERGENCES, Divergence, divergence_terms
-from tunelib.logprobs._tiles import default_chunk_size, tile_logits, tiles, vocab_tile
+from tunelib.logprobs._tiles import (
+    cap_slope,
+    checked_softcap,
+    default_chunk_size,
+    tile_logits,
+    tiles,
+    vocab_tile,
+)
 
 
-def _log_normalisers(student, teacher, tau, chunk, dtype):
+def _log_normalisers(student, teacher, tau, chunk, dtype, caps):
     """Pass 1: `log sum_v exp(z_v / tau)` of the student and the teacher, tile by tile."""
     n, vocab = student[0].shape[0], student[1].shape[1]
     chunk, n_tiles = tiles(vocab, chunk)
 
     def body(index, carry):
         lse = []
-        for (h, w, b), running in zip((student, teacher), carry, strict=True):
+        for (h, w, b), running, cap in zip((student, teacher), carry, caps, strict=True):
             _, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
-            z = jnp.where(owned, tile_logits(h, w_tile, b_tile, tau, dtype), -jnp.inf)
+            z = jnp.where(owned, tile_logits(h, w_tile, b_tile, tau, dtype, cap), -jnp.inf)
             lse.append(jnp.logaddexp(running, jax.nn.logsumexp(z, axis=-1)))
         return tuple(lse)
 
@@ -39,7 +46,7 @@ def _log_normalisers(student, teacher, tau, chunk, dtype):
     return lax.fori_loop(0, n_tiles, body, (init, init))
 
 
-def _tile_terms(student, teacher, lse, index, tau, mix, divergence, chunk, dtype):
+def _tile_terms(student, teacher, lse, index, tau, mix, divergence, chunk, dtype, caps):
     """Tile `index`: its terms as a function of the student's log-probs, and those log-probs.
 
     Also returns the student's probabilities on the tile, the tile's first column and the
@@ -49,8 +56,9 @@ def _tile_terms(student, teacher, lse, index, tau, mix, divergence, chunk, dtype
     (h, w, b), (h_t, w_t, b_t) = student, teacher
     start, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
     _, w_t_tile, b_t_tile, _ = vocab_tile(w_t, b_t, index, chunk)
-    log_p = jnp.where(owned, tile_logits(h, w_tile, b_tile, tau, dtype) - lse[0][:, None], 0.0)
-    log_p_t = tile_logits(h_t, w_t_tile, b_t_tile, tau, dtype) - lse[1][:, None]
+    z = tile_logits(h, w_tile, b_tile, tau, dtype, caps[0])
+    log_p = jnp.where(owned, z - lse[0][:, None], 0.0)
+    log_p_t = tile_logits(h_t, w_t_tile, b_t_tile, tau, dtype, caps[1]) - lse[1][:, None]
     log_p_t = jnp.where(owned, log_p_t, 0.0)
 
     def terms(log_p_student):
@@ -61,17 +69,17 @@ def _tile_terms(student, teacher, lse, index, tau, mix, divergence, chunk, dtype
     return terms, log_p, p, start, w_tile
 
 
-def _forward(student, teacher, tau, mix, divergence, chunk, with_slope):
+def _forward(student, teacher, tau, mix, divergence, chunk, caps, with_slope):
     """Pass 2: the divergence per token and, for the backward, `S = sum_v d phi / d log p_v`."""
     n, vocab = student[0].shape[0], student[1].shape[1]
     dtype = tau.dtype
-    lse = _log_normalisers(student, teacher, tau, chunk, dtype)
+    lse = _log_normalisers(student, teacher, tau, chunk, dtype, caps)
     chunk, n_tiles = tiles(vocab, chunk)
 
     def body(index, carry):
         total, slope = carry
         terms, log_p, *_ = _tile_terms(
-            student, teacher, lse, index, tau, mix, divergence, chunk, dtype
+            student, teacher, lse, index, tau, mix, divergence, chunk, dtype, caps
         )
         if with_slope:
             values, pullback = jax.vjp(terms, log_p)
@@ -86,17 +94,19 @@ def _forward(student, teacher, tau, mix, divergence, chunk, with_slope):
     return total, lse, slope
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_divergence(student, teacher, tau, mix, divergence, chunk):
-    return _forward(student, teacher, tau, mix, divergence, chunk, with_slope=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused_divergence(student, teacher, tau, mix, divergence, chunk, caps):
+    return _forward(student, teacher, tau, mix, divergence, chunk, caps, with_slope=False)[0]
 
 
-def _fused_divergence_fwd(student, teacher, tau, mix, divergence, chunk):
-    total, lse, slope = _forward(student, teacher, tau, mix, divergence, chunk, with_slope=True)
+def _fused_divergence_fwd(student, teacher, tau, mix, divergence, chunk, caps):
+    total, lse, slope = _forward(
+        student, teacher, tau, mix, divergence, chunk, caps, with_slope=True
+    )
     return total, (student, teacher, tau, mix, lse, slope)
 
 
-def _fused_divergence_bwd(divergence, chunk, residuals, g):
+def _fused_divergence_bwd(divergence, chunk, caps, residuals, g):
     r"""Per tile, $dz = g\,(\partial\phi/\partial \log p - p\,S) / \tau$, then the matmuls."""
     student, teacher, tau, mix, lse, slope = residuals
     h, w, b = student
@@ -107,11 +117,12 @@ def _fused_divergence_bwd(divergence, chunk, residuals, g):
     def body(index, carry):
         dh, dw, db = carry
         terms, log_p, p, start, w_tile = _tile_terms(
-            student, teacher, lse, index, tau, mix, divergence, chunk, dtype
+            student, teacher, lse, index, tau, mix, divergence, chunk, dtype, caps
         )
         values, pullback = jax.vjp(terms, log_p)
         (d_log_p,) = pullback(jnp.ones_like(values))
         dz = coefficient[:, None] * (d_log_p - p * slope[:, None])
+        dz = dz * cap_slope(log_p + lse[0][:, None], tau, caps[0])  # d/d(h W + b)
         dh = dh + jnp.matmul(dz, w_tile.T.astype(dtype), preferred_element_type=dtype)
         dw_tile = jnp.matmul(h.T.astype(dtype), dz, preferred_element_type=dtype)
         dw = lax.dynamic_update_slice_in_dim(
@@ -170,6 +181,8 @@ def fused_divergence(
     temperature: Scalar = 1.0,
     student_bias: Float[ArrayLike, " V"] | None = None,
     teacher_bias: Float[ArrayLike, " V"] | None = None,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
     where: Mask[ArrayLike, "*B"] | None = None,
     chunk_size: int | None = None,
 ) -> Float[Array, "*B"]:
@@ -179,13 +192,16 @@ def fused_divergence(
     D_n = c \sum_{k} \sum_{v \in \mathcal{V}_k}
     \phi\big(\log p^S_{n,v}, \log p^T_{n,v}\big), \qquad
     \log p_{n,v} = \frac{z_{n,v}}{\tau} - \log \sum_{k'} \sum_{u \in \mathcal{V}_{k'}}
-    e^{z_{n,u}/\tau}, \qquad z^S_n = h^S_n W^S + b^S, \quad z^T_n = h^T_n W^T + b^T
+    e^{z_{n,u}/\tau}, \qquad z^S_n = \mathrm{cap}_S(h^S_n W^S + b^S), \quad
+    z^T_n = \mathrm{cap}_T(h^T_n W^T + b^T)
     $$
 
     with hidden states $h^S$ = `student_hidden`, $h^T$ = `teacher_hidden`, unembeddings
     $W^S$ = `student_unembedding`, $W^T$ = `teacher_unembedding`, biases $b^S$ =
     `student_bias`, $b^T$ = `teacher_bias`, temperature $\tau$ = `temperature`, vocabulary
-    tiles $\mathcal{V}_k$ of `chunk_size` columns, $\phi$ the per-entry term of the divergence
+    tiles $\mathcal{V}_k$ of `chunk_size` columns, $\mathrm{cap}(l) = c \tanh(l / c)$ each
+    model's final-logit soft-capping (`student_softcap`, `teacher_softcap`; the identity when
+    None), $\phi$ the per-entry term of the divergence
     named by `divergence` and $c$ = $\beta (1 - \beta)$ for the unnormalised JSD, 1 otherwise.
     The value equals, to float32 rounding, `token_divergence` of the logits $z^S$ and $z^T$
     with the same `divergence`, `mix` ($\beta$), `normalize` and `temperature`: the forward KL
@@ -227,6 +243,8 @@ def fused_divergence(
       temperature: $\tau > 0$, applied to both models; may be traced.
       student_bias: optional `[V]` bias of the student's unembedding.
       teacher_bias: optional `[V]` bias of the teacher's unembedding.
+      student_softcap: $c > 0$ of the student's final-logit soft-capping (static), or None.
+      teacher_softcap: the same for the teacher.
       where: `[...]` mask, True (or 1) = counts. Masked positions give exactly 0 and send
         exactly 0 gradient, even when their hidden states are NaN.
       chunk_size: vocabulary tile width (static); any `V` works, not only multiples of it.
@@ -276,6 +294,10 @@ def fused_divergence(
     if divergence == "jsd":
         v.unit_interval(mix, "mix")
     v.positive_scalar(temperature, "temperature")
+    caps = (
+        checked_softcap(student_softcap, "student_softcap"),
+        checked_softcap(teacher_softcap, "teacher_softcap"),
+    )
     if chunk_size is None:
         chunk_size = default_chunk_size(math.prod(shape))
     v.static_count(chunk_size, "chunk_size")
@@ -286,7 +308,8 @@ def fused_divergence(
     mix = lax.stop_gradient(jnp.asarray(mix, dtype))
     h_s = jnp.where(where[..., None], h_s, 0).reshape(-1, h_s.shape[-1])
     h_t = jnp.where(where[..., None], h_t, 0).reshape(-1, h_t.shape[-1])
-    total = _fused_divergence((h_s, w_s, b_s), (h_t, w_t, b_t), tau, mix, divergence, chunk_size)
+    student, teacher = (h_s, w_s, b_s), (h_t, w_t, b_t)
+    total = _fused_divergence(student, teacher, tau, mix, divergence, chunk_size, caps)
     if divergence == "jsd" and not normalize:
         total = mix * (1 - mix) * total
     return jnp.where(where, total.reshape(shape), 0.0)

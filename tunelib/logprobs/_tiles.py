@@ -3,6 +3,8 @@
 import jax.numpy as jnp
 from jax import lax
 
+from tunelib import _validation as v
+
 # A tile of about this many logits (16 MiB in float32) when the caller picks no width.
 TILE_LOGITS = 2**22
 
@@ -49,9 +51,32 @@ def vocab_tile(w, b, index, chunk):
     return start, w_tile, b_tile, owned
 
 
-def tile_logits(h, w_tile, b_tile, tau, dtype):
-    """`(h W + b) / tau` on one tile, accumulated in `dtype`."""
+def tile_logits(h, w_tile, b_tile, tau, dtype, softcap=None):
+    """`(h W + b) / tau` on one tile, accumulated in `dtype`; with `softcap` c,
+    `c tanh((h W + b) / c) / tau`."""
     z = jnp.matmul(h, w_tile, preferred_element_type=dtype)
     if b_tile is not None:
         z = z + b_tile.astype(dtype)
-    return z / tau
+    return capped(z, softcap) / tau
+
+
+def capped(z, softcap):
+    r"""Final-logit soft-capping, $c \tanh(z / c)$ (Gemma 2 and 4), or `z` for None."""
+    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+
+
+def checked_softcap(softcap, name: str = "softcap") -> float | None:
+    """`softcap` as a Python float, or None; an error naming `name` unless it is a finite
+    number > 0."""
+    if softcap is None:
+        return None
+    v.real_number(softcap, name)
+    v.finite_number(softcap, name)
+    if softcap <= 0:
+        raise ValueError(f"{name} must be > 0 or None, got {softcap}.")
+    return float(softcap)
+
+
+def cap_slope(z, tau, softcap):
+    r"""$d\,[c \tanh(l / c)] / dl = 1 - \tanh^2(l / c)$, from the capped, tempered `z`."""
+    return 1.0 if softcap is None else 1.0 - jnp.square(z * tau / softcap)
