@@ -106,11 +106,12 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         soft = config.temperature**2 * logprobs.fused_divergence(
             hidden, model.unembedding(), teacher_hidden, teacher_model.unembedding(),
             divergence=config.divergence, mix=config.mix, temperature=config.temperature,
-            where=batch["where"],
+            student_softcap=model.config.final_logit_softcapping,
+            teacher_softcap=teacher_model.config.final_logit_softcapping, where=batch["where"],
         )  # fmt: skip
         hard = -logprobs.fused_token_logps(
             hidden, model.unembedding(), batch["targets"], where=batch["where"],
-            implementation=config.logprobs,
+            softcap=model.config.final_logit_softcapping, implementation=config.logprobs,
         )  # fmt: skip
 
         def mean(x):

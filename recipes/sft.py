@@ -85,6 +85,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
                 hidden,
                 model.unembedding(),
                 batch["targets"],
+                softcap=model.config.final_logit_softcapping,
                 where=batch["where"],
                 implementation=config.logprobs,
             )

@@ -60,7 +60,8 @@ _CORPUS = [
 # Tiny configs (hidden 64, 2 layers), transformers' field names; each family's distinguishing
 # options are on: Llama 3 RoPE scaling and every bias, Qwen2 q/k/v biases (implied) with tied
 # embeddings, Qwen3 QK-norm (implied) with N * D != H, Mistral a sliding window shorter than
-# the test sequences, Qwen3-MoE 4 experts with top-2 routing renormalised, Gemma 3 a sliding
+# the test sequences, Qwen3-MoE 4 experts with top-2 routing renormalised, Gemma 2 a sliding
+# then a full layer with attention and final soft-caps that bind (3 and 4), Gemma 3 a sliding
 # layer (window 4, its own RoPE) then a full one (linear RoPE scaling), queries scaled by 24.
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -96,6 +97,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
     ),
+    "gemma2": dict(
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0,
+    ),
     "gemma3_text": dict(
         head_dim=32,
         query_pre_attn_scalar=24,
@@ -113,6 +121,7 @@ _CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 

@@ -42,7 +42,7 @@ def pair_logps(
     hidden = model(rows["tokens"], where=rows["attention_where"], **packed)
     token = logprobs.fused_token_logps(
         hidden, model.unembedding(), rows["targets"], where=rows["where"],
-        implementation=implementation,
+        softcap=model.config.final_logit_softcapping, implementation=implementation,
     )  # fmt: skip
     if not packed:
         sums = jnp.split(logprobs.sequence_sum(token, where=rows["where"]), 2)

@@ -71,7 +71,6 @@ def test_gemma3_config_defaults_and_older_layout():
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [
-        ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
         ("use_bidirectional_attention", True, "use_bidirectional_attention"),
         ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
         ("hidden_activation", "gelu", "hidden_activation"),
@@ -93,3 +92,36 @@ def test_layer_types_need_a_window():
     with raises_naming("layer_types"):
         DecoderConfig(**{k: v for k, v in BASE.items() if k != "model_type"},
                       layer_types=("global", "full_attention"), sliding_window=4)  # fmt: skip
+
+
+def test_gemma2_soft_caps_bind_and_reach_every_head(tmp_path):
+    """Gemma 2's attention and final soft-caps both change the logits here, and the fused
+    log-prob head of the rollout path applies the final one as `unembed` does."""
+    from tunelib.logprobs import token_logps
+    from tunelib.rollout import completion_logps
+
+    hf_modules()
+    directory = write_tiny_checkpoint(tmp_path / "hf", "gemma2", tokenizer=False)
+    loaded = load_hf_checkpoint(directory)
+    assert (loaded.config.attn_logit_softcapping, loaded.config.final_logit_softcapping) == (
+        3.0, 4.0)  # fmt: skip
+    capped = logits_of(loaded)
+    assert np.abs(capped).max() < 4.0
+    config = json.loads((directory / "config.json").read_text())
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        (directory / "config.json").write_text(json.dumps({**config, field: None}))
+        assert np.abs(logits_of(load_hf_checkpoint(directory)) - capped)[WHERE].max() > 1e-2
+    (directory / "config.json").write_text(json.dumps(config))
+    prompt, completion = TOKENS[:, :6], TOKENS[:, 6:]
+    ours = completion_logps(
+        loaded.graphdef, loaded.params, prompt, WHERE[:, :6], completion, WHERE[:, 6:]
+    )
+    expected = token_logps(capped[:, 5:-1], completion)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_gemma2_config_defaults():
+    config = config_from_hf({**BASE, "model_type": "gemma2", "num_hidden_layers": 4})
+    assert config.sliding_layers == (True, False, True, False)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert not config.use_qk_norm and config.rope_local_base_freq is None

@@ -152,6 +152,18 @@ EXPRESSIBLE = {
         mlp_only_layers=(1,),
         sliding_window=8,
     ),
+    "gemma2": dict(
+        norm_offset=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        sliding_window=8,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+    ),
     "gemma3_text": dict(
         use_qk_norm=True,
         norm_offset=True,
@@ -163,6 +175,7 @@ EXPRESSIBLE = {
         sliding_window=8,
         layer_types=("sliding_attention", "sliding_attention", "full_attention"),
         rope_local_base_freq=1e4,
+        final_logit_softcapping=30.0,
     ),
 }
 

@@ -390,11 +390,11 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "gemma3_text"])
 def test_recipes_on_the_newer_families(tmp_path, family):
     """SFT (LoRA on the projections: attention, MLP or experts), DPO and GRPO from a
-    transformers Qwen3-MoE or Gemma 3 checkpoint; the SFT model, merged, loads in transformers
-    with equal logits."""
+    transformers Qwen3-MoE, Gemma 2 (soft-capped logits in every head) or Gemma 3 checkpoint;
+    the SFT model, merged, loads in transformers with equal logits."""
     from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
     from tunelib.models import load_hf_checkpoint
 

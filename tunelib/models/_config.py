@@ -24,7 +24,7 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 3 decoder.
+    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2 and 3 decoder.
 
     Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
     be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
@@ -71,6 +71,10 @@ class DecoderConfig:
         with the tanh approximation, Gemma).
       query_pre_attn_scalar: attention scores are scaled by this to the power $-1/2$
         (Gemma); None means `head_dim`.
+      attn_logit_softcapping: None, or $c$: scaled scores become $c \tanh(s / c)$ before the
+        mask and the softmax (Gemma 2).
+      final_logit_softcapping: None, or $c$: the logits are $c \tanh(l / c)$ (Gemma 2 and
+        3 configs; `Decoder.unembed` applies it, and the fused heads take it as `softcap`).
       norm_offset: ours (Gemma): every RMSNorm scales by $(1 + g)$, multiplied in float32
         before the cast to the compute dtype, with $g$ initialised to 0.
       sandwich_norms: ours (Gemma 2 and 3): the attention and MLP outputs are normalised too
@@ -124,6 +128,8 @@ class DecoderConfig:
     rope_local_base_freq: float | int | None = None
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | int | None = None
+    attn_logit_softcapping: float | int | None = None
+    final_logit_softcapping: float | int | None = None
     norm_offset: bool = False
     sandwich_norms: bool = False
     scale_embeddings: bool = False
@@ -199,7 +205,12 @@ class DecoderConfig:
     def _check_layer_types(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}.")
-        for name in ("rope_local_base_freq", "query_pre_attn_scalar"):
+        for name in (
+            "rope_local_base_freq",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        ):
             if getattr(self, name) is not None:
                 _check_positive_float(getattr(self, name), name)
         types = self.layer_types

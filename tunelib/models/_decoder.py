@@ -1,4 +1,4 @@
-"""The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral in Flax NNX."""
+"""The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3 in Flax NNX."""
 
 from typing import NamedTuple
 
@@ -332,6 +332,9 @@ class Decoder(nnx.Module):
     def unembed(self, hidden: Float[ArrayLike, "*B H"]) -> Float[Array, "*B V"]:
         """Logits `hidden @ unembedding()`, accumulated and returned in at least float32.
 
+        With `config.final_logit_softcapping` $c$ they are $c \tanh(l / c)$ of those; the
+        fused heads of `tunelib.logprobs` take the same $c$ as `softcap`.
+
         Args:
           hidden: `[..., H]` hidden states, as returned by calling the model.
 
@@ -344,11 +347,13 @@ class Decoder(nnx.Module):
         if hidden.ndim < 1 or hidden.shape[-1] != h:
             raise ValueError(f"hidden must have shape [..., {h}], got {hidden.shape}.")
         dtype = self.config.compute_dtype
-        return jnp.matmul(
+        logits = jnp.matmul(
             hidden.astype(dtype),
             self.unembedding(),
             preferred_element_type=v.compute_dtype(dtype),
         )
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 class KVCache(NamedTuple):

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tunelib.models._config import DTYPE_NAMES, DecoderConfig
-from tunelib.models._hf_gemma import GEMMA3_DEFAULTS, gemma3_config, gemma3_fields
+from tunelib.models._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
 ARCHITECTURES: dict[str, str] = {
@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
@@ -42,7 +43,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": None,
     },
-    "gemma3_text": GEMMA3_DEFAULTS,
+    **GEMMA_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -87,7 +88,7 @@ def config_from_hf(
     remat: bool = False,
 ) -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE).
+    Qwen3-MoE, Gemma 2, Gemma 3 text).
 
     Reads the fields that the `transformers` model of the config's `model_type` reads, with
     `transformers`' defaults for the ones left out, so the decoder computes what that model
@@ -102,6 +103,8 @@ def config_from_hf(
     | `qwen2` | q/k/v always | no | `use_sliding_window`, all layers |
     | `qwen3` | q/k/v/o with `attention_bias` | yes | `use_sliding_window`, all layers |
     | `qwen3_moe` | q/k/v/o with `attention_bias` | yes | `use_sliding_window`, all layers |
+    | `gemma2` | q/k/v/o with `attention_bias` | no | `layer_types` (alternating) |
+    | `gemma3_text` | q/k/v/o with `attention_bias` | yes | `layer_types` (5 sliding : 1) |
 
     Qwen3-MoE's experts come from `num_experts` (or `num_local_experts`, the name
     `transformers` saves it under), `num_experts_per_tok`, `moe_intermediate_size`,
@@ -174,7 +177,7 @@ def config_from_hf(
             return _DEFAULTS[model_type].get(name, _COMMON_DEFAULTS.get(name))
         return value
 
-    if model_type != "gemma3_text" and get("hidden_act") not in ("silu", "swish"):
+    if model_type not in GEMMA_TYPES and get("hidden_act") not in ("silu", "swish"):
         raise ValueError(
             f"config.json: hidden_act must be 'silu' (SwiGLU), got {get('hidden_act')!r}."
         )
@@ -183,8 +186,9 @@ def config_from_hf(
             f"config.json: attention_dropout is {get('attention_dropout')!r}; the decoder has no "
             "dropout, so only 0 is supported."
         )
-    if model_type == "gemma3_text":
-        family = gemma3_fields(hf_config, get, lambda hf: _rope(hf, hf["max_position_embeddings"]))
+    if model_type in GEMMA_TYPES:
+        rope = lambda hf: _rope(hf, get("max_position_embeddings"))  # noqa: E731
+        family = gemma_fields(model_type, hf_config, get, rope)
     else:
         theta, scaling = _rope(hf_config, get("max_position_embeddings"))
         family = {
@@ -204,7 +208,7 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+    elif model_type in ("qwen3", "qwen3_moe", *GEMMA_TYPES):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
@@ -321,12 +325,12 @@ def config_to_hf(
         torch_dtype=dtype,
         dtype=dtype,
     )
-    if model_type != "gemma3_text":
+    if model_type not in GEMMA_TYPES:
         out.update(hidden_act="silu")
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
-    elif model_type == "gemma3_text":
-        out.update(attention_bias=config.attention_bias, **gemma3_config(config))
+    elif model_type in GEMMA_TYPES:
+        out.update(attention_bias=config.attention_bias, **gemma_config(model_type, config))
     elif model_type == "mistral":
         out.update(sliding_window=config.sliding_window)
     else:
@@ -355,7 +359,7 @@ def config_to_hf(
 
 def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     """Raise naming the first field of `config` that `model_type` cannot express."""
-    gemma = model_type == "gemma3_text"
+    gemma = model_type in GEMMA_TYPES
     need: dict[str, Any] = {
         "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         "norm_offset": gemma,
@@ -366,12 +370,21 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     if model_type != "qwen3_moe":
         need["num_experts"] = 0
     if not gemma:
-        need.update(query_pre_attn_scalar=None, rope_local_base_freq=None)
+        need.update(
+            query_pre_attn_scalar=None,
+            rope_local_base_freq=None,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        )
         if len(set(config.sliding_layers)) > 1:
             raise ValueError(
                 f"model_type {model_type!r} cannot express layer_types mixing sliding and full "
-                "layers; only gemma3_text can."
+                "layers; only the Gemma families can."
             )
+    elif model_type == "gemma2":
+        need.update(rope_local_base_freq=None)
+    else:
+        need.update(attn_logit_softcapping=None)
     if model_type == "llama":
         need.update(o_proj_bias=config.attention_bias, sliding_window=None)
     elif model_type == "mistral":

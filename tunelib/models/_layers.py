@@ -124,6 +124,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
         self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.softcap = c.attn_logit_softcapping
 
     def __call__(
         self,
@@ -161,7 +162,10 @@ class Attention(nnx.Module):
         q = rearrange(q, "b t (k g) d -> b t k g d", k=self.num_kv_heads)
         high = v.compute_dtype(self.dtype)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=high)
-        scores = jnp.where(allowed, scores * jnp.asarray(self.scale, high), fill)
+        scores = scores * jnp.asarray(self.scale, high)
+        if self.softcap is not None:
+            scores = self.softcap * jnp.tanh(scores / self.softcap)
+        scores = jnp.where(allowed, scores, fill)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, val.astype(self.dtype))
         return self.o_proj(rearrange(out, "b t k g d -> b t (k g d)")), cache

@@ -160,6 +160,7 @@ def completion_logps(
         model.unembedding(),
         tokens,
         temperature=temperature,
+        softcap=model.config.final_logit_softcapping,
         with_entropy=with_entropy,
         where=where,
         implementation=implementation,
