@@ -52,7 +52,7 @@ def _forward_kernel(h_ref, w_ref, b_ref, t_ref, y_ref, m_ref, s0_ref, s1_ref, zt
         vs = pl.ds(j * cfg.block_v, cfg.block_v)
         cols = tiles.columns(j, shape)
         hw = _hw(h_ref, slice(None), w_ref, vs, cfg, dtype)
-        z = tiles.scale_logits(hw, b_ref[:, vs], inv_t, cols, cfg.vocab)
+        z = tiles.scale_logits(hw, b_ref[:, vs], inv_t, cols, cfg.vocab, cfg.softcap)
         return tiles.update_stats(stats, z, cols, targets, cfg.with_entropy)
 
     n_tiles = w_ref.shape[1] // cfg.block_v
@@ -81,9 +81,9 @@ def _hidden_grad_kernel(
         vs = pl.ds(j * cfg.block_v, cfg.block_v)
         cols = tiles.columns(j, shape)
         hw = _hw(h_ref, slice(None), w_ref, vs, cfg, dtype)
-        z = tiles.scale_logits(hw, b_ref[:, vs], inv_t, cols, cfg.vocab)
+        z = tiles.scale_logits(hw, b_ref[:, vs], inv_t, cols, cfg.vocab, cfg.softcap)
         dz, tile_zdz = tiles.logits_cotangent(z, cols, *per_token, cfg.with_entropy)
-        dz = (dz * inv_t).astype(h_ref.dtype)
+        dz = tiles.input_cotangent(dz, z, inv_t, cfg.softcap).astype(h_ref.dtype)
 
         def chunk(k, _):
             hs = pl.ds(k * cfg.block_h, cfg.block_h)
@@ -118,9 +118,9 @@ def _unembedding_grad_kernel(
         rows = pl.ds(i * cfg.block_n, cfg.block_n)
         per_token = [r[rows, :] for r in (y_ref, lse_ref, mz_ref, g_ref, e_ref)]
         hw = _hw(h_ref, rows, w_ref, slice(None), cfg, dtype)
-        z = tiles.scale_logits(hw, bias, inv_t, cols, cfg.vocab)
+        z = tiles.scale_logits(hw, bias, inv_t, cols, cfg.vocab, cfg.softcap)
         dz, _ = tiles.logits_cotangent(z, cols, *per_token, cfg.with_entropy)
-        dz = dz * inv_t
+        dz = tiles.input_cotangent(dz, z, inv_t, cfg.softcap)
         low = dz.astype(h_ref.dtype)
 
         def chunk(k, _):

@@ -81,6 +81,7 @@ def _config(
     platform: str,
     with_entropy: bool,
     interpret: bool,
+    softcap: float | None,
 ) -> _fused_tiles.Config:
     defaults, smallest = _DEFAULTS[platform], _SMALLEST[platform]
     if platform == "tpu" and block_h is not None:
@@ -97,7 +98,9 @@ def _config(
     _check_block(block_v, "block_v", platform)
     if platform == "gpu":
         _check_block(block_h, "block_h", platform)
-    return _fused_tiles.Config(platform, block_n, block_v, block_h, vocab, with_entropy, interpret)
+    return _fused_tiles.Config(
+        platform, block_n, block_v, block_h, vocab, with_entropy, interpret, softcap
+    )
 
 
 def _pad(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -152,6 +155,7 @@ def fused_token_logps_pallas(
     *,
     bias: Float[ArrayLike, " V"] | None = None,
     temperature: Scalar = 1.0,
+    softcap: float | None = None,
     with_entropy: bool = False,
     where: Mask[ArrayLike, " N"] | None = None,
     block_n: int | None = None,
@@ -163,13 +167,14 @@ def fused_token_logps_pallas(
     r"""Target log-probs (and entropy) from hidden states by Pallas kernels, no `[N, V]` logits.
 
     $$
-    z_{n} = (h_n W + b) / \tau, \qquad
+    z_{n} = \mathrm{cap}(h_n W + b) / \tau, \qquad
     \log \pi(y_n) = z_{n, y_n} - \log \sum_v e^{z_{n,v}}, \qquad
     H_n = \log \sum_v e^{z_{n,v}} - \sum_v \pi_{n,v} z_{n,v}
     $$
 
     with hidden states $h$ = `hidden`, unembedding $W$ = `unembedding`, bias $b$ = `bias`,
-    targets $y$ = `targets` and temperature $\tau$ = `temperature`: the values of
+    targets $y$ = `targets`, temperature $\tau$ = `temperature` and $\mathrm{cap}(u) =
+    c \tanh(u / c)$ for `softcap` $c$ (the identity for None): the values of
     `tunelib.logprobs.fused_token_logps` on 2-D inputs, which calls this function for
     ``implementation="pallas"``.
 
@@ -206,6 +211,8 @@ def fused_token_logps_pallas(
         the position's log-prob is NaN (its entropy is still computed).
       bias: optional `[V]` bias.
       temperature: $\tau > 0$; may be traced.
+      softcap: $c > 0$, the final-logit soft-cap (static), or None. The backward kernels
+        multiply each tile's $\partial z / \tau$ by the cap's slope $1 - \tanh^2(u / c)$.
       with_entropy: also return the per-token entropy $H_n$ (static).
       where: `[N]` mask, True (or 1) = counts; masked positions give 0 and send exactly 0
         gradient, even when their hidden states are NaN and their targets out of range.
@@ -264,7 +271,10 @@ def fused_token_logps_pallas(
     where = v.mask_array(where, (n,))
     targets, inside = v.token_id_array(targets, vocab, where)
     platform = _platform(platform, interpret)
-    cfg = _config(n, size_h, vocab, block_n, block_v, block_h, platform, with_entropy, interpret)
+    softcap = v.softcap(softcap)
+    cfg = _config(
+        n, size_h, vocab, block_n, block_v, block_h, platform, with_entropy, interpret, softcap
+    )
 
     dtype = v.compute_dtype(hidden.dtype, unembedding.dtype)
     operand = jnp.promote_types(hidden.dtype, unembedding.dtype)

@@ -23,6 +23,7 @@ class Config(NamedTuple):
     vocab: int  # true V; padded columns at or beyond it get -inf logits
     with_entropy: bool
     interpret: bool
+    softcap: float | None = None  # final-logit soft-capping c tanh(u / c), before 1 / tau
 
 
 class Stats(NamedTuple):
@@ -61,11 +62,31 @@ def columns(index: jax.Array, shape: tuple[int, int]) -> jax.Array:
 
 
 def scale_logits(
-    hw: jax.Array, bias: jax.Array, inv_temperature: jax.Array, cols: jax.Array, vocab: int
+    hw: jax.Array,
+    bias: jax.Array,
+    inv_temperature: jax.Array,
+    cols: jax.Array,
+    vocab: int,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """`z = (h W + b) / tau` for one tile, with `-inf` in the padded columns."""
-    z = (hw + bias.astype(hw.dtype)) * inv_temperature
-    return jnp.where(cols < vocab, z, -jnp.inf)
+    """`z = cap(h W + b) / tau` for one tile, with `-inf` in the padded columns; `cap(u)` is
+    `c tanh(u / c)` with `softcap` c, or `u` for None."""
+    u = hw + bias.astype(hw.dtype)
+    if softcap is not None:
+        u = softcap * jnp.tanh(u / softcap)
+    return jnp.where(cols < vocab, u * inv_temperature, -jnp.inf)
+
+
+def input_cotangent(
+    dz: jax.Array, z: jax.Array, inv_temperature: jax.Array, softcap: float | None
+) -> jax.Array:
+    """`d/du` of the logits' input `u = h W + b` from `dz`: `dz / tau`, times the cap's slope
+    `1 - tanh^2(u / c)` (recovered from `z`) when soft-capped; 0 in padded columns."""
+    du = dz * inv_temperature
+    if softcap is None:
+        return du
+    slope = 1.0 - jnp.square(z / (inv_temperature * softcap))
+    return jnp.where(z > -jnp.inf, du * slope, 0.0)
 
 
 def init_stats(block_n: int, dtype) -> Stats:

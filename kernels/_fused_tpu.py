@@ -33,7 +33,7 @@ def _params() -> pltpu.CompilerParams:
 def _logits(h_ref, w_ref, b_ref, t_ref, j, cfg: tiles.Config, dtype):
     cols = tiles.columns(j, (cfg.block_n, cfg.block_v))
     hw = tiles.dot(h_ref[...], w_ref[...], tiles.NN, dtype)
-    return tiles.scale_logits(hw, b_ref[...], t_ref[...], cols, cfg.vocab), cols
+    return tiles.scale_logits(hw, b_ref[...], t_ref[...], cols, cfg.vocab, cfg.softcap), cols
 
 
 def _forward_kernel(h_ref, w_ref, b_ref, t_ref, y_ref, m_ref, s0_ref, s1_ref, zt_ref, *, cfg):
@@ -64,7 +64,7 @@ def _hidden_grad_kernel(*refs, cfg):
     z, cols = _logits(h_ref, w_ref, b_ref, t_ref, j, cfg, acc_ref.dtype)
     per_token = [ref[...] for ref in token_refs]  # targets, lse, E_p[z], g, e
     dz, zdz = tiles.logits_cotangent(z, cols, *per_token, cfg.with_entropy)
-    dz = (dz * t_ref[...]).astype(h_ref.dtype)
+    dz = tiles.input_cotangent(dz, z, t_ref[...], cfg.softcap).astype(h_ref.dtype)
     acc_ref[...] += tiles.dot(dz, w_ref[...], tiles.NT, acc_ref.dtype)
     zdz_ref[...] += zdz
 
@@ -85,7 +85,7 @@ def _unembedding_grad_kernel(*refs, cfg):
     z, cols = _logits(h_ref, w_ref, b_ref, t_ref, j, cfg, acc_ref.dtype)
     per_token = [ref[...] for ref in token_refs]  # targets, lse, E_p[z], g, e
     dz, _ = tiles.logits_cotangent(z, cols, *per_token, cfg.with_entropy)
-    dz = dz * t_ref[...]
+    dz = tiles.input_cotangent(dz, z, t_ref[...], cfg.softcap)
     acc_ref[...] += tiles.dot(h_ref[...], dz.astype(h_ref.dtype), tiles.TN, acc_ref.dtype)
     db_ref[...] += jnp.sum(dz, axis=0, keepdims=True)
 

@@ -238,6 +238,18 @@ def check_ddof(ddof: object, name: str = "ddof") -> None:
         raise ValueError(f"{name} must be 0 or 1, got {ddof!r}.")
 
 
+def softcap(x: object, name: str = "softcap") -> float | None:
+    """A soft-cap `c` as a Python float, or None; an error naming `name` unless it is a
+    finite number > 0."""
+    if x is None:
+        return None
+    real_number(x, name)
+    finite_number(x, name)
+    if x <= 0:
+        raise ValueError(f"{name} must be > 0 or None, got {x}.")
+    return float(x)
+
+
 def real_array(x: ArrayLike, name: str) -> jax.Array:
     """`x` as an integer or floating-point array; a `TypeError` naming `name` otherwise."""
     x = jnp.asarray(x)

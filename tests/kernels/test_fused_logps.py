@@ -25,7 +25,15 @@ PLATFORMS = pytest.mark.parametrize("platform", sorted(BLOCKS))
 
 kernel = jax.jit(
     fused_token_logps_pallas,
-    static_argnames=("with_entropy", "block_n", "block_v", "block_h", "platform", "interpret"),
+    static_argnames=(
+        "with_entropy",
+        "softcap",
+        "block_n",
+        "block_v",
+        "block_h",
+        "platform",
+        "interpret",
+    ),
 )
 
 
@@ -127,6 +135,36 @@ def test_values_and_gradients_match_references(platform):
     naive = jax.grad(naive_total, argnums=(0, 1, 2, 3))(h[keep], w, b, tau)
     for ours, theirs in zip((grads[0][keep], *grads[1:]), naive, strict=True):
         assert_close(ours, np.asarray(theirs), rtol=1e-4, atol=1e-4)
+
+
+@PLATFORMS
+def test_soft_capped_logits_match_the_chunked_head(platform):
+    """`softcap` caps every tile's logits (and the target's) and scales the backward pass by
+    the cap's slope: values and all four gradients equal the pure-JAX head's, which is itself
+    tested against autodiff of the capped logits in float64."""
+    from tunelib.logprobs import fused_token_logps
+
+    h, w, b, y = problem(21, 40, 300)
+    h = h * 2  # logits well past the cap of 2
+    weights = np.random.default_rng(1).normal(size=(2, 21)).astype(np.float32)
+
+    def total(head):
+        def f(h, w, b, tau):
+            logps, entropy = head(h, w, y, bias=b, temperature=tau, softcap=2.0, with_entropy=True)
+            return jnp.sum(weights[0] * logps + weights[1] * entropy), (logps, entropy)
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(h, w, b, np.float32(0.7))
+
+    (_, ours), ours_grads = total(lambda *a, **k: fused(*a, platform=platform, **k))
+    (_, chunked), chunked_grads = total(
+        lambda *a, **k: fused_token_logps(*a, implementation="chunked", chunk_size=64, **k)
+    )
+    for got, want in zip(ours, chunked, strict=True):
+        assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(ours_grads, chunked_grads, strict=True):
+        assert_close(got, want, rtol=1e-4, atol=1e-5)
+    uncapped = fused(h, w, y, bias=b, temperature=0.7, platform=platform)
+    assert np.abs(np.asarray(uncapped) - np.asarray(ours[0])).max() > 0.1
 
 
 @PLATFORMS

@@ -21,7 +21,6 @@ from tunelib._typing import Mask, Scalar
 from tunelib.logprobs._tiles import (
     cap_slope,
     capped,
-    checked_softcap,
     default_chunk_size,
     tile_logits,
     tiles,
@@ -268,7 +267,7 @@ def fused_token_logps(
         (outside `jax.jit`); under `jit` the position's log-prob is NaN (see `token_logps`).
       bias: optional `[V]` bias (the local shard with `vocab_axis`).
       temperature: $\tau > 0$; may be traced.
-      softcap: $c > 0$, static, or None (no capping). Not supported by ``"pallas"``.
+      softcap: $c > 0$, static, or None (no capping).
       with_entropy: also return the per-token entropy $H_n$ (static).
       where: `[...]` mask, True (or 1) = counts; masked positions give 0 and send exactly 0
         gradient, even when their hidden states are NaN and their targets out of range.
@@ -326,9 +325,7 @@ def fused_token_logps(
     implementation = _resolve(implementation)
     if implementation == "pallas" and vocab_axis is not None:
         raise ValueError("implementation='pallas' does not support vocab_axis; use 'chunked'.")
-    softcap = checked_softcap(softcap)
-    if softcap is not None and implementation == "pallas":
-        raise ValueError("implementation='pallas' does not support softcap; use 'chunked'.")
+    softcap = v.softcap(softcap)
     where = v.mask_array(where, targets.shape)
     vocab = unembedding.shape[1]
     if vocab_axis is not None:
@@ -349,7 +346,7 @@ def fused_token_logps(
 
         # Forced onto a CPU, the kernel runs in the Pallas interpreter: right, and slow.
         out = fused_token_logps_pallas(
-            h, unembedding, y, bias=bias, temperature=tau, with_entropy=True,
+            h, unembedding, y, bias=bias, temperature=tau, softcap=softcap, with_entropy=True,
             interpret=jax.default_backend() == "cpu",
         )  # fmt: skip
         logps, entropy = out

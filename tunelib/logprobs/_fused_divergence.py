@@ -21,7 +21,6 @@ from tunelib._typing import Mask, Scalar
 from tunelib.logprobs._divergence import DIVERGENCES, Divergence, divergence_terms
 from tunelib.logprobs._tiles import (
     cap_slope,
-    checked_softcap,
     default_chunk_size,
     tile_logits,
     tiles,
@@ -295,8 +294,8 @@ def fused_divergence(
         v.unit_interval(mix, "mix")
     v.positive_scalar(temperature, "temperature")
     caps = (
-        checked_softcap(student_softcap, "student_softcap"),
-        checked_softcap(teacher_softcap, "teacher_softcap"),
+        v.softcap(student_softcap, "student_softcap"),
+        v.softcap(teacher_softcap, "teacher_softcap"),
     )
     if chunk_size is None:
         chunk_size = default_chunk_size(math.prod(shape))

@@ -3,8 +3,6 @@
 import jax.numpy as jnp
 from jax import lax
 
-from tunelib import _validation as v
-
 # A tile of about this many logits (16 MiB in float32) when the caller picks no width.
 TILE_LOGITS = 2**22
 
@@ -63,18 +61,6 @@ def tile_logits(h, w_tile, b_tile, tau, dtype, softcap=None):
 def capped(z, softcap):
     r"""Final-logit soft-capping, $c \tanh(z / c)$ (Gemma 2 and 4), or `z` for None."""
     return z if softcap is None else softcap * jnp.tanh(z / softcap)
-
-
-def checked_softcap(softcap, name: str = "softcap") -> float | None:
-    """`softcap` as a Python float, or None; an error naming `name` unless it is a finite
-    number > 0."""
-    if softcap is None:
-        return None
-    v.real_number(softcap, name)
-    v.finite_number(softcap, name)
-    if softcap <= 0:
-        raise ValueError(f"{name} must be > 0 or None, got {softcap}.")
-    return float(softcap)
 
 
 def cap_slope(z, tau, softcap):
