@@ -81,7 +81,7 @@ def _config(
     platform: str,
     with_entropy: bool,
     interpret: bool,
-    softcap: float | None,
+    softcap: float | None = None,
 ) -> _fused_tiles.Config:
     defaults, smallest = _DEFAULTS[platform], _SMALLEST[platform]
     if platform == "tpu" and block_h is not None:

@@ -400,7 +400,7 @@ def test_recipes_on_the_newer_families(tmp_path, family):
 
     _, transformers = hf_modules()
     source = write_tiny_checkpoint(tmp_path / "model", family, seed=2)
-    flags = ["--model", str(source), "--batch-size", "4", *STEPS]
+    flags = ["--model", str(source), "--batch-size", "4", "--num-heldout", "8", *STEPS]
     sft = run_recipe("sft", *flags, "--lora-rank", "4", "--out", str(tmp_path / "sft"))
     assert sft["tuning"] == "lora" and np.isfinite(sft["final_loss"])
     assert sft["heldout_loss_after"] < sft["heldout_loss_before"]
@@ -412,7 +412,8 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     logits = np.asarray(model.unembed(model(tokens, where=where)))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "hf_model")
     np.testing.assert_allclose(hf_logits(theirs.eval(), tokens, where), logits, atol=1e-4)
-    dpo = run_recipe("dpo", *flags, "--out", str(tmp_path / "dpo"))
+    # Pairs from 16 prompts: the model's own wrong replies (chat messages) as the rejected side.
+    dpo = run_recipe("dpo", *flags, "--num-prompts", "16", "--out", str(tmp_path / "dpo"))
     assert 0.0 <= dpo["heldout_reward_accuracy_after"] <= 1.0
     grpo = run_recipe(
         "grpo", *flags, "--group-size", "2", "--max-new-tokens", "4", "--out",
