@@ -414,3 +414,31 @@ def test_smollm2_blocks_dequantise_to_the_file_and_store_its_bytes():
     for name, value in gguf_tensors(model):
         assert np.array_equal(ours.pop(name), value), name
     assert not ours
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_gguf_base_on_a_mesh_shards_the_blocks_and_computes_the_same(model_file, scan_layers):
+    """With a mesh, each kept weight's blocks are split as the weight is (rows of the stored
+    `[out, in]` matrix for a kernel's output axis), dense weights as `load_hf_checkpoint`
+    splits them, and the adapted model's hidden states equal the unsharded ones."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
+    kwargs = dict(patterns=ALL_BLOCKS, scan_layers=scan_layers)
+    base = peft.gguf_base(model_file, **kwargs)
+    sharded = peft.gguf_base(model_file, mesh=mesh, **kwargs)
+    layers = sharded.params["layers"] if scan_layers else sharded.params["layers"][0]
+    lead = (None,) if scan_layers else ()
+    up = layers["mlp"]["up_proj"]["kernel"]  # [H, F], F over "model": the stored rows
+    assert up.codes.sharding.spec == jax.sharding.PartitionSpec(*lead, "model", None, None)
+    down = layers["mlp"]["down_proj"]["kernel"]  # [F, H], F over "model": 96 / 32 = 3 blocks
+    assert down.scales.sharding.spec == jax.sharding.PartitionSpec(*lead, None, None)
+    norm = layers["input_layernorm"]["scale"]
+    assert norm.sharding.mesh.shape == mesh.shape
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def hidden(graphdef, params, tokens):
+        return peft.lora(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 7)))
+    expected = hidden(base.graphdef, base.params, tokens)
+    assert_close(hidden(sharded.graphdef, sharded.params, tokens), expected, rtol=1e-5, atol=1e-5)

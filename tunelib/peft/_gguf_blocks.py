@@ -31,12 +31,14 @@ from jaxtyping import Array, Float
 
 from tunelib.models import (
     PROJECTION_KERNELS,
+    TENSOR_PARALLEL_RULES,
     Decoder,
     GGUFModel,
     HFCheckpoint,
     config_from_hf,
     gguf_raw_tensors,
     hf_module_name,
+    param_shardings,
     read_gguf,
 )
 from tunelib.peft._rules import match_rules, path_string
@@ -336,6 +338,8 @@ def gguf_base(
     param_dtype: str = "float32",
     scan_layers: bool = False,
     remat: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Sequence[tuple[str, str | None]] = TENSOR_PARALLEL_RULES,
 ) -> HFCheckpoint:
     """A GGUF model as the decoder's parameters, its quantised blocks kept as a QLoRA base.
 
@@ -346,7 +350,11 @@ def gguf_base(
     are put back in Hugging Face order (for blocks, by moving whole rows). Dequantised, the
     parameters equal those of `load_hf_checkpoint(convert_gguf(path, ...))` exactly, and no
     float copy of a kept weight is ever made. The parameters are placed on the default
-    device; a selected weight that the file stores as floats (F32, F16, BF16) stays dense.
+    device, or with `mesh` sharded as `load_hf_checkpoint` shards them: a kept weight's
+    blocks are split along the stored matrix's rows and block columns as the weight is along
+    its output and input axes (an axis whose block count the mesh axis does not divide is
+    replicated). A selected weight that the file stores as floats (F32, F16, BF16) stays
+    dense.
 
     Args:
       model: a `.gguf` file, or the `GGUFModel` that `tunelib.models.read_gguf` read.
@@ -359,6 +367,9 @@ def gguf_base(
       scan_layers: stack the layers (`DecoderConfig.scan_layers`); each kept weight's
         blocks are stacked too, so every layer's must be of one type.
       remat: rematerialise each layer in the backward pass.
+      mesh: shard every parameter over this mesh by its logical axis names and `rules`
+        (`tunelib.models.param_shardings`); None puts them on the default device.
+      rules: the logical-name-to-mesh-axis rules used with `mesh`.
 
     Returns:
       An `HFCheckpoint` `(graphdef, params, config, hf_config)` (`params` with `GGMLTensor`
@@ -451,7 +462,40 @@ def gguf_base(
         return parts[0]
 
     params = jax.tree_util.tree_map_with_path(load, abstract)
+    if mesh is not None:
+        shardings = param_shardings(graphdef, abstract, mesh, rules)
+        params = jax.tree.map(
+            _placed, params, shardings, is_leaf=lambda x: isinstance(x, GGMLTensor)
+        )
     return HFCheckpoint(graphdef, params, config, model.hf_config)
+
+
+def _placed(leaf, sharding: jax.sharding.NamedSharding):
+    """A parameter put on the mesh: an array with `sharding`; a `GGMLTensor`'s block fields
+    split as the array it stands for is split (see `gguf_base`)."""
+    if not isinstance(leaf, GGMLTensor):
+        return jax.device_put(leaf, sharding)
+    spec = (*sharding.spec, *(None,) * (len(leaf.shape) - len(sharding.spec)))
+    *lead, first, second = spec
+    rows, columns = (second, first) if leaf.transposed else (first, second)
+    blocks = leaf.scales.shape[-1]
+    if columns is not None and blocks % _axis_size(sharding.mesh, columns):
+        columns = None
+
+    def put(field, extra):
+        if field is None:
+            return None
+        named = jax.sharding.PartitionSpec(*lead, rows, columns, *extra)
+        return jax.device_put(field, jax.sharding.NamedSharding(sharding.mesh, named))
+
+    return dataclasses.replace(
+        leaf, scales=put(leaf.scales, ()), mins=put(leaf.mins, ()), codes=put(leaf.codes, (None,))
+    )
+
+
+def _axis_size(mesh: jax.sharding.Mesh, axes) -> int:
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return int(np.prod([mesh.shape[name] for name in names]))
 
 
 def _hf_names(path: str, scan_layers: bool, shape: tuple[int, ...]) -> list[str]:
