@@ -137,6 +137,17 @@ def test_missing_required_field_is_named(field):
         config_from_hf(config)
 
 
+# What Gemma 2 and 3 share.
+GEMMA = dict(
+    norm_offset=True,
+    sandwich_norms=True,
+    scale_embeddings=True,
+    hidden_act="gelu_pytorch_tanh",
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    final_logit_softcapping=30.0,
+    sliding_window=8,
+)
 EXPRESSIBLE = {
     "llama": dict(attention_bias=True, o_proj_bias=True, mlp_bias=True),
     "mistral": dict(sliding_window=16),
@@ -153,29 +164,15 @@ EXPRESSIBLE = {
         sliding_window=8,
     ),
     "gemma2": dict(
-        norm_offset=True,
-        sandwich_norms=True,
-        scale_embeddings=True,
-        hidden_act="gelu_pytorch_tanh",
-        head_dim=32,
-        query_pre_attn_scalar=24,
+        **GEMMA,
         attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0,
-        sliding_window=8,
         layer_types=("sliding_attention", "full_attention", "sliding_attention"),
     ),
     "gemma3_text": dict(
+        **GEMMA,
         use_qk_norm=True,
-        norm_offset=True,
-        sandwich_norms=True,
-        scale_embeddings=True,
-        hidden_act="gelu_pytorch_tanh",
-        head_dim=32,
-        query_pre_attn_scalar=24,
-        sliding_window=8,
         layer_types=("sliding_attention", "sliding_attention", "full_attention"),
         rope_local_base_freq=1e4,
-        final_logit_softcapping=30.0,
     ),
 }
 

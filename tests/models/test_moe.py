@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
 from tests._hf import hf_logits, hf_modules, model_class, write_tiny_checkpoint
+from tests.losses.test_router import softmax64
 from tunelib import losses
 from tunelib.models import (
     EXPERT_PARALLEL_RULES,
@@ -101,12 +102,6 @@ def test_grouped_matmul_errors():
             grouped_matmul(x, w, np.array([2, 2]), block_size=0)
         with raises_naming("group_sizes", error=TypeError):
             grouped_matmul(x, w, np.array([2.0, 2.0]))
-
-
-def softmax64(z):
-    z = np.asarray(z, np.float64)
-    e = np.exp(z - z.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
 
 @given(st.integers(1, 6), st.booleans(), st.integers(0, 10**6))

@@ -300,10 +300,20 @@ class Decoder(nnx.Module):
             stacked = jnp.stack(router_logits) if router_logits else None
             return carry[0], carry[1:], stacked
 
-        # Stacked layers of both kinds pick their inputs by a per-layer index into a stack.
+        # Stacked layers of both kinds pick their inputs by a per-layer index into a stack;
+        # with one kind every layer takes the same inputs, unstacked.
         kinds = sorted(inputs)
-        table = jax.tree.map(lambda *parts: jnp.stack(parts), *(inputs[k] for k in kinds))
         kind_ids = jnp.asarray([kinds.index(s) for s in c.sliding_layers], jnp.int32)
+        if len(kinds) == 1:
+            (table,) = inputs.values()
+
+            def pick(table, kind):
+                return table
+        else:
+            table = jax.tree.map(lambda *parts: jnp.stack(parts), *(inputs[k] for k in kinds))
+
+            def pick(table, kind):
+                return jax.tree.map(lambda x: x[kind], table)
 
         @nnx.scan(
             in_axes=(nnx.Carry, 0, None, None, 0, 0, None),
@@ -311,7 +321,7 @@ class Decoder(nnx.Module):
             transform_metadata={nnx.PARTITION_NAME: "layers"},
         )
         def scan(carry, layer, table, fill, i, kind, index):
-            cos, sin, allowed = jax.tree.map(lambda x: x[kind], table)
+            cos, sin, allowed = pick(table, kind)
             return run(layer, carry, cos, sin, allowed, fill, i, index)
 
         layer_ids = jnp.arange(c.num_hidden_layers)

@@ -171,6 +171,10 @@ def config_from_hf(
             "config.json: quantization_config is set; quantised checkpoints are not supported."
         )
 
+    # transformers saves Qwen3-MoE's expert count under its attribute_map name.
+    if "num_experts" not in hf_config and "num_local_experts" in hf_config:
+        hf_config = {**hf_config, "num_experts": hf_config["num_local_experts"]}
+
     def get(name: str) -> Any:
         value = hf_config.get(name)
         if value is None and name not in hf_config:
@@ -186,11 +190,11 @@ def config_from_hf(
             f"config.json: attention_dropout is {get('attention_dropout')!r}; the decoder has no "
             "dropout, so only 0 is supported."
         )
+    max_positions = get("max_position_embeddings")
     if model_type in GEMMA_TYPES:
-        rope = lambda hf: _rope(hf, get("max_position_embeddings"))  # noqa: E731
-        family = gemma_fields(model_type, hf_config, get, rope)
+        family = gemma_fields(model_type, hf_config, get, lambda hf: _rope(hf, max_positions))
     else:
-        theta, scaling = _rope(hf_config, get("max_position_embeddings"))
+        theta, scaling = _rope(hf_config, max_positions)
         family = {
             "rope_theta": theta,
             "rope_scaling": scaling,
@@ -213,8 +217,6 @@ def config_from_hf(
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
     if model_type == "qwen3_moe":
-        if "num_experts" not in hf_config and "num_local_experts" in hf_config:
-            hf_config = {**hf_config, "num_experts": hf_config["num_local_experts"]}
         experts = {
             name: get(name)
             for name in (

@@ -43,8 +43,8 @@ def gemma_fields(
     rope: Callable[[Mapping[str, Any]], tuple[float, dict[str, Any] | None]],
 ) -> dict[str, Any]:
     """The `DecoderConfig` fields particular to a Gemma config (with `get` reading a field or
-    its default, and `rope` reading one RoPE's `(theta, scaling)` from a config layout), or a
-    `ValueError` naming the field the decoder does not support."""
+    its default, and `rope` reading one RoPE's `(theta, scaling)` from a dict in either
+    `config.json` layout), or a `ValueError` naming the field the decoder does not support."""
     if get("hidden_activation") != "gelu_pytorch_tanh":
         raise ValueError(
             "config.json: hidden_activation must be 'gelu_pytorch_tanh' (GeGLU), got "
@@ -99,8 +99,7 @@ def gemma_fields(
             "config.json: rope_parameters['sliding_attention'] must be an unscaled RoPE "
             f"(rope_type 'default' and rope_theta only), got {nested.get('sliding_attention')!r}."
         )
-    theta, scaling = rope({"rope_parameters": full, "max_position_embeddings": get(
-        "max_position_embeddings")})  # fmt: skip
+    theta, scaling = rope({"rope_parameters": full})
     return {
         **fields,
         "rope_theta": theta,
