@@ -63,6 +63,11 @@ _CORPUS = [
 # the test sequences, Qwen3-MoE 4 experts with top-2 routing renormalised, Gemma 2 a sliding
 # then a full layer with attention and final soft-caps that bind (3 and 4), Gemma 3 a sliding
 # layer (window 4, its own RoPE) then a full one (linear RoPE scaling), queries scaled by 24.
+# Gemma 4 dense: 5 layers (sliding, full, sliding, sliding, full) whose last 2 share the keys
+# and values of layers 0 and 1, with double-wide MLPs; full layers twice as wide with one
+# key/value head that is also the value (attention_k_eq_v) and proportional RoPE rotating
+# half of each head; per-layer inputs; a binding final soft-cap. Gemma 4 MoE: 4 experts, top
+# 2, beside every dense MLP, full layers of transformers' default width ratio.
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -114,6 +119,45 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     ),
+    "gemma4_text": dict(
+        num_hidden_layers=5,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        sliding_window=4,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB_SIZE,
+        final_logit_softcapping=5.0,
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.5,
+                "rope_theta": 1e4,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    ),
+    "gemma4_text_moe": dict(
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
 }
 _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -123,6 +167,8 @@ _CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "gemma4_text_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
 }
 
 
@@ -157,8 +203,9 @@ def model_class(family: str) -> Any:
 def tiny_hf_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
     """A randomly initialised `transformers` model of `family`, in float32 eval mode.
 
-    Norm scales and biases are randomised too (transformers initialises them to 1 and 0), so
-    that a weight loaded into the wrong place changes the outputs.
+    Norm scales and biases are randomised too (transformers initialises them to 1 and 0), as
+    are Gemma 4's router scales and layer scalars, so that a weight loaded into the wrong
+    place changes the outputs.
     """
     torch, transformers = hf_modules()
     config_class = getattr(transformers, _CLASSES[family][0])
@@ -167,10 +214,13 @@ def tiny_hf_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
     model = model_class(family)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
                 param.copy_(1 + 0.3 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.3 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(1 + 0.3 * torch.randn_like(buffer))
     return model
 
 
@@ -226,7 +276,7 @@ def write_tiny_checkpoint(
 
     Args:
       directory: where to write (created).
-      family: "llama", "qwen2", "qwen3" or "mistral" (see `FAMILIES`).
+      family: a key of `FAMILIES`.
       seed: torch seed of the weights.
       dtype: "float32" or "bfloat16", the dtype the weights are saved in.
       max_shard_size: shard the weights (`save_pretrained`'s argument), e.g. 20_000 bytes.

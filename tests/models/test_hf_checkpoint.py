@@ -441,7 +441,18 @@ def hf():
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3_text"]
+    "family",
+    [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3_text",
+        "gemma4_text",
+        "gemma4_text_moe",
+    ],
 )
 def test_matches_transformers(tmp_path, hf, family):
     """Logits within 1e-4, 20 greedy tokens identical, and our save loads in transformers."""

@@ -81,7 +81,8 @@ def test_logits_of_the_last_token_match():
 def test_bf16_cache():
     model = build(make_config(dtype="bfloat16"))
     cache = model.init_cache(3, 10)
-    assert cache.keys.dtype == jnp.bfloat16 and cache.values.shape == (2, 3, 10, 2, 16)
+    (keys,), (values,) = cache.keys, cache.values  # one group: every layer has one shape
+    assert keys.dtype == jnp.bfloat16 and values.shape == (2, 3, 10, 2, 16)
     hidden, _ = cached_hidden(model, TOKENS, WHERE, prefill=5, slots=10)
     expected, _ = forward(model)(TOKENS, WHERE)
     mask = WHERE[..., None]
@@ -93,7 +94,7 @@ def test_cache_is_a_pytree_with_documented_shapes():
     model = build(make_config(num_hidden_layers=3))
     cache = model.init_cache(2, 7)
     assert isinstance(cache, KVCache)
-    assert cache.keys.shape == (3, 2, 7, 2, 16) and cache.where.shape == (2, 7)
+    assert [k.shape for k in cache.keys] == [(3, 2, 7, 2, 16)] and cache.where.shape == (2, 7)
     assert cache.lengths.dtype == jnp.int32 and cache.index.shape == ()
     assert len(jax.tree.leaves(cache)) == 5
 

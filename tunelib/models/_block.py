@@ -1,35 +1,66 @@
-"""One decoder layer: attention and an MLP (dense or a mixture of experts), pre-norm."""
+"""One decoder layer: attention and an MLP (dense, a mixture of experts, or both), pre-norm."""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tunelib.models._config import DecoderConfig
-from tunelib.models._layers import MLP, Attention, LayerCache, RMSNorm
-from tunelib.models._moe import MoE
+from tunelib.models._layers import MLP, Attention, Dense, LayerCache, RMSNorm, activation, param
+from tunelib.models._moe import FusedExperts, MoE, Router
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual layer: attention, then the MLP (dense, or a mixture of experts when
-    `moe`), each on its own RMSNorm.
+    r"""Pre-norm residual layer `index` of `config`: attention, then the MLP (dense, or a
+    mixture of experts where `config.moe_layers` says), each on its own RMSNorm.
 
-    With `config.sandwich_norms` (Gemma 2 and 3) the attention and MLP outputs are normalised
+    With `config.sandwich_norms` (Gemma 2, 3, 4) the attention and MLP outputs are normalised
     as well before their residual additions: `post_attention_layernorm` then normalises the
     attention's output, and `pre_feedforward_layernorm` / `post_feedforward_layernorm` the
     MLP's input and output. Without, `post_attention_layernorm` is the MLP's input norm, as
     Hugging Face names it for Llama.
+
+    Gemma 4 adds, where its config asks: a mixture of experts beside the dense MLP
+    (`config.parallel_moe`): with $u$ the residual after attention,
+    $m = N_1(\mathrm{MLP}(N_{pre}(u))) + N_2(\mathrm{MoE}(N_{pre,2}(u)))$, routed on $u$
+    itself, and $u + N_{post}(m)$; the per-layer input (`config.hidden_size_per_layer_input`)
+    added at the end; and the output multiplied by `layer_scalar`.
     """
 
-    def __init__(self, config: DecoderConfig, *, moe: bool = False, rngs: nnx.Rngs):
-        h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, "embed", config, rngs=rngs)
-        self.self_attn = Attention(config, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(h, "embed", config, rngs=rngs)
-        self.sandwich = config.sandwich_norms
+    def __init__(self, config: DecoderConfig, index: int = 0, *, rngs: nnx.Rngs):
+        c = config
+        h = c.hidden_size
+        self.input_layernorm = RMSNorm(h, "embed", c, rngs=rngs)
+        self.self_attn = Attention(c, index, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, "embed", c, rngs=rngs)
+        self.sandwich = c.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(h, "embed", config, rngs=rngs)
-            self.post_feedforward_layernorm = RMSNorm(h, "embed", config, rngs=rngs)
-        self.mlp = MoE(config, rngs=rngs) if moe else MLP(config, rngs=rngs)
-        self.moe = moe
+            self.pre_feedforward_layernorm = RMSNorm(h, "embed", c, rngs=rngs)
+            self.post_feedforward_layernorm = RMSNorm(h, "embed", c, rngs=rngs)
+        self.moe = c.moe_layers[index] and not c.parallel_moe
+        shares_kv = c.kv_sources[index] != index
+        width = c.intermediate_size * (2 if c.use_double_wide_mlp and shares_kv else 1)
+        self.mlp = MoE(c, rngs=rngs) if self.moe else MLP(c, width=width, rngs=rngs)
+        self.parallel_moe = c.parallel_moe and c.moe_layers[index]
+        if self.parallel_moe:
+            self.router = Router(c, rngs=rngs)
+            self.experts = FusedExperts(c, rngs=rngs)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, "embed", c, rngs=rngs)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, "embed", c, rngs=rngs)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, "embed", c, rngs=rngs)
+        p = c.hidden_size_per_layer_input
+        if p:
+            self.act = c.hidden_act
+            self.per_layer_input_gate = Dense(
+                h, p, ("embed", "per_layer"), c, use_bias=False, rngs=rngs
+            )
+            self.per_layer_projection = Dense(
+                p, h, ("per_layer", "embed"), c, use_bias=False, rngs=rngs
+            )
+            self.post_per_layer_input_norm = RMSNorm(h, "embed", c, rngs=rngs)
+        ones = jax.nn.initializers.ones
+        self.layer_scalar = (
+            param(rngs, ones, (1,), (None,), c.storage_dtype) if c.layer_scalars else None
+        )
 
     def __call__(
         self,
@@ -39,17 +70,38 @@ class DecoderLayer(nnx.Module):
         allowed: jax.Array,
         fill: jax.Array,
         cache: LayerCache | None = None,
-    ) -> tuple[jax.Array, LayerCache | None, jax.Array | None]:
-        """The layer's output, its updated cache and (for a mixture of experts) its router
-        logits `[B, T, E]`, else None."""
-        attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, allowed, fill, cache)
+        shared: tuple[jax.Array, jax.Array] | None = None,
+        per_layer_input: jax.Array | None = None,
+    ) -> tuple[jax.Array, LayerCache | None, jax.Array | None, tuple[jax.Array, jax.Array]]:
+        """The layer's output, its updated cache, (for a mixture of experts) its router logits
+        `[B, T, E]`, else None, and the keys and values it attended over (see `Attention`)."""
+        attended, cache, kv = self.self_attn(
+            self.input_layernorm(x), cos, sin, allowed, fill, cache, shared
+        )
+        router_logits = None
         if self.sandwich:
             x = x + self.post_attention_layernorm(attended)
             mixed = self.mlp(self.pre_feedforward_layernorm(x))
         else:
             x = x + attended
             mixed = self.mlp(self.post_attention_layernorm(x))
-        mixed, router_logits = mixed if self.moe else (mixed, None)
+        if self.moe:
+            mixed, router_logits = mixed
+        if self.parallel_moe:
+            flat = x.reshape(-1, x.shape[-1])
+            weights, chosen, logits = self.router(flat)
+            routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, chosen)
+            routed = self.post_feedforward_layernorm_2(routed.reshape(x.shape))
+            mixed = self.post_feedforward_layernorm_1(mixed) + routed
+            high = logits.dtype if logits.dtype == jnp.float64 else jnp.float32
+            router_logits = logits.astype(high).reshape(*x.shape[:-1], -1)
         if self.sandwich:
             mixed = self.post_feedforward_layernorm(mixed)
-        return x + mixed, cache, router_logits
+        x = x + mixed
+        if per_layer_input is not None:
+            gated = activation(self.act)(self.per_layer_input_gate(x)) * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        if self.layer_scalar is not None:
+            # A Hugging Face buffer, not a trained weight: no gradient reaches it.
+            x = x * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x.dtype)
+        return x, cache, router_logits, kv

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
-ROPE_TYPES: tuple[str, ...] = ("linear", "llama3")
+ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "proportional")
 _ROPE_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
+    "proportional": ("factor", "partial_rotary_factor"),
     "llama3": (
         "factor",
         "low_freq_factor",
@@ -24,7 +25,7 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2 and 3 decoder.
+    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 decoder.
 
     Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
     be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
@@ -46,8 +47,10 @@ class DecoderConfig:
       rope_scaling: None (plain RoPE), `{"rope_type": "linear", "factor": s}` (position
         interpolation: every frequency divided by $s$), or Llama 3.1's
         `{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-        "original_max_position_embeddings"}`. The legacy key `"type"` is read as
-        `"rope_type"`. See `tunelib.models.rope_frequencies`.
+        "original_max_position_embeddings"}`, or Gemma 4's `{"rope_type": "proportional",
+        "factor", "partial_rotary_factor"}` (only the first `partial_rotary_factor` of each
+        head's channel pairs rotate). The legacy key `"type"` is read as `"rope_type"`. See
+        `tunelib.models.rope_frequencies`.
       max_position_embeddings: the context length the checkpoint was trained for; kept for
         round-tripping `config.json`, the forward pass does not read it.
       tie_word_embeddings: whether the unembedding is the transposed token embedding (no
@@ -97,6 +100,33 @@ class DecoderConfig:
         $(l + 1) \bmod$ `decoder_sparse_step` $= 0$ and $l$ is not in `mlp_only_layers`.
       mlp_only_layers: indices of the layers that keep the dense MLP (width
         `intermediate_size`) in a mixture-of-experts model.
+      global_head_dim: Gemma 4: the head width of the full-attention layers; None means
+        `head_dim`. Their RoPE (`rope_theta`, `rope_scaling`) is computed for this width.
+      num_global_key_value_heads: Gemma 4: the key/value heads of the full-attention
+        layers; None means `num_key_value_heads`.
+      attention_k_eq_v: Gemma 4: the full-attention layers have no `v_proj`; their values
+        are the key projection's output (before the key norm and RoPE).
+      value_norm: ours (Gemma 4): values are RMS-normalised over the head, with no learned
+        scale.
+      num_kv_shared_layers: Gemma 4: the last this many layers compute no keys or values;
+        each attends over those of the last earlier layer of its own type (and, with a
+        cache, writes none).
+      use_double_wide_mlp: Gemma 4: the KV-shared layers' MLPs are twice
+        `intermediate_size` wide.
+      hidden_size_per_layer_input: Gemma 4's per-layer inputs: 0 (none) or $P$. Each token
+        then has, for every layer $l$, a $P$-wide input
+        $q_l = (\mathrm{RMSNorm}(x W_p / \sqrt{H})_l + \sqrt{P}\, E^{(p)}_{x,l}) / \sqrt 2$
+        from a second embedding $E^{(p)}$ `[V_p, L P]` and a projection $W_p$ `[H, L P]` of
+        the (scaled) token embedding $x$; layer $l$ ends with
+        $h \leftarrow h + \mathrm{RMSNorm}(W_o(\phi(h W_g) \odot q_l))$.
+      vocab_size_per_layer_input: $V_p$, rows of the per-layer embedding; None means
+        `vocab_size` (the only value supported, since every token needs a row).
+      parallel_moe: ours (Gemma 4's `enable_moe_block`): every layer keeps its dense MLP
+        and adds a mixture of experts beside it, each output normalised, with Gemma 4's
+        router (`tunelib.models.MoE`); False is Qwen3-MoE's layout, where the experts
+        replace the MLP.
+      layer_scalars: ours (Gemma 4): each layer's output is multiplied by a stored constant
+        `layer_scalar` (a Hugging Face buffer: it receives no gradient).
       scan_layers: ours: store the layers stacked on a leading "layers" axis and run them
         with `nnx.scan` (one compiled layer instead of $L$).
       remat: ours: recompute each layer's activations in the backward pass (`nnx.remat`).
@@ -139,6 +169,16 @@ class DecoderConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: Sequence[int] = ()
+    global_head_dim: int | None = None
+    num_global_key_value_heads: int | None = None
+    attention_k_eq_v: bool = False
+    value_norm: bool = False
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int | None = None
+    parallel_moe: bool = False
+    layer_scalars: bool = False
     scan_layers: bool = False
     remat: bool = False
     dtype: str = "float32"
@@ -186,6 +226,11 @@ class DecoderConfig:
             "sandwich_norms",
             "scale_embeddings",
             "norm_topk_prob",
+            "attention_k_eq_v",
+            "value_norm",
+            "use_double_wide_mlp",
+            "parallel_moe",
+            "layer_scalars",
             "scan_layers",
             "remat",
         ):
@@ -201,6 +246,7 @@ class DecoderConfig:
         object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
         self._check_experts()
         self._check_layer_types()
+        self._check_gemma4()
 
     def _check_layer_types(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -227,6 +273,104 @@ class DecoderConfig:
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError("layer_types has sliding layers, so sliding_window must be set.")
         object.__setattr__(self, "layer_types", types)
+
+    def _check_gemma4(self) -> None:
+        for name in ("global_head_dim", "num_global_key_value_heads"):
+            if getattr(self, name) is not None:
+                _check_positive_int(getattr(self, name), name)
+        if self.global_head_dim is not None and self.global_head_dim % 2:
+            raise ValueError(f"global_head_dim must be even for RoPE, got {self.global_head_dim}.")
+        global_kv = self.num_global_key_value_heads
+        if global_kv is not None and self.num_attention_heads % global_kv:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_global_key_value_heads ({global_kv})."
+            )
+        for name in ("num_kv_shared_layers", "hidden_size_per_layer_input"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}.")
+        if self.vocab_size_per_layer_input is None:
+            object.__setattr__(self, "vocab_size_per_layer_input", self.vocab_size)
+        if self.vocab_size_per_layer_input != self.vocab_size:
+            raise ValueError(
+                f"vocab_size_per_layer_input ({self.vocab_size_per_layer_input!r}) must equal "
+                f"vocab_size ({self.vocab_size}): every token needs a per-layer input row."
+            )
+        shared = self.num_kv_shared_layers
+        if shared >= self.num_hidden_layers:
+            raise ValueError(
+                f"num_kv_shared_layers ({shared}) must be < num_hidden_layers "
+                f"({self.num_hidden_layers}): some layer has to compute the keys and values."
+            )
+        first = self.num_hidden_layers - shared
+        kinds = self.sliding_layers
+        for i in range(first, self.num_hidden_layers):
+            if kinds[i] not in kinds[:first]:
+                kind = "sliding" if kinds[i] else "full"
+                raise ValueError(
+                    f"num_kv_shared_layers={shared}: layer {i} is a {kind}-attention layer "
+                    f"that shares keys and values, but none of the first {first} layers is one."
+                )
+        if self.parallel_moe and not self.num_experts:
+            raise ValueError("parallel_moe needs num_experts > 0.")
+        if self.rope_scaling and self.rope_scaling["rope_type"] == "proportional":
+            partial = self.rope_scaling["partial_rotary_factor"]
+            if not 0 < partial <= 1:
+                raise ValueError(
+                    f"rope_scaling['partial_rotary_factor'] must be in (0, 1], got {partial}."
+                )
+        if self.scan_layers and len(set(self.layer_shapes)) > 1:
+            raise ValueError(
+                "scan_layers needs every layer to have one shape, but head widths, key/value "
+                "heads, shared keys and values or MLP widths differ between layers here; use "
+                "scan_layers=False."
+            )
+        if self.scan_layers and self.hidden_size_per_layer_input:
+            raise ValueError("scan_layers does not support hidden_size_per_layer_input > 0.")
+
+    @property
+    def layer_head_dims(self) -> tuple[int, ...]:
+        """For each layer, its head width (`global_head_dim` for full-attention layers)."""
+        wide = self.global_head_dim or self.head_dim
+        return tuple(self.head_dim if s else wide for s in self.sliding_layers)
+
+    @property
+    def layer_kv_heads(self) -> tuple[int, ...]:
+        """For each layer, its key/value heads (`num_global_key_value_heads` for
+        full-attention layers)."""
+        wide = self.num_global_key_value_heads or self.num_key_value_heads
+        return tuple(self.num_key_value_heads if s else wide for s in self.sliding_layers)
+
+    @property
+    def kv_sources(self) -> tuple[int, ...]:
+        """For each layer, the layer whose keys and values it attends over: itself, or for
+        the last `num_kv_shared_layers` the last earlier layer of its own type."""
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        kinds = self.sliding_layers
+        own = tuple(range(first))
+        return own + tuple(
+            max(j for j in own if kinds[j] == kinds[i]) for i in range(first, len(kinds))
+        )
+
+    @property
+    def layer_shapes(self) -> tuple[tuple, ...]:
+        """For each layer, what sets its weights' shapes: head width, key/value heads, whether
+        it computes keys, values and its MLP width and kind."""
+        sources = self.kv_sources
+        wide = self.use_double_wide_mlp
+        return tuple(
+            (d, k, self.attention_k_eq_v and not s, sources[i] == i, wide and sources[i] != i, m)
+            for i, (d, k, s, m) in enumerate(
+                zip(
+                    self.layer_head_dims,
+                    self.layer_kv_heads,
+                    self.sliding_layers,
+                    self.moe_layers,
+                    strict=True,
+                )
+            )
+        )
 
     @property
     def sliding_layers(self) -> tuple[bool, ...]:

@@ -96,10 +96,22 @@ class Decoder(nnx.Module):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}.")
         c = self.config = config
         self.embed_tokens = Embedding(c, rngs=rngs)
+        if c.hidden_size_per_layer_input:
+            p, names = c.hidden_size_per_layer_input, ("embed", "per_layer")
+            width = c.num_hidden_layers * p
+            self.embed_tokens_per_layer = Embedding(
+                c, width=width, names=("vocab", "per_layer"), rngs=rngs
+            )
+            self.per_layer_model_projection = Dense(
+                c.hidden_size, width, names, c, use_bias=False, rngs=rngs
+            )
+            self.per_layer_projection_norm = RMSNorm(p, "per_layer", c, rngs=rngs)
         if c.scan_layers:
             self.layers = _stacked_layers(c, rngs)
         else:
-            self.layers = nnx.List([DecoderLayer(c, moe=m, rngs=rngs) for m in c.moe_layers])
+            self.layers = nnx.List(
+                [DecoderLayer(c, i, rngs=rngs) for i in range(c.num_hidden_layers)]
+            )
         self.norm = RMSNorm(c.hidden_size, "embed", c, rngs=rngs)
         self.lm_head = (
             None
@@ -185,10 +197,14 @@ class Decoder(nnx.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, length, c.num_key_value_heads, c.head_dim)
+        groups = [(len(members), *shape) for shape, members in _cache_groups(c)]
         return KVCache(
-            keys=jnp.zeros(shape, c.compute_dtype),
-            values=jnp.zeros(shape, c.compute_dtype),
+            keys=tuple(
+                jnp.zeros((n, batch_size, length, k, d), c.compute_dtype) for n, k, d in groups
+            ),
+            values=tuple(
+                jnp.zeros((n, batch_size, length, k, d), c.compute_dtype) for n, k, d in groups
+            ),
             where=jnp.zeros((batch_size, length), jnp.bool_),
             lengths=jnp.zeros((batch_size,), jnp.int32),
             index=jnp.zeros((), jnp.int32),
@@ -231,8 +247,8 @@ class Decoder(nnx.Module):
         where = v.mask_array(where, tokens.shape, "where")
         b, t = tokens.shape
         slots = cache.where.shape[1]
-        if cache.keys.shape[1] != b:
-            raise ValueError(f"tokens has {b} rows but the cache has {cache.keys.shape[1]}.")
+        if cache.where.shape[0] != b:
+            raise ValueError(f"tokens has {b} rows but the cache has {cache.where.shape[0]}.")
         if t > slots:
             raise ValueError(f"tokens has {t} positions but the cache only {slots} slots.")
         counts = jnp.cumsum(where, axis=-1, dtype=jnp.int32)
@@ -261,10 +277,12 @@ class Decoder(nnx.Module):
         return masks
 
     def _run_layers(self, tokens, where, positions, masks, fill, cache=None):
-        """The embedded tokens through every layer; with a cache, also its new keys/values.
+        """The embedded tokens through every layer; with a cache `(keys, values, index)`,
+        also the new keys and values of each cache group.
 
         `masks` maps each layer kind (sliding or not) to its `allowed`; each kind rotates by
-        its own RoPE (`rope_local_base_freq` for sliding layers, when set)."""
+        its own RoPE (`rope_local_base_freq` for sliding layers, when set) at its own head
+        width."""
         c = self.config
         high = v.compute_dtype(c.compute_dtype)
         inputs = {}
@@ -273,35 +291,28 @@ class Decoder(nnx.Module):
             theta, scaling = (
                 (c.rope_local_base_freq, None) if local else (c.rope_theta, c.rope_scaling)
             )
-            frequencies = rope_frequencies(c.head_dim, theta=theta, scaling=scaling)
+            head_dim = c.head_dim if sliding else (c.global_head_dim or c.head_dim)
+            frequencies = rope_frequencies(head_dim, theta=theta, scaling=scaling)
             inputs[sliding] = (*rope_angles(positions, frequencies, high), allowed)
         embedding = self.embed_tokens.embedding[...]
-        x = jnp.take(embedding, jnp.where(where, tokens, 0), axis=0)
+        ids = jnp.where(where, tokens, 0)
+        x = jnp.take(embedding, ids, axis=0)
         if c.scale_embeddings:
             x = x * jnp.asarray(c.hidden_size**0.5, embedding.dtype)
         x = x.astype(c.compute_dtype)
+        per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
         keys, values, index = (None, None, None) if cache is None else cache
 
-        def run(layer, carry, cos, sin, allowed, fill, i, index):
-            x, keys, values = carry
-            layer_cache = None if keys is None else (keys, values, i, index)
-            x, layer_cache, router_logits = layer(x, cos, sin, allowed, fill, layer_cache)
-            carry = (x, None, None) if layer_cache is None else (x, *layer_cache[:2])
-            return carry, router_logits
+        def run(layer, x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input):
+            return layer(x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input)
 
         if c.remat:
             run = nnx.remat(run)
-        carry = (x, keys, values)
         if not c.scan_layers:
-            router_logits = []
-            for i, (layer, sliding) in enumerate(zip(self.layers, c.sliding_layers, strict=True)):
-                carry, logits = run(layer, carry, *inputs[sliding], fill, i, index)
-                router_logits += [] if logits is None else [logits]
-            stacked = jnp.stack(router_logits) if router_logits else None
-            return carry[0], carry[1:], stacked
+            return self._loop(run, x, inputs, fill, per_layer, keys, values, index)
 
-        # Stacked layers of both kinds pick their inputs by a per-layer index into a stack;
-        # with one kind every layer takes the same inputs, unstacked.
+        # Stacked layers (one shape, one cache group) of both kinds pick their inputs by a
+        # per-layer index into a stack; with one kind every layer takes the same inputs.
         kinds = sorted(inputs)
         kind_ids = jnp.asarray([kinds.index(s) for s in c.sliding_layers], jnp.int32)
         if len(kinds) == 1:
@@ -321,12 +332,68 @@ class Decoder(nnx.Module):
             transform_metadata={nnx.PARTITION_NAME: "layers"},
         )
         def scan(carry, layer, table, fill, i, kind, index):
+            x, keys, values = carry
             cos, sin, allowed = pick(table, kind)
-            return run(layer, carry, cos, sin, allowed, fill, i, index)
+            layer_cache = None if keys is None else (keys, values, i, index)
+            x, layer_cache, router_logits, _ = run(
+                layer, x, cos, sin, allowed, fill, layer_cache, None, None
+            )
+            carry = (x, None, None) if layer_cache is None else (x, *layer_cache[:2])
+            return carry, router_logits
 
         layer_ids = jnp.arange(c.num_hidden_layers)
+        carry = (x, None, None) if keys is None else (x, keys[0], values[0])
         carry, router_logits = scan(carry, self.layers, table, fill, layer_ids, kind_ids, index)
-        return carry[0], carry[1:], router_logits
+        x, keys, values = carry
+        new = None if keys is None else ((keys,), (values,))
+        return x, new, router_logits
+
+    def _loop(self, run, x, inputs, fill, per_layer, keys, values, index):
+        """The layers one after another, each reading and writing its cache group's slot and
+        handing its keys and values to the layers that share them."""
+        c = self.config
+        keys, values = (None, None) if keys is None else (list(keys), list(values))
+        slots = {
+            layer: (g, j)
+            for g, (_, members) in enumerate(_cache_groups(c))
+            for j, layer in enumerate(members)
+        }
+        consumers = {source for i, source in enumerate(c.kv_sources) if source != i}
+        attended, router_logits = {}, []
+        for i, (layer, sliding) in enumerate(zip(self.layers, c.sliding_layers, strict=True)):
+            source = c.kv_sources[i]
+            layer_cache = None
+            if source == i and keys is not None:
+                g, j = slots[i]
+                layer_cache = (keys[g], values[g], j, index)
+            shared = attended.get(source) if source != i else None
+            per_layer_input = None if per_layer is None else per_layer[:, :, i]
+            x, layer_cache, logits, kv = run(
+                layer, x, *inputs[sliding], fill, layer_cache, shared, per_layer_input
+            )
+            if layer_cache is not None:
+                keys[g], values[g] = layer_cache[:2]
+            if source == i and i in consumers:
+                attended[i] = kv
+            router_logits += [] if logits is None else [logits]
+        stacked = jnp.stack(router_logits) if router_logits else None
+        new = None if keys is None else (tuple(keys), tuple(values))
+        return x, new, stacked
+
+    def _per_layer_inputs(self, ids: jax.Array, x: jax.Array) -> jax.Array:
+        """Gemma 4's per-layer inputs `[B, T, L, P]` of the tokens `ids` with (scaled)
+        embeddings `x` (see `DecoderConfig.hidden_size_per_layer_input`)."""
+        c = self.config
+        p = c.hidden_size_per_layer_input
+        shape = (*ids.shape, c.num_hidden_layers, p)
+        table = self.embed_tokens_per_layer.embedding[...]
+        token_part = jnp.take(table, ids, axis=0) * jnp.asarray(p**0.5, table.dtype)
+        projected = self.per_layer_model_projection(x) * jnp.asarray(
+            c.hidden_size**-0.5, c.compute_dtype
+        )
+        projected = self.per_layer_projection_norm(projected.reshape(shape))
+        summed = projected + token_part.reshape(shape).astype(c.compute_dtype)
+        return summed * jnp.asarray(2**-0.5, c.compute_dtype)
 
     def unembedding(self) -> Float[Array, "H V"]:
         """The `[H, V]` unembedding matrix $U$ in the compute dtype.
@@ -371,21 +438,51 @@ class KVCache(NamedTuple):
 
     A pytree of arrays (it passes through `jax.jit` and `lax.while_loop`), created by
     `Decoder.init_cache` and advanced by `Decoder.extend`. All rows share the slot index;
-    padding occupies slots that no query sees.
+    padding occupies slots that no query sees. Layers are cached in groups of one shape
+    (key/value heads $K$, head width $D$): one group for most models, two for Gemma 4, whose
+    full-attention layers are wider; layers that share another layer's keys and values
+    (`DecoderConfig.num_kv_shared_layers`) have no entry.
 
     Attributes:
-      keys: `[L, B, S, K, D]` RoPE-rotated keys, in the compute dtype.
-      values: `[L, B, S, K, D]` values.
+      keys: one `[L_g, B, S, K_g, D_g]` array of RoPE-rotated keys per group, in the
+        compute dtype; the group's layers in order.
+      values: the values, shaped as `keys`.
       where: `[B, S]` True where a slot holds a real token.
       lengths: `[B]` real tokens per row so far: the RoPE position of the next real token.
       index: the next slot to write, a scalar shared by every row.
     """
 
-    keys: Float[Array, "L B S K D"]
-    values: Float[Array, "L B S K D"]
+    keys: tuple[Float[Array, "_ B S _ _"], ...]
+    values: tuple[Float[Array, "_ B S _ _"], ...]
     where: Bool[Array, "B S"]
     lengths: Int[Array, " B"]
     index: Int[Array, ""]
+
+    def repeat_rows(self, count: int) -> "KVCache":
+        """The cache with each row repeated `count` times: row `b * count + g` continues row
+        `b` (one prefilled prompt forked into `count` completions)."""
+
+        def repeat(x, axis):
+            return jnp.repeat(x, count, axis=axis)
+
+        return KVCache(
+            tuple(repeat(k, 1) for k in self.keys),
+            tuple(repeat(x, 1) for x in self.values),
+            repeat(self.where, 0),
+            repeat(self.lengths, 0),
+            self.index,
+        )
+
+
+def _cache_groups(config: DecoderConfig) -> list[tuple[tuple[int, int], list[int]]]:
+    """The cached layers grouped by `(key/value heads, head width)`, in order of first
+    appearance: `[((K, D), [layer, ...]), ...]`. Layers sharing keys and values are left out."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, source in enumerate(config.kv_sources):
+        if source == i:
+            shape = (config.layer_kv_heads[i], config.layer_head_dims[i])
+            groups.setdefault(shape, []).append(i)
+    return list(groups.items())
 
 
 def _default_positions(where: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -435,6 +532,6 @@ def _stacked_layers(config: DecoderConfig, rngs: nnx.Rngs) -> DecoderLayer:
     @nnx.split_rngs(splits=config.num_hidden_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(config, moe=config.moe_layers[0], rngs=rngs)
+        return DecoderLayer(config, 0, rngs=rngs)
 
     return create(rngs)

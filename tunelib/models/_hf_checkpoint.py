@@ -74,13 +74,14 @@ class _Weight(NamedTuple):
     # row-major order; a single tensor when `stacked` is 0.
     hf_names: tuple[str, ...]
     stacked: int
-    transpose: bool  # kernels are [in, out]; Hugging Face's Linear weights are [out, in]
+    # Kernels are [..., in, out]; Hugging Face's are [..., out, in]: the last two axes swap.
+    transpose: bool
     shape: tuple[int, ...]  # ours
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
         shape = self.shape[self.stacked :]
-        return shape[::-1] if self.transpose else shape
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transpose else shape
 
     def tensor_index(self, flat: int) -> tuple[int, ...]:
         """The index into the leading axes of the `flat`-th of `hf_names`."""
@@ -99,12 +100,15 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = tuple(k.key for k in keypath)
         *modules, name = path
-        suffix = "bias" if name == "bias" else "weight"
+        # Qwen3-MoE saves one tensor per expert; Gemma 4 one `[E, out, in]` tensor per
+        # projection, named without a suffix, as are its bare parameters (not a module's).
+        fused_experts = config.parallel_moe and "experts" in modules
+        bare = fused_experts or _BARE.fullmatch("/".join(map(str, path))) is not None
         # Axes that index separate tensors, as (position in the module path, size).
         split = []
         if config.scan_layers and modules[0] == "layers":
             split.append((1, config.num_hidden_layers))
-        if "experts" in modules:
+        if "experts" in modules and not fused_experts:
             split.append((modules.index("experts") + 1, config.num_experts))
         module_paths = []
         for index in np.ndindex(*(size for _, size in split)):
@@ -112,11 +116,20 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
             for (position, _), i in sorted(zip(split, index, strict=True), reverse=True):
                 module.insert(position, i)
             module_paths.append(module)
-        hf_names = tuple(
-            f"{hf_module_name('/'.join(map(str, (*m, name))))}.{suffix}" for m in module_paths
-        )
+        if bare:
+            named = [(m if fused_experts else [*m, name]) for m in module_paths]
+            hf_names = tuple(hf_module_name("/".join(map(str, (*m, "_")))) for m in named)
+        else:
+            suffix = "bias" if name == "bias" else "weight"
+            hf_names = tuple(
+                f"{hf_module_name('/'.join(map(str, (*m, name))))}.{suffix}" for m in module_paths
+            )
         out.append(_Weight(path, hf_names, len(split), name == "kernel", tuple(leaf.shape)))
     return out
+
+
+# Gemma 4's parameters that are not a module's weight: Hugging Face names them by their path.
+_BARE = re.compile(r"layers/(\d+/)?(layer_scalar|router/scale|router/per_expert_scale)")
 
 
 def load_hf_checkpoint(
@@ -268,7 +281,9 @@ class _ShardReader:
 
     def _read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         if self.weight.transpose:
-            return np.ascontiguousarray(self.files.read(name, index[::-1]).T.astype(self.dtype))
+            swapped = (*index[:-2], index[-1], index[-2])
+            block = np.swapaxes(self.files.read(name, swapped), -1, -2)
+            return np.ascontiguousarray(block.astype(self.dtype))
         return self.files.read(name, index).astype(self.dtype)
 
 
@@ -490,7 +505,7 @@ def _tensors_to_write(params: PyTree, config: DecoderConfig, dtype: np.dtype):
 
             def fetch(array=array, index=index, w=w):
                 host = np.asarray(jax.device_get(array[index]))
-                return (host.T if w.transpose else host).astype(dtype)
+                return (np.swapaxes(host, -1, -2) if w.transpose else host).astype(dtype)
 
             yield TensorToWrite(name, w.hf_shape, dtype, fetch)
 

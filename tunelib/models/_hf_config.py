@@ -1,5 +1,5 @@
 """Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-Qwen3-MoE."""
+Qwen3-MoE / Gemma 2, 3, 4."""
 
 import math
 from collections.abc import Callable, Mapping
@@ -7,6 +7,7 @@ from typing import Any
 
 from tunelib.models._config import DTYPE_NAMES, DecoderConfig
 from tunelib.models._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
+from tunelib.models._hf_gemma4 import GEMMA4_DEFAULTS, gemma4_config, gemma4_fields
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
 ARCHITECTURES: dict[str, str] = {
@@ -17,6 +18,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
@@ -44,6 +46,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": None,
     },
     **GEMMA_DEFAULTS,
+    "gemma4_text": GEMMA4_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -181,7 +184,8 @@ def config_from_hf(
             return _DEFAULTS[model_type].get(name, _COMMON_DEFAULTS.get(name))
         return value
 
-    if model_type not in GEMMA_TYPES and get("hidden_act") not in ("silu", "swish"):
+    gemma = (*GEMMA_TYPES, "gemma4_text")
+    if model_type not in gemma and get("hidden_act") not in ("silu", "swish"):
         raise ValueError(
             f"config.json: hidden_act must be 'silu' (SwiGLU), got {get('hidden_act')!r}."
         )
@@ -193,6 +197,8 @@ def config_from_hf(
     max_positions = get("max_position_embeddings")
     if model_type in GEMMA_TYPES:
         family = gemma_fields(model_type, hf_config, get, lambda hf: _rope(hf, max_positions))
+    elif model_type == "gemma4_text":
+        family = gemma4_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
     else:
         theta, scaling = _rope(hf_config, max_positions)
         family = {
@@ -212,7 +218,7 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type in ("qwen3", "qwen3_moe", *GEMMA_TYPES):
+    elif model_type in ("qwen3", "qwen3_moe", *gemma):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
@@ -327,12 +333,15 @@ def config_to_hf(
         torch_dtype=dtype,
         dtype=dtype,
     )
-    if model_type not in GEMMA_TYPES:
+    if model_type not in (*GEMMA_TYPES, "gemma4_text"):
         out.update(hidden_act="silu")
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
     elif model_type in GEMMA_TYPES:
         out.update(attention_bias=config.attention_bias, **gemma_config(model_type, config))
+    elif model_type == "gemma4_text":
+        out.update(attention_bias=config.attention_bias, **gemma4_config(config))
+        del out["rope_theta"], out["rope_scaling"]
     elif model_type == "mistral":
         out.update(sliding_window=config.sliding_window)
     else:
@@ -361,16 +370,45 @@ def config_to_hf(
 
 def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     """Raise naming the first field of `config` that `model_type` cannot express."""
-    gemma = model_type in GEMMA_TYPES
+    gemma4 = model_type == "gemma4_text"
+    gemma = model_type in GEMMA_TYPES or gemma4
     need: dict[str, Any] = {
-        "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-        "norm_offset": gemma,
+        "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
+        "norm_offset": gemma and not gemma4,
         "sandwich_norms": gemma,
         "scale_embeddings": gemma,
-        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
+        "value_norm": gemma4,
+        "layer_scalars": gemma4,
+        "parallel_moe": gemma4 and config.num_experts > 0,
     }
-    if model_type != "qwen3_moe":
+    if not gemma:
+        need["hidden_act"] = "silu"
+    elif not gemma4:
+        need["hidden_act"] = "gelu_pytorch_tanh"
+    if model_type not in ("qwen3_moe", "gemma4_text"):
         need["num_experts"] = 0
+    if not gemma4:
+        need.update(
+            global_head_dim=None,
+            num_global_key_value_heads=None,
+            attention_k_eq_v=False,
+            num_kv_shared_layers=0,
+            use_double_wide_mlp=False,
+            hidden_size_per_layer_input=0,
+        )
+        if config.rope_scaling and config.rope_scaling["rope_type"] == "proportional":
+            raise ValueError(
+                f"model_type {model_type!r} cannot express the proportional RoPE of "
+                "rope_scaling; only gemma4_text can."
+            )
+    else:
+        need.update(
+            query_pre_attn_scalar=1.0,
+            attn_logit_softcapping=None,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            norm_topk_prob=config.num_experts > 0 or config.norm_topk_prob,
+        )
     if not gemma:
         need.update(
             query_pre_attn_scalar=None,
@@ -385,7 +423,7 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
             )
     elif model_type == "gemma2":
         need.update(rope_local_base_freq=None)
-    else:
+    elif not gemma4:
         need.update(attn_logit_softcapping=None)
     if model_type == "llama":
         need.update(o_proj_bias=config.attention_bias, sliding_window=None)

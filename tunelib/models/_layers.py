@@ -27,7 +27,7 @@ def param(
     rngs: nnx.Rngs,
     init: Initializer,
     shape: tuple[int, ...],
-    names: tuple[str, ...],
+    names: tuple[str | None, ...],
     dtype: jnp.dtype,
 ) -> nnx.Param:
     """A parameter of `shape` drawn from `init`, annotated with the logical axis `names`."""
@@ -45,30 +45,42 @@ class RMSNorm(nnx.Module):
     statistic and the division run in at least float32; the result is cast to the compute
     dtype before the scale $g$ multiplies it (as Meta's Llama and Hugging Face do). With
     `config.norm_offset` (Gemma) it is $\mathrm{cast}\big(\hat x \odot (1 + g)\big)$
-    instead, the product in float32, and $g$ starts at 0.
+    instead, the product in float32, and $g$ starts at 0. With `scaled=False` there is no
+    $g$ (Gemma 4's value norm and router norm).
     """
 
-    def __init__(self, dim: int, name: str, config: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(
+        self, dim: int, name: str, config: DecoderConfig, *, scaled: bool = True, rngs: nnx.Rngs
+    ):
         self.eps, self.offset = config.rms_norm_eps, config.norm_offset
         self.dtype = config.compute_dtype
         init = jax.nn.initializers.zeros if self.offset else jax.nn.initializers.ones
-        self.scale = param(rngs, init, (dim,), (name,), config.storage_dtype)
+        self.scale = param(rngs, init, (dim,), (name,), config.storage_dtype) if scaled else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         high = x.astype(v.compute_dtype(x.dtype))
         normed = high * jax.lax.rsqrt(jnp.mean(high * high, axis=-1, keepdims=True) + self.eps)
+        if self.scale is None:
+            return normed.astype(self.dtype)
         if self.offset:
             return (normed * (1 + self.scale[...].astype(high.dtype))).astype(self.dtype)
         return normed.astype(self.dtype) * self.scale[...].astype(self.dtype)
 
 
 class Embedding(nnx.Module):
-    """A `[V, H]` table of token embeddings."""
+    """A `[V, H]` table of token embeddings (or `[V, width]`, named `names`)."""
 
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
-        shape = (config.vocab_size, config.hidden_size)
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        width: int | None = None,
+        names: tuple[str, str] = ("vocab", "embed"),
+        rngs: nnx.Rngs,
+    ):
+        shape = (config.vocab_size, width or config.hidden_size)
         init = kernel_init(config)
-        self.embedding = param(rngs, init, shape, ("vocab", "embed"), config.storage_dtype)
+        self.embedding = param(rngs, init, shape, names, config.storage_dtype)
 
 
 class Dense(nnx.Module):
@@ -101,29 +113,49 @@ class Dense(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, optional biases and optional QK-norm."""
+    """Grouped-query self-attention with RoPE, optional biases, QK-norm and value norm.
 
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    Layer `index` of `config` takes its head width and key/value heads from
+    `config.layer_head_dims` / `config.layer_kv_heads`. A layer whose `config.kv_sources`
+    entry is another layer has no key or value projections: it is given that layer's keys
+    and values. With `config.attention_k_eq_v`, a full-attention layer's values are its key
+    projection (no `v_proj`).
+    """
+
+    def __init__(self, config: DecoderConfig, index: int = 0, *, rngs: nnx.Rngs):
         c = config
-        self.num_kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
+        d, kv_heads = c.layer_head_dims[index], c.layer_kv_heads[index]
+        self.num_kv_heads, self.head_dim = kv_heads, d
         self.dtype = c.compute_dtype
-        q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        q_width, kv_width = c.num_attention_heads * d, kv_heads * d
         bias = c.attention_bias
+        # Created in this order so that a seed draws the same weights as it always has.
         self.q_proj = Dense(
             c.hidden_size, q_width, ("embed", "q_heads"), c, use_bias=bias, rngs=rngs
         )
-        self.k_proj = Dense(
-            c.hidden_size, kv_width, ("embed", "kv_heads"), c, use_bias=bias, rngs=rngs
-        )
-        self.v_proj = Dense(
-            c.hidden_size, kv_width, ("embed", "kv_heads"), c, use_bias=bias, rngs=rngs
-        )
+        self.shares_kv = c.kv_sources[index] != index
+        k_eq_v = c.attention_k_eq_v and not c.sliding_layers[index]
+        if not self.shares_kv:
+            self.k_proj = Dense(
+                c.hidden_size, kv_width, ("embed", "kv_heads"), c, use_bias=bias, rngs=rngs
+            )
+            self.v_proj = (
+                None
+                if k_eq_v
+                else Dense(
+                    c.hidden_size, kv_width, ("embed", "kv_heads"), c, use_bias=bias, rngs=rngs
+                )
+            )
         self.o_proj = Dense(
             q_width, c.hidden_size, ("q_heads", "embed"), c, use_bias=c.o_proj_bias, rngs=rngs
         )
-        self.q_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
-        self.scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.q_norm = RMSNorm(d, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
+        if not self.shares_kv:
+            self.k_norm = RMSNorm(d, "head_dim", c, rngs=rngs) if c.use_qk_norm else None
+            self.v_norm = (
+                RMSNorm(d, "head_dim", c, scaled=False, rngs=rngs) if c.value_norm else None
+            )
+        self.scale = (c.query_pre_attn_scalar or d) ** -0.5
         self.softcap = c.attn_logit_softcapping
 
     def __call__(
@@ -134,23 +166,36 @@ class Attention(nnx.Module):
         allowed: jax.Array,
         fill: jax.Array,
         cache: LayerCache | None = None,
-    ) -> tuple[jax.Array, LayerCache | None]:
+        shared: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, LayerCache | None, tuple[jax.Array, jax.Array]]:
         """Attention of `x [B, T, H]`; with a `cache`, over the cached keys and these.
 
         `cache` is `(keys, values, layer, index)`: the `[L, B, S, K, D]` keys and values of
-        every layer, this layer's index in them, and the slot at which this call's `T` keys
-        and values are written. The queries then attend over all `S` slots of this layer
-        (`allowed` is `[B, 1, 1, T, S]`). Writing into the whole-model arrays, rather than
-        into a slice of them, lets XLA update the cache in place inside a decode loop.
-        Returns the output and the updated cache (None without one).
+        every layer that shares this layer's shape, this layer's index in them, and the slot
+        at which this call's `T` keys and values are written. The queries then attend over
+        all `S` slots of this layer (`allowed` is `[B, 1, 1, T, S]`). Writing into the
+        whole-model arrays, rather than into a slice of them, lets XLA update the cache in
+        place inside a decode loop. A layer that shares keys and values gets them as `shared`
+        (and no cache). Returns the output, the updated cache (None without one) and the
+        keys and values attended over.
         """
         d = self.head_dim
         q = rearrange(self.q_proj(x), "b t (n d) -> b t n d", d=d)
-        k = rearrange(self.k_proj(x), "b t (k d) -> b t k d", d=d)
-        val = rearrange(self.v_proj(x), "b t (k d) -> b t k d", d=d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
+        if self.shares_kv:
+            k, val = shared
+        else:
+            k = rearrange(self.k_proj(x), "b t (k d) -> b t k d", d=d)
+            val = (
+                k if self.v_proj is None else rearrange(self.v_proj(x), "b t (k d) -> b t k d", d=d)
+            )
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if self.v_norm is not None:
+                val = self.v_norm(val)
+            k = apply_rope(k, cos, sin)
         if cache is not None:
             all_k, all_v, layer, index = cache
             start = (layer, 0, index, 0, 0)
@@ -168,7 +213,7 @@ class Attention(nnx.Module):
         scores = jnp.where(allowed, scores, fill)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, val.astype(self.dtype))
-        return self.o_proj(rearrange(out, "b t k g d -> b t (k g d)")), cache
+        return self.o_proj(rearrange(out, "b t k g d -> b t (k g d)")), cache, (k, val)
 
 
 def activation(name: str):
@@ -180,11 +225,12 @@ def activation(name: str):
 
 class MLP(nnx.Module):
     r"""Gated feed-forward block: $W_d\,(\phi(x W_g) \odot x W_u)$, with $\phi$ = SiLU
-    (SwiGLU) or the tanh GELU (GeGLU, Gemma) as `config.hidden_act` says."""
+    (SwiGLU) or the tanh GELU (GeGLU, Gemma) as `config.hidden_act` says, `width` wide
+    (None: `config.intermediate_size`)."""
 
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: DecoderConfig, *, width: int | None = None, rngs: nnx.Rngs):
         c = config
-        h, f = c.hidden_size, c.intermediate_size
+        h, f = c.hidden_size, width or c.intermediate_size
         bias = c.mlp_bias
         self.gate_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=bias, rngs=rngs)
         self.up_proj = Dense(h, f, ("embed", "mlp"), c, use_bias=bias, rngs=rngs)

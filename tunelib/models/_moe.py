@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP: softmax top-k routing and dropless experts (Qwen3-MoE)."""
+"""The mixture-of-experts MLP: softmax top-k routing and dropless experts (Qwen3-MoE, and
+Gemma 4's router and fused experts)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ from jaxtyping import Array, Float, Int
 from tunelib import _validation as v
 from tunelib.models._config import DecoderConfig
 from tunelib.models._grouped_matmul import GroupedImplementation, grouped_matmul
-from tunelib.models._layers import Dense, activation, kernel_init, param
+from tunelib.models._layers import Dense, RMSNorm, activation, kernel_init, param
 
 
 def route(
@@ -131,15 +132,84 @@ class MoE(nnx.Module):
         flat = x.reshape(-1, h)
         logits = self.gate(flat)
         weights, chosen = route(logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
-        pairs = chosen.reshape(-1)  # (token, choice) pairs, token-major
-        order = jnp.argsort(pairs, stable=True)
-        sizes = jnp.bincount(pairs, length=self.num_experts).astype(jnp.int32)
-        rows = flat[order // self.top_k]
         e = self.experts
-        gate = e["gate_proj"](rows, sizes, self.implementation)
-        up = e["up_proj"](rows, sizes, self.implementation)
-        out = e["down_proj"](activation(self.act)(gate) * up, sizes, self.implementation)
-        out = out * weights.astype(self.dtype).reshape(-1)[order][:, None]
-        out = jnp.zeros_like(out).at[order].set(out).reshape(-1, self.top_k, h).sum(axis=1)
+
+        def experts(rows, sizes):
+            gate = e["gate_proj"](rows, sizes, self.implementation)
+            up = e["up_proj"](rows, sizes, self.implementation)
+            return e["down_proj"](activation(self.act)(gate) * up, sizes, self.implementation)
+
+        out = dispatch(flat, weights.astype(self.dtype), chosen, self.num_experts, experts)
         high = v.compute_dtype(self.dtype)
         return out.reshape(*lead, h), logits.astype(high).reshape(*lead, self.num_experts)
+
+
+def dispatch(flat: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int, experts):
+    r"""$\sum_k w_k\, f_{e_k}(x)$ for each row of `flat [N, H]`, dropless: the $N k$ (row,
+    expert) pairs sorted by expert, `experts(rows, group_sizes)` applying each expert to its
+    run of rows in grouped products, and the weighted outputs summed back per row."""
+    top_k, h = chosen.shape[-1], flat.shape[-1]
+    pairs = chosen.reshape(-1)  # (token, choice) pairs, token-major
+    order = jnp.argsort(pairs, stable=True)
+    sizes = jnp.bincount(pairs, length=num_experts).astype(jnp.int32)
+    out = experts(flat[order // top_k], sizes)
+    out = (out * weights.reshape(-1)[order][:, None]).astype(flat.dtype)
+    return jnp.zeros_like(out).at[order].set(out).reshape(-1, top_k, h).sum(axis=1)
+
+
+class Router(nnx.Module):
+    r"""Gemma 4's router: $z = \hat x\, (g / \sqrt H)\, W$ with $\hat x$ the unscaled
+    RMS norm of the layer input, softmax top-$k$ (the chosen probabilities renormalised when
+    `config.norm_topk_prob`, as Gemma 4 always does), then each weight multiplied by its
+    expert's `per_expert_scale`."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.top_k, self.root = c.num_experts_per_tok, c.hidden_size**-0.5
+        self.norm_topk_prob = c.norm_topk_prob
+        self.norm = RMSNorm(c.hidden_size, "embed", c, scaled=False, rngs=rngs)
+        self.proj = Dense(
+            c.hidden_size, c.num_experts, ("embed", "router"), c, use_bias=False, rngs=rngs
+        )
+        ones = jax.nn.initializers.ones
+        self.scale = param(rngs, ones, (c.hidden_size,), ("embed",), c.storage_dtype)
+        self.per_expert_scale = param(rngs, ones, (c.num_experts,), ("experts",), c.storage_dtype)
+
+    def __call__(self, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`(weights, experts, logits)` for the rows of `flat [N, H]`: `[N, k]` float32
+        weights, `[N, k]` expert indices and the `[N, E]` router logits."""
+        dtype = self.proj.dtype
+        scale = self.scale[...].astype(dtype) * jnp.asarray(self.root, dtype)
+        logits = self.proj(self.norm(flat) * scale)
+        weights, chosen = route(logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+        weights = weights * self.per_expert_scale[...].astype(weights.dtype)[chosen]
+        return weights, chosen, logits
+
+
+class FusedExperts(nnx.Module):
+    """Gemma 4's experts: `gate_up_proj` `[E, H, 2F]` (the gate's `F` columns, then the
+    up projection's) and `down_proj` `[E, F, H]`, computed dropless by `dispatch`."""
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        implementation: GroupedImplementation = "auto",
+        rngs: nnx.Rngs,
+    ):
+        c = config
+        h, f = c.hidden_size, c.moe_intermediate_size
+        self.num_experts, self.act, self.implementation = (
+            c.num_experts,
+            c.hidden_act,
+            implementation,
+        )
+        self.gate_up_proj = ExpertDense(h, 2 * f, ("embed", "mlp"), c, rngs=rngs)
+        self.down_proj = ExpertDense(f, h, ("mlp", "embed"), c, rngs=rngs)
+
+    def __call__(self, flat: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
+        def experts(rows, sizes):
+            gate, up = jnp.split(self.gate_up_proj(rows, sizes, self.implementation), 2, axis=-1)
+            return self.down_proj(activation(self.act)(gate) * up, sizes, self.implementation)
+
+        return dispatch(flat, weights, chosen, self.num_experts, experts)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE) with linear and Llama 3 frequency scaling."""
+"""Rotary position embeddings (RoPE) with linear, Llama 3 and proportional frequencies."""
 
 from collections.abc import Mapping
 from typing import Any
@@ -40,6 +40,10 @@ def rope_frequencies(
 
     so high frequencies (short wavelengths) are kept, low ones are interpolated by $s$, and
     the band between is blended smoothly ($\gamma_i$ runs from 0 to 1 across it).
+    * `{"rope_type": "proportional", "factor": s, "partial_rotary_factor": p}` (Gemma 4's
+      full-attention layers): the first $r = \lfloor p D / 2 \rfloor$ pairs keep
+      $\omega_i / s$ (still with exponent $2i/D$ over the whole head) and the other
+      $D/2 - r$ do not rotate ($\omega_i = 0$).
 
     Args:
       head_dim: $D$, even.
@@ -55,6 +59,9 @@ def rope_frequencies(
       [1.  0.1]
       >>> print(rope_frequencies(4, theta=100.0, scaling={"rope_type": "linear", "factor": 2.0}))
       [0.5  0.05]
+      >>> proportional = {"rope_type": "proportional", "factor": 1.0, "partial_rotary_factor": 0.5}
+      >>> print(rope_frequencies(8, theta=100.0, scaling=proportional))
+      [1.         0.31622777 0.         0.        ]
 
     References:
       Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021,
@@ -69,6 +76,9 @@ def rope_frequencies(
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return omega / factor
+    if scaling["rope_type"] == "proportional":
+        rotated = int(float(scaling["partial_rotary_factor"]) * head_dim // 2)
+        return np.where(np.arange(head_dim // 2) < rotated, omega, 0.0) / factor
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     context = float(scaling["original_max_position_embeddings"])
     wavelength = 2 * np.pi / omega

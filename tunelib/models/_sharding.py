@@ -18,6 +18,7 @@ TENSOR_PARALLEL_RULES: tuple[tuple[str, str | None], ...] = (
     ("mlp", "model"),
     ("experts", None),
     ("router", None),
+    ("per_layer", None),
 )
 # Expert parallelism over a mesh axis "expert" on top of the tensor parallelism above: each
 # device holds the weights of E / (expert axis size) experts (whole, or split over "model").
@@ -35,10 +36,11 @@ def param_shardings(
     """A `NamedSharding` for every parameter, from its logical axis names and `rules`.
 
     Every weight of `tunelib.models.Decoder` names its axes ("layers", "vocab", "embed",
-    "q_heads", "kv_heads", "head_dim", "mlp", and for a mixture of experts "experts" and
-    "router"); `rules` maps each name to a mesh axis or None (replicated). The default,
-    `TENSOR_PARALLEL_RULES`, splits heads, MLP width and vocabulary over a mesh axis "model";
-    `EXPERT_PARALLEL_RULES` also splits the experts over a mesh axis "expert". Place parameters with
+    "q_heads", "kv_heads", "head_dim", "mlp", for a mixture of experts "experts" and
+    "router", and for Gemma 4's per-layer inputs "per_layer"); `rules` maps each name to a
+    mesh axis or None (replicated). The default, `TENSOR_PARALLEL_RULES`, splits heads, MLP
+    width and vocabulary over a mesh axis "model"; `EXPERT_PARALLEL_RULES` also splits the
+    experts over a mesh axis "expert". Place parameters with
     `jax.device_put(params, param_shardings(...))`.
 
     Args:

@@ -10,7 +10,6 @@ from jaxtyping import Array, Float, Int, PyTree
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
 from tunelib.logprobs import IMPLEMENTATIONS, fused_token_logps
-from tunelib.models import KVCache
 
 
 def completion_logps(
@@ -130,14 +129,7 @@ def completion_logps(
         # completion on top of it: the hidden states of the concatenation, as `sample` has them.
         cache = model.init_cache(batch, prompt_len + tokens.shape[1])
         prompt_hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
-        keys, values, cache_where, lengths, index = cache
-        cache = KVCache(
-            repeat(keys, "l b s k d -> l (b g) s k d", g=group),
-            repeat(values, "l b s k d -> l (b g) s k d", g=group),
-            repeat(cache_where, "b s -> (b g) s", g=group),
-            repeat(lengths, "b -> (b g)", g=group),
-            index,
-        )
+        cache = cache.repeat_rows(group)
         completion_hidden, _ = model.extend(tokens, where, cache)
         prompt_hidden = repeat(prompt_hidden, "b p h -> (b g) p h", g=group)
         hidden = jnp.concatenate([prompt_hidden, completion_hidden], axis=1)

@@ -274,12 +274,7 @@ def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_si
     last = prompt_len - 1 - jnp.argmax(prompt_where[:, ::-1], axis=1)
     logits = model.unembed(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
     if group_size > 1:  # fork the prefilled cache: row b * G + g continues prompt b
-        cache = cache._replace(
-            keys=jnp.repeat(cache.keys, group_size, axis=1),
-            values=jnp.repeat(cache.values, group_size, axis=1),
-            where=jnp.repeat(cache.where, group_size, axis=0),
-            lengths=jnp.repeat(cache.lengths, group_size, axis=0),
-        )
+        cache = cache.repeat_rows(group_size)
         logits = jnp.repeat(logits, group_size, axis=0)
     rows = batch * group_size
     stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
