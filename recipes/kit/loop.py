@@ -178,8 +178,19 @@ def initial_state(params, optimizer, seed: int) -> dict:
     and the PRNG key data of `seed` (checkpointed like any array)."""
     import jax
 
-    return {
+    state = {
         "params": params,
         "opt_state": optimizer.init(params),
         "rng": jax.random.key_data(jax.random.key(seed)),
     }
+    # Arrays made without a placement (the optimizer's step count, the key) are committed
+    # where the parameters are, as the train step's outputs will be: otherwise the second step
+    # sees other input shardings than the first and compiles the whole step again.
+    sharding = jax.tree.leaves(params)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+
+    def commit(x):
+        return x if x.committed else jax.device_put(x, sharding)
+
+    return jax.tree.map(commit, state)

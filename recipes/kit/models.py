@@ -146,12 +146,19 @@ def _tokenizer(folder: Path):
 
 def load_model(path: Path) -> Model:
     """The model in `path` (checked with `model_folder` first). A pretrained model's layers
-    are stacked (`scan_layers`): one layer is compiled, not thirty."""
+    are stacked (`scan_layers`) when they are all of one shape: one layer is compiled, not
+    thirty."""
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from tunelib.models import Decoder, DecoderConfig, load_gguf, load_hf_checkpoint
+    from tunelib.models import (
+        Decoder,
+        DecoderConfig,
+        config_from_hf,
+        load_gguf,
+        load_hf_checkpoint,
+    )
 
     folder = model_folder(path)
     if folder.is_file():
@@ -166,7 +173,12 @@ def load_model(path: Path) -> Model:
             checkpoint.hf_config,
         )  # fmt: skip
     if _is_hf_checkpoint(folder):
-        checkpoint = load_hf_checkpoint(folder, scan_layers=True)
+        try:
+            hf_config = json.loads((folder / "config.json").read_text())
+            stack = config_from_hf(hf_config).stackable
+            checkpoint = load_hf_checkpoint(folder, scan_layers=stack)
+        except ValueError as error:  # the message names the field or tensor
+            raise UserError(f"--model {folder}: {error}") from None
         return Model(
             checkpoint.config, checkpoint.graphdef, checkpoint.params, _tokenizer(folder),
             folder, checkpoint.hf_config,

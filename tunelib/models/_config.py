@@ -330,6 +330,12 @@ class DecoderConfig:
             raise ValueError("scan_layers does not support hidden_size_per_layer_input > 0.")
 
     @property
+    def stackable(self) -> bool:
+        """Whether the layers can be stacked (`scan_layers=True`): all of one shape and kind,
+        with no per-layer inputs."""
+        return len(set(self.layer_shapes)) == 1 and not self.hidden_size_per_layer_input
+
+    @property
     def layer_head_dims(self) -> tuple[int, ...]:
         """For each layer, its head width (`global_head_dim` for full-attention layers)."""
         wide = self.global_head_dim or self.head_dim
