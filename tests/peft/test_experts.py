@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._helpers import assert_close
+from tests._helpers import assert_close, raises_naming
 from tunelib import peft
 from tunelib.models import PROJECTION_KERNELS, Decoder, DecoderConfig
 
@@ -146,3 +146,12 @@ def test_expert_adapters_round_trip_through_the_peft_format(tmp_path, scan_layer
     back = peft.import_peft(tmp_path / "peft", params)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(adapters), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_gemma4_fused_experts_are_not_exported_to_peft(tmp_path):
+    """PEFT adapts Gemma 4's fused experts as parameters, a layout not written: a clear
+    error naming the weight, and nothing on disk."""
+    _, params, adapters = model_and_adapters(False, GEMMA4, GEMMA4_RULES)
+    with raises_naming("layers/0/experts/", "merge_lora"):
+        peft.export_peft(tmp_path / "adapters", adapters, params)
+    assert not (tmp_path / "adapters").exists()

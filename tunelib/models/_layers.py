@@ -18,8 +18,8 @@ from tunelib.models._config import DecoderConfig
 from tunelib.models._rope import apply_rope
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
-# Every layer's cached keys and values `[L, B, S, K, D]`, the layer an attention block reads
-# and writes, and the slot the next tokens go to.
+# The cached keys and values `[L, B, S, K, D]` of every layer of one shape, the layer an
+# attention block reads and writes, and the slot the next tokens go to.
 LayerCache = tuple[jax.Array, jax.Array, jax.Array | int, jax.Array]
 
 

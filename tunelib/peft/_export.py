@@ -119,6 +119,13 @@ def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str
     expert's module in the per-expert layout."""
     keys = path.split("/")
     lead = shape[:-2]
+    if "experts" in keys and keys[keys.index("experts") - 1] != "mlp":
+        raise ValueError(
+            f"{path!r} is one of Gemma 4's fused expert weights; PEFT adapts those as "
+            "parameters (target_parameters), a layout tunelib does not write. Merge these "
+            "adapters into the weights (tunelib.peft.merge_lora) or leave the experts out of "
+            "the LoRA rules to export the rest."
+        )
     positions = [keys.index("experts") + 1] if "experts" in keys else []
     if len(lead) > len(positions):
         positions.insert(0, 1)
