@@ -14,6 +14,7 @@ Nothing here imports JAX.
 import argparse
 import dataclasses
 import importlib.util
+import os
 import sys
 import tomllib
 import types
@@ -87,6 +88,12 @@ class Run(Config):
 
     def check(self) -> None:
         super().check()
+        processes = os.environ.get("TUNELIB_NUM_PROCESSES", "1")
+        if processes not in ("", "1"):
+            raise UserError(
+                f"started as one of {processes} processes (tunelib.launch), but the recipes run "
+                "in one process for now: N copies would write the same --out (docs/scale.md)"
+            )
         at_least("steps", self.steps, 1)
         at_least("batch_size", self.batch_size, 1)
         at_least("eval_every", self.eval_every, 1)

@@ -373,7 +373,7 @@ class Decoder(nnx.Module):
             )
             if layer_cache is not None:
                 keys[g], values[g] = layer_cache[:2]
-            if source == i and i in consumers:
+            if i in consumers:
                 attended[i] = kv
             router_logits += [] if logits is None else [logits]
         stacked = jnp.stack(router_logits) if router_logits else None
