@@ -43,11 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=None,
                         help="the coordinator's port (default: a free one)")  # fmt: skip
     parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds between SIGTERM and SIGKILL when stopping processes")  # fmt: skip
+                        help="seconds from SIGTERM to SIGKILL when stopping processes")  # fmt: skip
     parser.add_argument("-m", dest="module", default=None,
                         help="run a module (as python -m) instead of a script")  # fmt: skip
     parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the script and its arguments (or the module's arguments)")  # fmt: skip
+                        help="the script and its arguments (or the module's)")  # fmt: skip
     return parser
 
 
