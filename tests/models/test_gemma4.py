@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,15 +15,13 @@ from flax import nnx
 from tests._helpers import assert_close, raises_naming
 from tests._hf import hf_modules, model_class, write_tiny_checkpoint
 from tests.models.test_kv_cache import TOKENS, WHERE, cached_hidden
-from tunelib import losses
+from tests.models.test_moe import expert_parallel_equals_one_device
 from tunelib.models import (
-    EXPERT_PARALLEL_RULES,
     Decoder,
     DecoderConfig,
     config_from_hf,
     config_to_hf,
     load_hf_checkpoint,
-    param_shardings,
     rope_frequencies,
     route,
 )
@@ -253,23 +250,11 @@ def test_expert_parallel_sharding_equals_one_device_and_layer_scalars_take_no_gr
     with jax.enable_x64(True):
         config = DecoderConfig(**MOE, dtype="float64", param_dtype="float64")
         graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
-
-        def loss(params, tokens):
-            model = nnx.merge(graphdef, params)
-            hidden, router_logits = model(tokens, return_router_logits=True)
-            aux = losses.load_balancing_loss(router_logits, top_k=2)
-            return jnp.mean(model.unembed(hidden) ** 2) + 0.1 * aux
-
-        step = jax.jit(jax.value_and_grad(loss))
-        single = step(params, TOKENS)
-        for path, grad in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(single[1])):
-            name = jax.tree_util.keystr(path)
-            assert np.asarray(grad).any() != ("layer_scalar" in name), name
-        auto = (jax.sharding.AxisType.Auto,) * 3
-        mesh = jax.make_mesh((1, 4, 2), ("data", "expert", "model"), axis_types=auto)
-        shardings = param_shardings(graphdef, params, mesh, EXPERT_PARALLEL_RULES)
-        kernel = shardings["layers"][0]["experts"]["gate_up_proj"]["kernel"]
-        assert kernel.spec == jax.sharding.PartitionSpec("expert", None, "model")
-        sharded = step(jax.device_put(params, shardings), TOKENS)
-        for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
-            assert_close(got, want, rtol=1e-10, atol=1e-12)
+        grads = expert_parallel_equals_one_device(
+            graphdef, params, TOKENS,
+            lambda s: s["layers"][0]["experts"]["gate_up_proj"]["kernel"],
+            rtol=1e-10, atol=1e-12,
+        )  # fmt: skip
+    for path, grad in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads)):
+        name = jax.tree_util.keystr(path)
+        assert np.asarray(grad).any() != ("layer_scalar" in name), name

@@ -213,11 +213,10 @@ def test_layer_kinds_scan_and_config_errors():
         DecoderConfig(**CONFIG, mlp_only_layers=[2])
 
 
-def test_expert_parallel_sharding_equals_one_device():
-    """8 devices: experts over "expert" (4), heads and MLP width over "model" (2)."""
-    config = DecoderConfig(**{**CONFIG, "num_experts": 8, "num_attention_heads": 4})
-    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
-    tokens = np.random.default_rng(0).integers(0, 40, size=(4, 6))
+def expert_parallel_equals_one_device(graphdef, params, tokens, kernel, **tolerance):
+    """Loss (with the auxiliary loss) and gradients on 8 devices, experts over "expert" (4)
+    and widths over "model" (2), equal one device's; `kernel(shardings)` picks an expert
+    kernel's sharding, which must split experts and width. Returns one device's gradients."""
 
     def loss(params, tokens):
         model = nnx.merge(graphdef, params)
@@ -230,11 +229,22 @@ def test_expert_parallel_sharding_equals_one_device():
     auto = (jax.sharding.AxisType.Auto,) * 3
     mesh = jax.make_mesh((1, 4, 2), ("data", "expert", "model"), axis_types=auto)
     shardings = param_shardings(graphdef, params, mesh, EXPERT_PARALLEL_RULES)
-    kernel = shardings["layers"][0]["mlp"]["experts"]["gate_proj"]["kernel"]
-    assert kernel.spec == jax.sharding.PartitionSpec("expert", None, "model")
+    assert kernel(shardings).spec == jax.sharding.PartitionSpec("expert", None, "model")
     sharded = step(jax.device_put(params, shardings), tokens)
     for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
-        assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert_close(got, want, **tolerance)
+    return single[1]
+
+
+def test_expert_parallel_sharding_equals_one_device():
+    config = DecoderConfig(**{**CONFIG, "num_experts": 8, "num_attention_heads": 4})
+    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+    tokens = np.random.default_rng(0).integers(0, 40, size=(4, 6))
+    expert_parallel_equals_one_device(
+        graphdef, params, tokens,
+        lambda s: s["layers"][0]["mlp"]["experts"]["gate_proj"]["kernel"],
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
 
 
 def test_qwen3_moe_layer_kinds_routing_and_aux_loss_match_transformers(tmp_path):
