@@ -1,12 +1,13 @@
-"""The reference decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2 and 3) in Flax NNX.
+"""The reference decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4) in Flax NNX.
 
 `Decoder(config, rngs=...)` maps token ids to final-norm hidden states; `unembed` and
 `unembedding` turn them into logits separately, so that log-probs can be computed in chunks
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
 `config.json`; `load_hf_checkpoint` and `save_hf_checkpoint` read and write Hugging Face
 checkpoints (safetensors, one file or sharded) of the Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-Gemma 2 and Gemma 3 families; `MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer;
-`read_gguf`, `convert_gguf` and `save_gguf` read and write llama.cpp's GGUF files.
+Gemma 2, Gemma 3 and Gemma 4 families; `MoE`, `route` and `grouped_matmul` are its
+mixture-of-experts layer; `read_gguf`, `convert_gguf` and `save_gguf` read and write
+llama.cpp's GGUF files.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 """

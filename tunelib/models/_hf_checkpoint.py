@@ -143,7 +143,7 @@ def load_hf_checkpoint(
     rules: Sequence[tuple[str, str | None]] = TENSOR_PARALLEL_RULES,
     shardings: PyTree[jax.sharding.Sharding] | None = None,
 ) -> HFCheckpoint:
-    """Load a Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoint into the decoder.
+    """Load a Hugging Face checkpoint of a supported family (`MODEL_TYPES`) into the decoder.
 
     `directory` holds `config.json` and the weights, either `model.safetensors` or the files
     that `model.safetensors.index.json` names. The config is read by `config_from_hf`; every

@@ -91,7 +91,7 @@ def config_from_hf(
     remat: bool = False,
 ) -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, Gemma 2, Gemma 3 text).
+    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text).
 
     Reads the fields that the `transformers` model of the config's `model_type` reads, with
     `transformers`' defaults for the ones left out, so the decoder computes what that model
@@ -108,6 +108,12 @@ def config_from_hf(
     | `qwen3_moe` | q/k/v/o with `attention_bias` | yes | `use_sliding_window`, all layers |
     | `gemma2` | q/k/v/o with `attention_bias` | no | `layer_types` (alternating) |
     | `gemma3_text` | q/k/v/o with `attention_bias` | yes | `layer_types` (5 sliding : 1) |
+    | `gemma4_text` | q/k/v/o with `attention_bias` | yes, and values | `layer_types` |
+
+    Gemma 4's fields (`global_head_dim` or `per_layer_config`, `attention_k_eq_v`,
+    `num_kv_shared_layers`, `use_double_wide_mlp`, the per-layer inputs, `enable_moe_block`
+    with `num_experts`, `top_k_experts`, `moe_intermediate_size`, proportional RoPE) are each
+    read or refused by name; the table is in `docs/models.md`.
 
     Qwen3-MoE's experts come from `num_experts` (or `num_local_experts`, the name
     `transformers` saves it under), `num_experts_per_tok`, `moe_intermediate_size`,
@@ -115,8 +121,9 @@ def config_from_hf(
     `router_aux_loss_coef` only concern its training loss and are not read.
 
     A value the decoder cannot reproduce is an error naming the field, never ignored: an
-    activation other than SiLU, dropout, a RoPE type other than default / linear / llama3,
-    partial rotary embeddings, sliding windows on some layers only, or quantised weights.
+    activation other than the family's, dropout, a RoPE type other than default / linear /
+    llama3 (and Gemma 4's proportional one), partial rotary embeddings elsewhere, sliding
+    windows on some layers only outside the Gemma families, or quantised weights.
     Keys the `transformers` model does not read (token ids, `torch_dtype`, generation
     settings) are ignored, as there.
 
