@@ -163,7 +163,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import advantages, losses, metrics, peft, rollout
 
-    from kit import chain, data, evaluate, loop, lora, models, optim
+    from kit import chain, data, evaluate, goodput, loop, lora, models, optim
 
     mode = MODES[config.mode]
     folder, sft_seconds = chain.sft_start(config)
@@ -250,11 +250,15 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         records = [task.train[i] for i in np.asarray(indices)]
         prompt_tokens, prompt_where = data.prompts(task, records)
         rng, sample_key, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
-        policy = tuning.dense(state["params"])  # LoRA adapters merged for the sampler
-        out = rollout.sample(
-            graphdef, policy, prompt_tokens, prompt_where, sample_key, sampling, group_size=group
-        )
-        texts = [task.tokenizer.decode(row) for row in np.asarray(out.tokens).tolist()]
+        with goodput.phase("sync"):  # the sampler's weights: LoRA adapters merged
+            policy = jax.block_until_ready(tuning.dense(state["params"]))
+        with goodput.phase("rollout"):
+            out = rollout.sample(
+                graphdef, policy, prompt_tokens, prompt_where, sample_key, sampling,
+                group_size=group,
+            )  # fmt: skip
+            tokens = np.asarray(out.tokens)
+        texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
         truncated = np.asarray(out.truncated)
         prompt_of = [records[i // group] for i in range(len(texts))]
         rewards = np.array(

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kit import goodput
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
 from kit.logs import open_writers
@@ -58,16 +59,23 @@ def train(
         start, state, data_state = checkpoints.restore_latest(state)
         batches.set_state(data_state)
         print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
-        kept = [r for r in run.records() if r["step"] <= start]
+        records = run.records()
+        kept = [r for r in records if r["step"] <= start]
         run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        _add_badput(run, [r for r in records if r["step"] > start])
     writers = open_writers(run.path, name, config)
 
     def log(record: dict) -> None:
         for writer in writers:
             writer.write(record)
 
+    clock = goodput.clock()
     if not run.resume:
-        log({"step": 0, **{k: _number(v) for k, v in evaluate(state["params"]).items()}})
+        clock.reset()
+        with clock.phase("eval"):
+            before = {k: _number(v) for k, v in evaluate(state["params"]).items()}
+        split = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
+        log({"step": 0, **before, **split})
     bar = tqdm(
         total=config.steps, initial=start, desc=name, disable=config.no_progress,
         dynamic_ncols=True,
@@ -85,17 +93,26 @@ def train(
     previous = signal.signal(signal.SIGINT, request_stop) if main_thread else None
     try:
         for step in range(start + 1, config.steps + 1):
-            state, metrics = step_fn(state, next(batches))
-            record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
+            clock.reset()
+            with clock.phase("data"):
+                batch = next(batches)
+            with clock.phase("train"):  # less the rollouts, log-probs and syncs it marks
+                state, metrics = step_fn(state, batch)
+                record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
             if step % config.eval_every == 0 or step == config.steps:
-                record.update({k: _number(v) for k, v in evaluate(state["params"]).items()})
-            log(record)
+                with clock.phase("eval"):
+                    evaluated = evaluate(state["params"])
+                    record.update({k: _number(v) for k, v in evaluated.items()})
             bar.update(1)
             bar.set_postfix(
                 {k: f"{v:.3g}" for k, v in record.items() if k != "step"}, refresh=False
             )
             if step % config.checkpoint_every == 0 or step == config.steps or stop:
-                checkpoints.save(step, state, batches.get_state())
+                with clock.phase("checkpoint"):
+                    checkpoints.save(step, state, batches.get_state())
+            split = clock.split()
+            record.update({goodput.PREFIX + k: round(v, 4) for k, v in split.items()})
+            log(record)
             if stop:
                 raise Interrupted(step)
     except (Interrupted, KeyboardInterrupt):
@@ -135,14 +152,21 @@ def _rounded(value: Any) -> Any:
 
 
 def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = None) -> dict:
-    """Plot the curves, then write and print the final JSON line.
+    """Plot the curves and the time split, then write and print the final JSON line.
 
     The line holds the recipe, the seed, the steps, the seconds this run took and, with
-    `chained`, the runs it trained first (`{"sft_seconds": ...}`), then `headline`; floats
-    are rounded to 4 decimals.
+    `chained`, the runs it trained first (`{"sft_seconds": ...}`), then `headline` (floats
+    rounded to 4 decimals), then `time`: the seconds of every step per phase (compile, data,
+    rollout, log-probs, train, sync, checkpoint, eval, idle; `kit.goodput`) with `goodput`,
+    their productive share, and the badput: restarts and the seconds of the steps they
+    lost (steps logged after the checkpoint a `--resume` went back to).
     """
     records = run.records()
-    plot(records, run.path / "curves.png", f"{config.run_name()} (seed {config.seed})")
+    title = f"{config.run_name()} (seed {config.seed})"
+    curves = [{k: v for k, v in r.items() if not k.startswith(goodput.PREFIX)} for r in records]
+    plot(curves, run.path / "curves.png", title)
+    goodput.plot_split(records, run.path / "goodput.png", title)
+    badput = _badput(run)
     result = {
         "recipe": config.run_name(),
         "seed": config.seed,
@@ -150,10 +174,30 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
         "seconds": round(run.seconds(), 1),
         **(chained or {}),
         **{k: _rounded(v) for k, v in headline.items()},
+        "time": goodput.totals(records),
+        "badput_seconds": badput["lost_seconds"],
+        "restarts": badput["restarts"],
     }
     (run.path / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result), flush=True)
     return result
+
+
+def _badput(run: RunFolder) -> dict:
+    path = run.path / "badput.json"
+    return json.loads(path.read_text()) if path.exists() else {"restarts": 0, "lost_seconds": 0.0}
+
+
+def _add_badput(run: RunFolder, lost: list[dict]) -> None:
+    """Count a restart, and the time of the steps it lost (logged after the checkpoint it
+    resumes from), into the run's `badput.json`."""
+    badput = _badput(run)
+    seconds = sum(r.get(goodput.PREFIX + p, 0.0) for r in lost for p in goodput.PHASES)
+    badput = {
+        "restarts": badput["restarts"] + 1,
+        "lost_seconds": round(badput["lost_seconds"] + seconds, 2),
+    }
+    (run.path / "badput.json").write_text(json.dumps(badput))
 
 
 def first_and_last(run: RunFolder, key: str) -> tuple[float, float]:

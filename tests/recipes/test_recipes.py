@@ -124,6 +124,14 @@ def test_sft_logs_plots_saves_its_config_and_reproduces_from_it(tmp_path):
     assert all(("accuracy" in r) == (r["step"] % 2 == 0) for r in records)
     assert all(np.isfinite(r["loss"]) for r in records[1:])
     assert (out / "curves.png").stat().st_size > 0
+    # Every step's time split; their sums in the final line; the split's own plot.
+    phases = ("compile", "data", "rollout", "logprobs", "train", "sync", "checkpoint", "eval",
+              "idle")  # fmt: skip
+    assert all(all(f"time_{p}" in r for p in phases) for r in records[1:])
+    assert set(result["time"]) == {*phases, "goodput"} and 0 < result["time"]["goodput"] < 1
+    assert result["time"]["compile"] > 0 and result["time"]["train"] > 0
+    assert result["restarts"] == 0 and result["badput_seconds"] == 0
+    assert (out / "goodput.png").stat().st_size > 0
     assert any((out / "tensorboard").glob("events.out.tfevents.*"))
     assert any((out / "wandb").rglob("*.wandb"))  # an offline W&B run
     assert json.loads((out / "model" / "char_tokenizer.json").read_text())
@@ -168,8 +176,10 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path, capsys):
     (partial / "state").mkdir(parents=True)
     (partial / "state" / "garbage").write_bytes(b"\x00" * 64)
 
-    run_recipe("sft", *flags, "--out", str(stopped), "--resume")
+    resumed_result = run_recipe("sft", *flags, "--out", str(stopped), "--resume")
     assert f"resuming from the checkpoint of step {saved}" in capsys.readouterr().out
+    # Ctrl-C saved the step it finished: a restart, and no step lost.
+    assert (resumed_result["restarts"], resumed_result["badput_seconds"]) == (1, 0.0)
     straight, resumed = leaves(load_params(tmp_path / "straight")), leaves(load_params(stopped))
     assert len(straight) == len(resumed) > 0
     for a, b in zip(straight, resumed, strict=True):
