@@ -89,8 +89,9 @@ def test_layers_share_keys_and_values_and_the_cache_has_one_array_per_shape():
 
 def test_cached_decoding_equals_the_full_forward():
     """Prefill 5 columns, then one at a time: the window (3) slides past the prompt, and the
-    shared layers read the producers' cache slots (every dense feature, and experts)."""
-    model = Decoder(DecoderConfig(**MOE), rngs=nnx.Rngs(0))
+    shared layers read the producers' cache slots. (Experts decode in the greedy parity
+    test of `test_hf_checkpoint`.)"""
+    model = Decoder(DecoderConfig(**DENSE), rngs=nnx.Rngs(0))
     expected = model(TOKENS, where=WHERE)
     hidden, cache = cached_hidden(model, TOKENS, WHERE, prefill=5, slots=12)
     mask = WHERE[..., None]
@@ -247,8 +248,11 @@ def test_expert_parallel_sharding_equals_one_device_and_layer_scalars_take_no_gr
     float64, so that the comparison is exact to rounding: in float32 both runs are about
     1e-4 from the float64 gradients here, in different places. Every weight but the layer
     scalars (buffers in transformers) gets a gradient."""
+    # Two layers (a sliding and a wider full one) keep the float64 compilation short.
+    fields = {**MOE, "num_hidden_layers": 2, "layer_types": DENSE["layer_types"][:2],
+              "num_kv_shared_layers": 0}  # fmt: skip
     with jax.enable_x64(True):
-        config = DecoderConfig(**MOE, dtype="float64", param_dtype="float64")
+        config = DecoderConfig(**fields, dtype="float64", param_dtype="float64")
         graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
         grads = expert_parallel_equals_one_device(
             graphdef, params, TOKENS,
