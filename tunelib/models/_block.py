@@ -1,9 +1,9 @@
 """One decoder layer: attention and an MLP (dense, a mixture of experts, or both), pre-norm."""
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
+from tunelib import _validation as v
 from tunelib.models._config import DecoderConfig
 from tunelib.models._layers import MLP, Attention, Dense, LayerCache, RMSNorm, activation, param
 from tunelib.models._moe import FusedExperts, MoE, Router
@@ -93,7 +93,7 @@ class DecoderLayer(nnx.Module):
             routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, chosen)
             routed = self.post_feedforward_layernorm_2(routed.reshape(x.shape))
             mixed = self.post_feedforward_layernorm_1(mixed) + routed
-            high = logits.dtype if logits.dtype == jnp.float64 else jnp.float32
+            high = v.compute_dtype(logits.dtype)  # float32, float64 for a float64 model
             router_logits = logits.astype(high).reshape(*x.shape[:-1], -1)
         if self.sandwich:
             mixed = self.post_feedforward_layernorm(mixed)
