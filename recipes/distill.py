@@ -73,8 +73,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     from tunelib import logprobs, losses
     from tunelib.data import CharTokenizer
 
-    from kit import chain, data, evaluate, loop, models, optim
+    from kit import chain, data, evaluate, loop, models, optim, parallel
 
+    placement = parallel.placement(config)  # every device of every process, batches by rows
     teacher_flags = chain.sft_flags(
         config, num_train=config.teacher_demonstrations, steps=config.teacher_steps,
         model_size="base",
@@ -83,8 +84,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         config.teacher, kit.cli.default_out("teacher", config.seed), teacher_flags,
         what="teacher",
     )  # fmt: skip
-    teacher = models.load_model(folder)
+    teacher = models.replicated(models.load_model(folder), placement)
     student = models.new_model(CharTokenizer(), "student", config.seed)
+    student = models.replicated(student, placement)
     task = data.load_task(config, "sft", teacher.tokenizer, num_train=config.num_prompts)
     vocab_size = student.config.vocab_size
 
@@ -128,7 +130,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     state = loop.train(
         run, config, state=loop.initial_state(student.params, optimizer, config.seed),
         step_fn=train_step, evaluate=evaluate_fn,
-        batches=data.batches(task, config, kind="sft"),
+        batches=data.batches(task, config, placement, kind="sft"),
     )  # fmt: skip
     models.save_model(run.path / "model", student, state["params"])
     before, after = loop.first_and_last(run, "accuracy")

@@ -70,10 +70,11 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import losses, metrics, peft
 
-    from kit import chain, data, evaluate, loop, lora, models, optim, pairs
+    from kit import chain, data, evaluate, loop, lora, models, optim, pairs, parallel
 
+    placement = parallel.placement(config)  # every device of every process, batches by rows
     folder, sft_seconds = chain.sft_start(config)
-    model = models.load_model(folder)
+    model = models.replicated(models.load_model(folder), placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":
@@ -95,7 +96,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         ]
         length = max(task.max_length, task.prompt_length + task.max_new_tokens + 3)
         task = dataclasses.replace(task, train=train, max_length=length)
-    tuning = lora.tuning(config, model)
+    tuning = lora.tuning(config, model, placement)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     optimizer = optim.adamw(config, warmup=0.1)
@@ -143,7 +144,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         state = {"params": params, "opt_state": opt_state, "rng": rng}
         return state, {"loss": loss, **out}
 
-    heldout = data.heldout_batches(task, config, kind="preference")
+    heldout = data.heldout_batches(task, config, placement, kind="preference")
     heldout_metrics = jax.jit(lambda trainable, batch: loss_fn(trainable, frozen, batch, None)[1])
 
     def evaluate_fn(trainable):
@@ -151,7 +152,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
             "heldout_reward_accuracy": evaluate.weighted_mean(
                 lambda b: heldout_metrics(trainable, b)["reward_accuracy"],
                 heldout,
-                lambda b: len(b["chosen"]["tokens"]),
+                lambda b: b["chosen"]["where"].any(axis=1).sum(),  # pairs, not padding
             )
         }
         if task.problems:
@@ -162,7 +163,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         run, config, state=loop.initial_state(tuning.trainable, optimizer, config.seed),
         evaluate=evaluate_fn,
         step_fn=lambda state, batch: train_step(frozen, state, batch),
-        batches=data.batches(task, config, kind="preference", packing=config.packing),
+        batches=data.batches(task, config, placement, kind="preference", packing=config.packing),
     )  # fmt: skip
     tuning.save(run.path, model, state["params"])
     headline = {

@@ -163,14 +163,15 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import advantages, losses, metrics, peft, rollout
 
-    from kit import chain, data, evaluate, goodput, loop, lora, models, optim
+    from kit import chain, data, evaluate, goodput, loop, lora, models, optim, parallel
 
     mode = MODES[config.mode]
+    placement = parallel.placement(config)  # every device of every process, prompts by rows
     folder, sft_seconds = chain.sft_start(config)
-    model = models.load_model(folder)
+    model = models.replicated(models.load_model(folder), placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
-    tuning = lora.tuning(config, model)
+    tuning = lora.tuning(config, model, placement)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     group = config.group_size
@@ -192,8 +193,10 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         max_new_tokens=min(config.max_new_tokens, greedy.max_new_tokens),
     )
     new_tokens = sampling.max_new_tokens
+    # This process's prompts of each step's batch: rows [p * b, (p + 1) * b) of the batch.
+    index, count = placement.shard
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
-    batches = iter(order.batch(config.batch_size).to_iter_dataset())
+    batches = iter(order.batch(config.batch_size // count)[index::count].to_iter_dataset())
     optimizer = optim.adamw(config, schedule="constant", warmup=0.1)
 
     def completion_logps(params, batch):
@@ -237,6 +240,15 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         }
 
     @jax.jit
+    def batch_means(rewards, right, lengths, keep):  # over every process's rows
+        return {
+            "reward": rewards.mean(),
+            "sample_accuracy": right.mean(),
+            "length": lengths.mean(),
+            "kept_groups": keep.mean(),
+        }
+
+    @jax.jit
     def update(frozen, state, batch, dropout_key):
         (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], frozen, batch, dropout_key
@@ -246,9 +258,10 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
 
     def train_step(state, indices):
-        """Sample and score a group per prompt on the host, then the jitted updates."""
-        records = [task.train[i] for i in np.asarray(indices)]
-        prompt_tokens, prompt_where = data.prompts(task, records)
+        """Sample a group per prompt on the devices, score this process's completions on
+        the host, then the jitted updates."""
+        records = [task.train[i] for i in placement.local(indices)]
+        prompt_tokens, prompt_where = placement.rows(data.prompts(task, records))
         rng, sample_key, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
         with goodput.phase("sync"):  # the sampler's weights: LoRA adapters merged
             policy = jax.block_until_ready(tuning.dense(state["params"]))
@@ -257,9 +270,9 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
                 graphdef, policy, prompt_tokens, prompt_where, sample_key, sampling,
                 group_size=group,
             )  # fmt: skip
-            tokens = np.asarray(out.tokens)
+            tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
-        truncated = np.asarray(out.truncated)
+        truncated = placement.local(out.truncated)
         prompt_of = [records[i // group] for i in range(len(texts))]
         rewards = np.array(
             [reward(t, r, c) for t, r, c in zip(texts, prompt_of, truncated, strict=True)],
@@ -269,20 +282,23 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         if mode["overlong_buffer"]:
             rewards = rewards + np.asarray(
                 advantages.overlong_penalty(
-                    out.lengths, max_length=new_tokens, buffer_length=mode["overlong_buffer"]
+                    placement.local(out.lengths),
+                    max_length=new_tokens,
+                    buffer_length=mode["overlong_buffer"],
                 )
             )
         keep = np.ones(len(texts), bool)
         if mode["dynamic_sampling"]:  # groups whose rewards all agree carry no signal
             keep = np.asarray(advantages.dynamic_sampling_mask(rewards, group_size=group))
+        scored = placement.rows({"rewards": rewards, "keep": keep, "right": right})
         batch = {
             "prompt_tokens": prompt_tokens,  # [B, P]; completion_logps repeats them per group
             "prompt_where": prompt_where,
             "tokens": out.tokens,
             "where": out.where,
             "logps": out.logps,
-            "rewards": rewards.astype(np.float32),
-            "keep": keep,
+            "rewards": scored["rewards"],
+            "keep": scored["keep"],
         }
         state = {**state, "rng": rng}
         for i in range(config.updates_per_batch):
@@ -290,10 +306,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
             state, out_metrics = update(frozen, state, batch, step_key)
         return state, {
             **out_metrics,
-            "reward": rewards.mean(),
-            "sample_accuracy": right.mean(),
-            "length": np.asarray(out.lengths).mean(),
-            "kept_groups": keep.mean(),
+            **batch_means(scored["rewards"], scored["right"], out.lengths, scored["keep"]),
         }
 
     def evaluate_fn(trainable):

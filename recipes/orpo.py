@@ -46,12 +46,15 @@ class ORPOConfig(Run, Task, DataFile, Start):
 
 def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     import jax
+    import jax.numpy as jnp
 
     from tunelib import losses
 
-    from kit import chain, data, evaluate, loop, models, optim, pairs
+    from kit import chain, data, evaluate, loop, models, optim, pairs, parallel
 
+    placement = parallel.placement(config)  # every device of every process, batches by rows
     model = models.start_model(config.model, config.model_size, config.seed)
+    model = models.replicated(model, placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer)
     optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
@@ -62,20 +65,26 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
             both.chosen_mean, both.rejected_mean, odds_ratio_weight=config.odds_ratio_weight
         )
         log_odds_ratio = losses.orpo_log_odds_ratio(both.chosen_mean, both.rejected_mean)
-        return per_pair.mean(), {
-            "nll": -both.chosen_mean.mean(),
-            "log_odds_ratio": log_odds_ratio.mean(),
+
+        def mean(x):  # over the pairs (held-out batches end with rows of padding)
+            return jnp.where(both.real, x, 0.0).sum() / jnp.maximum(both.real.sum(), 1)
+
+        return mean(per_pair), {
+            "nll": mean(-both.chosen_mean),
+            "log_odds_ratio": mean(log_odds_ratio),
         }
 
     train_step = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
 
-    heldout = data.heldout_batches(task, config, kind="preference")
+    heldout = data.heldout_batches(task, config, placement, kind="preference")
     heldout_loss = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
 
     def evaluate_fn(params):
         out = {
             "heldout_loss": evaluate.weighted_mean(
-                lambda b: heldout_loss(params, b), heldout, lambda b: len(b["chosen"]["tokens"])
+                lambda b: heldout_loss(params, b),
+                heldout,
+                lambda b: b["chosen"]["where"].any(axis=1).sum(),  # pairs, not padding
             )
         }
         if task.problems:
@@ -85,7 +94,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     state = loop.train(
         run, config, state=loop.initial_state(model.params, optimizer, config.seed),
         step_fn=train_step, evaluate=evaluate_fn,
-        batches=data.batches(task, config, kind="preference"),
+        batches=data.batches(task, config, placement, kind="preference"),
     )  # fmt: skip
     models.save_model(run.path / "model", model, state["params"])
     headline = loop.before_and_after(run, "accuracy", "heldout_loss")

@@ -59,11 +59,12 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import logprobs, losses, peft
 
-    from kit import data, evaluate, loop, lora, models, optim
+    from kit import data, evaluate, loop, lora, models, optim, parallel
 
+    placement = parallel.placement(config)  # every device of every process, batches by rows
     model = models.start_model(config.model, config.model_size, config.seed)
     task = data.load_task(config, "sft", model.tokenizer)
-    tuning = lora.tuning(config, model)
+    tuning = lora.tuning(config, model, placement)
     optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
     graphdef = model.graphdef
 
@@ -105,7 +106,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         state = {"params": params, "opt_state": opt_state, "rng": rng}
         return state, {"loss": loss}
 
-    heldout = data.heldout_batches(task, config, kind="sft")
+    heldout = data.heldout_batches(task, config, placement, kind="sft")
     heldout_loss = jax.jit(loss_fn)
 
     def evaluate_fn(trainable):
@@ -122,7 +123,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
     state = loop.train(
         run, config, state=loop.initial_state(tuning.trainable, optimizer, config.seed),
         step_fn=train_step, evaluate=evaluate_fn,
-        batches=data.batches(task, config, kind="sft", packing=config.packing),
+        batches=data.batches(task, config, placement, kind="sft", packing=config.packing),
     )  # fmt: skip
     tuning.save(run.path, model, state["params"])
     headline = {**tuning.headline(), **loop.before_and_after(run, "accuracy", "heldout_loss")}

@@ -21,6 +21,14 @@ RECIPES = Path(__file__).resolve().parents[1]
 
 def train_sft(out: Path, flags: list[str], *, what: str) -> float:
     """Run `recipes/sft.py --out OUT FLAGS` to the end; its wall time in seconds."""
+    from kit import parallel
+
+    placed = parallel.current()
+    if placed is not None and placed.process_count > 1:
+        raise UserError(
+            f"{what}: a run of several processes starts no other run; train it first with "
+            f"python -m tunelib.launch -n N recipes/sft.py --out {out}"
+        )
     print(f"{what}: training it first with recipes/sft.py --out {out}", flush=True)
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, str(RECIPES / "sft.py"), "--out", str(out), *flags])
@@ -61,6 +69,8 @@ def sft_flags(config, **values) -> list[str]:
         "max_digits": config.max_digits, "operations": config.operations,
         "logprobs": config.logprobs,
     }  # fmt: skip
+    if config.devices is not None:
+        task["devices"] = config.devices
     task.update(values)
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in task.items()]
     return flags + (["--no-progress"] if config.no_progress else [])

@@ -67,6 +67,7 @@ def main(
             return train(config, None)
         out = config.out or default_out(config.run_name(), config.seed)
         run = RunFolder(out, resume=config.resume, overwrite=config.overwrite, steps=config.steps)
+        run.check_resume(config)
         return train(config, run)
     except UserError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")

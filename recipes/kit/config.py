@@ -14,7 +14,6 @@ Nothing here imports JAX.
 import argparse
 import dataclasses
 import importlib.util
-import os
 import sys
 import tomllib
 import types
@@ -85,16 +84,17 @@ class Run(Config):
         "picks the Pallas kernel on TPU), or 'naive' materialised logits",
     )
     no_progress: bool = flag(False, "hide the progress bar")
+    devices: int | None = flag(
+        None,
+        "split every batch over this many devices (default: all of them; with several "
+        "processes, every process's, see docs/scale.md)",
+    )
 
     def check(self) -> None:
         super().check()
-        processes = os.environ.get("TUNELIB_NUM_PROCESSES", "1")
-        if processes not in ("", "1"):
-            raise UserError(
-                f"started as one of {processes} processes (tunelib.launch), but the recipes run "
-                "in one process for now: N copies would write the same --out (docs/scale.md)"
-            )
         at_least("steps", self.steps, 1)
+        if self.devices is not None:
+            at_least("devices", self.devices, 1)
         at_least("batch_size", self.batch_size, 1)
         at_least("eval_every", self.eval_every, 1)
         at_least("checkpoint_every", self.checkpoint_every, 1)

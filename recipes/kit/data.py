@@ -155,8 +155,9 @@ def max_segments(task: Task) -> int:
     return max(2, task.pack_length // 2 // 2 * 2)
 
 
-def batches(task: Task, config, *, kind: str, packing: bool = False):
-    """The endless, shuffled training batches of `task` (a checkpointable Grain iterator)."""
+def batches(task: Task, config, placement, *, kind: str, packing: bool = False):
+    """The endless, shuffled training batches of `task` (a checkpointable Grain iterator):
+    this process's rows of each, `placement.rows` makes the global batch of them."""
     from tunelib.data import RecordError, preference_dataset, sft_dataset
 
     dataset = sft_dataset if kind == "sft" else preference_dataset
@@ -168,6 +169,7 @@ def batches(task: Task, config, *, kind: str, packing: bool = False):
                 max_length=task.pack_length if packing else task.max_length,
                 batch_size=config.batch_size, seed=config.seed, packing=packing,
                 max_segments=max_segments(task) if packing else None, on_invalid=on_invalid,
+                shard=placement.shard,
             )
         )  # fmt: skip
     except RecordError as error:
@@ -175,19 +177,22 @@ def batches(task: Task, config, *, kind: str, packing: bool = False):
         raise UserError(f"{task.name}: {error}" + (f" ({hint})" if hint else "")) from None
 
 
-def heldout_batches(task: Task, config, *, kind: str) -> list:
-    """The held-out records in order, once, as batches (the last one may be partial)."""
+def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
+    """The held-out records in order, once, as batches split over `placement`'s devices
+    (every process reads them all and keeps its rows); the last batch is padded with empty
+    rows (no completion token) to split evenly."""
     from tunelib.data import preference_dataset, sft_dataset
 
     if not task.heldout:
         return []
     dataset = sft_dataset if kind == "sft" else preference_dataset
-    return list(
-        dataset(
+    return [
+        placement.global_rows(batch, pad=True)
+        for batch in dataset(
             task.heldout, task.tokenizer, max_length=task.max_length,
             batch_size=config.batch_size, shuffle=False, num_epochs=1, drop_remainder=False,
         )
-    )  # fmt: skip
+    ]  # fmt: skip
 
 
 def prompts(task: Task, records: list[dict]):

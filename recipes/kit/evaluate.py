@@ -1,9 +1,14 @@
-"""Held-out evaluation: greedy accuracy with the task's verifier, and token-mean losses."""
+"""Held-out evaluation: greedy accuracy with the task's verifier, and token-mean losses.
+
+Sampling is split by rows over the run's devices (`kit.parallel`), in every process; each
+process decodes every completion, so all compute the same accuracy.
+"""
 
 from collections.abc import Callable
 
 import numpy as np
 
+from kit import parallel
 from kit.data import Task, prompts
 
 
@@ -30,11 +35,18 @@ def completions(graphdef, params, task: Task, records: list[dict], sampling, key
     from tunelib import rollout
 
     key = jax.random.key(0) if key is None else key
+    placed = parallel.current()
     texts = []
     for first in range(0, len(records), 512):
-        tokens, where = prompts(task, records[first : first + 512])
+        chunk = records[first : first + 512]
+        tokens, where = prompts(task, chunk)
+        if placed is not None:  # split over the devices, with copies of a prompt to fill them
+            extra = -len(chunk) % placed.num_devices
+            filled = [np.concatenate([x, np.repeat(x[:1], extra, 0)]) for x in (tokens, where)]
+            tokens, where = placed.global_rows(tuple(filled))
         out = rollout.sample(graphdef, params, tokens, where, key, sampling)
-        texts += [task.tokenizer.decode(row) for row in np.asarray(out.tokens).tolist()]
+        rows = placed.fetch(out.tokens) if placed is not None else np.asarray(out.tokens)
+        texts += [task.tokenizer.decode(row) for row in rows[: len(chunk)].tolist()]
     return texts
 
 

@@ -11,6 +11,11 @@ saved every `--checkpoint-every` steps and after the last step, so `--resume --s
 extend a finished run. Ctrl-C lets the current step finish, saves a checkpoint of it and
 raises `Interrupted`, which the entry point turns into one line saying how to resume; a
 second Ctrl-C stops at once, and the last periodic checkpoint is what remains.
+
+In a run of several processes (`kit.parallel`) every process runs the loop: the steps,
+evaluations and checkpoints are collective, and the processes agree after each step whether
+one of them was asked to stop. Process 0 alone writes the run folder's files and shows the
+progress bar.
 """
 
 import json
@@ -23,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kit import goodput
+from kit import goodput, parallel
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
 from kit.logs import open_writers
@@ -46,24 +51,31 @@ def train(
 ) -> dict:
     """Run `step_fn` from step 0 (or the last checkpoint, with `--resume`) to `--steps`.
 
-    `state` is a pytree holding at least `params` (what `evaluate` receives); `batches` an
-    iterator with Grain's `get_state` / `set_state`, checkpointed with the state.
+    `state` is a pytree holding at least `params` (what `evaluate` receives); `batches` a
+    Grain iterator of this process's rows of each batch, checkpointed with the state;
+    `step_fn` receives the global batch of them, split over the run's devices.
     """
     from tqdm import tqdm
 
     name = config.run_name()
-    run.open(config)
+    placed = parallel.current()
+    main = parallel.is_main()
+    if main:
+        run.open(config)
+    if placed is not None:
+        placed.barrier("run folder open")
     checkpoints = Checkpoints(run.path / "checkpoints")
     start = 0
     if run.resume:
-        start, state, data_state = checkpoints.restore_latest(state)
-        batches.set_state(data_state)
-        print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
-        records = run.records()
-        kept = [r for r in records if r["step"] <= start]
-        run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        _add_badput(run, [r for r in records if r["step"] > start])
-    writers = open_writers(run.path, name, config)
+        start, state, saved = checkpoints.restore_latest(state, batches)
+        if main:
+            print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
+            records = run.records()
+            kept = [r for r in records if r["step"] < start]
+            kept.append(next((r for r in records if r["step"] == start), saved))
+            run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            _add_badput(run, [r for r in records if r["step"] > start])
+    writers = open_writers(run.path, name, config) if main else []
 
     def log(record: dict) -> None:
         for writer in writers:
@@ -77,7 +89,7 @@ def train(
         split = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
         log({"step": 0, **before, **split})
     bar = tqdm(
-        total=config.steps, initial=start, desc=name, disable=config.no_progress,
+        total=config.steps, initial=start, desc=name, disable=config.no_progress or not main,
         dynamic_ncols=True,
     )  # fmt: skip
     stop = []
@@ -94,8 +106,9 @@ def train(
     try:
         for step in range(start + 1, config.steps + 1):
             clock.reset()
-            with clock.phase("data"):
+            with clock.phase("data"):  # this process's rows, then the global batch of them
                 batch = next(batches)
+                batch = placed.rows(batch) if placed is not None else batch
             with clock.phase("train"):  # less the rollouts, log-probs and syncs it marks
                 state, metrics = step_fn(state, batch)
                 record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
@@ -107,9 +120,12 @@ def train(
             bar.set_postfix(
                 {k: f"{v:.3g}" for k, v in record.items() if k != "step"}, refresh=False
             )
+            if placed is not None and placed.process_count > 1 and _anyone_stopping(stop):
+                stop.append(signal.SIGINT)  # another process was asked: stop together
             if step % config.checkpoint_every == 0 or step == config.steps or stop:
-                with clock.phase("checkpoint"):
-                    checkpoints.save(step, state, batches.get_state())
+                so_far = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
+                with clock.phase("checkpoint"):  # with the record, should the log not follow
+                    checkpoints.save(step, state, batches, {**record, **so_far})
             split = clock.split()
             record.update({goodput.PREFIX + k: round(v, 4) for k, v in split.items()})
             log(record)
@@ -129,7 +145,18 @@ def train(
     checkpoints.close()
     for writer in writers:
         writer.close()
+    if placed is not None:  # the metrics are complete before any process reads them back
+        placed.barrier("metrics written")
     return state
+
+
+def _anyone_stopping(stop: list) -> bool:
+    """Whether another process of the run, and not this one, was asked to stop (a
+    collective every process calls after each step, so all stop after the same one)."""
+    from jax.experimental import multihost_utils
+
+    asked = multihost_utils.process_allgather(np.array(bool(stop)))
+    return not stop and bool(asked.any())
 
 
 def step_keys(rng: Any, *streams: str) -> tuple:
@@ -152,7 +179,8 @@ def _rounded(value: Any) -> Any:
 
 
 def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = None) -> dict:
-    """Plot the curves and the time split, then write and print the final JSON line.
+    """Plot the curves and the time split, then write and print the final JSON line (process
+    0 of a run of several; every process returns it).
 
     The line holds the recipe, the seed, the steps, the seconds this run took and, with
     `chained`, the runs it trained first (`{"sft_seconds": ...}`), then `headline` (floats
@@ -162,10 +190,12 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
     lost (steps logged after the checkpoint a `--resume` went back to).
     """
     records = run.records()
+    main = parallel.is_main()
     title = f"{config.run_name()} (seed {config.seed})"
     curves = [{k: v for k, v in r.items() if not k.startswith(goodput.PREFIX)} for r in records]
-    plot(curves, run.path / "curves.png", title)
-    goodput.plot_split(records, run.path / "goodput.png", title)
+    if main:
+        plot(curves, run.path / "curves.png", title)
+        goodput.plot_split(records, run.path / "goodput.png", title)
     badput = _badput(run)
     result = {
         "recipe": config.run_name(),
@@ -178,8 +208,9 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
         "badput_seconds": badput["lost_seconds"],
         "restarts": badput["restarts"],
     }
-    (run.path / "result.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result), flush=True)
+    if main:
+        (run.path / "result.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result), flush=True)
     return result
 
 
@@ -227,6 +258,9 @@ def initial_state(params, optimizer, seed: int) -> dict:
         "opt_state": optimizer.init(params),
         "rng": jax.random.key_data(jax.random.key(seed)),
     }
+    placed = parallel.current()
+    if placed is not None:  # every array on every device of the run's mesh
+        return placed.replicate(state)
     # Arrays made without a placement (the optimizer's step count, the key) are committed
     # where the parameters are, as the train step's outputs will be: otherwise the second step
     # sees other input shardings than the first and compiles the whole step again.

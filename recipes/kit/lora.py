@@ -45,19 +45,35 @@ class Tuning:
         (`peft_adapter/`)."""
         from tunelib import peft
 
+        from kit import parallel
         from kit.models import save_model
 
         save_model(folder / "model", model, self.dense(trainable))
         if self.base is None:
             return
         peft.save_adapters(folder / "adapters", trainable)
-        peft.export_peft(folder / "peft_adapter", trainable, self.base)
+        placed = parallel.current()
+        if placed is None or placed.process_count == 1:
+            peft.export_peft(folder / "peft_adapter", trainable, self.base)
+            return
+        trainable, base = placed.fetch(trainable), placed.fetch(self.base)  # on every host
+        if placed.is_main:  # then one writer
+            peft.export_peft(folder / "peft_adapter", trainable, base)
+        placed.barrier("peft adapter written")
 
 
-def tuning(config, model) -> Tuning:
+def tuning(config, model, placement) -> Tuning:
     """Full fine-tuning, or fresh adapters on every attention and MLP projection of `model`
-    (a `kit.models.Model`). With `--qlora` the frozen projections are NF4, or, for a model
-    loaded from a GGUF file, the file's own Q8_0 / Q4_0 / Q4_1 blocks."""
+    (a `kit.models.Model`), on every device of `placement` (a `kit.parallel.Placement`).
+    With `--qlora` the frozen projections are NF4, or, for a model loaded from a GGUF file,
+    the file's own Q8_0 / Q4_0 / Q4_1 blocks."""
+    made = _tuning(config, model)
+    return dataclasses.replace(
+        made, trainable=placement.replicate(made.trainable), base=placement.replicate(made.base)
+    )
+
+
+def _tuning(config, model) -> Tuning:
     from tunelib import peft
     from tunelib.models import PROJECTION_KERNELS
 

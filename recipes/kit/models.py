@@ -203,19 +203,30 @@ def start_model(path: Path | None, size: str, seed: int) -> Model:
     return new_model(CharTokenizer(), size, seed)
 
 
+def replicated(model: Model, placement) -> Model:
+    """`model` with its parameters on every device of `placement` (a `kit.parallel.Placement`)."""
+    return dataclasses.replace(model, params=placement.replicate(model.params))
+
+
 def save_model(folder: Path, model: Model, params: dict) -> None:
     """`params` as a recipe model folder (`config.json`, Orbax `params/`, the tokenizer), and
-    as a Hugging Face checkpoint in `hf_model/` beside it when the model came from one."""
+    as a Hugging Face checkpoint in `hf_model/` beside it when the model came from one.
+    In a run of several processes every process calls this; process 0 writes the files that
+    are not Orbax's."""
     import orbax.checkpoint as ocp
 
     from tunelib.models import save_hf_checkpoint
 
+    from kit import parallel
+
     folder = folder.resolve()
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(folder / "params", params, force=True)
-    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(model.config), indent=2))
-    if hasattr(model.tokenizer, "save"):
-        model.tokenizer.save(folder)
+    if parallel.is_main():
+        text = json.dumps(dataclasses.asdict(model.config), indent=2)
+        (folder / "config.json").write_text(text)
+        if hasattr(model.tokenizer, "save"):
+            model.tokenizer.save(folder)
     if model.hf_config is not None:
         from_folder = model.folder is not None and model.folder.is_dir()
         save_hf_checkpoint(

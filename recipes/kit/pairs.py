@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 class PairLogps(NamedTuple):
     """Per pair `[P]`: the sequence log-probs (sums over the completion tokens) and their
-    per-token means of each side, and `real`, False for the empty slots of packed rows."""
+    per-token means of each side, and `real`, False for the empty slots of packed rows and
+    for rows of padding (no completion token)."""
 
     chosen: jax.Array
     rejected: jax.Array
@@ -47,7 +48,8 @@ def pair_logps(
     if not packed:
         sums = jnp.split(logprobs.sequence_sum(token, where=rows["where"]), 2)
         means = jnp.split(logprobs.sequence_mean(token, where=rows["where"]), 2)
-        return PairLogps(*sums, *means, jnp.ones(sums[0].shape, bool))
+        real = jnp.split(rows["where"].any(axis=1), 2)[0]  # rows of padding are no pairs
+        return PairLogps(*sums, *means, real)
     segments = {"segment_ids": rows["segment_ids"], "num_segments": max_segments}
     sums = logprobs.sequence_sum(token, where=rows["where"], **segments)
     means = logprobs.sequence_mean(token, where=rows["where"], **segments)

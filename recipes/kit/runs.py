@@ -10,10 +10,27 @@ work starts. Nothing here imports JAX.
 import json
 import shutil
 import time
+import tomllib
 from pathlib import Path
 
 from kit.config import to_toml
 from kit.errors import UserError
+
+# What `--resume` may change: the budget, how often it evaluates and saves, where it logs, and
+# how it runs (devices, log-prob implementation). Every other setting picks the model, the
+# data or the objective, which a checkpoint cannot be continued under.
+RESUMABLE_CHANGES = frozenset(
+    {
+        "steps",
+        "eval_every",
+        "checkpoint_every",
+        "log_to",
+        "no_progress",
+        "devices",
+        "logprobs",
+        "out",
+    }
+)
 
 # Everything a recipe writes into its run folder; `--overwrite` removes these and only these.
 RUN_ENTRIES = (
@@ -81,6 +98,24 @@ class RunFolder:
                     entry.unlink()
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "config.toml").write_text(to_toml(config))
+
+    def check_resume(self, config) -> None:
+        """With `--resume`, refuse a configuration that differs from the saved `config.toml`
+        in anything but `RESUMABLE_CHANGES`: another model, data or objective."""
+        saved_file = self.path / "config.toml"
+        if not self.resume or not saved_file.is_file():
+            return
+        saved = tomllib.loads(saved_file.read_text())
+        now = tomllib.loads(to_toml(config))
+        for name in sorted((saved.keys() | now.keys()) - RESUMABLE_CHANGES):
+            if saved.get(name) != now.get(name):
+                flag = "--" + name.replace("_", "-")
+                raise UserError(
+                    f"--resume: {self.path} was trained with {flag} {saved.get(name)} (its "
+                    f"config.toml), not {now.get(name)}; a run resumes with the settings it "
+                    "started with, except --steps, --eval-every, --checkpoint-every, --log-to, "
+                    "--no-progress, --devices and --logprobs"
+                )
 
     @property
     def metrics_path(self) -> Path:

@@ -214,6 +214,57 @@ def test_iterator_state_resumes_the_same_stream():
     assert_batch_equal(next(rebuilt), expected[0])
 
 
+@given(count=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=6)
+def test_shards_together_are_the_unsharded_stream(count, seed):
+    """Shard p's batch k is rows [p b, (p + 1) b) of the unsharded batch k, across epochs;
+    a shard's iterator state resumes it."""
+    records = sft_records(10)
+    whole = iter(sft_dataset(records, tok, max_length=12, batch_size=8, seed=seed))
+    shards = [
+        iter(sft_dataset(records, tok, max_length=12, batch_size=8, seed=seed, shard=(p, count)))
+        for p in range(count)
+    ]
+    for _ in range(4):  # 32 rows: three epochs of 10 records
+        parts = [next(shard) for shard in shards]
+        assert {len(part["tokens"]) for part in parts} == {8 // count}
+        joined = {k: np.concatenate([part[k] for part in parts]) for k in KEYS}
+        assert_batch_equal(joined, next(whole))
+    state = shards[-1].get_state()
+    expected = next(shards[-1])
+    resumed = iter(
+        sft_dataset(records, tok, max_length=12, batch_size=8, seed=seed, shard=(count - 1, count))
+    )
+    resumed.set_state(state)
+    assert_batch_equal(next(resumed), expected)
+
+
+def test_packed_shards_use_every_example_once_per_epoch():
+    """Packed, shard p packs every count-th example of the stream: the two shards' rows hold
+    each record exactly once in an epoch's worth of rows."""
+    records = sft_records(12)
+    kwargs = dict(max_length=40, batch_size=4, seed=3, packing=True, max_segments=8)
+    rows = []
+    for p in range(2):
+        shard = sft_dataset(records, tok, num_epochs=1, **kwargs, shard=(p, 2))
+        for batch in shard:
+            assert len(batch["tokens"]) == 2
+            for row, segments in zip(batch["tokens"], batch["segment_ids"], strict=True):
+                rows += [tok.decode(row[segments == s]) for s in range(1, segments.max() + 1)]
+    expected = sorted(r["prompt"] + r["completion"] for r in records)
+    assert sorted(rows) == expected
+
+
+def test_shard_errors():
+    records = sft_records(4)
+    with raises_naming("batch_size=3", "2 equal shards", error=ValueError):
+        sft_dataset(records, tok, max_length=12, batch_size=3, shard=(0, 2))
+    with raises_naming("index", error=ValueError):
+        sft_dataset(records, tok, max_length=12, batch_size=2, shard=(2, 2))
+    with raises_naming("drop_remainder=True", error=ValueError):
+        sft_dataset(records, tok, max_length=12, batch_size=2, shard=(0, 2), drop_remainder=False)
+
+
 def test_orbax_checkpoint_round_trip(tmp_path):
     import grain
     import orbax.checkpoint as ocp

@@ -150,14 +150,23 @@ def test_partial_environment_is_named(monkeypatch):
         distributed.initialize()
 
 
-def test_recipes_refuse_to_run_as_several_processes(tmp_path):
-    """Until the recipes run across processes, N launched copies would write one --out."""
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch-size", "6"], "--batch-size 6 does not split over 4 devices"),
+        (["--devices", "2"], "uses all 4 of their devices"),
+    ],
+)
+def test_a_recipe_whose_batch_does_not_split_over_the_processes_says_so(tmp_path, flags, message):
+    """Before any work, in one line per process, with nothing written."""
     recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "sft.py")
     done = subprocess.run(
-        [sys.executable, "-m", "tunelib.launch", "-n", "2", recipe, "--out", str(tmp_path / "r")],
+        [sys.executable, "-m", "tunelib.launch", "-n", "2", "--devices-per-process", "2", recipe,
+         "--out", str(tmp_path / "r"), *flags],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert done.returncode != 0
-    assert "the recipes run in one process for now" in done.stdout
+    assert done.returncode == 2, done.stdout[-2000:]
+    errors = [line for line in done.stdout.splitlines() if "error:" in line]
+    assert len(errors) == 2 and all(message in line for line in errors), done.stdout[-2000:]
     assert "Traceback" not in done.stdout + done.stderr
     assert not (tmp_path / "r").exists()

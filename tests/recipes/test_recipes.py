@@ -23,8 +23,12 @@ from flax import nnx
 from tests._helpers import user_env
 from tests.recipes._scripts import RECIPES, recipe_main, recipe_module, run_recipe_process
 
-# A small, fast slice of the task; the model is the recipes' own.
-SMALL = ["--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no-progress"]
+# A small, fast slice of the task; the model is the recipes' own. One device, as a user's
+# process has, not the test session's eight (tests/distributed runs the recipes on several).
+SMALL = [
+    "--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no-progress",
+    "--devices", "1",
+]  # fmt: skip
 # One budget for the short runs: the optimizer's schedule is compiled into each step, so runs
 # with the same steps share their compiled programs through the session's cache.
 STEPS = ["--steps", "4", "--eval-every", "4"]

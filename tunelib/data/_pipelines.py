@@ -81,8 +81,10 @@ def _dataset(
     on_invalid: OnInvalid,
     packing: bool,
     max_segments: int | None,
+    shard: tuple[int, int],
 ) -> grain.IterDataset:
-    """Encode `records`, then source -> map -> shuffle -> repeat [-> pack] -> batch with Grain."""
+    """Encode `records`, then source -> map -> shuffle -> repeat [-> pack] -> batch with Grain,
+    keeping this process's `shard` of every batch."""
     check_on_invalid(on_invalid)
     check_max_length(max_length, at_least=2)
     if batch_size < 1:
@@ -98,6 +100,7 @@ def _dataset(
         )
     if not packing and max_segments is not None:
         raise ValueError(f"max_segments={max_segments} is for packing=True only.")
+    index, count = check_shard(shard, batch_size, drop_remainder)
     per_example = 1 if kind == "sft" else 2  # sequences: a preference pair has two
     if packing:
         check_max_segments(max_segments, per_example=per_example)
@@ -128,17 +131,35 @@ def _dataset(
     ds = grain.MapDataset.source(examples).map(layout)
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(num_epochs).to_iter_dataset(_READ_OPTIONS)
-    if packing:
-        ds = pack(
-            ds,
-            max_length=max_length,
-            num_rows=batch_size,
-            max_segments=max_segments,
-            per_example=per_example,
-            pad_id=tokenizer.pad_id,
-        )
-    return ds.batch(batch_size, drop_remainder=drop_remainder)
+    ds = ds.repeat(num_epochs)
+    rows = batch_size // count
+    if not packing:  # batch k of this shard is batch k * count + index of the whole stream
+        ds = ds.batch(rows, drop_remainder=drop_remainder)
+        return ds[index::count].to_iter_dataset(_READ_OPTIONS)
+    # Packed, each shard packs every count-th example of the stream into its own rows.
+    ds = pack(
+        ds[index::count].to_iter_dataset(_READ_OPTIONS),
+        max_length=max_length,
+        num_rows=rows,
+        max_segments=max_segments,
+        per_example=per_example,
+        pad_id=tokenizer.pad_id,
+    )
+    return ds.batch(rows, drop_remainder=drop_remainder)
+
+
+def check_shard(shard: tuple[int, int], batch_size: int, drop_remainder: bool) -> tuple[int, int]:
+    """`shard` as `(index, count)`, once it names one of `count` equal shares of a batch."""
+    if not (isinstance(shard, tuple) and len(shard) == 2 and all(type(x) is int for x in shard)):
+        raise ValueError(f"shard must be a tuple (index, count) of ints, got {shard!r}.")
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard {shard}: index must lie in [0, count).")
+    if batch_size % count:
+        raise ValueError(f"batch_size={batch_size} does not split into {count} equal shards.")
+    if count > 1 and not drop_remainder:
+        raise ValueError("shard with count > 1 needs drop_remainder=True (equal batches).")
+    return index, count
 
 
 def sft_dataset(
@@ -154,6 +175,7 @@ def sft_dataset(
     on_invalid: OnInvalid = "raise",
     packing: bool = False,
     max_segments: int | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> grain.IterDataset:
     r"""A Grain dataset of SFT batches from chat or prompt-completion records.
 
@@ -215,6 +237,14 @@ def sft_dataset(
       packing: pack several sequences into each row (see above).
       max_segments: with `packing=True` (and only then, where it is required), the most
         sequences a row may hold: the static size of a consumer's per-segment axis.
+      shard: `(index, count)`: keep this process's share of every batch, for a run of
+        `count` processes (`(jax.process_index(), jax.process_count())`). Each batch then
+        has `batch_size // count` rows: rows `[index * b, (index + 1) * b)` of the batch the
+        unsharded dataset gives, so the `count` shards together are exactly that stream, and
+        a process lays out only its own records. Packed, each shard packs every `count`-th
+        example of the stream into its own rows (every example is still used once per
+        epoch, but the rows differ from the unsharded ones). Needs `drop_remainder=True`
+        when `count > 1`. The iterator's state is the shard's own.
 
     Returns:
       A `grain.IterDataset`. Iterating it gives dicts of NumPy arrays, all
@@ -269,6 +299,7 @@ def sft_dataset(
         on_invalid=on_invalid,
         packing=packing,
         max_segments=max_segments,
+        shard=shard,
     )
 
 
@@ -285,6 +316,7 @@ def preference_dataset(
     on_invalid: OnInvalid = "raise",
     packing: bool = False,
     max_segments: int | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> grain.IterDataset:
     """A Grain dataset of preference batches from `{"prompt", "chosen", "rejected"}` records.
 
@@ -292,7 +324,7 @@ def preference_dataset(
     out exactly as an SFT example (see `sft_dataset`), so `where` marks the response tokens
     (and, for strings, the EOS) of that side. Each side must fit `max_length` on its own, or
     the record is invalid. Shuffling, epochs, batching and checkpointing are those of
-    `sft_dataset`.
+    `sft_dataset`, and so is `shard`.
 
     Padded, both sides of a pair sit on the same row of two batches, `batch["chosen"]` and
     `batch["rejected"]`. Packed (`packing=True`), a batch is one dict as `sft_dataset`'s:
@@ -317,6 +349,7 @@ def preference_dataset(
       packing: pack several pairs into each row.
       max_segments: with `packing=True` (required then), the most sequences a row may hold,
         an even number.
+      shard: `(index, count)`: this process's share of every batch (see `sft_dataset`).
 
     Returns:
       A `grain.IterDataset` of `{"chosen": {...}, "rejected": {...}}`, each side a dict with
@@ -354,6 +387,7 @@ def preference_dataset(
         on_invalid=on_invalid,
         packing=packing,
         max_segments=max_segments,
+        shard=shard,
     )
 
 

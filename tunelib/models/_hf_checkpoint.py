@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jaxtyping import PyTree
 
 from tunelib.models._config import DecoderConfig
@@ -371,9 +372,11 @@ def save_hf_checkpoint(
     Args:
       directory: where the checkpoint goes; it must not exist unless `overwrite`.
       graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder`.
-      params: its parameters, an `nnx.State` or a pure dict, on any devices of this process
-        (each tensor is fetched to the host when its file is written). Merge LoRA adapters
-        first.
+      params: its parameters, an `nnx.State` or a pure dict, on any devices (each tensor is
+        fetched to the host when its file is written). Merge LoRA adapters first. In a run
+        of several processes every process calls this, as with Orbax: tensors spread over
+        processes are gathered (`process_allgather`), process 0 writes, and every call
+        returns once the checkpoint is complete.
       model_type: "llama", "mistral", "qwen2" or "qwen3"; None means `hf_config`'s.
       hf_config: the `config.json` the model was loaded from (`HFCheckpoint.hf_config`):
         its token ids and other metadata are kept, architectural fields rewritten.
@@ -391,8 +394,8 @@ def save_hf_checkpoint(
 
     Raises:
       FileExistsError: if `directory` exists and not `overwrite`.
-      ValueError: if `params` are not the parameters of `graphdef`'s config or span several
-        processes, or `model_type` cannot express the config.
+      ValueError: if `params` are not the parameters of `graphdef`'s config, or `model_type`
+        cannot express the config.
 
     Examples:
       >>> import json, os, tempfile
@@ -417,6 +420,9 @@ def save_hf_checkpoint(
     directory = Path(directory)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
+    if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params)):
+        # Spread over processes: every process calls this, so each gathers every tensor.
+        params = multihost_utils.process_allgather(params, tiled=True)
     config = checked_config(graphdef, params)
     model_type = model_type or (hf_config or {}).get("model_type")
     if model_type is None:
@@ -427,12 +433,17 @@ def save_hf_checkpoint(
     if directory.exists() and not overwrite:
         raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it.")
     target = np.dtype(jnp.dtype(hf["dtype"]))
-    tensors = sorted(_tensors_to_write(params, config, target), key=lambda t: _order(t.name))
-
-    return write_checkpoint(
-        directory, tensors, hf, max_shard_size=max_shard_size, copy_files_from=copy_files_from,
-        tokenizer=tokenizer,
-    )  # fmt: skip
+    if jax.process_count() > 1:  # every process has checked before the folder appears
+        multihost_utils.sync_global_devices(f"tunelib.save_hf_checkpoint {directory} checked")
+    if jax.process_index() == 0:  # one writer; in a run of several, the others wait for it
+        tensors = sorted(_tensors_to_write(params, config, target), key=lambda t: _order(t.name))
+        write_checkpoint(
+            directory, tensors, hf, max_shard_size=max_shard_size,
+            copy_files_from=copy_files_from, tokenizer=tokenizer,
+        )  # fmt: skip
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"tunelib.save_hf_checkpoint {directory}")
+    return directory
 
 
 def checked_config(graphdef: nnx.GraphDef, params: PyTree) -> DecoderConfig:

@@ -245,21 +245,37 @@ def sample(
             f"need {needed} cache slots, but cache_length is {config.cache_length}."
         )
     if not isinstance(prompt_where, jax.core.Tracer):
-        real = np.asarray(prompt_where)
-        empty = np.flatnonzero(~real.any(axis=1))
-        if empty.size:
-            raise ValueError(
-                f"prompt_where has no real token in rows {empty[:10].tolist()}: every prompt "
-                "needs at least one token to condition on (start empty prompts with a BOS)."
-            )
+        for first, real in _rows_held_here(prompt_where):
+            empty = first + np.flatnonzero(~real.any(axis=1))
+            if empty.size:
+                raise ValueError(
+                    f"prompt_where has no real token in rows {empty[:10].tolist()}: every "
+                    "prompt needs at least one token to condition on (start empty prompts "
+                    "with a BOS)."
+                )
         if not isinstance(prompt_tokens, jax.core.Tracer):
-            ids = np.asarray(prompt_tokens)[real]
+            pairs = zip(_rows_held_here(prompt_tokens), _rows_held_here(prompt_where), strict=True)
+            ids = np.concatenate([np.zeros(0, np.int64)] + [t[w] for (_, t), (_, w) in pairs])
             if ids.size and not (ids.min() >= 0 and ids.max() < model_config.vocab_size):
                 raise ValueError(
                     f"prompt_tokens must lie in [0, {model_config.vocab_size}) where "
                     f"prompt_where is True, got ids from {ids.min()} to {ids.max()}."
                 )
     return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
+
+
+def _rows_held_here(x: jax.Array) -> list[tuple[int, np.ndarray]]:
+    """`(first row, whole rows)` blocks of `[B, P]` `x` that this process holds: all of it,
+    or, for an array spread over several processes (a multi-process run), its addressable
+    shards that hold whole rows, so each process checks its own prompts."""
+    if getattr(x, "is_fully_addressable", True):
+        return [(0, np.asarray(x))]
+    blocks = {}
+    for shard in x.addressable_shards:
+        rows, columns = shard.index
+        if columns.indices(x.shape[1]) == (0, x.shape[1], 1):
+            blocks[rows.indices(x.shape[0])[0]] = np.asarray(shard.data)
+    return sorted(blocks.items(), key=lambda block: block[0])
 
 
 @jax.jit(static_argnums=(0, 5, 6))

@@ -1,0 +1,217 @@
+"""The recipes on JAX's multi-controller runtime: 2 processes of 2 CPU devices each (Gloo on
+loopback, started by `tunelib.launch`) against 1 process of 4 devices, with the same global
+batch; a process killed mid-run; checkpoints restored on other process and device counts."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from filelock import FileLock
+
+from tests._helpers import user_env
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+sys.path.insert(0, str(RECIPES))
+from kit.runs import checkpoint_steps  # noqa: E402
+
+# A small task and model; 40 steps, so a process can be killed mid-run.
+SMALL = [
+    "--num-train", "128", "--num-heldout", "12", "--batch-size", "8", "--no-progress",
+    "--eval-every", "20",
+]  # fmt: skip
+SFT = [*SMALL, "--model-size", "student", "--steps", "40", "--checkpoint-every", "10"]
+# Per logged value: relative, or absolute for values near zero that are differences of terms
+# of order one (a GRPO loss), where one float32 rounding (1.2e-7 at 1) of a sum reduced in
+# another order (across processes, through Gloo) is all that may differ.
+RTOL, ATOL = 1e-6, 2e-7
+
+
+def environment(devices: int) -> dict:
+    env = user_env(compilation_cache=True)
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    )
+    return env
+
+
+def command(recipe: str, args, *, processes: int, devices: int) -> list[str]:
+    script = str(RECIPES / f"{recipe}.py")
+    if processes == 1:
+        return [sys.executable, script, *args]
+    launch = ["-m", "tunelib.launch", "-n", str(processes), "--devices-per-process", str(devices)]
+    return [sys.executable, *launch, script, *args]
+
+
+def run(recipe: str, *args: str, processes: int = 1, devices: int = 1) -> dict:
+    """The recipe to the end; its final JSON line (printed once, by process 0)."""
+    proc = subprocess.run(
+        command(recipe, args, processes=processes, devices=devices),
+        capture_output=True, text=True, timeout=600, env=environment(devices), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [line for line in proc.stdout.splitlines() if '"recipe"' in line]
+    assert len(results) == 1, proc.stdout[-3000:]
+    prefix = "[0] " if processes > 1 else ""
+    assert results[0].startswith(prefix)
+    return json.loads(results[0].removeprefix(prefix))
+
+
+def killed(recipe: str, out: Path, *args: str, processes: int, devices: int, after: int) -> int:
+    """Start the recipe, SIGKILL its last process once a checkpoint later than step `after` is
+    complete, and return the latest complete checkpoint's step (the run had not finished)."""
+    proc = subprocess.Popen(
+        command(recipe, [*args, "--out", str(out)], processes=processes, devices=devices),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(devices),
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not [s for s in checkpoint_steps(out) if s > after]:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    victim = proc.pid if processes == 1 else _rank(proc.pid, processes - 1)
+    os.kill(victim, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output[-3000:]
+    if processes > 1:  # the launcher names the process that died and stops the others
+        assert f"process {processes - 1}" in output, output[-3000:]
+    saved = checkpoint_steps(out)[-1]
+    assert after < saved < 40 and not (out / "model").exists(), output[-3000:]
+    return saved
+
+
+def _rank(launcher: int, rank: int) -> int:
+    """The pid of the launcher's child process of `rank`."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    for pid in map(int, children):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"TUNELIB_PROCESS_ID={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no process of rank {rank} under {launcher}")
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged(folder: Path) -> dict[str, list[float]]:
+    """Every logged value but the times, by name, in step order."""
+    out: dict[str, list[float]] = {}
+    for record in records(folder):
+        for key, value in record.items():
+            if not key.startswith("time_"):
+                out.setdefault(key, []).append(value)
+    return out
+
+
+def params(folder: Path) -> list[np.ndarray]:
+    """The saved model's weights, onto this process's first device (whichever devices and
+    processes saved them)."""
+    import jax
+
+    path = (folder / "model" / "params").resolve()
+    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with ocp.StandardCheckpointer() as checkpointer:
+        shapes = checkpointer.metadata(path).item_metadata
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), shapes
+        )
+        restored = checkpointer.restore(path, target)
+    return [np.asarray(x) for x in jax.tree.leaves(restored)]
+
+
+def assert_same_run(a: Path, b: Path, *, exact: bool = False) -> None:
+    """The same steps, logged values within `RTOL` (or equal) and the same final weights."""
+    got, want = logged(a), logged(b)
+    assert got.keys() == want.keys() and got["step"] == want["step"] == list(range(41))
+    for key in got:
+        if exact:
+            assert got[key] == want[key], key
+        else:
+            np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL, err_msg=key)
+    for x, y in zip(params(a), params(b), strict=True):
+        if exact:
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def sft_runs(tmp_path_factory) -> dict[str, Path]:
+    """The same SFT run on 1 process of 4 devices and on 2 processes of 2, and on 2 processes
+    of 2 killed mid-run (the folder it left). Made once for the whole session: the first
+    xdist worker to need them makes them, under a lock, and the other finds them done."""
+    root = tmp_path_factory.getbasetemp().parent / "sft-across-processes"
+    root.mkdir(exist_ok=True)
+    runs = {"1x4": root / "1x4", "2x2": root / "2x2", "killed": root / "killed"}
+    with FileLock(str(root / "lock")):
+        if not (root / "done").exists():
+            for folder in runs.values():
+                shutil.rmtree(folder, ignore_errors=True)
+            run("sft", *SFT, "--out", str(runs["1x4"]), devices=4)
+            run("sft", *SFT, "--out", str(runs["2x2"]), processes=2, devices=2)
+            killed("sft", runs["killed"], *SFT, processes=2, devices=2, after=0)
+            (root / "done").touch()
+    return runs
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def test_sft_on_two_processes_equals_one_process_of_four_devices(sft_runs):
+    assert_same_run(sft_runs["2x2"], sft_runs["1x4"])
+    two = sft_runs["2x2"]
+    # Every process saved its data position; process 0 alone wrote the run's own files.
+    data = two / "checkpoints" / "40" / "data"
+    assert sorted(p.name for p in data.glob("*.json")) == [
+        "process_0-of-2.json", "process_1-of-2.json",
+    ]  # fmt: skip
+    assert len(records(two)) == 41 and (two / "result.json").is_file()
+
+
+def test_a_killed_process_loses_only_the_steps_since_the_checkpoint(sft_runs, tmp_path):
+    """One of two processes SIGKILLed mid-run (the launcher names it and stops the other);
+    `--resume` on two processes ends bit for bit as the uninterrupted run, and reports the
+    restart."""
+    out = copy_of(sft_runs["killed"], tmp_path)
+    result = run("sft", *SFT, "--out", str(out), "--resume", processes=2, devices=2)
+    assert result["restarts"] == 1 and result["badput_seconds"] >= 0
+    assert_same_run(out, sft_runs["2x2"], exact=True)
+
+
+def test_a_checkpoint_resumes_on_other_process_and_device_counts(sft_runs, tmp_path):
+    """Elastic restore: the checkpoint 2 processes left resumes on 1 process of 1 device,
+    killed in turn; its checkpoint resumes on 1 process of 4 devices; the run ends as the
+    uninterrupted one (to `RTOL`: the sums' order changes with the devices)."""
+    out = copy_of(sft_runs["killed"], tmp_path)
+    first = checkpoint_steps(out)[-1]
+    second = killed("sft", out, *SFT, "--resume", processes=1, devices=1, after=first)
+    result = run("sft", *SFT, "--out", str(out), "--resume", devices=4)
+    assert result["restarts"] == 2 and first < second
+    assert_same_run(out, sft_runs["1x4"])
+
+
+def test_dpo_and_grpo_on_two_processes_equal_one_process_of_four_devices(sft_runs, tmp_path):
+    """DPO and GRPO from the SFT model: the same logged values on 2 processes of 2 devices as
+    on 1 process of 4 (GRPO's samples included: the sampler draws the same tokens)."""
+    model = ["--model", str(sft_runs["1x4"] / "model")]
+    for recipe, flags in {
+        "dpo": ["--num-prompts", "64", "--steps", "4", "--eval-every", "4"],
+        "grpo": ["--num-prompts", "64", "--steps", "3", "--eval-every", "3", "--group-size", "4",
+                 "--max-new-tokens", "6", "--updates-per-batch", "2"],
+    }.items():  # fmt: skip
+        args = [*SMALL, *model, *flags]
+        run(recipe, *args, "--out", str(tmp_path / f"{recipe}-1x4"), devices=4)
+        run(recipe, *args, "--out", str(tmp_path / f"{recipe}-2x2"), processes=2, devices=2)
+        got, want = logged(tmp_path / f"{recipe}-2x2"), logged(tmp_path / f"{recipe}-1x4")
+        assert got.keys() == want.keys() and len(got["step"]) > 1
+        for key in got:
+            np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL, err_msg=key)
