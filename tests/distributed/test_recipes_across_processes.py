@@ -148,7 +148,8 @@ def sft_runs(tmp_path_factory) -> dict[str, Path]:
     """The same SFT run on 1 process of 4 devices and on 2 processes of 2, and on 2 processes
     of 2 killed mid-run (the folder it left). Made once for the whole session: the first
     xdist worker to need them makes them, under a lock, and the other finds them done."""
-    root = tmp_path_factory.getbasetemp().parent / "sft-across-processes"
+    base = tmp_path_factory.getbasetemp()  # an xdist worker's is in the session's folder
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "sft-runs"
     root.mkdir(exist_ok=True)
     runs = {"1x4": root / "1x4", "2x2": root / "2x2", "killed": root / "killed"}
     with FileLock(str(root / "lock")):
