@@ -7,6 +7,7 @@
     python recipes/grpo.py --lora-rank 16     # LoRA adapters on the frozen SFT model (--qlora)
     python recipes/grpo.py --reward my_rewards.py:score          # a reward function of your own
     python recipes/grpo.py --model HF_CHECKPOINT --data problems.jsonl   # your model and prompts
+    python -m tunelib.launch -n 2 recipes/grpo.py --max-staleness 1   # one process samples
 
 The data: prompts with answers (the built-in task's "12+7=" and "19", or a file's
 `prompt`/`answer` records, the prompt a string or chat messages). Each step samples
@@ -18,6 +19,12 @@ of `tunelib.advantages`, with the sampler's log-probs as the behaviour policy an
 penalty to the SFT model, frozen. The step: `--updates-per-batch` Optax updates per batch of
 rollouts; with `--lora-rank` only adapters train, the reference is the frozen base, and the
 sampler gets the adapters merged before each batch. Held-out: greedy accuracy.
+
+Disaggregated and asynchronous (`--max-staleness s`, on two processes): process 0 trains,
+process 1 samples, and a batch is sampled at most s updates before it is trained on
+(`kit.disaggregated`); s = 0 is this recipe's synchronous steps on two processes. With s > 0
+each batch is corrected by default for the weights that sampled it: truncated importance
+weights of the trainer's log-probs before the update over the sampler's (`--is-correction`).
 
 A reward function takes a completion's text and its prompt's record (a dict with `prompt`,
 `answer` and any other field of the file) and returns a float:
@@ -126,6 +133,18 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora):
     max_new_tokens: int = flag(
         64, "the most tokens of a sampled completion (the built-in task's room may be less)"
     )
+    max_staleness: int | None = flag(
+        None,
+        "run disaggregated on 2 processes (python -m tunelib.launch -n 2): process 0 trains, "
+        "process 1 samples batches at most this many updates old (0: they take turns)",
+    )
+    is_correction: Literal["auto", "none", "tis"] = flag(
+        "auto",
+        "importance weights for rollouts sampled by older weights: tis truncates the "
+        "trainer's log-probs before the update over the sampler's at --is-cap; auto is tis "
+        "when --max-staleness > 0",
+    )
+    is_cap: float = flag(2.0, "the cap C of the truncated importance weights")
 
     def run_name(self) -> str:
         return "grpo" if self.mode == "grpo" else f"grpo-{self.mode}"
@@ -136,6 +155,12 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora):
         kit.config.at_least("updates_per_batch", self.updates_per_batch, 1)
         kit.config.at_least("max_new_tokens", self.max_new_tokens, 1)
         kit.config.at_least("num_prompts", self.num_prompts, 1)
+        if self.max_staleness is not None:
+            kit.config.at_least("max_staleness", self.max_staleness, 0)
+        if not self.is_cap > 0:
+            raise UserError(f"--is-cap must be > 0, got {self.is_cap}")
+        if self.is_correction == "auto":
+            self.is_correction = "tis" if self.max_staleness else "none"
         if not self.temperature > 0:
             raise UserError(
                 f"--temperature must be > 0 (GRPO needs G different completions per prompt), "
@@ -148,6 +173,26 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora):
             raise UserError("--epsilon-low, --epsilon-high and --kl-coef must be >= 0")
         if self.reward is not None:
             load_reward(self.reward)
+
+
+def batch_template(task, config, sampling) -> dict:
+    """Zeros shaped like a batch of scored rollouts (`train`'s `sample`), the trainer's
+    side of the disaggregated exchange."""
+    import numpy as np
+
+    rows, new = config.batch_size * config.group_size, sampling.max_new_tokens
+    return {
+        "prompt_tokens": np.zeros((config.batch_size, task.prompt_length), np.int32),
+        "prompt_where": np.zeros((config.batch_size, task.prompt_length), bool),
+        "tokens": np.zeros((rows, new), np.int32),
+        "where": np.zeros((rows, new), bool),
+        "logps": np.zeros((rows, new), np.float32),
+        "rewards": np.zeros(rows, np.float32),
+        "keep": np.zeros(rows, bool),
+        "right": np.zeros(rows, bool),
+        "lengths": np.zeros(rows, np.int32),
+        "version": np.int32(0),
+    }
 
 
 def well_formed(text: str, truncated: bool) -> bool:
@@ -163,10 +208,29 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import advantages, losses, metrics, peft, rollout
 
-    from kit import chain, data, evaluate, goodput, loop, lora, models, optim, parallel
+    from kit import (
+        chain,
+        data,
+        disaggregated,
+        evaluate,
+        goodput,
+        loop,
+        lora,
+        models,
+        optim,
+        parallel,
+    )
 
     mode = MODES[config.mode]
-    placement = parallel.placement(config)  # every device of every process, prompts by rows
+    # Every device of every process, prompts by rows; disaggregated, each process's own.
+    split = config.max_staleness is not None
+    placement = parallel.placement(config, across_processes=not split)
+    if split and placement.process_count != 2:
+        raise UserError(
+            f"--max-staleness runs on 2 processes (one trains, one samples), not "
+            f"{placement.process_count}: start it with python -m tunelib.launch -n 2"
+        )
+    trainer = not split or disaggregated.role() == disaggregated.TRAINER
     folder, sft_seconds = chain.sft_start(config)
     model = models.replicated(models.load_model(folder), placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
@@ -196,7 +260,8 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     # This process's prompts of each step's batch: rows [p * b, (p + 1) * b) of the batch.
     index, count = placement.shard
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
-    batches = iter(order.batch(config.batch_size // count)[index::count].to_iter_dataset())
+    order = order.batch(config.batch_size // count)[index::count]
+    batches = iter(order.to_iter_dataset())
     optimizer = optim.adamw(config, schedule="constant", warmup=0.1)
 
     def completion_logps(params, batch):
@@ -213,8 +278,10 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         where = batch["where"] & batch["keep"][:, None]
         adv = advantages.group_advantages(batch["rewards"], group_size=group, scale=mode["scale"])
         clip = {"epsilon_low": config.epsilon_low, "epsilon_high": config.epsilon_high}
-        old = batch["logps"]
+        old = batch["old"]  # the sampler's log-probs, or with --is-correction the trainer's
         per_token = losses.policy_gradient_loss(token_logps, old, adv, **clip, where=where)
+        if "is_weights" in batch:
+            per_token = per_token * batch["is_weights"]
         logged = {}
         if config.kl_coef:  # without the penalty, no forward pass of the reference
             ref_logps, _ = jax.lax.stop_gradient(
@@ -257,20 +324,16 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         params = optax.apply_updates(state["params"], updates)
         return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
 
-    def train_step(state, indices):
-        """Sample a group per prompt on the devices, score this process's completions on
-        the host, then the jitted updates."""
-        records = [task.train[i] for i in placement.local(indices)]
-        prompt_tokens, prompt_where = placement.rows(data.prompts(task, records))
-        rng, sample_key, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
-        with goodput.phase("sync"):  # the sampler's weights: LoRA adapters merged
-            policy = jax.block_until_ready(tuning.dense(state["params"]))
-        with goodput.phase("rollout"):
-            out = rollout.sample(
-                graphdef, policy, prompt_tokens, prompt_where, sample_key, sampling,
-                group_size=group,
-            )  # fmt: skip
-            tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
+    def sample(policy, indices, sample_key) -> dict:
+        """A group per prompt sampled on the devices, this process's completions scored on
+        the host: its rows of the batch, as NumPy arrays."""
+        records = [task.train[i] for i in indices]
+        prompt_tokens, prompt_where = data.prompts(task, records)
+        out = rollout.sample(
+            graphdef, policy, *placement.rows((prompt_tokens, prompt_where)), sample_key,
+            sampling, group_size=group,
+        )  # fmt: skip
+        tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
         truncated = placement.local(out.truncated)
         prompt_of = [records[i // group] for i in range(len(texts))]
@@ -290,36 +353,97 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         keep = np.ones(len(texts), bool)
         if mode["dynamic_sampling"]:  # groups whose rewards all agree carry no signal
             keep = np.asarray(advantages.dynamic_sampling_mask(rewards, group_size=group))
-        scored = placement.rows({"rewards": rewards, "keep": keep, "right": right})
-        batch = {
+        return {
             "prompt_tokens": prompt_tokens,  # [B, P]; completion_logps repeats them per group
             "prompt_where": prompt_where,
-            "tokens": out.tokens,
-            "where": out.where,
-            "logps": out.logps,
-            "rewards": scored["rewards"],
-            "keep": scored["keep"],
+            "tokens": tokens,
+            "where": placement.local(out.where),
+            "logps": placement.local(out.logps),
+            "rewards": rewards,
+            "keep": keep,
+            "right": right,
+            "lengths": placement.local(out.lengths),
         }
-        state = {**state, "rng": rng}
+
+    @jax.jit
+    def prox_logps(trainable, batch):
+        return peft.lora(completion_logps)(tuning.params(trainable), batch)[0]
+
+    def learn(state, rows: dict, dropout_key):
+        """The jitted updates on a batch (this process's rows of it, on the host)."""
+        batch = placement.rows(rows)
+        batch["old"] = batch["logps"]
+        if config.is_correction == "tis":  # the trainer's log-probs before the update
+            with goodput.phase("logprobs"):
+                batch["old"] = jax.block_until_ready(prox_logps(state["params"], batch))
+            batch["is_weights"] = losses.truncated_importance_weights(
+                batch["old"], batch["logps"], cap=config.is_cap, where=batch["where"]
+            )
         for i in range(config.updates_per_batch):
             step_key = jax.random.fold_in(dropout_key, i) if config.lora_dropout else None
             state, out_metrics = update(frozen, state, batch, step_key)
-        return state, {
-            **out_metrics,
-            **batch_means(scored["rewards"], scored["right"], out.lengths, scored["keep"]),
-        }
+        means = batch_means(batch["rewards"], batch["right"], batch["lengths"], batch["keep"])
+        return state, {**out_metrics, **means}
+
+    def train_step(state, indices):
+        """Sample and score a group per prompt, then update on them."""
+        rng, sample_key, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
+        with goodput.phase("sync"):  # the sampler's weights: LoRA adapters merged
+            policy = jax.block_until_ready(tuning.dense(state["params"]))
+        with goodput.phase("rollout"):
+            rows = sample(policy, placement.local(indices), sample_key)
+        return learn({**state, "rng": rng}, rows, dropout_key)
+
+    # Disaggregated: the trainer's and the sampler's sides of each step (kit.disaggregated).
+    sampler_policy = {}
+    rollouts = disaggregated.Rollouts(
+        config.max_staleness or 0, sample, template=batch_template(task, config, sampling),
+        fresh_batches=lambda: iter(order.to_iter_dataset()),
+    )  # fmt: skip
+
+    def disaggregated_step(state, indices):
+        rng, _, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
+        version = int(np.asarray(state["updates"]))
+        if not sampler_policy:  # the first step of the run, or after a restore: the same state
+            sampler_policy["weights"] = tuning.dense(state["params"])
+        with goodput.phase("rollout"):  # the trainer waits for a batch; the sampler samples
+            rows = rollouts.take(
+                sampler_policy["weights"], placement.local(indices), batches, state["rng"], version
+            )  # fmt: skip
+        state, out = {**state, "rng": rng, "updates": state["updates"] + 1}, {}
+        if trainer:
+            staleness = version - int(rows.pop("version"))
+            state, out = learn(state, rows, dropout_key)
+            out["staleness"] = staleness
+        with goodput.phase("sync"):  # the next batch to the trainer, the weights to the sampler
+            rollouts.deliver()
+            dense = tuning.dense(state["params"]) if trainer else sampler_policy["weights"]
+            weights, rate = rollouts.push(placement.fetch(dense))
+            if not trainer:
+                sampler_policy["weights"] = placement.replicate(weights)
+        return state, {**out, "weight_push_mb_per_s": rate / 1e6} if trainer else {}
 
     def evaluate_fn(trainable):
+        if not trainer:  # the sampler's copy of the state is not the trained one
+            return {"accuracy": float("nan")}
         return {"accuracy": evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)}
 
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
+    checkpointed = None
+    if split:  # the trainer's state is checkpointed and saved on every device of both
+        state = {**state, "updates": placement.replicate(np.int32(0))}
+        both = disaggregated.everywhere()
+        checkpointed = (
+            lambda state: disaggregated.shared(state, both),
+            lambda saved: disaggregated.own(saved, placement),
+        )
     state = loop.train(
-        run,
-        config,
-        state=loop.initial_state(tuning.trainable, optimizer, config.seed),
-        batches=batches,
-        step_fn=train_step,
-        evaluate=evaluate_fn,
-    )
+        run, config, state=state, batches=batches, evaluate=evaluate_fn,
+        step_fn=disaggregated_step if split else train_step, checkpointed=checkpointed,
+    )  # fmt: skip
+    if split:
+        model, state = models.replicated(model, both), checkpointed[0](state)
+        tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))
     tuning.save(run.path, model, state["params"])
     before, after = loop.first_and_last(run, "accuracy")
     last = run.records()[-1]

@@ -48,12 +48,15 @@ def train(
     batches: Iterator,
     step_fn: Callable[[dict, Any], tuple[dict, dict]],
     evaluate: Callable[[Any], dict],
+    checkpointed: tuple[Callable, Callable] | None = None,
 ) -> dict:
     """Run `step_fn` from step 0 (or the last checkpoint, with `--resume`) to `--steps`.
 
     `state` is a pytree holding at least `params` (what `evaluate` receives); `batches` a
     Grain iterator of this process's rows of each batch, checkpointed with the state;
     `step_fn` receives the global batch of them, split over the run's devices.
+    `checkpointed`, `(to_saved, from_saved)`, maps the state to what a checkpoint holds and
+    back (every process calls both; `kit.disaggregated`'s roles save the trainer's state).
     """
     from tqdm import tqdm
 
@@ -65,9 +68,11 @@ def train(
     if placed is not None:
         placed.barrier("run folder open")
     checkpoints = Checkpoints(run.path / "checkpoints")
+    to_saved, from_saved = checkpointed or (lambda state: state, lambda state: state)
     start = 0
     if run.resume:
-        start, state, saved = checkpoints.restore_latest(state, batches)
+        start, state, saved = checkpoints.restore_latest(to_saved(state), batches)
+        state = from_saved(state)
         if main:
             print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
             records = run.records()
@@ -125,7 +130,7 @@ def train(
             if step % config.checkpoint_every == 0 or step == config.steps or stop:
                 so_far = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
                 with clock.phase("checkpoint"):  # with the record, should the log not follow
-                    checkpoints.save(step, state, batches, {**record, **so_far})
+                    checkpoints.save(step, to_saved(state), batches, {**record, **so_far})
             split = clock.split()
             record.update({goodput.PREFIX + k: round(v, 4) for k, v in split.items()})
             log(record)

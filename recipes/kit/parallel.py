@@ -32,6 +32,10 @@ class Placement:
     mesh: Any
     process_index: int
     process_count: int
+    # The processes whose rows make up a batch on `mesh`: all of them for a mesh over every
+    # process's devices; this process alone for a mesh of its own (a disaggregated role).
+    data_index: int
+    data_count: int
 
     @property
     def is_main(self) -> bool:
@@ -45,7 +49,7 @@ class Placement:
     @property
     def shard(self) -> tuple[int, int]:
         """`(index, count)`: this process's share of every batch, as `tunelib.data` takes it."""
-        return self.process_index, self.process_count
+        return self.data_index, self.data_count
 
     def replicated(self):
         import jax
@@ -64,7 +68,7 @@ class Placement:
         target = self.replicated()
 
         def put(x):
-            if self.process_count == 1 or not isinstance(x, jax.Array):
+            if self.data_count == 1 or not isinstance(x, jax.Array):
                 return jax.device_put(x, target)
             if x.sharding.is_equivalent_to(target, x.ndim):
                 return x
@@ -83,7 +87,7 @@ class Placement:
 
         def place(x):
             x = np.asarray(x)
-            shape = (x.shape[0] * self.process_count, *x.shape[1:])
+            shape = (x.shape[0] * self.data_count, *x.shape[1:])
             return jax.make_array_from_process_local_data(sharding, x, shape)
 
         return jax.tree.map(place, local)
@@ -100,8 +104,8 @@ class Placement:
             raise ValueError(f"{count} rows do not split over {self.num_devices} devices")
         if extra:
             tree = jax.tree.map(lambda x: np.concatenate([x, np.zeros_like(x[:extra])]), tree)
-        share = (count + extra) // self.process_count
-        first = self.process_index * share
+        share = (count + extra) // self.data_count
+        first = self.data_index * share
         return self.rows(jax.tree.map(lambda x: np.asarray(x)[first : first + share], tree))
 
     def local(self, x) -> np.ndarray:
@@ -137,19 +141,20 @@ class Placement:
 _PLACEMENT: dict[str, Placement] = {}
 
 
-def placement(config) -> Placement:
+def placement(config, *, across_processes: bool = True) -> Placement:
     """This run's placement: joins the processes of a multi-process run (once), then a mesh
-    over `--devices` devices (default every device of every process). A batch must split
-    evenly over them."""
+    over `--devices` devices (default every device of every process; with
+    `across_processes=False`, every device of this process, for a role of its own). A batch
+    must split evenly over them."""
     import jax
 
     from tunelib import distributed
 
     runtime = distributed.initialize()
-    devices = list(runtime.devices)
+    devices = list(runtime.devices if across_processes else runtime.local_devices)
     wanted = getattr(config, "devices", None)
     if wanted is not None:
-        if runtime.process_count > 1 and wanted != len(devices):
+        if runtime.process_count > 1 and across_processes and wanted != len(devices):
             raise UserError(
                 f"--devices {wanted}: a run of {runtime.process_count} processes uses all "
                 f"{len(devices)} of their devices; leave --devices out"
@@ -164,7 +169,8 @@ def placement(config) -> Placement:
             + ("" if runtime.process_count > 1 else " or fewer --devices")
         )
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
-    out = Placement(mesh, runtime.process_index, runtime.process_count)
+    index, count = (runtime.process_index, runtime.process_count) if across_processes else (0, 1)
+    out = Placement(mesh, runtime.process_index, runtime.process_count, index, count)
     _PLACEMENT["current"] = out
     return out
 

@@ -69,8 +69,8 @@ def test_ctrl_c_reaches_every_process(tmp_path):
     """SIGINT to the launcher is passed on; each process handles its KeyboardInterrupt."""
     body = """
     import time
-    print("ready", flush=True)
     try:
+        print("ready", flush=True)  # inside: a Ctrl-C right after it is still handled
         time.sleep(60)
     except KeyboardInterrupt:
         print("interrupted, saving", flush=True)

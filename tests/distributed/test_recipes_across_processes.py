@@ -202,17 +202,27 @@ def test_a_checkpoint_resumes_on_other_process_and_device_counts(sft_runs, tmp_p
 
 def test_dpo_and_grpo_on_two_processes_equal_one_process_of_four_devices(sft_runs, tmp_path):
     """DPO and GRPO from the SFT model: the same logged values on 2 processes of 2 devices as
-    on 1 process of 4 (GRPO's samples included: the sampler draws the same tokens)."""
+    on 1 process of 4 (GRPO's samples included: the sampler draws the same tokens); and GRPO
+    disaggregated with staleness 0 (process 0 trains on its 2 devices, process 1 samples on
+    its 2) as well."""
     model = ["--model", str(sft_runs["1x4"] / "model")]
-    for recipe, flags in {
-        "dpo": ["--num-prompts", "64", "--steps", "4", "--eval-every", "4"],
-        "grpo": ["--num-prompts", "64", "--steps", "3", "--eval-every", "3", "--group-size", "4",
-                 "--max-new-tokens", "6", "--updates-per-batch", "2"],
-    }.items():  # fmt: skip
+    grpo = ["--num-prompts", "64", "--steps", "3", "--eval-every", "3", "--group-size", "4",
+            "--max-new-tokens", "6", "--updates-per-batch", "2"]  # fmt: skip
+    runs = {
+        "dpo-2x2": ("dpo", ["--num-prompts", "64", "--steps", "4", "--eval-every", "4"]),
+        "grpo-2x2": ("grpo", grpo),
+        "grpo-disaggregated": ("grpo", [*grpo, "--max-staleness", "0"]),
+    }
+    for name, (recipe, flags) in runs.items():
         args = [*SMALL, *model, *flags]
-        run(recipe, *args, "--out", str(tmp_path / f"{recipe}-1x4"), devices=4)
-        run(recipe, *args, "--out", str(tmp_path / f"{recipe}-2x2"), processes=2, devices=2)
-        got, want = logged(tmp_path / f"{recipe}-2x2"), logged(tmp_path / f"{recipe}-1x4")
+        one = tmp_path / f"{recipe}-1x4"
+        if not one.exists():
+            run(recipe, *args, "--out", str(one), devices=4)
+        run(recipe, *args, "--out", str(tmp_path / name), processes=2, devices=2)
+        got, want = logged(tmp_path / name), logged(one)
+        if name == "grpo-disaggregated":  # every batch as fresh as the synchronous recipe's
+            assert got.pop("staleness") == [0.0, 0.0, 0.0]
+            assert min(got.pop("weight_push_mb_per_s")) > 0
         assert got.keys() == want.keys() and len(got["step"]) > 1
         for key in got:
             np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL, err_msg=key)

@@ -52,6 +52,8 @@ WITHOUT_JAX = [
     ("sft", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("dpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
     ("grpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
+    ("grpo", ["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
+    ("grpo", ["--is-cap", "0"], "--is-cap must be > 0, got 0.0"),
     ("sft", ["--batch-size", "0"], "--batch-size must be >= 1"),
     ("sft", ["--learning-rate", "-1"], "--learning-rate must be > 0"),
     ("sft", ["--model", f"{FINISHED}/modl"], f"--model {FINISHED}/modl: no such file or folder"),
@@ -165,6 +167,7 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
         ("sft", ["--data", "data/pairs.jsonl", "--batch-size", "8"], "larger than the 3 training"),
         ("dpo", ["--data", "data/empty.jsonl"], "data/empty.jsonl holds no record"),
         ("grpo", ["--data", "data/pairs.jsonl"], "field 'answer' is missing"),
+        ("grpo", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
         ("generate", ["--chat"], "has no chat template; use --prompt"),
     ],
 )

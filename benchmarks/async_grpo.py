@@ -1,0 +1,124 @@
+"""Disaggregated GRPO on two processes: the wall time per step when they take turns
+(`--max-staleness 0`, synchronous) against when sampling overlaps training
+(`--max-staleness 1`), on the same two processes, side by side in one run.
+
+    python benchmarks/async_grpo.py                 # ~6 min on 2 CPU cores
+    python benchmarks/async_grpo.py --steps 20 --json-out result.json
+    python benchmarks/async_grpo.py --accuracy --seeds 0 1 2   # held-out accuracy, ~30 min
+
+It trains a start model with `recipes/sft.py` (one process), then runs `recipes/grpo.py`
+under `python -m tunelib.launch -n 2` (process 0 trains, process 1 samples, one device each)
+with each staleness, and reads each step's time split from the runs' `metrics.jsonl`. A
+step's time is its wall time less compilation, evaluation and checkpoints (the median over
+the steps after the first three); `rollout` on the trainer is the time it waits for a batch,
+`sync` the exchange of the batch and the weights. The weight push's bytes per second is the
+median of what the runs log.
+
+With `--accuracy`, each seed trains its SFT model (`--sft-steps`) and then GRPO with each
+staleness for `--accuracy-steps` steps of 32 prompts x 8 samples (held-out greedy accuracy
+on 300 problems before and after), on the built-in task.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXCLUDED = ("compile", "eval", "checkpoint")
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        sys.exit(f"failed: {' '.join(command)}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+
+
+def step_times(folder: Path, skip: int) -> dict:
+    """The median seconds per phase and per step (less `EXCLUDED`) after `skip` steps."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] > skip]
+    phases = sorted({k[5:] for r in steps for k in r if k.startswith("time_")} - set(EXCLUDED))
+    out = {p: statistics.median(r.get(f"time_{p}", 0.0) for r in steps) for p in phases}
+    out["step"] = statistics.median(sum(r.get(f"time_{p}", 0.0) for p in phases) for r in steps)
+    out["weight_push_mb_per_s"] = statistics.median(r["weight_push_mb_per_s"] for r in steps)
+    out["staleness"] = max(r["staleness"] for r in steps)
+    return out
+
+
+def accuracy(args, tmp: Path) -> dict:
+    """Held-out accuracy after GRPO with staleness 0 and 1, per seed."""
+    out = {}
+    for seed in args.seeds:
+        sft = tmp / f"sft-{seed}"
+        _run([
+            sys.executable, str(ROOT / "recipes/sft.py"), "--seed", str(seed), "--steps",
+            str(args.sft_steps), "--no-progress", "--devices", "1", "--out", str(sft),
+        ])  # fmt: skip
+        for staleness in (0, 1):
+            run = tmp / f"grpo-{seed}-s{staleness}"
+            _run([
+                sys.executable, "-m", "tunelib.launch", "-n", "2", "--devices-per-process", "1",
+                str(ROOT / "recipes/grpo.py"), "--model", str(sft / "model"), "--no-progress",
+                "--seed", str(seed), "--steps", str(args.accuracy_steps), "--batch-size", "32",
+                "--eval-every", "1000", "--max-staleness", str(staleness), "--out", str(run),
+            ])  # fmt: skip
+            result = json.loads((run / "result.json").read_text())
+            out[f"seed_{seed}_staleness_{staleness}"] = {
+                k: result[k] for k in ("accuracy_before", "accuracy_after", "seconds")
+            }
+            print(seed, staleness, out[f"seed_{seed}_staleness_{staleness}"], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--accuracy", action="store_true", help="held-out accuracy per seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--sft-steps", type=int, default=1000)
+    parser.add_argument("--accuracy-steps", type=int, default=60)
+    args = parser.parse_args()
+    if args.accuracy:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = accuracy(args, Path(tmp))
+        if args.json_out:
+            args.json_out.write_text(json.dumps(results, indent=2))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        sft = Path(tmp) / "sft"
+        _run([sys.executable, str(ROOT / "recipes/sft.py"), "--steps", "200", "--no-progress",
+              "--devices", "1", "--out", str(sft)])  # fmt: skip
+        results = {}
+        for staleness in (0, 1):
+            out = Path(tmp) / f"grpo-s{staleness}"
+            _run([
+                sys.executable, "-m", "tunelib.launch", "-n", "2", "--devices-per-process", "1",
+                str(ROOT / "recipes/grpo.py"), "--model", str(sft / "model"), "--no-progress",
+                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                "--group-size", str(args.group_size), "--max-new-tokens",
+                str(args.max_new_tokens), "--eval-every", "1000", "--checkpoint-every", "1000",
+                "--max-staleness", str(staleness), "--out", str(out),
+            ])  # fmt: skip
+            results[f"staleness_{staleness}"] = step_times(out, skip=3)
+    results["speedup"] = results["staleness_0"]["step"] / results["staleness_1"]["step"]
+    print(f"{'':<12}{'s/step':>9}{'rollout':>9}{'train':>9}{'logprobs':>9}{'sync':>9}{'MB/s':>9}")
+    for name in ("staleness_0", "staleness_1"):
+        r = results[name]
+        print(f"{name:<12}{r['step']:>9.3f}{r.get('rollout', 0):>9.3f}{r.get('train', 0):>9.3f}"
+              f"{r.get('logprobs', 0):>9.3f}{r.get('sync', 0):>9.3f}"
+              f"{r['weight_push_mb_per_s']:>9.2f}")  # fmt: skip
+    print(f"asynchronous / synchronous speed: {results['speedup']:.2f}x")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

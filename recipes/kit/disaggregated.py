@@ -1,0 +1,153 @@
+"""Disaggregated, asynchronous RL on JAX's multi-controller runtime: one process trains,
+one samples, and rollouts are at most `--max-staleness` updates old.
+
+    python -m tunelib.launch -n 2 recipes/grpo.py --max-staleness 1
+
+Process 0 (the trainer) and process 1 (the sampler) each hold the model on their own devices
+(`kit.parallel.placement(..., across_processes=False)`). Every step they meet through a
+collective of JAX's own, `multihost_utils.broadcast_one_to_all` (a jitted sum over a mesh
+spanning both processes; no RPC layer): the sampler's batch of scored rollouts goes to the
+trainer, then the trainer's new weights go to the sampler. With staleness s = 0 the two take
+turns, which is the synchronous recipe on two processes. With s >= 1 the sampler runs s
+batches ahead: at step t it samples the batch of step t + s with the weights of step t - 1
+while the trainer trains on the batch of step t, so sampling and training overlap, and the
+batch of step j was sampled with the weights of step j - s - 1 or later (never more than s
+updates old; the first s batches are sampled before the first update).
+
+Every batch carries the policy version that sampled it (the number of updates behind its
+weights); the trainer logs each batch's staleness. The sampler's PRNG keys follow the same
+chain as the synchronous recipe's (`kit.loop.step_keys`), so batch j is sampled with the
+key step j would use.
+"""
+
+import collections
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+TRAINER, SAMPLER = 0, 1
+
+
+def role() -> int:
+    """`TRAINER` (process 0) or `SAMPLER` (process 1)."""
+    import jax
+
+    return TRAINER if jax.process_index() == 0 else SAMPLER
+
+
+def exchange(tree, *, source: int):
+    """`tree` as process `source` holds it, on every process (NumPy); every process calls
+    this with a tree of the same shapes (its own values are ignored unless it is the source).
+    Returns the tree and the seconds the collective took."""
+    from jax.experimental import multihost_utils
+
+    started = time.perf_counter()
+    out = multihost_utils.broadcast_one_to_all(tree, is_source=role() == source)
+    return out, time.perf_counter() - started
+
+
+class Rollouts:
+    """The batches between the two processes, one train step at a time.
+
+    `sample(policy, prompts, key) -> dict` makes a scored batch of NumPy arrays on the
+    sampler; `template` is a batch of the same shapes (zeros), the trainer's side of the
+    collective; `fresh_batches()` a new iterator of the run's prompts (the sampler reads s
+    steps ahead with one). At every train step both processes call `take`, the trainer
+    trains on what it returns, then both call `deliver` and `push`. After a restore, call
+    `restart`: the batches in flight are sampled again, with the restored weights.
+    """
+
+    def __init__(self, staleness: int, sample: Callable, template: dict, fresh_batches):
+        self.staleness = staleness
+        self.sample = sample
+        self.template = template
+        self.fresh_batches = fresh_batches
+        self.queue: collections.deque = collections.deque()  # the trainer's batches to train
+        self.ahead: Iterator | None = None  # the sampler's prompts, s steps ahead
+        self.rng = None  # the sampler's key data: the train state's, s steps ahead
+        self.version = 0  # the updates behind the sampler's weights
+        self.pending: dict | None = None  # sampled during this step, delivered after it
+
+    def restart(self) -> None:
+        self.queue.clear()
+        self.ahead = None
+
+    def take(self, policy, prompts, batches, rng, version: int) -> dict | None:
+        """This step's batch on the trainer (None on the sampler). `prompts` are this step's,
+        `batches` the run's data iterator, `rng` the train state's key data before this step
+        and `version` the updates made so far. With s >= 1 the sampler then samples the
+        batch of step t + s, while the trainer trains."""
+        if self.ahead is None:  # a start or a restart: the first s batches, in turn
+            self.rng, self.version = rng, version
+            self.ahead = self.fresh_batches()
+            self.ahead.set_state(batches.get_state())
+            if self.staleness:
+                for first in [prompts] + [next(self.ahead) for _ in range(self.staleness - 1)]:
+                    self.queue.append(self._exchanged(self._sampled(policy, first)))
+        if self.staleness == 0:
+            self.queue.append(self._exchanged(self._sampled(policy, prompts)))
+        else:
+            self.pending = self._sampled(policy, next(self.ahead))
+        return self.queue.popleft() if role() == TRAINER else None
+
+    def deliver(self) -> None:
+        """With s >= 1: the batch the sampler made during this step, to the trainer."""
+        if self.staleness:
+            self.queue.append(self._exchanged(self.pending))
+            self.pending = None
+
+    def push(self, weights):
+        """The trainer's `weights` (host arrays) on the sampler's host: `(weights, bytes per
+        second of the collective)`. The sampler's version advances."""
+        out, seconds = exchange(weights, source=TRAINER)
+        self.version += 1
+        size = sum(np.asarray(x).nbytes for x in _leaves(out))
+        return out, size / max(seconds, 1e-9)
+
+    def _sampled(self, policy, prompts) -> dict:
+        from kit.loop import step_keys
+
+        if role() != SAMPLER:
+            return self.template
+        self.rng, key, _ = step_keys(self.rng, "rollouts", "dropout")  # the recipe's chain
+        return {**self.sample(policy, prompts, key), "version": np.int32(self.version)}
+
+    def _exchanged(self, batch: dict) -> dict:
+        return exchange(batch, source=SAMPLER)[0]
+
+
+def everywhere():
+    """A placement over every device of every process (`kit.parallel.Placement`), for what
+    both roles hold together: checkpoints and the final model."""
+    import jax
+
+    from kit.parallel import AXIS, Placement
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), (AXIS,))
+    index, count = jax.process_index(), jax.process_count()
+    return Placement(mesh, index, count, index, count)
+
+
+def shared(tree, placement):
+    """The trainer's `tree` (arrays on its own devices) on every device of `placement`
+    (`everywhere()`): every process calls this."""
+    import jax
+
+    host, _ = exchange(jax.tree.map(np.asarray, tree), source=TRAINER)
+    return placement.replicate(host)
+
+
+def own(tree, placement):
+    """A tree on every device of every process (`shared`, a restored checkpoint) on this
+    process's own devices (`placement`)."""
+    import jax
+
+    return placement.replicate(jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree))
+
+
+def _leaves(tree) -> list[Any]:
+    import jax
+
+    return jax.tree.leaves(tree)
