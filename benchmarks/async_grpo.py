@@ -1,10 +1,11 @@
 """Disaggregated GRPO on two processes: the wall time per step when they take turns
 (`--max-staleness 0`, synchronous) against when sampling overlaps training
-(`--max-staleness 1`), on the same two processes, side by side in one run.
+(`--max-staleness 1`, with its default importance correction and without), on the same two
+processes, side by side in one run.
 
     python benchmarks/async_grpo.py                 # ~6 min on 2 CPU cores
     python benchmarks/async_grpo.py --steps 20 --json-out result.json
-    python benchmarks/async_grpo.py --accuracy --seeds 0 1 2   # held-out accuracy, ~30 min
+    python benchmarks/async_grpo.py --accuracy --sft-steps 1000   # accuracy, 3 seeds, ~40 min
 
 It trains a start model with `recipes/sft.py` (one process), then runs `recipes/grpo.py`
 under `python -m tunelib.launch -n 2` (process 0 trains, process 1 samples, one device each)
@@ -29,6 +30,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCLUDED = ("compile", "eval", "checkpoint")
+# Each process of the launcher on a core of its own (`--pin`): the roles' own devices, as
+# separate accelerators would be, instead of two processes sharing every core.
+PINNED = """
+import os, runpy, sys
+os.sched_setaffinity(0, {int(os.environ["TUNELIB_PROCESS_ID"]) % os.cpu_count()})
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(script))
+runpy.run_path(script, run_name="__main__")
+"""
 
 
 def _run(command: list[str]) -> None:
@@ -82,8 +93,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--accuracy", action="store_true", help="held-out accuracy per seed")
+    parser.add_argument(
+        "--pin", action=argparse.BooleanOptionalAction, default=True,
+        help="each process on a core of its own (default; --no-pin shares every core)",
+    )  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--sft-steps", type=int, default=1000)
+    parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--accuracy-steps", type=int, default=60)
     args = parser.parse_args()
     if args.accuracy:
@@ -94,28 +109,39 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         sft = Path(tmp) / "sft"
-        _run([sys.executable, str(ROOT / "recipes/sft.py"), "--steps", "200", "--no-progress",
-              "--devices", "1", "--out", str(sft)])  # fmt: skip
+        _run([sys.executable, str(ROOT / "recipes/sft.py"), "--steps", str(args.sft_steps),
+              "--no-progress", "--devices", "1", "--out", str(sft)])  # fmt: skip
         results = {}
-        for staleness in (0, 1):
-            out = Path(tmp) / f"grpo-s{staleness}"
+        runs = {
+            "staleness_0": (0, "auto"),
+            "staleness_1": (1, "auto"),
+            "staleness_1_no_is": (1, "none"),
+        }
+        pinned = Path(tmp) / "pinned.py"
+        pinned.write_text(PINNED)
+        for name, (staleness, correction) in runs.items():
+            out = Path(tmp) / name
             _run([
                 sys.executable, "-m", "tunelib.launch", "-n", "2", "--devices-per-process", "1",
-                str(ROOT / "recipes/grpo.py"), "--model", str(sft / "model"), "--no-progress",
+                *([str(pinned)] if args.pin else []), str(ROOT / "recipes/grpo.py"),
+                "--model", str(sft / "model"), "--no-progress",
                 "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                 "--group-size", str(args.group_size), "--max-new-tokens",
                 str(args.max_new_tokens), "--eval-every", "1000", "--checkpoint-every", "1000",
-                "--max-staleness", str(staleness), "--out", str(out),
+                "--max-staleness", str(staleness), "--is-correction", correction,
+                "--out", str(out),
             ])  # fmt: skip
-            results[f"staleness_{staleness}"] = step_times(out, skip=3)
-    results["speedup"] = results["staleness_0"]["step"] / results["staleness_1"]["step"]
-    print(f"{'':<12}{'s/step':>9}{'rollout':>9}{'train':>9}{'logprobs':>9}{'sync':>9}{'MB/s':>9}")
-    for name in ("staleness_0", "staleness_1"):
+            results[name] = step_times(out, skip=3)
+    for name in ("staleness_1", "staleness_1_no_is"):
+        results[f"speedup_{name}"] = results["staleness_0"]["step"] / results[name]["step"]
+    print(f"{'':<18}{'s/step':>9}{'rollout':>9}{'train':>9}{'logprobs':>9}{'sync':>9}{'MB/s':>9}")
+    for name in runs:
         r = results[name]
-        print(f"{name:<12}{r['step']:>9.3f}{r.get('rollout', 0):>9.3f}{r.get('train', 0):>9.3f}"
+        print(f"{name:<18}{r['step']:>9.3f}{r.get('rollout', 0):>9.3f}{r.get('train', 0):>9.3f}"
               f"{r.get('logprobs', 0):>9.3f}{r.get('sync', 0):>9.3f}"
               f"{r['weight_push_mb_per_s']:>9.2f}")  # fmt: skip
-    print(f"asynchronous / synchronous speed: {results['speedup']:.2f}x")
+    for name in ("staleness_1", "staleness_1_no_is"):
+        print(f"{name} / staleness_0 speed: {results[f'speedup_{name}']:.2f}x")
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=2))
 

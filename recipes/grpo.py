@@ -413,7 +413,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         state, out = {**state, "rng": rng, "updates": state["updates"] + 1}, {}
         if trainer:
             staleness = version - int(rows.pop("version"))
-            state, out = learn(state, rows, dropout_key)
+            state, out = jax.block_until_ready(learn(state, rows, dropout_key))  # in "train"
             out["staleness"] = staleness
         with goodput.phase("sync"):  # the next batch to the trainer, the weights to the sampler
             rollouts.deliver()

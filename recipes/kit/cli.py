@@ -11,8 +11,10 @@ and flag errors never wait for it. Exit status: 0 done, 2 a bad flag, path or da
 130 interrupted (after saving a checkpoint when there was a step to save).
 """
 
+import os
 import shlex
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,12 +73,36 @@ def main(
         return train(config, run)
     except UserError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
-        sys.exit(2)
+        _exit(2)
     except Interrupted as stop:
         _interrupted(prog, stop.step, argv)
     except KeyboardInterrupt:  # outside the loop: before its first step or after its last
         saved = checkpoint_steps(run.path) if run is not None else []
         _interrupted(prog, saved[-1] if saved else None, argv)
+    except Exception:
+        if not _alone():  # the others wait in a collective for this one: leave at once
+            traceback.print_exc()
+            _exit(1)
+        raise
+
+
+def _alone() -> bool:
+    """Whether this process runs alone (not one of a multi-process run's)."""
+    from kit import parallel
+
+    placed = parallel.current()
+    return placed is None or placed.process_count == 1
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`. One process of several leaves at once: a normal exit would wait in
+    JAX's shutdown barrier (5 minutes) for processes that wait in a collective for it; the
+    launcher (or the cluster) sees the exit and stops them."""
+    if _alone():
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _interrupted(prog: str, step: int | None, argv: list[str]) -> None:

@@ -150,6 +150,7 @@ def test_partial_environment_is_named(monkeypatch):
         distributed.initialize()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -22,6 +22,8 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 sys.path.insert(0, str(RECIPES))
 from kit.runs import checkpoint_steps  # noqa: E402
 
+pytestmark = pytest.mark.slow  # recipe runs
+
 # A small task and model; 40 steps, so a process can be killed mid-run.
 SMALL = [
     "--num-train", "128", "--num-heldout", "12", "--batch-size", "8", "--no-progress",
