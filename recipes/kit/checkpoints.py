@@ -71,9 +71,10 @@ class Checkpoints:
                 ),
             )
         except ValueError as error:  # another model: Orbax names the first mismatch
+            reason = str(error).splitlines()[0].split(" Truncating/padding")[0]
             raise UserError(
                 f"--resume: the checkpoint of step {step} in {self.folder} does not fit this "
-                f"run's model: {str(error).splitlines()[0]}"
+                f"run's model: {reason}"
             ) from None
         batches.set_state(data_position(self.folder / str(step) / "data"))
         return step, out["state"], out["record"]

@@ -248,3 +248,27 @@ def test_a_logger_that_is_not_installed_is_one_line(monkeypatch, capsys, target,
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"sft.py: error: --log-to {target} needs the {module} package: "
                      "pip install 'tunelib[logging]'"]  # fmt: skip
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_in_one_line(tmp_path):
+    """Restoring a run's checkpoint into a state of other shapes (another model behind the
+    same settings) is a `UserError` naming the step and the folder, not Orbax's traceback."""
+    import grain
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kit.checkpoints import Checkpoints
+    from kit.errors import UserError
+
+    def data():
+        return iter(grain.MapDataset.range(8).batch(2).to_iter_dataset())
+
+    saved = Checkpoints(tmp_path / "checkpoints")
+    saved.save(3, {"w": jnp.zeros((4, 2))}, data(), {"step": 3, "loss": 1.0})
+    saved.close()
+    checkpoints = Checkpoints(tmp_path / "checkpoints")
+    step, state, record = checkpoints.restore_latest({"w": jnp.ones((4, 2))}, data())
+    assert (step, record["loss"], float(np.asarray(state["w"]).sum())) == (3, 1.0, 0.0)
+    with pytest.raises(UserError, match=r"step 3 in .* does not fit this run's model: .*\(5, 2\)"):
+        checkpoints.restore_latest({"w": jnp.ones((5, 2))}, data())
+    checkpoints.close()
