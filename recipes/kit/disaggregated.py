@@ -66,8 +66,10 @@ class Rollouts:
     sampler; `template` is a batch of the same shapes (zeros), the trainer's side of the
     collective; `fresh_batches()` a new iterator of the run's prompts (the sampler reads s
     steps ahead with one). At every train step both processes call `take`, the trainer
-    trains on what it returns, then both call `deliver` and `push`. After a restore, call
-    `restart`: the batches in flight are sampled again, with the restored weights.
+    trains on what it returns, then both call `deliver` and `push`. The first `take` (of a
+    run, or of a process resumed from a checkpoint) fills the pipeline from the state it is
+    given: after a restore the batches that were in flight are sampled again, with the
+    restored weights.
     """
 
     def __init__(self, staleness: int, sample: Callable, template: dict, fresh_batches):
@@ -81,16 +83,12 @@ class Rollouts:
         self.version = 0  # the updates behind the sampler's weights
         self.pending: dict | None = None  # sampled during this step, delivered after it
 
-    def restart(self) -> None:
-        self.queue.clear()
-        self.ahead = None
-
     def take(self, policy, prompts, batches, rng, version: int) -> dict | None:
         """This step's batch on the trainer (None on the sampler). `prompts` are this step's,
         `batches` the run's data iterator, `rng` the train state's key data before this step
         and `version` the updates made so far. With s >= 1 the sampler then samples the
         batch of step t + s, while the trainer trains."""
-        if self.ahead is None:  # a start or a restart: the first s batches, in turn
+        if self.ahead is None:  # the first step of this process: the first s batches, in turn
             self.rng, self.version = rng, version
             self.ahead = self.fresh_batches()
             self.ahead.set_state(batches.get_state())

@@ -186,7 +186,7 @@ def test_a_killed_process_loses_only_the_steps_since_the_checkpoint(sft_runs, tm
     restart."""
     out = copy_of(sft_runs["killed"], tmp_path)
     result = run("sft", *SFT, "--out", str(out), "--resume", processes=2, devices=2)
-    assert result["restarts"] == 1 and result["badput_seconds"] >= 0
+    assert result["restarts"] == 1
     assert_same_run(out, sft_runs["2x2"], exact=True)
 
 
