@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
+from tunelib import peft
 from tunelib.peft import (
     DYNAMIC_MAP,
     NF4_VALUES,
@@ -601,3 +602,28 @@ def test_bitsandbytes_double_quantisation(bnb):
     assert np.all(np.abs(theirs - np.asarray(absmax)) <= MAP_STEP * scale + 1e-6)
     per_element = np.repeat(scale, 64)[: w.size].reshape(w.shape)
     assert np.all(np.abs(F.dequantize_4bit(packed, state).numpy() - deq) <= MAP_STEP * per_element)
+
+
+def test_bitsandbytes_codes_of_a_jax_kernel_need_transpose(bnb):
+    """The calls docs/peft.md gives: `nf4_quantize(w)` for a Hugging Face `[out, in]` weight,
+    `nf4_quantize(kernel, transpose=True)` (and `quantize_params`) for its JAX kernel
+    `kernel = w.T` `[in, out]`: bitsandbytes' codes and absmax, bit for bit. Quantising the
+    kernel as it is, `nf4_quantize(w.T)`, blocks the other axis and gives other codes."""
+    F, torch = bnb
+    w = bnb_weight()  # [out, in] = [37, 70]
+    packed, state = F.quantize_4bit(
+        torch.from_numpy(w), blocksize=64, compress_statistics=False, quant_type="nf4"
+    )
+    theirs, their_absmax = packed.numpy().reshape(-1), state.absmax.numpy()
+    kernel = np.ascontiguousarray(w.T)  # [in, out] = [70, 37]
+    q, deq, _ = quantize(kernel, transpose=True, double_quant=False)
+    assert q.shape == (70, 37) and q.stored_shape == (37, 70)
+    assert np.array_equal(q.codes, theirs) and np.array_equal(q.absmax, their_absmax)
+    assert np.array_equal(deq, F.dequantize_4bit(packed, state).numpy().T)
+    params = {"proj": {"kernel": kernel}}
+    base = jax.jit(lambda p: peft.quantize_params(p, [r".*kernel"], double_quant=False))(params)
+    assert np.array_equal(base["proj"]["kernel"].codes, theirs)
+    assert np.array_equal(base["proj"]["kernel"].absmax, their_absmax)
+    untransposed, _, _ = quantize(kernel, transpose=False, double_quant=False)
+    assert np.mean(np.asarray(untransposed.codes) == theirs) < 0.5
+    assert not np.array_equal(untransposed.absmax, their_absmax)
