@@ -58,11 +58,6 @@ class DPOConfig(Run, Task, DataFile, SFTStart, Lora):
             raise UserError(f"--nll-weight must be >= 0, got {self.nll_weight}")
 
 
-def answer_of(side: str | list[dict]) -> str:
-    """The answer a chosen completion gives: its text, or its assistant message's content."""
-    return side[0]["content"] if isinstance(side, list) else side
-
-
 def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     import jax
     import jax.numpy as jnp
@@ -78,24 +73,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":
-        # On-policy negatives: where the SFT model answers a prompt wrongly, prefer the right
-        # answer over exactly that mistake.
-        sampling = evaluate.greedy_config(task, vocab_size)
-        answers = evaluate.completions(graphdef, model.params, task, task.train, sampling)
-        # A chat model's pairs are assistant messages: its wrong reply becomes one too. A
-        # reply may be as long as a sampled completion, so the sequences get room for one.
-        chat = isinstance(task.train[0]["chosen"], list)
-        fits = lambda reply: len(task.tokenizer.encode(reply)) <= task.max_new_tokens  # noqa: E731
-        train = [
-            {**pair, "rejected": [{"role": "assistant", "content": reply}] if chat else reply}
-            if reply
-            and fits(reply)
-            and not task.correct(reply, {"answer": answer_of(pair["chosen"])})
-            else pair
-            for pair, reply in zip(task.train, map(str.strip, answers), strict=True)
-        ]
-        length = max(task.max_length, task.prompt_length + task.max_new_tokens + 3)
-        task = dataclasses.replace(task, train=train, max_length=length)
+        task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size)
     tuning = lora.tuning(config, model, placement)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}

@@ -6,19 +6,22 @@
     python recipes/grpo.py --resume           # continue the run from its last checkpoint
     python recipes/grpo.py --lora-rank 16     # LoRA adapters on the frozen SFT model (--qlora)
     python recipes/grpo.py --reward my_rewards.py:score          # a reward function of your own
+    python recipes/grpo.py --reward-model runs/reward_model-seed0  # RLHF: a learned reward
     python recipes/grpo.py --model HF_CHECKPOINT --data problems.jsonl   # your model and prompts
     python -m tunelib.launch -n 2 recipes/grpo.py --max-staleness 1   # one process samples
 
 The data: prompts with answers (the built-in task's "12+7=" and "19", or a file's
 `prompt`/`answer` records, the prompt a string or chat messages). Each step samples
 `--group-size` completions of each of `--batch-size` prompts with the KV-cache sampler of
-`tunelib.rollout` and scores them: 1 for the right answer (the task's verifier; exact match
-for a file) plus `--format-weight` for a well-formed one on the built-in task, or your own
-`--reward`. The loss: the clipped surrogate of `tunelib.losses` on group-relative advantages
-of `tunelib.advantages`, with the sampler's log-probs as the behaviour policy and a k3 KL
-penalty to the SFT model, frozen. The step: `--updates-per-batch` Optax updates per batch of
-rollouts; with `--lora-rank` only adapters train, the reference is the frozen base, and the
-sampler gets the adapters merged before each batch. Held-out: greedy accuracy.
+`tunelib.rollout` and scores them: 1 for the right answer (the task's verifier; exact match for
+a file) plus `--format-weight` for a well-formed one on the built-in task, or your own
+`--reward`, or the score a reward model trained by `recipes/reward_model.py` gives the prompt
+and completion (`--reward-model`; the verifier then only measures). The loss: the clipped
+surrogate of `tunelib.losses` on group-relative advantages of `tunelib.advantages`, with the
+sampler's log-probs as the behaviour policy and a k3 KL penalty to the SFT model, frozen. The
+step: `--updates-per-batch` Optax updates per batch of rollouts; with `--lora-rank` only
+adapters train, the reference is the frozen base, and the sampler gets the adapters merged
+before each batch. Held-out: greedy accuracy.
 
 Disaggregated and asynchronous (`--max-staleness s`, on two processes): process 0 trains,
 process 1 samples, and a batch is sampled at most s updates before it is trained on
@@ -129,6 +132,9 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora):
     reward: str | None = flag(
         None, "your reward function, module:function or file.py:function (see the docstring)"
     )
+    reward_model: Path | None = flag(
+        None, "score completions with this reward model (a run of recipes/reward_model.py)"
+    )
     num_prompts: int = flag(9000, "built-in task: training prompts sampled from")
     max_new_tokens: int = flag(
         64, "the most tokens of a sampled completion (the built-in task's room may be less)"
@@ -173,6 +179,12 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora):
             raise UserError("--epsilon-low, --epsilon-high and --kl-coef must be >= 0")
         if self.reward is not None:
             load_reward(self.reward)
+        if self.reward_model is not None:
+            if self.reward is not None:
+                raise UserError("--reward and --reward-model are two rewards: pass one")
+            from kit.reward_model import check_folder
+
+            check_folder(self.reward_model)
 
 
 def batch_template(task, config, sampling) -> dict:
@@ -219,6 +231,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         models,
         optim,
         parallel,
+        reward_model,
     )
 
     mode = MODES[config.mode]
@@ -239,6 +252,20 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     group = config.group_size
+    if config.reward_model is not None:  # scored on the devices, in `sample`
+        scorer = reward_model.load(config.reward_model)
+        if scorer.model.config.vocab_size != vocab_size:
+            raise UserError(
+                f"--reward-model {config.reward_model}: its vocabulary of "
+                f"{scorer.model.config.vocab_size} tokens is not the policy's {vocab_size}; "
+                "train it from the same SFT model"
+            )
+        scorer_params = placement.replicate({"decoder": scorer.model.params, "head": scorer.head})
+        score = jax.jit(
+            lambda params, *arrays: reward_model.completion_scores(
+                scorer.model.graphdef, params["decoder"], params["head"], *arrays
+            )
+        )
     if config.reward is not None:
         user_reward = load_reward(config.reward)
 
@@ -329,18 +356,20 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         the host: its rows of the batch, as NumPy arrays."""
         records = [task.train[i] for i in indices]
         prompt_tokens, prompt_where = data.prompts(task, records)
-        out = rollout.sample(
-            graphdef, policy, *placement.rows((prompt_tokens, prompt_where)), sample_key,
-            sampling, group_size=group,
-        )  # fmt: skip
+        prompts = placement.rows((prompt_tokens, prompt_where))
+        out = rollout.sample(graphdef, policy, *prompts, sample_key, sampling, group_size=group)
         tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
         truncated = placement.local(out.truncated)
         prompt_of = [records[i // group] for i in range(len(texts))]
-        rewards = np.array(
-            [reward(t, r, c) for t, r, c in zip(texts, prompt_of, truncated, strict=True)],
-            np.float32,
-        )
+        if config.reward_model is not None:
+            scores = score(scorer_params, *prompts, out.tokens, out.where)
+            rewards = np.asarray(placement.local(scores), np.float32)
+        else:
+            rewards = np.array(
+                [reward(t, r, c) for t, r, c in zip(texts, prompt_of, truncated, strict=True)],
+                np.float32,
+            )
         right = np.array([task.correct(t, r) for t, r in zip(texts, prompt_of, strict=True)])
         if mode["overlong_buffer"]:
             rewards = rewards + np.asarray(

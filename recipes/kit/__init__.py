@@ -10,6 +10,8 @@
 - `lora`: full fine-tuning or LoRA / QLoRA adapters.
 - `optim`: the optimizer.
 - `evaluate`: greedy accuracy and held-out means.
+- `pairs`: preference pairs: both sides' log-probs, on-policy negatives.
+- `reward_model`: a decoder with a score head: its rewards, saving and loading.
 - `loop`: the train loop (resume, evaluate, log, checkpoint, Ctrl-C) and the result line.
 - `logs`, `plots`, `checkpoints`: metrics writers, the curves, Orbax checkpoints.
 

@@ -5,10 +5,13 @@ A padded preference batch has a `chosen` and a `rejected` side of `[B, T]` rows;
 (rejected). Either way the result is per pair.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from kit.data import Task
 
 
 class PairLogps(NamedTuple):
@@ -59,3 +62,33 @@ def pair_logps(
         return x[:, 0::2].reshape(-1), x[:, 1::2].reshape(-1)
 
     return PairLogps(*sides(sums), *sides(means), sides(counts)[0] > 0)
+
+
+def answer_of(side: str | list[dict]) -> str:
+    """The answer a chosen completion gives: its text, or its assistant message's content."""
+    return side[0]["content"] if isinstance(side, list) else side
+
+
+def on_policy_pairs(task: Task, graphdef, params, vocab_size: int) -> Task:
+    """`task` (the built-in one) with on-policy negatives: where the model answers a training
+    prompt wrongly (greedy), the pair prefers the right answer over exactly that mistake; the
+    other pairs keep their near miss."""
+    from kit import evaluate
+
+    sampling = evaluate.greedy_config(task, vocab_size)
+    answers = evaluate.completions(graphdef, params, task, task.train, sampling)
+    # A chat model's pairs are assistant messages: its wrong reply becomes one too. A reply
+    # may be as long as a sampled completion, so the sequences get room for one.
+    chat = isinstance(task.train[0]["chosen"], list)
+
+    def fits(reply: str) -> bool:
+        return len(task.tokenizer.encode(reply)) <= task.max_new_tokens
+
+    train = [
+        {**pair, "rejected": [{"role": "assistant", "content": reply}] if chat else reply}
+        if reply and fits(reply) and not task.correct(reply, {"answer": answer_of(pair["chosen"])})
+        else pair
+        for pair, reply in zip(task.train, map(str.strip, answers), strict=True)
+    ]
+    length = max(task.max_length, task.prompt_length + task.max_new_tokens + 3)
+    return dataclasses.replace(task, train=train, max_length=length)

@@ -285,6 +285,28 @@ def test_grpo_modes(tmp_path, sft_start, mode):
 
 
 @pytest.mark.slow
+def test_a_reward_model_trains_on_pairs_then_scores_grpo_rollouts(tmp_path, sft_start):
+    """RLHF end to end: a reward model from the SFT start, then GRPO on its rewards, which
+    are no longer the verifier's (0 or 1, plus 0.1 for form): they are real numbers."""
+    out = run_recipe(
+        "reward_model", *STEPS, "--model", str(sft_start), "--num-prompts", "64",
+        "--out", str(tmp_path / "rm"),
+    )  # fmt: skip
+    assert 0 <= out["heldout_pair_accuracy_after"] <= 1
+    losses = [r["loss"] for r in records_of(tmp_path / "rm") if "loss" in r]
+    assert len(losses) == 4 and all(0 < x < 5 for x in losses)  # log 2 give or take
+    assert (tmp_path / "rm" / "model" / "score.safetensors").exists()
+    run_recipe(
+        "grpo", "--model", str(sft_start), "--reward-model", str(tmp_path / "rm"),
+        "--num-prompts", "64", "--group-size", "4", "--steps", "2", "--eval-every", "2",
+        "--out", str(tmp_path / "grpo"),
+    )  # fmt: skip
+    rewards = [r["reward"] for r in records_of(tmp_path / "grpo")[1:]]
+    assert len(rewards) == 2 and all(np.isfinite(rewards))
+    assert not any(np.isclose(r * 10, round(r * 10)) for r in rewards)  # not k / 10
+
+
+@pytest.mark.slow
 def test_lora_sft_changes_the_projections_only_and_generate_reads_any_run(
     tmp_path, sft_start, capsys
 ):

@@ -1,0 +1,109 @@
+"""A reward model: an SFT model with a score head, trained on preference pairs.
+
+    python recipes/reward_model.py            # trains recipes/sft.py first if its model is absent
+    python recipes/reward_model.py --resume   # continue the run from its last checkpoint
+    python recipes/grpo.py --reward-model runs/reward_model-seed0   # RLHF: GRPO on its rewards
+
+The data: pairs of a prompt, a chosen and a rejected completion, as for DPO (on the built-in
+task the chosen answer is the right one, the rejected one the SFT model's own wrong greedy
+answer, or a near miss where it is right; with `--data`, a file's `prompt`/`chosen`/`rejected`
+records). The model: the SFT decoder, whose final hidden state at a sequence's last token a
+score vector reads, r(x, y) = w . h_last (`kit.reward_model`). The loss: the Bradley-Terry
+negative log-likelihood of `tunelib.losses` on the two sides' rewards, from one forward pass
+over both. The step: an Optax update of every weight and the head. Held-out: the share of
+pairs whose chosen side gets the higher reward. The reward model learns which answers are right
+only from the preferences: nothing else tells it.
+"""
+
+import dataclasses
+from typing import Literal
+
+import kit
+from kit.config import DataFile, Run, SFTStart, Task, flag
+from kit.errors import UserError
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardModelConfig(Run, Task, DataFile, SFTStart):
+    RECIPE = "reward_model"
+    LEARNING_RATE = 1e-4
+
+    steps: int = flag(400, "optimizer steps")
+    eval_every: int = flag(50, "steps between held-out evaluations")
+    checkpoint_every: int = flag(100, "steps between checkpoints")
+    rejected: Literal["model", "near_miss"] = flag(
+        "model",
+        "built-in task: rejected answers are the SFT model's own wrong greedy answers (near "
+        "misses where it is right), or near misses only",
+    )
+    num_prompts: int = flag(9000, "built-in task: training prompts the pairs are built on")
+    centering_weight: float = flag(
+        0.0, "weight of the squared reward sum that keeps rewards near 0 (TRL suggests 0.01)"
+    )
+
+    def check(self) -> None:
+        super().check()
+        if self.centering_weight < 0:
+            raise UserError(f"--centering-weight must be >= 0, got {self.centering_weight}")
+
+
+def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from tunelib import losses, metrics
+
+    from kit import chain, data, evaluate, loop, models, optim, pairs, parallel, reward_model
+
+    placement = parallel.placement(config)  # every device of every process, batches by rows
+    folder, sft_seconds = chain.sft_start(config)
+    model = models.replicated(models.load_model(folder), placement)
+    graphdef, vocab_size = model.graphdef, model.config.vocab_size
+    task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
+    if task.name == "arithmetic" and config.rejected == "model":
+        task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size)
+    head = reward_model.init_head(model.config.hidden_size, config.seed)
+    params = {"decoder": model.params, "head": placement.replicate(head)}
+    optimizer = optim.adamw(config, warmup=0.1)
+
+    def loss_fn(params, batch):
+        chosen, rejected, real = reward_model.pair_scores(
+            graphdef, params["decoder"], params["head"], batch
+        )
+        per_pair = losses.bradley_terry_loss(
+            chosen, rejected, centering_weight=config.centering_weight, where=real
+        )
+        count = jnp.maximum(real.sum(), 1)
+        margins = metrics.reward_margins(chosen, rejected, where=real)
+        return per_pair.sum() / count, {
+            "pair_accuracy": metrics.preference_accuracy(chosen, rejected, where=real),
+            "reward_margin": margins.sum() / count,
+            "chosen_reward": jnp.where(real, chosen, 0.0).sum() / count,
+        }
+
+    heldout = data.heldout_batches(task, config, placement, kind="preference")
+    heldout_accuracy = jax.jit(lambda params, batch: loss_fn(params, batch)[1]["pair_accuracy"])
+
+    def evaluate_fn(params):
+        return {
+            "heldout_pair_accuracy": evaluate.weighted_mean(
+                lambda b: heldout_accuracy(params, b),
+                heldout,
+                lambda b: b["chosen"]["where"].any(axis=1).sum(),  # pairs, not padding
+            )
+        }
+
+    state = loop.train(
+        run, config, state=loop.initial_state(params, optimizer, config.seed),
+        evaluate=evaluate_fn, step_fn=optim.update_step(loss_fn, optimizer),
+        batches=data.batches(task, config, placement, kind="preference"),
+    )  # fmt: skip
+    trained = state["params"]
+    reward_model.save(run.path / "model", model, trained["decoder"], trained["head"])
+    headline = loop.before_and_after(run, "heldout_pair_accuracy")
+    headline["final_pair_accuracy"] = loop.first_and_last(run, "pair_accuracy")[1]
+    return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})
+
+
+if __name__ == "__main__":
+    kit.cli.main(RewardModelConfig, train, __doc__)
