@@ -13,22 +13,27 @@ from tests.logprobs.test_sequence import pack, padded_sequences
 from tunelib import losses
 from tunelib.losses import AGGREGATION_MODES
 
-aggregate = jax.jit(losses.aggregate, static_argnames="mode")
+aggregate = jax.jit(losses.aggregate, static_argnames=("mode", "empty_rows"))
 
 
-def ref_aggregate(values, where, mode, norm_constant=None):
-    """Float64 reference written from each paper's formula, row by row."""
+def ref_aggregate(values, where, mode, norm_constant=None, empty_rows="skip"):
+    """Float64 reference written from each paper's formula, row by row; an empty row is a
+    sequence of loss 0 when `empty_rows` is "count"."""
     values = np.asarray(values, np.float64)
     rows = [values[i][where[i]] for i in range(values.shape[0])]
-    rows = [r for r in rows if r.size > 0]
+    if empty_rows == "skip" or mode in ("token_mean", "global_token_mean"):
+        rows = [r for r in rows if r.size > 0]
     if not rows:
         return 0.0
+    tokens = np.concatenate(rows)
     if mode == "token_mean":
-        return np.concatenate(rows).mean()
-    if mode == "seq_mean_token_mean":
-        return np.mean([r.mean() for r in rows])
+        return tokens.mean() if tokens.size else 0.0
     if mode == "global_token_mean":
-        return np.concatenate(rows).sum() / norm_constant
+        return tokens.sum() / norm_constant
+    if mode == "seq_mean_token_mean":
+        return np.mean([r.mean() if r.size else 0.0 for r in rows])
+    if mode == "seq_mean_token_sum":
+        return np.mean([r.sum() for r in rows])
     return np.mean([r.sum() / norm_constant for r in rows])
 
 
@@ -58,12 +63,15 @@ def batches(draw, dyadic=False):
     return values, where
 
 
+@pytest.mark.parametrize("empty_rows", ["skip", "count"])
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 @given(batches())
-def test_matches_reference(mode, batch):
+def test_matches_reference(mode, empty_rows, batch):
     values, where = batch
-    out = aggregate(values, mode=mode, where=where, **mode_kwargs(mode)).mean()
-    assert_close(out, ref_aggregate(values, where, mode, 7.0), rtol=1e-5, atol=1e-5)
+    kw = mode_kwargs(mode)
+    out = aggregate(values, mode=mode, empty_rows=empty_rows, where=where, **kw).mean()
+    expected = ref_aggregate(values, where, mode, 7.0, empty_rows)
+    assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def split_points(draw, b):
@@ -71,14 +79,16 @@ def split_points(draw, b):
     return [0, *cuts, b]
 
 
+@pytest.mark.parametrize("empty_rows", ["skip", "count"])
 @pytest.mark.parametrize("mode", MERGING_MODES)
 @given(batches(dyadic=True), st.data())
-def test_micro_batches_equal_full_batch_exactly_float32(mode, batch, data):
+def test_micro_batches_equal_full_batch_exactly_float32(mode, empty_rows, batch, data):
     values, where = batch
     edges = split_points(data.draw, values.shape[0])
-    full = aggregate(values, mode=mode, where=where, **mode_kwargs(mode))
+    kw = {"mode": mode, "empty_rows": empty_rows, **mode_kwargs(mode)}
+    full = aggregate(values, where=where, **kw)
     parts = [
-        aggregate(values[a:b], mode=mode, where=where[a:b], **mode_kwargs(mode))
+        aggregate(values[a:b], where=where[a:b], **kw)
         for a, b in itertools.pairwise(edges)
         if b > a
     ]
@@ -202,8 +212,8 @@ def test_errors():
             losses.aggregate(values, mode="seq_mean_token_sum_norm", norm_constant=0.0)
 
 
-@functools.partial(jax.jit, static_argnames="mode")
-def padded_and_packed(values, where, packed, packed_where, segments, *, mode):
+@functools.partial(jax.jit, static_argnames=("mode", "empty_rows"))
+def padded_and_packed(values, where, packed, packed_where, segments, *, mode, empty_rows):
     """(total, count, gradient of the mean) for the padded batch and for the packed one."""
     out = []
     for x, kwargs in (
@@ -212,22 +222,27 @@ def padded_and_packed(values, where, packed, packed_where, segments, *, mode):
     ):
 
         def reduce(x, kwargs=kwargs):
-            return losses.aggregate(x, mode=mode, **mode_kwargs(mode), **kwargs)
+            return losses.aggregate(
+                x, mode=mode, empty_rows=empty_rows, **mode_kwargs(mode), **kwargs
+            )
 
         result = reduce(x)
         out.append((result.total, result.count, jax.grad(lambda x: reduce(x).mean())(x)))
     return out
 
 
+@pytest.mark.parametrize("empty_rows", ["skip", "count"])
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 @given(padded_sequences())
-def test_packed_rows_equal_padded_rows(mode, data):
+def test_packed_rows_equal_padded_rows(mode, empty_rows, data):
+    # Every sequence has at least one position (some have no valid token): under "count" the
+    # padded batch's rows and the packed batch's segments are the same sequences.
     values, where, lengths = data
     packed, packed_where, segments, index = pack(values, where, lengths)
     values = np.where(where, values, np.nan).astype(np.float32)
     packed = np.where(packed_where, packed, np.nan).astype(np.float32)
     (total, count, grad), (p_total, p_count, p_grad) = padded_and_packed(
-        values, where, packed, packed_where, segments, mode=mode
+        values, where, packed, packed_where, segments, mode=mode, empty_rows=empty_rows
     )
     assert_close(p_total, total, rtol=1e-6, atol=1e-6)
     assert p_count == count
@@ -257,3 +272,288 @@ def test_segments_integer_masks_and_errors():
         losses.aggregate(values, mode="seq_mean_token_mean", segment_ids=segments + 1)
     with raises_naming("segment_ids"):
         losses.aggregate(values, mode="token_mean", segment_ids=segments[:, :3])
+
+
+# ---------------------------------------------------------------------------------------------
+# The reductions of TRL and Tunix, transcribed in float64 from their code, against the one-line
+# calls the docstring gives.
+
+
+def trl_micro_batch_loss(
+    loss,
+    mask,
+    loss_type,
+    *,
+    accumulation,
+    max_completion_length=None,
+    num_items_in_batch=None,
+    num_processes=1,
+    steps_per_generation=None,
+):
+    """One micro-batch's loss in TRL 1.16's `GRPOTrainer._compute_loss` (training mode)."""
+    loss, mask = np.asarray(loss, np.float64), np.asarray(mask, np.float64)
+    if loss_type in ("grpo", "sapo"):
+        per_row = (loss * mask).sum(-1) / np.maximum(mask.sum(-1), 1.0)
+        return per_row.mean() / accumulation
+    if loss_type == "dr_grpo":
+        return (loss * mask).sum() / (loss.shape[0] * max_completion_length) / accumulation
+    if loss_type in ("dapo", "cispo"):
+        normalizer = max(num_items_in_batch, 1.0) / num_processes
+        normalizer = normalizer * accumulation / steps_per_generation
+        return (loss * mask).sum() / normalizer
+    assert loss_type == "luspo"
+    return (loss * mask).sum(-1).mean() / accumulation
+
+
+def trl_step_loss(micro_batches, loss_type, **kwargs):
+    """The value whose gradient one optimiser step applies: each process sums its
+    accumulation micro-batches' losses, and data parallelism averages the processes'."""
+    accumulation = len(micro_batches[0])
+    per_process = [
+        sum(
+            trl_micro_batch_loss(x, m, loss_type, accumulation=accumulation, **kwargs)
+            for x, m in process
+        )
+        for process in micro_batches
+    ]
+    return np.mean(per_process)
+
+
+def tunix_loss(loss, mask, mode, norm=None):
+    """Tunix 0.1.7's `aggregate_loss` (tunix/rl/common.py) on one batch."""
+    loss, mask = np.asarray(loss, np.float64), np.asarray(mask, np.float64)
+    seq_mask = mask.sum(-1)
+    non_zero_rows = max((seq_mask > 0).sum(), 1)
+    if mode == "token-mean":
+        return (loss * mask).sum() / max(mask.sum(), 1)
+    if mode == "sequence-mean-token-mean":
+        return ((loss * mask).sum(-1) / np.maximum(seq_mask, 1)).sum() / non_zero_rows
+    if mode == "sequence-mean-token-scale":
+        norm = loss.shape[-1] if norm is None else norm
+        return ((loss * mask).sum(-1) / max(norm, 1e-6)).sum() / non_zero_rows
+    if mode == "seq-mean-token-sum":
+        kept = (seq_mask > 0).astype(np.float64)
+        return ((loss * mask).sum(-1) * kept).sum() / max(kept.sum(), 1e-6)
+    assert mode == "sequence-mean-token-sum-norm"
+    norm = non_zero_rows if norm is None else norm
+    return (loss * mask).sum() / max(norm, 1e-6)
+
+
+# TRL's loss types and Tunix's modes as the docstring of `aggregate` maps them.
+TRL_CALLS = {
+    "grpo": {"mode": "seq_mean_token_mean", "empty_rows": "count"},
+    "sapo": {"mode": "seq_mean_token_mean", "empty_rows": "count"},
+    "dr_grpo": {"mode": "seq_mean_token_sum_norm", "empty_rows": "count"},
+    "dapo": {"mode": "global_token_mean"},
+    "cispo": {"mode": "global_token_mean"},
+    "luspo": {"mode": "seq_mean_token_sum", "empty_rows": "count"},
+}
+TUNIX_CALLS = {
+    "token-mean": {"mode": "token_mean"},
+    "sequence-mean-token-mean": {"mode": "seq_mean_token_mean"},
+    "sequence-mean-token-scale": {"mode": "seq_mean_token_sum_norm"},
+    "seq-mean-token-sum": {"mode": "seq_mean_token_sum"},
+    "sequence-mean-token-sum-norm": {"mode": "global_token_mean"},
+}
+
+
+@st.composite
+def trl_steps(draw):
+    """Per-token losses and masks of `generations` optimiser steps of `processes` x
+    `accumulation` micro-batches of `rows` rows each, with empty rows."""
+    processes, accumulation = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    rows, width, generations = draw(st.integers(1, 3)), draw(st.integers(1, 4)), 2
+    shape = (generations, processes, accumulation, rows, width)
+    size = int(np.prod(shape))
+    values = np.array(
+        draw(st.lists(st.floats(-10, 10, width=32), min_size=size, max_size=size)), np.float32
+    ).reshape(shape)
+    bits = draw(st.lists(st.booleans(), min_size=size, max_size=size))
+    where = np.array(bits).reshape(shape)
+    where[..., draw(st.integers(0, rows - 1)), :] &= draw(st.booleans())  # empty rows
+    return values, where
+
+
+@pytest.mark.parametrize("loss_type", sorted(TRL_CALLS))
+@given(trl_steps())
+def test_one_line_calls_match_trl_over_a_step(loss_type, step):
+    values, where = step
+    max_len = 7.0
+    # TRL's dapo and cispo normalise by the valid tokens of the whole generation batch (here
+    # two optimiser steps, steps_per_generation = 2 x accumulation), rescaled to one step.
+    accumulation = values.shape[2]
+    num_items = float(where.sum())
+    trl_kw = {
+        "max_completion_length": max_len,
+        "num_items_in_batch": num_items,
+        "num_processes": values.shape[1],
+        "steps_per_generation": 2 * accumulation,
+    }
+    nan = np.where(where, values, np.nan).astype(np.float32)  # garbage where masked
+    call = dict(TRL_CALLS[loss_type])
+    if loss_type == "dr_grpo":
+        call["norm_constant"] = max_len
+    elif call["mode"] == "global_token_mean":
+        call["norm_constant"] = num_items * accumulation / (2 * accumulation)
+    for generation in range(2):
+        micro = [
+            [(values[generation, p, k], where[generation, p, k]) for k in range(accumulation)]
+            for p in range(values.shape[1])
+        ]
+        expected = trl_step_loss(micro, loss_type, **trl_kw)
+        parts = [
+            aggregate(nan[generation, p, k], where=where[generation, p, k], **call)
+            for p in range(values.shape[1])
+            for k in range(accumulation)
+        ]
+        if call["mode"] == "global_token_mean":  # each micro-batch's share, summed
+            out = sum(float(part.mean()) for part in parts)
+        else:  # merged numerators and denominators, divided once
+            out = functools.reduce(losses.Aggregate.merge, parts).mean()
+        assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", sorted(TUNIX_CALLS))
+@given(batches(), st.sampled_from([None, 3.0]))
+def test_one_line_calls_match_tunix(mode, batch, norm):
+    values, where = batch
+    nan = np.where(where, values, np.nan).astype(np.float32)
+    call = dict(TUNIX_CALLS[mode])
+    if mode == "sequence-mean-token-scale":  # Tunix's default norm: the width T
+        call["norm_constant"] = values.shape[1] if norm is None else norm
+    elif mode == "sequence-mean-token-sum-norm":  # default: the rows with a valid token
+        call["norm_constant"] = max(where.any(-1).sum(), 1) if norm is None else norm
+    elif norm is not None:
+        return
+    out = aggregate(nan, where=where, **call).mean()
+    assert_close(out, tunix_loss(values, where, mode, norm), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale", "seq-mean-token-sum"],
+)
+@given(batches(), st.integers(1, 3))
+def test_tunix_micro_batches_average_to_the_merged_aggregate_when_denominators_agree(
+    mode, batch, k
+):
+    # Tunix averages the micro-batches' values; that is the merged aggregate when every
+    # micro-batch has the same denominator, as here: every row holds a valid token, and the
+    # micro-batches have the same number of rows.
+    values, where = batch
+    where[:, 0] = True
+    rows = (values.shape[0] // k) * k
+    if rows == 0:
+        return
+    call = dict(TUNIX_CALLS[mode])
+    if mode == "sequence-mean-token-scale":
+        call["norm_constant"] = float(values.shape[1])
+    if mode == "token-mean":
+        where[:rows] = True  # equal token counts
+    chunks = np.split(np.arange(rows), k)
+    tunix = np.mean([tunix_loss(values[c], where[c], mode) for c in chunks])
+    merged = functools.reduce(
+        losses.Aggregate.merge, [aggregate(values[c], where=where[c], **call) for c in chunks]
+    )
+    assert_close(merged.mean(), tunix, rtol=1e-5, atol=1e-5)
+    assert_close(merged.mean(), tunix_loss(values[:rows], where[:rows], mode), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MERGING_MODES)
+def test_counted_empty_rows_are_zero_loss_sequences(mode):
+    values = np.array([[1.0, 3.0], [4.0, 2.0], [np.nan, np.inf]], np.float32)
+    where = np.array([[True, True], [True, False], [False, False]])
+    kw = mode_kwargs(mode)
+    skip = aggregate(values, mode=mode, where=where, **kw)
+    count = aggregate(values, mode=mode, empty_rows="count", where=where, **kw)
+    constant = kw.get("norm_constant", 1.0)
+    # The same numerator; the denominator gains the empty row (times C) in the sequence modes.
+    assert count.total == skip.total
+    if mode == "token_mean":
+        assert count.count == skip.count == 3.0
+    else:
+        assert (skip.count, count.count) == (2.0 * constant, 3.0 * constant)
+    # Without empty rows both choices agree; with nothing valid both give 0.
+    full = aggregate(values[:2], mode=mode, empty_rows="count", where=where[:2], **kw)
+    assert full == aggregate(values[:2], mode=mode, where=where[:2], **kw)
+    nothing = aggregate(values, mode=mode, empty_rows="count", where=np.zeros((3, 2), bool), **kw)
+    assert nothing.mean() == 0.0
+    grad = jax.grad(
+        lambda x: aggregate(x, mode=mode, empty_rows="count", where=where, **kw).mean()
+    )(jnp.asarray(values))
+    assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad[2]) == 0)
+    expected_grad = {
+        "token_mean": [[1 / 3, 1 / 3], [1 / 3, 0]],
+        "seq_mean_token_mean": [[1 / 6, 1 / 6], [1 / 3, 0]],
+        "seq_mean_token_sum": [[1 / 3, 1 / 3], [1 / 3, 0]],
+        "seq_mean_token_sum_norm": [[1 / 21, 1 / 21], [1 / 21, 0]],
+    }[mode]
+    assert_close(np.asarray(grad[:2]), expected_grad)
+
+
+def test_counted_empty_segments_of_packed_rows():
+    # Sequences (1, 2) | (3, masked) in row 0, and (masked, masked) | (5) in row 1: four
+    # sequences, one without a valid token, as in the padded batch of one sequence per row.
+    packed = jnp.array([[1.0, 2.0, 3.0, 9.0], [9.0, 9.0, 5.0, 0.0]])
+    where = jnp.array([[True, True, True, False], [False, False, True, False]])
+    segments = jnp.array([[1, 1, 2, 2], [1, 1, 2, 0]])
+    padded = jnp.array([[1.0, 2.0], [3.0, 9.0], [9.0, 9.0], [5.0, 0.0]])
+    padded_where = jnp.array([[True, True], [True, False], [False, False], [True, False]])
+    for mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        out = aggregate(packed, mode=mode, empty_rows="count", where=where, segment_ids=segments)
+        ref = aggregate(padded, mode=mode, empty_rows="count", where=padded_where)
+        assert (out.total, out.count) == (ref.total, ref.count)
+        assert out.count == 4.0
+    # Under "count" every segment id is checked, not only those at valid tokens.
+    with raises_naming("segment_ids", "9", error=ValueError):
+        losses.aggregate(
+            packed,
+            mode="seq_mean_token_mean",
+            empty_rows="count",
+            where=where,
+            segment_ids=segments.at[1, 3].set(9),
+        )
+
+
+def test_bf16_vmap_and_no_retrace_when_counting_empty_rows():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(3, 4, 5)).astype(np.float32)
+    where = rng.random((3, 4, 5)) < 0.6
+    where[:, 1] = False
+
+    def reduce(x, c, m):
+        return losses.aggregate(
+            x, mode="seq_mean_token_sum_norm", norm_constant=c, empty_rows="count", where=m
+        ).mean()
+
+    mapped = jax.vmap(reduce, in_axes=(0, None, 0))(values, 3.0, where)
+    for i in range(3):
+        assert_close(
+            mapped[i],
+            ref_aggregate(values[i], where[i], "seq_mean_token_sum_norm", 3.0, "count"),
+            rtol=1e-5,
+        )
+    low = reduce(jnp.asarray(values[0], jnp.bfloat16), 3.0, where[0])
+    assert low.dtype == jnp.float32
+    assert_close(low, mapped[0], rtol=2e-2, atol=2e-2)
+    assert_traced_once(reduce, [((values[0], jnp.float32(c), where[0]), {}) for c in (2.0, 8.0)])
+    sums = jax.jit(
+        lambda x, m: losses.aggregate(
+            x, mode="seq_mean_token_sum", empty_rows="count", where=m
+        ).mean()
+    )
+    assert_close(
+        sums(values[0], where[0]),
+        ref_aggregate(values[0], where[0], "seq_mean_token_sum", None, "count"),
+        rtol=1e-5,
+    )
+
+
+def test_empty_rows_errors():
+    values = jnp.ones((2, 3))
+    with raises_naming("empty_rows"):
+        losses.aggregate(values, mode="seq_mean_token_mean", empty_rows="drop")
+    with own_checks(), raises_naming("empty_rows", "skip", "count", error=ValueError):
+        losses.aggregate(values, mode="seq_mean_token_mean", empty_rows="drop")
+    with raises_naming("norm_constant"):
+        losses.aggregate(values, mode="seq_mean_token_sum", norm_constant=2.0)
