@@ -4,6 +4,7 @@
                                                      # the distilled student, the SFT student
     python recipes/distill.py --divergence jsd --mix 0.5 --temperature 2.0
     python recipes/distill.py --soft-weight 1.0      # soft targets only, no hard labels
+    python recipes/distill.py --on-policy 0.5 --divergence jsd   # GKD: half the batches sampled
 
 The data: a transfer set of the built-in task's prompts, each with the teacher's greedy
 answer. The loss: the divergence between the student's and the teacher's next-token
@@ -13,9 +14,16 @@ cross-entropy of the teacher's tokens. The teacher is the recipes' "base" decode
 `recipes/sft.py` on more demonstrations; the student is the "student" decoder, a quarter of
 its parameters. The baseline is the same student trained by SFT alone on the demonstrations,
 for the same number of steps, in the run's `baseline/` folder.
+
+On-policy (`--on-policy L`, generalised knowledge distillation): on a share L of the steps,
+spread evenly (L = 0.5: every other step), the student samples its own completions of the
+batch's prompts with `tunelib.rollout.sample`, and the loss is the divergence alone on those
+tokens, the teacher scoring what the student wrote; the other steps are the off-policy one
+above.
 """
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -48,6 +56,12 @@ class DistillConfig(Run, Task):
     teacher_demonstrations: int = flag(6000, "demonstrations of the teacher's SFT run")
     teacher_steps: int = flag(2000, "steps of the teacher's SFT run")
     no_baseline: bool = flag(False, "skip the SFT-only student")
+    on_policy: float = flag(
+        0.0,
+        "the share of steps on the student's own samples (GKD's lambda, TRL's lmbda): 0 "
+        "distils on the teacher's answers only, 1 on the student's samples only",
+    )
+    sample_temperature: float = flag(1.0, "temperature of the student's samples (--on-policy)")
 
     def check(self) -> None:
         super().check()
@@ -57,6 +71,10 @@ class DistillConfig(Run, Task):
             raise UserError(f"--soft-weight must lie in [0, 1], got {self.soft_weight}")
         if not self.temperature > 0:
             raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        if not 0.0 <= self.on_policy <= 1.0:
+            raise UserError(f"--on-policy must lie in [0, 1], got {self.on_policy}")
+        if not self.sample_temperature > 0:
+            raise UserError(f"--sample-temperature must be > 0, got {self.sample_temperature}")
         kit.config.at_least("num_prompts", self.num_prompts, 1)
         kit.config.at_least("teacher_steps", self.teacher_steps, 1)
         kit.config.at_least("teacher_demonstrations", self.teacher_demonstrations, 1)
@@ -68,12 +86,14 @@ class DistillConfig(Run, Task):
 
 def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     import jax
+    import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
-    from tunelib import logprobs, losses
+    from tunelib import logprobs, losses, rollout
     from tunelib.data import CharTokenizer
 
-    from kit import chain, data, evaluate, loop, models, optim, parallel
+    from kit import chain, data, evaluate, goodput, loop, models, optim, parallel
 
     placement = parallel.placement(config)  # every device of every process, batches by rows
     teacher_flags = chain.sft_flags(
@@ -119,16 +139,40 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         def mean(x):
             return losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()
 
-        per_token = config.soft_weight * soft + (1 - config.soft_weight) * hard
+        # On the student's own samples there are no labels: the divergence alone (GKD).
+        soft_weight = jnp.where(batch["sampled"], 1.0, config.soft_weight)
+        per_token = soft_weight * soft + (1 - soft_weight) * hard
         return mean(per_token), {"soft": mean(soft), "hard": mean(hard)}
 
-    train_step = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
+    update = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
+    sampling = dataclasses.replace(sampling, temperature=config.sample_temperature)
+
+    @jax.jit
+    def student_rows(params, rows, key):
+        """The batch's prompts, each followed by a completion the student samples."""
+        prompts = data.prompts_of_rows(rows, task.prompt_length)
+        out = rollout.sample(student.graphdef, params, *prompts, key, sampling)
+        return data.sequences_of_completions(*prompts, out.tokens, out.where)
+
+    def train_step(state, rows):
+        rng, sample_key = loop.step_keys(state["rng"], "rollouts")
+        # Step t samples when it completes another whole sample: floor((t + 1) L) > floor(t L).
+        t, share = int(state["step"]), config.on_policy
+        sampled = math.floor((t + 1) * share) > math.floor(t * share)
+        if sampled:
+            with goodput.phase("rollout"):
+                rows = jax.block_until_ready(student_rows(state["params"], rows, sample_key))
+        state = {**state, "rng": rng, "step": state["step"] + 1}
+        state, out = update(state, {**rows, "sampled": jnp.asarray(sampled)})
+        return state, {**out, "on_policy": float(sampled)}
 
     def evaluate_fn(params):
         return {"accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size)}
 
+    state = loop.initial_state(student.params, optimizer, config.seed)
+    state["step"] = placement.replicate(np.int32(0))  # which steps sample (--on-policy)
     state = loop.train(
-        run, config, state=loop.initial_state(student.params, optimizer, config.seed),
+        run, config, state=state,
         step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, placement, kind="sft"),
     )  # fmt: skip

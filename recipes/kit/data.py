@@ -202,3 +202,35 @@ def prompts(task: Task, records: list[dict]):
     return encode_prompts(
         [r["prompt"] for r in records], task.tokenizer, max_length=task.prompt_length
     )
+
+
+def prompts_of_rows(rows: dict, prompt_length: int):
+    """The left-padded `(tokens, where)` prompts, `prompt_length` wide, of a batch of SFT rows
+    (`tokens`, `where`, as `tunelib.data.sft_dataset` lays them out): each row's tokens up to
+    its first completion token, which is the first target `where` counts. Jittable."""
+    import jax.numpy as jnp
+
+    tokens, where = rows["tokens"], rows["where"]
+    length = jnp.argmax(where, axis=1) + 1  # the prompt's last token predicts the first target
+    source = jnp.arange(prompt_length)[None, :] - (prompt_length - length[:, None])
+    real = source >= 0
+    gathered = jnp.take_along_axis(tokens, jnp.clip(source, 0, tokens.shape[1] - 1), axis=1)
+    return jnp.where(real, gathered, 0), real
+
+
+def sequences_of_completions(prompt_tokens, prompt_where, tokens, where) -> dict:
+    """SFT rows (`tokens`, `targets`, `where`, `attention_where`) of prompts `[B, P]`
+    (left-padded) followed by their completions `[B, N]` (right-padded), as the sampler
+    returns them: the model reads the concatenation, and the completion tokens are the
+    targets that count. Jittable."""
+    import jax.numpy as jnp
+
+    sequence = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    real = jnp.concatenate([prompt_where, where], axis=1)
+    completion = jnp.concatenate([jnp.zeros_like(prompt_where), where], axis=1)
+    return {
+        "tokens": sequence[:, :-1],
+        "targets": sequence[:, 1:],
+        "attention_where": real[:, :-1],
+        "where": completion[:, 1:],
+    }

@@ -236,13 +236,18 @@ def test_distill_trains_its_teacher_and_runs_with_the_fused_divergence(tmp_path,
     out = run_recipe(
         "distill", *STEPS, "--teacher-steps", "4",
         "--teacher-demonstrations", "64", "--num-prompts", "64", "--divergence", "jsd",
-        "--no-baseline", "--out", str(tmp_path / "distill"),
+        "--no-baseline", "--on-policy", "0.5", "--out", str(tmp_path / "distill"),
     )  # fmt: skip
     assert (teacher / "model" / "config.json").exists(), "distill trains the missing teacher"
     assert {"teacher_accuracy", "accuracy_after", "teacher_seconds"} <= set(out)
-    assert all(
-        np.isfinite(r["soft"]) and r["soft"] >= 0 for r in records_of(tmp_path / "distill")[1:]
-    )
+    records = records_of(tmp_path / "distill")[1:]
+    assert all(np.isfinite(r["soft"]) and r["soft"] >= 0 for r in records)
+    # Every other step on the student's samples, with the divergence alone; the others on
+    # the teacher's answers, half divergence and half cross-entropy (--soft-weight 0.5).
+    assert [r["on_policy"] for r in records] == [0.0, 1.0, 0.0, 1.0]
+    for r in records:
+        expected = r["soft"] if r["on_policy"] else 0.5 * (r["soft"] + r["hard"])
+        assert abs(r["loss"] - expected) < 1e-5 * max(1.0, abs(expected))
 
 
 REWARD = """

@@ -1,0 +1,52 @@
+"""`kit.data`'s layouts between SFT rows and the sampler's prompts and completions, which
+on-policy distillation crosses every sampled step."""
+
+import numpy as np
+
+import tests.recipes._scripts  # noqa: F401 (puts recipes/ on the path)
+from tunelib.data import CharTokenizer, encode_prompts, sft_dataset
+
+from kit import data
+
+RECORDS = [
+    {"prompt": "12+7=", "completion": "19"},
+    {"prompt": "3+4=", "completion": "7"},
+    {"prompt": "55+66=", "completion": "121"},
+]
+
+
+def rows_of(records, width=12):
+    dataset = sft_dataset(
+        records, CharTokenizer(), max_length=width, batch_size=len(records), shuffle=False,
+        num_epochs=1,
+    )  # fmt: skip
+    return next(iter(dataset))
+
+
+def test_the_prompts_of_sft_rows_are_the_samplers_prompts():
+    tokenizer, prompt_length = CharTokenizer(), 9
+    tokens, where = data.prompts_of_rows(rows_of(RECORDS), prompt_length)
+    expected = encode_prompts([r["prompt"] for r in RECORDS], tokenizer, max_length=9)
+    np.testing.assert_array_equal(where, expected[1])
+    np.testing.assert_array_equal(np.where(where, tokens, -1), np.where(*expected[::-1], -1))
+
+
+def test_prompts_and_completions_become_the_rows_of_their_sequences():
+    """A prompt and its completion (answer, then EOS), as the sampler lays them out, give the
+    SFT row of the same record: the same inputs and targets on the real positions."""
+    tokenizer = CharTokenizer()
+    prompts = encode_prompts([r["prompt"] for r in RECORDS], tokenizer, max_length=9)
+    tokens, where = np.zeros((3, 5), np.int32), np.zeros((3, 5), bool)
+    for i, r in enumerate(RECORDS):
+        ids = [*tokenizer.encode(r["completion"]), tokenizer.eos_id]
+        tokens[i, : len(ids)], where[i, : len(ids)] = ids, True
+    rows = data.sequences_of_completions(*prompts, tokens, where)
+    expected = rows_of(RECORDS)
+    for i in range(3):
+        real = np.asarray(rows["attention_where"][i])
+        n = int(expected["attention_where"][i].sum())
+        np.testing.assert_array_equal(rows["tokens"][i][real][:n], expected["tokens"][i][:n])
+        np.testing.assert_array_equal(
+            np.asarray(rows["targets"][i])[np.asarray(rows["where"][i])],
+            expected["targets"][i][expected["where"][i]],
+        )
