@@ -65,18 +65,56 @@ def ppo(
     return loss
 
 
-def cispo(logps, old, adv, epsilon_low=1.0, epsilon_high=3.0):
-    """MiniMax-M1: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi."""
-    weight = np.clip(ratio(logps, old), 1 - epsilon_low, 1 + epsilon_high)
+def cispo(logps, old, adv, level="token", epsilon_low=1.0, epsilon_high=None, ratio_cap=None):
+    """MiniMax-M1: -sg(clip(r, 1 - eps_low, U)) A log pi, U = C or 1 + eps_high (3 by
+    default); r the token ratio or GSPO's sequence ratio (the weight has no gradient, so
+    GSPO-token's ratio is the sequence one)."""
+    high = (
+        ratio_cap if ratio_cap is not None else 1 + (3.0 if epsilon_high is None else epsilon_high)
+    )
+    r = ratio(logps, old, "token" if level == "token" else "sequence", log_ratio_clamp=np.inf)
+    weight = np.clip(r, 1 - epsilon_low, high)
     return -weight * np.asarray(adv, np.float64) * np.asarray(logps, np.float64)
 
 
-def sapo(logps, old, adv, tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0):
-    """SAPO: -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A."""
-    r = ratio(logps, old, "token", log_ratio_clamp)
+def sapo(logps, old, adv, level="token", tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0):
+    """SAPO: -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A; r per token or GSPO's
+    sequence ratio."""
+    r = ratio(logps, old, "token" if level == "token" else "sequence", log_ratio_clamp)
     adv = np.asarray(adv, np.float64)
     tau = np.where(adv > 0, tau_pos, tau_neg)
     return -(4 / tau) * sigmoid(tau * (r - 1)) * adv
+
+
+def vespo(
+    logps,
+    old,
+    adv,
+    weights=None,
+    k_pos=2.0,
+    lambda_pos=3.0,
+    k_neg=3.0,
+    lambda_neg=2.0,
+    log_ratio_clamp=20.0,
+):
+    """VESPO: -sg(phi(w)) A log pi with phi(w) = w^k e^(lambda (1 - w)) and w the product of
+    the token ratios (times the importance weights), in the authors' clipped log space."""
+    logps, old, adv = (np.asarray(x, np.float64) for x in (logps, old, adv))
+    c, floor = log_ratio_clamp, np.log(1e-8)
+    log_w = np.clip(logps - old, -c, c).sum()
+    if weights is not None:
+        log_w += np.clip(np.log(np.maximum(np.asarray(weights, np.float64), 1e-8)), floor, c).sum()
+    w = np.exp(np.clip(log_w, floor, c))
+    k = np.where(adv >= 0, k_pos, k_neg)
+    lam = np.where(adv >= 0, lambda_pos, lambda_neg)
+    phi = w**k * np.exp(lam * (1 - w))
+    return -phi * adv * logps
+
+
+def off_policy_mask(logps, sampler, adv, threshold):
+    """DeepSeek-V3.2 eq. 9: 0 where A < 0 and mean(log pi_sampler - log pi) > delta."""
+    drift = np.mean(np.asarray(sampler, np.float64) - np.asarray(logps, np.float64))
+    return np.where((np.asarray(adv) < 0) & (drift > threshold), 0.0, 1.0)
 
 
 def importance_weights(logps, sampler, level="token", mode="truncate", cap=2.0, floor=None):

@@ -19,11 +19,26 @@ from tests._helpers import (
 from tunelib import losses
 from tunelib.losses import KL_ESTIMATORS
 
-kl_penalty = jax.jit(losses.kl_penalty, static_argnames=("estimator", "stop_gradient_weight"))
+kl_penalty = jax.jit(
+    losses.kl_penalty, static_argnames=("estimator", "level", "stop_gradient_weight")
+)
+LEVELS = ("token", "sequence", "sequence_token")
 
 
-def ref_kl(logps, ref_logps, estimator, log_ratio_clamp=20.0, estimate_clamp=None, old=None):
-    """Float64 reference from Schulman's definitions, with r = pi_ref / pi_theta."""
+def ref_kl(
+    logps,
+    ref_logps,
+    estimator,
+    log_ratio_clamp=20.0,
+    estimate_clamp=None,
+    old=None,
+    level="token",
+    where=None,
+):
+    """Float64 reference from Schulman's definitions, with r = pi_ref / pi_theta; the
+    importance weight pi_theta / pi_old per token, or at sequence level GSPO's ratio, the
+    exponential of the mean log-ratio over the valid tokens of the row (TRL's
+    use_bias_correction_kl with importance_sampling_level="sequence")."""
     logps, ref_logps = np.asarray(logps, np.float64), np.asarray(ref_logps, np.float64)
     log_r = np.clip(ref_logps - logps, -log_ratio_clamp, log_ratio_clamp)
     r = np.exp(log_r)
@@ -31,8 +46,12 @@ def ref_kl(logps, ref_logps, estimator, log_ratio_clamp=20.0, estimate_clamp=Non
     if estimate_clamp is not None:
         k = np.clip(k, -estimate_clamp, estimate_clamp)
     if old is not None:
-        log_w = np.clip(logps - np.asarray(old, np.float64), -log_ratio_clamp, log_ratio_clamp)
-        k = np.exp(log_w) * k
+        log_w = logps - np.asarray(old, np.float64)
+        if level != "token":
+            valid = np.ones(log_w.shape, bool) if where is None else np.asarray(where, bool)
+            total = np.where(valid, log_w, 0.0).sum(-1, keepdims=True)
+            log_w = np.broadcast_to(total / np.maximum(valid.sum(-1, keepdims=True), 1), k.shape)
+        k = np.exp(np.clip(log_w, -log_ratio_clamp, log_ratio_clamp)) * k
     return k
 
 
@@ -74,6 +93,7 @@ def test_matches_reference(problem, estimator, data):
     clamp = data.draw(st.floats(0.5, 30.0))
     estimate_clamp = data.draw(st.none() | st.floats(0.05, 20.0))
     use_old = data.draw(st.booleans())
+    level = data.draw(st.sampled_from(LEVELS)) if use_old else "token"
     out = kl_penalty(
         masked(logps, where),
         masked(ref, where),
@@ -81,9 +101,12 @@ def test_matches_reference(problem, estimator, data):
         log_ratio_clamp=clamp,
         estimate_clamp=estimate_clamp,
         old_token_logps=masked(old, where) if use_old else None,
+        level=level,
         where=where,
     )
-    expected = ref_kl(logps, ref, estimator, clamp, estimate_clamp, old if use_old else None)
+    expected = ref_kl(
+        logps, ref, estimator, clamp, estimate_clamp, old if use_old else None, level, where
+    )
     assert out.dtype == jnp.float32
     assert_close(out, np.where(where, expected, 0.0), rtol=2e-5, atol=1e-5)
 
@@ -224,8 +247,8 @@ def test_importance_weighted_estimate_under_old_policy(dists, on_policy):
             assert_close(grad_stopped, expected, rtol=1e-9, atol=1e-12)
 
 
-@given(problems(max_t=6), st.sampled_from(KL_ESTIMATORS), st.data())
-def test_masked_equals_sliced(problem, estimator, data):
+@given(problems(max_t=6), st.sampled_from(KL_ESTIMATORS), st.sampled_from(LEVELS), st.data())
+def test_masked_equals_sliced(problem, estimator, level, data):
     logps, ref, old, _ = problem
     keep = data.draw(st.integers(0, logps.shape[1]))
     where = np.zeros(logps.shape, bool)
@@ -236,15 +259,57 @@ def test_masked_equals_sliced(problem, estimator, data):
             masked(ref, where),
             estimator=estimator,
             old_token_logps=masked(old, where),
+            level=level,
             where=where,
         )
     )
     assert np.all(out[:, keep:] == 0)
     if keep:
         sliced = kl_penalty(
-            logps[:, :keep], ref[:, :keep], estimator=estimator, old_token_logps=old[:, :keep]
+            logps[:, :keep],
+            ref[:, :keep],
+            estimator=estimator,
+            old_token_logps=old[:, :keep],
+            level=level,
         )
         np.testing.assert_allclose(out[:, :keep], sliced, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_sequence_level_weight_gradient(level):
+    """d/d logp_t sum_u s k3_u = (s / n) sum_u k3_u + s (1 - r_t) at sequence level (the weight
+    spreads over the row), w_t k3_t + w_t (1 - r_t) at token level; r = pi_ref / pi_theta."""
+    rng = np.random.default_rng(4)
+    logps, ref, old = (rng.uniform(-3, 0, (3, 5)).astype(np.float32) for _ in range(3))
+    where = np.arange(5)[None, :] < np.array([[5], [2], [1]])
+    k3 = ref_kl(logps, ref, "k3")
+    r = np.exp(ref.astype(np.float64) - logps)
+    w = ref_kl(logps, ref, "k3", old=old, level=level, where=where) / k3
+
+    def total(x, stop=False):
+        out = losses.kl_penalty(
+            x, ref, old_token_logps=old, level=level, stop_gradient_weight=stop, where=where
+        )
+        return jnp.sum(out)
+
+    grad = jax.grad(total)(jnp.asarray(logps))
+    if level == "sequence":
+        n = where.sum(-1, keepdims=True)
+        spread = w * np.where(where, k3, 0).sum(-1, keepdims=True) / n
+    else:
+        spread = w * k3
+    assert_close(grad, np.where(where, spread + w * (1 - r), 0.0), rtol=1e-5, atol=1e-6)
+    stopped = jax.grad(lambda x: total(x, stop=True))(jnp.asarray(logps))
+    assert_close(stopped, np.where(where, w * (1 - r), 0.0), rtol=1e-5, atol=1e-6)
+    # GSPO-token's weight: the sequence value, each token differentiating through its own
+    # log-prob: s k3_t + s (1 - r_t).
+    if level == "sequence":
+        own = jax.grad(
+            lambda x: jnp.sum(
+                losses.kl_penalty(x, ref, old_token_logps=old, level="sequence_token", where=where)
+            )
+        )(jnp.asarray(logps))
+        assert_close(own, np.where(where, w * k3 + w * (1 - r), 0.0), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("estimator", KL_ESTIMATORS)
@@ -323,14 +388,15 @@ def test_bf16_inputs_are_computed_in_float32():
     logps, ref, old = (rng.uniform(-4, 0, (3, 7)).astype(np.float32) for _ in range(3))
     low = [jnp.asarray(x, jnp.bfloat16) for x in (logps, ref, old)]
     rounded = [np.asarray(x, np.float32) for x in low]
-    for estimator in KL_ESTIMATORS:
-        out = kl_penalty(low[0], low[1], estimator=estimator, old_token_logps=low[2])
+    for estimator, level in itertools.product(KL_ESTIMATORS, ("token", "sequence")):
+        kw = {"estimator": estimator, "level": level}
+        out = kl_penalty(low[0], low[1], old_token_logps=low[2], **kw)
         assert out.dtype == jnp.float32
         # Nothing is computed in bf16: the result is the float32 one of the rounded inputs ...
-        exact = kl_penalty(*rounded[:2], estimator=estimator, old_token_logps=rounded[2])
+        exact = kl_penalty(*rounded[:2], old_token_logps=rounded[2], **kw)
         assert_close(out, exact, rtol=1e-6, atol=1e-7)
         # ... within the rounding of inputs to 8 significant bits (|log r| <= 4 here).
-        full = kl_penalty(logps, ref, estimator=estimator, old_token_logps=old)
+        full = kl_penalty(logps, ref, old_token_logps=old, **kw)
         assert_close(out, full, rtol=0.1, atol=0.05)
 
 
@@ -390,6 +456,13 @@ def test_jit_vmap_grad_and_no_retrace():
             for c, e in [(20.0, 10.0), (1.0, 0.1), (5.0, 3.0)]
         ],
     )
+    assert_traced_once(
+        lambda *a, **k: losses.kl_penalty(*a, level="sequence", **k),
+        [
+            ((logps, ref), {"log_ratio_clamp": jnp.float32(c), "old_token_logps": old})
+            for c in (20.0, 0.5)
+        ],
+    )
 
 
 def test_errors_name_the_argument():
@@ -417,5 +490,9 @@ def test_errors_name_the_argument():
             losses.kl_penalty(x, x, estimate_clamp=-1.0)
         with raises_naming("stop_gradient_weight", "old_token_logps", error=ValueError):
             losses.kl_penalty(x, x, stop_gradient_weight=True)
+        with raises_naming("level", "old_token_logps", error=ValueError):
+            losses.kl_penalty(x, x, level="sequence")
+        with raises_naming("level", "sequence_token", error=ValueError):
+            losses.kl_penalty(x, x, old_token_logps=x, level="geometric")
         with raises_naming("where", "(3,)", error=ValueError):
             losses.kl_penalty(x, x, where=np.ones(3, bool))

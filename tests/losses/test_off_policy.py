@@ -30,12 +30,28 @@ def weights_spec(level, mode, floor=False):
     )
 
 
+def off_policy_mask_as_floats(*args, **kwargs):
+    """The boolean mask as 0/1 floats of the log-probs' compute dtype, so the contracts of
+    the per-token functions apply."""
+    dtype = jnp.result_type(jnp.float32, jnp.asarray(args[0]).dtype)
+    return losses.off_policy_sequence_mask(*args, **kwargs).astype(dtype)
+
+
 SPECS = [
     weights_spec("token", "truncate"),
     weights_spec("token", "mask", floor=True),
     weights_spec("sequence", "truncate"),
     weights_spec("sequence", "mask"),
     weights_spec("geometric", "mask", floor=True),
+    ref.Spec(
+        off_policy_mask_as_floats,
+        ref.off_policy_mask,
+        ("token_logps", "sampler_token_logps", "advantages"),
+        (LOGP, NEAR, (-3.0, 3.0)),
+        {"threshold": (0.0, 0.5)},
+        differentiable=False,
+        id="off_policy_sequence_mask",
+    ),
 ]
 
 
@@ -137,3 +153,58 @@ def test_errors():
         for kw in ({"cap": 0.0}, {"mode": "mask", "floor": -1.0}):
             with raises_naming(list(kw)[-1], error=ValueError):
                 losses.truncated_importance_weights(logps, logps, **kw)
+
+
+# --- DeepSeek-V3.2's off-policy sequence mask.
+
+off_policy_sequence_mask = jax.jit(losses.off_policy_sequence_mask)
+
+
+def test_off_policy_mask_drops_only_drifted_negative_sequences():
+    logps = np.full((4, 3), -2.0, np.float32)
+    # Mean drift log pi_sampler - log pi of 1.0, 0.5 (exactly the threshold), 1.0 and -1.0.
+    sampler = logps + np.array([[1.0], [0.5], [1.0], [-1.0]], np.float32)
+    sampler[0] += np.array([0.5, -0.5, 0.0], np.float32)  # the mean counts, not each token
+    adv = np.array([-1.0, -1.0, 2.0, -1.0], np.float32)
+    where = np.array([[True, True, True], [True, False, True], [True] * 3, [True] * 3])
+    out = np.asarray(off_policy_sequence_mask(logps, sampler, adv, threshold=0.5, where=where))
+    assert out.dtype == np.bool_
+    # Dropped: drift above the threshold and a negative advantage. Kept: drift equal to the
+    # threshold, a positive advantage, a negative drift.
+    np.testing.assert_array_equal(out, where & np.array([[False], [True], [True], [True]]))
+    assert_close(out, ref.per_token(ref.off_policy_mask, where, logps, sampler, adv, threshold=0.5))
+    # A lower threshold drops the second row too.
+    lower = off_policy_sequence_mask(logps, sampler, adv, threshold=0.25, where=where)
+    np.testing.assert_array_equal(lower, where & np.array([[False], [False], [True], [True]]))
+
+
+def test_off_policy_mask_with_per_token_advantages_decides_per_token():
+    logps = np.zeros((1, 4), np.float32)
+    sampler = np.ones((1, 4), np.float32)  # drift 1
+    adv = np.array([[1.0, -1.0, 0.0, -0.5]], np.float32)
+    out = losses.off_policy_sequence_mask(logps, sampler, adv, threshold=0.5)
+    np.testing.assert_array_equal(out, [[True, False, True, False]])
+
+
+def test_off_policy_mask_times_the_loss_is_trls_masked_loss():
+    """TRL multiplies the per-token loss by the mask, so the dropped sequences keep their
+    place in the denominators."""
+    rng = np.random.default_rng(3)
+    logps = rng.uniform(-3, 0, (4, 5)).astype(np.float32)
+    sampler = (logps + np.array([[1.0], [0.1], [1.0], [0.0]])).astype(np.float32)
+    adv = np.array([-1.0, -1.0, 1.0, 0.5], np.float32)
+    where = np.arange(5)[None, :] < np.array([[5], [3], [4], [2]])
+    mask = losses.off_policy_sequence_mask(logps, sampler, adv, threshold=0.5, where=where)
+    loss = losses.policy_gradient_loss(logps, None, adv, where=where) * mask
+    value = losses.aggregate(loss, mode="seq_mean_token_mean", where=where).mean()
+    assert_close(value, np.mean([0.0, 1.0, -1.0, -0.5]), rtol=1e-6)
+
+
+def test_off_policy_mask_errors():
+    logps = np.zeros((2, 3), np.float32)
+    adv = np.ones(2, np.float32)
+    with own_checks():
+        with raises_naming("threshold", error=ValueError):
+            losses.off_policy_sequence_mask(logps, logps, adv, threshold=-0.1)
+        with raises_naming("advantages", "(3,)", error=ValueError):
+            losses.off_policy_sequence_mask(logps, logps, np.ones(3, np.float32), threshold=0.1)

@@ -63,21 +63,37 @@ SPECS = [
         build=on_policy,
         id="policy_gradient_loss_on_policy",
     ),
+    *(
+        ref.Spec(
+            losses.cispo_loss,
+            ref.cispo,
+            PG,
+            (LOGP, NEAR, ADV),
+            {"epsilon_low": (0.0, 2.0), "epsilon_high": (0.0, 4.0)},
+            static={"level": level},
+            id=f"cispo_loss_{level}",
+        )
+        for level in ("token", "sequence")
+    ),
     ref.Spec(
         losses.cispo_loss,
         ref.cispo,
         PG,
         (LOGP, NEAR, ADV),
-        {"epsilon_low": (0.0, 2.0), "epsilon_high": (0.0, 4.0)},
-        id="cispo_loss",
+        {"epsilon_low": (0.0, 2.0), "ratio_cap": (0.5, 6.0)},
+        id="cispo_loss_ratio_cap",
     ),
-    ref.Spec(
-        losses.sapo_loss,
-        ref.sapo,
-        PG,
-        (LOGP, NEAR, ADV),
-        {"tau_pos": (0.1, 3.0), "tau_neg": (0.1, 3.0)},
-        id="sapo_loss",
+    *(
+        ref.Spec(
+            losses.sapo_loss,
+            ref.sapo,
+            PG,
+            (LOGP, NEAR, ADV),
+            {"tau_pos": (0.1, 3.0), "tau_neg": (0.1, 3.0)},
+            static={"level": level},
+            id=f"sapo_loss_{level}",
+        )
+        for level in ("token", "sequence")
     ),
 ]
 
@@ -336,7 +352,74 @@ def test_cispo_on_policy_and_unclipped_match_the_policy_gradient():
     )
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_cispo_ratio_cap_is_trls_epsilon_high(level):
+    """TRL's CISPO: loss = -clamp(coef_1, max=epsilon_high).detach() * A * logp, with coef_1
+    the token ratio or exp of the row's mean log-ratio; no lower bound."""
+    logps, old, adv, where = gspo_problem(seed=8)
+    old = (old + np.linspace(-2.0, 2.0, old.size).reshape(old.shape)).astype(np.float32)
+    trl_epsilon_high = 1.5
+    log_ratio = logps.astype(np.float64) - old
+    if level == "sequence":
+        mean = np.where(where, log_ratio, 0).sum(-1, keepdims=True) / where.sum(-1, keepdims=True)
+        log_ratio = np.broadcast_to(mean, log_ratio.shape)
+    weight = np.minimum(np.exp(log_ratio), trl_epsilon_high)
+    assert np.any(weight == trl_epsilon_high) and np.any(weight < 1)  # both sides occur
+    expected_grad = np.where(where, -weight * adv[:, None], 0.0)
+    kw = {"level": level, "ratio_cap": trl_epsilon_high, "where": where}
+    out = losses.cispo_loss(logps, old, adv, **kw)
+    assert_close(out, np.where(where, expected_grad * logps, 0.0), rtol=1e-5, atol=1e-6)
+    assert_close(grad_logps(losses.cispo_loss, logps, old, adv, **kw), expected_grad, rtol=1e-5)
+    # The weight carries no gradient, so GSPO-token's ratio gives exactly GSPO's loss.
+    if level == "sequence":
+        kw["level"] = "sequence_token"
+        assert_close(losses.cispo_loss(logps, old, adv, **kw), out, rtol=0, atol=0)
+
+
+def test_cispo_relative_and_absolute_caps_agree():
+    logps, old, adv, where = gspo_problem(seed=9)
+    old = (old - 2.0).astype(np.float32)  # every ratio above e^1.7 > 4, the default cap
+    default = losses.cispo_loss(logps, old, adv, where=where)
+    assert_close(losses.cispo_loss(logps, old, adv, ratio_cap=4.0, where=where), default)
+    assert_close(
+        grad_logps(losses.cispo_loss, logps, old, adv, where=where),
+        np.where(where, -4.0 * adv[:, None], 0.0),
+        rtol=1e-6,
+    )
+    with raises_naming("epsilon_high", "ratio_cap", error=ValueError):
+        losses.cispo_loss(logps, old, adv, epsilon_high=3.0, ratio_cap=4.0)
+
+
 # --- SAPO.
+
+
+def test_sapo_sequence_level_is_trls_and_spreads_the_gradient():
+    """TRL's sequence-level SAPO: the gate of s_i = exp(mean log-ratio), one term per
+    sequence (its per-sequence token mean of a constant row)."""
+    logps, old, adv, where = gspo_problem(seed=10)
+    n = where.sum(-1)
+    mean = np.where(where, logps.astype(np.float64) - old, 0).sum(-1) / n
+    s = np.exp(mean)
+    tau = np.where(adv > 0, 1.0, 1.05)
+    p = ref.sigmoid(tau * (s - 1))
+    trl = -(4 / tau * p * adv).mean()
+
+    def objective(x, level):
+        per_token = losses.sapo_loss(x, old, adv, level=level, where=where)
+        return losses.aggregate(per_token, mode="seq_mean_token_mean", where=where).mean()
+
+    value, grad = jax.value_and_grad(objective)(jnp.asarray(logps), "sequence")
+    assert_close(value, trl, rtol=1e-6)
+    # d/d logp_t of -(4/tau) sigma(tau (s - 1)) A / B = -4 p (1 - p) A s / (|y_i| B) per token.
+    per_row = -4 * p * (1 - p) * adv * s / n / len(adv)
+    assert_close(grad, np.where(where, per_row[:, None], 0.0), rtol=1e-5, atol=1e-8)
+    # GSPO-token: each token differentiates through its own log-prob only; with one advantage
+    # per sequence and the per-sequence mean, the value and gradient are GSPO's.
+    value_tok, grad_tok = jax.value_and_grad(objective)(jnp.asarray(logps), "sequence_token")
+    assert_close(value_tok, value, rtol=1e-7)
+    assert_close(grad_tok, grad, rtol=1e-5, atol=1e-8)
+    own = grad_logps(losses.sapo_loss, logps, old, adv, level="sequence_token", where=where)
+    assert_close(own, np.where(where, (-4 * p * (1 - p) * adv * s)[:, None], 0.0), rtol=1e-5)
 
 
 @given(token_problems(), st.floats(0.1, 3.0), st.floats(0.1, 3.0))
@@ -410,5 +493,10 @@ def test_hyperparameter_errors():
         for name in ("tau_pos", "tau_neg", "log_ratio_clamp"):
             with raises_naming(name, error=ValueError):
                 losses.sapo_loss(logps, logps, adv, **{name: 0.0})
+        with raises_naming("ratio_cap", error=ValueError):
+            losses.cispo_loss(logps, logps, adv, ratio_cap=0.0)
+        for fn in (losses.cispo_loss, losses.sapo_loss):
+            with raises_naming("level", "sequence_token", error=ValueError):
+                fn(logps, logps, adv, level="geometric")
         with raises_naming("log_ratio_clamp", error=ValueError):
             losses.importance_ratio(logps, logps, log_ratio_clamp=-1.0)

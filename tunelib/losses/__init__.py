@@ -5,8 +5,8 @@ per-token values with `aggregate`, which returns a numerator and a denominator s
 accumulation and data parallelism give exactly the full-batch result. The files follow the
 families: the DPO family against a reference model (`_dpo.py`), reference-free preference
 losses (`_reference_free.py`), unpaired feedback (`_kto.py`), reward models
-(`_reward_model.py`); RL objectives (`_policy_gradient.py`, `_kl.py`, `_value.py`,
-`_entropy.py`, `_off_policy.py`); SFT (`_sft.py`); distillation (`_distillation.py`,
+(`_reward_model.py`); RL objectives (`_policy_gradient.py`, `_sequence_policy.py`, `_kl.py`,
+`_value.py`, `_entropy.py`, `_off_policy.py`); SFT (`_sft.py`); distillation (`_distillation.py`,
 `_feature_matching.py`); mixture-of-experts routers (`_router.py`); and `_aggregation.py`.
 Diagnostics are in `tunelib.metrics`.
 """
@@ -42,7 +42,7 @@ from tunelib.losses._entropy import entropy_bonus
 from tunelib.losses._feature_matching import attention_output_matching_loss, feature_matching_loss
 from tunelib.losses._kl import KL_ESTIMATORS, kl_penalty
 from tunelib.losses._kto import kto_loss, kto_reference_point
-from tunelib.losses._off_policy import truncated_importance_weights
+from tunelib.losses._off_policy import off_policy_sequence_mask, truncated_importance_weights
 from tunelib.losses._policy_gradient import (
     RATIO_LEVELS,
     cispo_loss,
@@ -53,6 +53,7 @@ from tunelib.losses._policy_gradient import (
 from tunelib.losses._reference_free import cpo_loss, orpo_log_odds_ratio, orpo_loss, simpo_loss
 from tunelib.losses._reward_model import bradley_terry_loss
 from tunelib.losses._router import load_balancing_loss, router_z_loss
+from tunelib.losses._sequence_policy import luspo_loss, vespo_loss
 from tunelib.losses._sft import nll_loss
 from tunelib.losses._value import value_loss
 
@@ -110,8 +111,10 @@ __all__ = [
     "kto_reference_point",
     "length_normalized_dpo_loss",
     "load_balancing_loss",
+    "luspo_loss",
     "nca_loss",
     "nll_loss",
+    "off_policy_sequence_mask",
     "orpo_log_odds_ratio",
     "orpo_loss",
     "policy_gradient_loss",
@@ -127,4 +130,5 @@ __all__ = [
     "top_k_forward_kl_loss",
     "truncated_importance_weights",
     "value_loss",
+    "vespo_loss",
 ]

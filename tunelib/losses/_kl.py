@@ -35,6 +35,7 @@ from jaxtyping import Array, Float
 
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
+from tunelib.losses._policy_gradient import RATIO_LEVELS, RatioLevel, ratio_from_logps
 
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = KLEstimator.__args__
@@ -75,6 +76,7 @@ def kl_penalty(
     log_ratio_clamp: Scalar = 20.0,
     estimate_clamp: Scalar | None = None,
     old_token_logps: Float[ArrayLike, "B T"] | None = None,
+    level: RatioLevel = "token",
     stop_gradient_weight: bool = False,
     where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
@@ -88,7 +90,8 @@ def kl_penalty(
 
     and, when `old_token_logps` is given, the importance-weighted estimate
     $w_t\, \operatorname{clip}(k_t, -C, C)$ with
-    $w_t = \exp\operatorname{clip}(\log \pi_\theta(y_t) - \log \pi_{\mathrm{old}}(y_t), -c, c)$,
+    $w_t = \exp\operatorname{clip}(\log \pi_\theta(y_t) - \log \pi_{\mathrm{old}}(y_t), -c, c)$
+    (at ``level="token"``; see below for ``"sequence"``),
     where $\log \pi_\theta$ = `token_logps`, $\log \pi_{\mathrm{ref}}$ = `ref_token_logps`,
     $\log \pi_{\mathrm{old}}$ = `old_token_logps`, $c$ = `log_ratio_clamp` and $C$ =
     `estimate_clamp` (no clip when None). Schulman (2020) shows that $k_1$ and $k_3$ are
@@ -123,6 +126,20 @@ def kl_penalty(
     ``stop_gradient_weight=True`` treats $w_t$ as data: the value is the same, the expected
     gradient is the on-policy one of the estimator (0 for k1, the forward-KL gradient for k3).
 
+    `level` picks the importance weight as in `importance_ratio`: ``"token"`` (default, the
+    paper's) is $w_t$ above; ``"sequence"`` is GSPO's length-normalised sequence ratio
+    $s_i = \exp \operatorname{clip}\big(\frac{1}{|y_i|} \sum_u (\log \pi_\theta(y_{i,u}) -
+    \log \pi_{\mathrm{old}}(y_{i,u})), -c, c\big)$ on every token of row $i$, differentiated
+    through every token of the row (unless `stop_gradient_weight`); ``"sequence_token"`` has
+    the value $s_i$ with each token's weight differentiated through its own log-prob only.
+    TRL's ``use_bias_correction_kl=True`` multiplies its k3 by the importance ratio of the
+    policy loss, undetached: with ``importance_sampling_level="token"`` that is
+    ``estimator="k3", old_token_logps=old`` here, with ``"sequence"`` it is the same with
+    ``level="sequence"``. TRL clips neither log-ratio; the default clamp $c = 20$ binds only
+    beyond a ratio of $e^{20}$. The sequence-level weight matches the policy term's ratio
+    but, being a geometric mean rather than a likelihood ratio, does not make the estimate
+    unbiased.
+
     Args:
       token_logps: `[B, T]` log-probabilities of the sampled tokens under the current policy
         $\pi_\theta$ (differentiated).
@@ -137,6 +154,8 @@ def kl_penalty(
         the importance weight). None (default) clips nothing. May be traced.
       old_token_logps: optional `[B, T]` log-probabilities under the behaviour policy that
         sampled the tokens; given, each estimate is multiplied by the importance weight above.
+      level: ``"token"`` (default), ``"sequence"`` or ``"sequence_token"``: the level of
+        the importance weight (static); other than ``"token"`` only with `old_token_logps`.
       stop_gradient_weight: whether the importance weight is held constant when
         differentiating; only with `old_token_logps`. Default False, the paper's form.
       where: `[B, T]` mask, True (or 1) = a completion token that counts. Masked tokens give
@@ -158,6 +177,9 @@ def kl_penalty(
       >>> old_logps = jnp.array([[-1.0, -2.5, -0.5]])  # the weight is e^0.5 on token 2
       >>> print(kl_penalty(logps, ref_logps, old_token_logps=old_logps).round(3))
       [[0.107 1.184 0.   ]]
+      >>> # The sequence weight is exp(0.5 / 3) on every token.
+      >>> print(kl_penalty(logps, ref_logps, old_token_logps=old_logps, level="sequence").round(3))
+      [[0.126 0.849 0.   ]]
 
     References:
       Schulman, "Approximating KL Divergence", 2020, http://joschu.net/blog/kl-approx.html.
@@ -167,12 +189,18 @@ def kl_penalty(
       https://arxiv.org/abs/2512.02556.
     """
     v.one_of(estimator, "estimator", KL_ESTIMATORS)
+    v.one_of(level, "level", RATIO_LEVELS)
     v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
     if estimate_clamp is not None:
         v.positive_scalar(estimate_clamp, "estimate_clamp")
     if stop_gradient_weight and old_token_logps is None:
         raise ValueError(
             "stop_gradient_weight applies to the importance weight, which needs "
+            "old_token_logps; got old_token_logps=None."
+        )
+    if level != "token" and old_token_logps is None:
+        raise ValueError(
+            f"level={level!r} is the level of the importance weight, which needs "
             "old_token_logps; got old_token_logps=None."
         )
     arrays = {"token_logps": token_logps, "ref_token_logps": ref_token_logps}
@@ -186,7 +214,7 @@ def kl_penalty(
         value_bound = jnp.asarray(estimate_clamp, logps.dtype)
         kl = jnp.clip(kl, -value_bound, value_bound)
     if old_token_logps is not None:
-        weight = jnp.exp(jnp.clip(logps - checked[2], -bound, bound))
+        weight = ratio_from_logps(logps, checked[2], where, level, log_ratio_clamp)
         if stop_gradient_weight:
             weight = jax.lax.stop_gradient(weight)
         kl = weight * kl

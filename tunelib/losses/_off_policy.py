@@ -12,7 +12,7 @@ from typing import Literal
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
@@ -129,3 +129,78 @@ def truncated_importance_weights(
             keep &= log_rho >= jnp.log(jnp.asarray(floor, logps.dtype))
         weights = jnp.where(keep, weights, 0.0)
     return jnp.where(where, weights, 0.0)
+
+
+def off_policy_sequence_mask(
+    token_logps: Float[ArrayLike, "B T"],
+    sampler_token_logps: Float[ArrayLike, "B T"],
+    advantages: Float[ArrayLike, " B"] | Float[ArrayLike, "B T"],
+    *,
+    threshold: Scalar,
+    where: Mask[ArrayLike, "B T"] | None = None,
+) -> Bool[Array, "B T"]:
+    r"""DeepSeek-V3.2's off-policy sequence mask: drop negative-advantage sequences that drifted.
+
+    $$
+    M_{i,t} = \begin{cases}
+      0 & A_{i,t} < 0 \text{ and } \frac{1}{|y_i|} \sum_{u} \big(\log \pi_{\mathrm{sampler}}
+          (y_{i,u}) - \log \pi_\theta(y_{i,u})\big) > \delta \\
+      1 & \text{otherwise}
+    \end{cases}
+    $$
+
+    with $\log \pi_\theta$ = `token_logps`, $\log \pi_{\mathrm{sampler}}$ =
+    `sampler_token_logps`, $A_{i,t}$ = `advantages`, $\delta$ = `threshold` and the mean over
+    the $|y_i|$ valid tokens of row $i$ (from `where`): a sample estimate of
+    $\mathrm{KL}(\pi_{\mathrm{sampler}} \,\|\, \pi_\theta)$ on the sequence. A completion
+    the sampler generated but the current policy now finds much less likely, and that was
+    penalised, is left out: its negative gradient comes from a distribution the policy has
+    already moved away from, and DeepSeek-V3.2 reports that such samples destabilise
+    training. Positive-advantage sequences are always kept.
+
+    Multiply the per-token policy loss by the mask, as TRL (``off_policy_mask_threshold``)
+    does: the dropped tokens then stay in the reduction's denominators, like tokens with zero
+    loss. Passing ``where & mask`` to `aggregate` instead removes them from the denominators
+    too. TRL compares the current log-probs with the sampler's (vLLM's) where it has them and
+    with the trainer's `old_token_logps` otherwise; pass whichever log-probs the completions
+    were sampled under. With `[B]` advantages the mask is constant on each row; with
+    `[B, T]` advantages it is decided per token, as in the paper's formula (and TRL's) with
+    per-token advantages.
+
+    Args:
+      token_logps: `[B, T]` log-probs of the sampled tokens under the current policy (no
+        gradient flows through the mask).
+      sampler_token_logps: `[B, T]` log-probs under the policy that sampled them.
+      advantages: `[B]` (one per sequence) or `[B, T]` (one per token).
+      threshold: $\delta \ge 0$, in nats per token. Neither the paper nor TRL fixes a value
+        (TRL's documentation suggests 0.5), so it has no default; may be traced.
+      where: `[B, T]` mask, True (or 1) = counts. Masked tokens are False in the result and
+        left out of the mean, even when their log-probs are NaN or infinite.
+
+    Returns:
+      `[B, T]` boolean mask, True = keep; False on masked tokens.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.losses import off_policy_sequence_mask
+      >>> logps = jnp.array([[-2.0, -2.0], [-2.0, -2.0], [-0.5, -0.5]])
+      >>> sampler = jnp.array([[-1.0, -1.0], [-1.0, -1.0], [-0.4, -0.6]])  # drift 1, 1, 0
+      >>> print(off_policy_sequence_mask(logps, sampler, jnp.array([-1.0, 1.0, -1.0]),
+      ...                                threshold=0.5))
+      [[False False]
+       [ True  True]
+       [ True  True]]
+
+    References:
+      DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open Large Language Models", 2025,
+      sec. 3.1, https://arxiv.org/abs/2512.02556.
+    """
+    v.non_negative(threshold, "threshold")
+    (logps, sampler), where = v.masked_floats(
+        where, ndim=2, token_logps=token_logps, sampler_token_logps=sampler_token_logps
+    )
+    adv = v.advantages_array(advantages, where, logps.dtype)
+    count = jnp.maximum(jnp.sum(where, axis=-1, keepdims=True), 1).astype(logps.dtype)
+    drift = jnp.sum(lax.stop_gradient(sampler - logps), axis=-1, keepdims=True) / count
+    drop = (adv < 0) & (drift > jnp.asarray(threshold, logps.dtype))
+    return where & ~drop

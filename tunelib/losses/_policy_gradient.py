@@ -249,41 +249,67 @@ def cispo_loss(
     old_token_logps: Float[ArrayLike, "B T"],
     advantages: Float[ArrayLike, " B"] | Float[ArrayLike, "B T"],
     *,
+    level: RatioLevel = "token",
     epsilon_low: Scalar = 1.0,
-    epsilon_high: Scalar = 3.0,
+    epsilon_high: Scalar | None = None,
+    ratio_cap: Scalar | None = None,
     where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
     r"""CISPO: a REINFORCE loss weighted by the clipped, stop-gradient importance ratio.
 
     $$
-    \ell_t = -\,\mathrm{sg}\big[\mathrm{clip}(r_t, 1 - \varepsilon_{\mathrm{low}},
-             1 + \varepsilon_{\mathrm{high}})\big] \, A_t \, \log \pi_\theta(y_t),
-    \qquad r_t = \frac{\pi_\theta(y_t)}{\pi_{\mathrm{old}}(y_t)}
+    \ell_t = -\,\mathrm{sg}\big[\mathrm{clip}(r_t, 1 - \varepsilon_{\mathrm{low}}, U)\big] \,
+             A_t \, \log \pi_\theta(y_t),
+    \qquad U = \begin{cases} C & \text{`ratio_cap` given} \\
+               1 + \varepsilon_{\mathrm{high}} & \text{otherwise} \end{cases}
     $$
 
-    with $\log \pi_\theta$ = `token_logps`, $\log \pi_{\mathrm{old}}$ = `old_token_logps`,
-    $A_t$ = `advantages`, $\varepsilon_{\mathrm{low}}$ = `epsilon_low` and
-    $\varepsilon_{\mathrm{high}}$ = `epsilon_high`. Unlike the PPO surrogate, which drops the
-    gradient of tokens whose ratio left the trust region, CISPO clips only the weight, so
-    every token keeps the gradient $-\mathrm{sg}[\hat r_t] A_t \nabla \log \pi_\theta(y_t)$.
-    The value itself is a surrogate whose gradient is the point; MiniMax-M1 averages it over
-    all tokens of the batch (``aggregate(mode="token_mean")``).
+    with $r_t$ the importance ratio of `token_logps` ($\log \pi_\theta$) over
+    `old_token_logps` at `level` (see `importance_ratio`), $A_t$ = `advantages`,
+    $\varepsilon_{\mathrm{low}}$ = `epsilon_low`, $\varepsilon_{\mathrm{high}}$ =
+    `epsilon_high` and $C$ = `ratio_cap`. Unlike the PPO surrogate, which drops the gradient
+    of tokens whose ratio left the trust region, CISPO clips only the weight, so every token
+    keeps the gradient $-\mathrm{sg}[\hat r_t] A_t \nabla \log \pi_\theta(y_t)$. The value
+    itself is a surrogate whose gradient is the point; MiniMax-M1 averages it over all tokens
+    of the batch (``aggregate(mode="token_mean")``).
 
-    Defaults: MiniMax-M1 imposes no lower bound ("a large $\varepsilon_{\mathrm{low}}$") and
-    tunes only $\varepsilon_{\mathrm{high}}$, whose value it does not publish. Our
-    `epsilon_low` = 1 makes the lower bound 0, which a ratio never goes below, so there is no
-    lower clip; `epsilon_high` = 3 caps the weight at 4, the default of Tinker's CISPO loss
-    (verl's CISPO example uses 0.2, a cap of 1.2). The weight is computed as
-    $\exp(\min(\log r_t, \log(1 + \varepsilon_{\mathrm{high}})))$, so it is finite for any
-    log-ratio.
+    `level`: ``"token"`` (MiniMax-M1's per-token ratio, the default) or ``"sequence"``, GSPO's
+    length-normalised sequence ratio $s_i$, the same weight on every token of row $i$; as the
+    weight carries no gradient, ``"sequence_token"`` gives exactly the value and gradient of
+    ``"sequence"``. TRL's ``importance_sampling_level="sequence"`` with
+    ``loss_type="cispo"`` computes this sequence weight and then sums the per-token terms
+    over the batch's tokens (its token-mean reduction), which weighs each sequence by its
+    length; TRL warns about this and points to the per-sequence mean
+    (``aggregate(mode="seq_mean_token_mean")``) for GSPO's objective. Both reductions are
+    available here; the per-token values are the same.
+
+    The upper bound of the weight comes in two forms; give at most one:
+
+    * relative, $1 + \varepsilon_{\mathrm{high}}$ (default `epsilon_high` = 3, a cap of 4,
+      the default of Tinker's CISPO loss; verl's CISPO example uses 0.2, a cap of 1.2);
+      MiniMax-M1 tunes only this bound and does not publish its value;
+    * absolute, `ratio_cap` $= C$: TRL's ``epsilon_high`` for ``loss_type="cispo"`` is the
+      cap itself (``clamp(ratio, max=epsilon_high)``, ScaleRL's $\varepsilon_{\max}$, TRL
+      recommends 5.0), so TRL's ``epsilon_high=5.0`` is ``ratio_cap=5.0`` here. TRL applies
+      no lower bound for CISPO and ignores its ``epsilon``: keep the default
+      `epsilon_low` = 1 for the same loss.
+
+    Lower bound: MiniMax-M1 imposes none ("a large $\varepsilon_{\mathrm{low}}$"); our
+    `epsilon_low` = 1 makes it 0, which a ratio never goes below. The weight is computed as
+    $\exp(\min(\log r_t, \log U))$, so it is finite for any log-ratio.
 
     Args:
       token_logps: `[B, T]` current-policy log-probs of the sampled tokens (differentiated).
       old_token_logps: `[B, T]` behaviour-policy log-probs.
       advantages: `[B]` (one per sequence) or `[B, T]` (one per token).
+      level: ``"token"``, ``"sequence"`` or ``"sequence_token"`` (static).
       epsilon_low: $\varepsilon_{\mathrm{low}} \ge 0$; may be traced.
-      epsilon_high: $\varepsilon_{\mathrm{high}} \ge 0$; may be traced.
-      where: `[B, T]` mask, True (or 1) = counts; masked tokens give 0 and a zero gradient.
+      epsilon_high: $\varepsilon_{\mathrm{high}} \ge 0$, or None: 3 unless `ratio_cap` is
+        given; may be traced.
+      ratio_cap: $C > 0$, the absolute cap of the weight in place of
+        $1 + \varepsilon_{\mathrm{high}}$, or None; may be traced.
+      where: `[B, T]` mask, True (or 1) = counts; masked tokens give 0 and a zero gradient,
+        and are left out of the sequence ratio.
 
     Returns:
       `[B, T]` per-token losses, float32 (float64 for float64 input).
@@ -297,19 +323,45 @@ def cispo_loss(
       >>> grad = jax.grad(lambda x: cispo_loss(x, old, jnp.array([1.0])).sum())(logps)
       >>> print(grad.round(4))
       [[-1. -4.]]
+      >>> # TRL's epsilon_high=5.0 for CISPO; the sequence ratio is sqrt(9) = 3 on both tokens.
+      >>> def total(x):
+      ...     return cispo_loss(x, old, jnp.array([1.0]), level="sequence", ratio_cap=5.0).sum()
+      >>> print(jax.grad(total)(logps).round(4))
+      [[-3. -3.]]
 
     References:
       MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
       Attention", 2025, https://arxiv.org/abs/2506.13585.
+      Khatri et al., "The Art of Scaling Reinforcement Learning Compute for LLMs" (ScaleRL),
+      2025, https://arxiv.org/abs/2510.13786.
+      Zheng et al., "Group Sequence Policy Optimization", 2025,
+      https://arxiv.org/abs/2507.18071.
     """
+    v.one_of(level, "level", RATIO_LEVELS)
+    if epsilon_high is not None and ratio_cap is not None:
+        raise ValueError(
+            "cispo_loss bounds the weight by 1 + epsilon_high or by ratio_cap, not both; got "
+            f"epsilon_high={epsilon_high!r} and ratio_cap={ratio_cap!r}."
+        )
     v.non_negative(epsilon_low, "epsilon_low")
-    v.non_negative(epsilon_high, "epsilon_high")
+    if epsilon_high is not None:
+        v.non_negative(epsilon_high, "epsilon_high")
+    if ratio_cap is not None:
+        v.positive_scalar(ratio_cap, "ratio_cap")
     logps, old, where = v.behaviour_logps(token_logps, old_token_logps, where)
     adv = v.advantages_array(advantages, where, logps.dtype)
     dtype = adv.dtype
     logps = logps.astype(dtype)
-    high = 1 + jnp.asarray(epsilon_high, dtype)
+    if ratio_cap is not None:
+        high = jnp.asarray(ratio_cap, dtype)
+    else:
+        high = 1 + jnp.asarray(3.0 if epsilon_high is None else epsilon_high, dtype)
     log_ratio = lax.stop_gradient(logps - old.astype(dtype))
+    if level != "token":
+        count = jnp.maximum(jnp.sum(where, axis=-1, keepdims=True), 1).astype(dtype)
+        log_ratio = jnp.broadcast_to(
+            jnp.sum(log_ratio, axis=-1, keepdims=True) / count, logps.shape
+        )
     weight = jnp.clip(
         jnp.exp(jnp.minimum(log_ratio, jnp.log(high))), 1 - jnp.asarray(epsilon_low, dtype), high
     )
@@ -321,12 +373,13 @@ def sapo_loss(
     old_token_logps: Float[ArrayLike, "B T"],
     advantages: Float[ArrayLike, " B"] | Float[ArrayLike, "B T"],
     *,
+    level: RatioLevel = "token",
     tau_pos: Scalar = 1.0,
     tau_neg: Scalar = 1.05,
     log_ratio_clamp: Scalar = 20.0,
     where: Mask[ArrayLike, "B T"] | None = None,
 ) -> Float[Array, "B T"]:
-    r"""SAPO: a smooth sigmoid gate of the token ratio in place of PPO's hard clip.
+    r"""SAPO: a smooth sigmoid gate of the importance ratio in place of PPO's hard clip.
 
     $$
     \ell_t = -f_t(r_t)\, A_t, \qquad
@@ -335,10 +388,10 @@ def sapo_loss(
     \end{cases}
     $$
 
-    with $r_t$ the token importance ratio of `token_logps` over `old_token_logps`, $A_t$ =
-    `advantages`, $\tau_{\mathrm{pos}}$ = `tau_pos`, $\tau_{\mathrm{neg}}$ = `tau_neg` and
-    $\sigma$ the logistic sigmoid. Its gradient is
-    $-w_t A_t \nabla \log \pi_\theta(y_t)$ with
+    with $r_t$ the importance ratio of `token_logps` over `old_token_logps` at `level` (see
+    `importance_ratio`), $A_t$ = `advantages`, $\tau_{\mathrm{pos}}$ = `tau_pos`,
+    $\tau_{\mathrm{neg}}$ = `tau_neg` and $\sigma$ the logistic sigmoid. At ``"token"`` level
+    (the paper's) its gradient is $-w_t A_t \nabla \log \pi_\theta(y_t)$ with
     $w_t = 4\, p_t (1 - p_t)\, r_t$, $p_t = \sigma(\tau_t (r_t - 1))$: the $4/\tau$ factor
     makes $w_t = 1$ on-policy ($r_t = 1$), so SAPO then matches the unclipped policy
     gradient, and the weight decays smoothly (like $e^{-\tau |r - 1|}$) as the ratio leaves 1
@@ -348,16 +401,26 @@ def sapo_loss(
     uses $\tau_{\mathrm{pos}} = 1.0$, $\tau_{\mathrm{neg}} = 1.05$ (our defaults). The loss is
     bounded, $|\ell_t| \le 4 |A_t| / \tau_t$. The ratio is clamped as in `importance_ratio`.
 
+    ``level="sequence"`` gates GSPO's length-normalised sequence ratio $s_i$ instead, the same
+    value on every token of row $i$, whose gradient reaches every token of the row (through
+    $\partial s_i / \partial \log \pi_\theta(y_{i,t}) = s_i / |y_i|$): TRL's
+    ``loss_type="sapo"`` with ``importance_sampling_level="sequence"``, which TRL reduces
+    with the per-sequence token mean (``aggregate(mode="seq_mean_token_mean")``, one term
+    per sequence). ``"sequence_token"`` has the same value with each token differentiating
+    only through its own log-prob, as in GSPO-token.
+
     Args:
       token_logps: `[B, T]` current-policy log-probs of the sampled tokens (differentiated).
       old_token_logps: `[B, T]` behaviour-policy log-probs.
       advantages: `[B]` (one per sequence) or `[B, T]` (one per token).
+      level: ``"token"``, ``"sequence"`` or ``"sequence_token"`` (static).
       tau_pos: $\tau_{\mathrm{pos}} > 0$, the gate temperature for positive advantages; may be
         traced.
       tau_neg: $\tau_{\mathrm{neg}} > 0$, the temperature for non-positive advantages; may be
         traced.
       log_ratio_clamp: bound on the log-ratio before `exp`; may be traced.
-      where: `[B, T]` mask, True (or 1) = counts; masked tokens give 0 and a zero gradient.
+      where: `[B, T]` mask, True (or 1) = counts; masked tokens give 0 and a zero gradient,
+        and are left out of the sequence ratio.
 
     Returns:
       `[B, T]` per-token losses, float32 (float64 for float64 input).
@@ -373,20 +436,24 @@ def sapo_loss(
       >>> grad = jax.grad(lambda x: sapo_loss(x, old, jnp.array([1.0])).sum())(logps)
       >>> print(grad.round(4))  # weight 1 on-policy, 4 p (1 - p) r = 1.2598 at r = 3
       [[-1.     -1.2598]]
+      >>> # The sequence ratio is sqrt(3) on both tokens.
+      >>> print(sapo_loss(logps, old, jnp.array([1.0]), level="sequence").round(4))
+      [[-2.701 -2.701]]
 
     References:
       Gao et al., "Soft Adaptive Policy Optimization", 2025,
       https://arxiv.org/abs/2511.20347.
+      Zheng et al., "Group Sequence Policy Optimization", 2025,
+      https://arxiv.org/abs/2507.18071.
     """
+    v.one_of(level, "level", RATIO_LEVELS)
     v.positive_scalar(tau_pos, "tau_pos")
     v.positive_scalar(tau_neg, "tau_neg")
     v.positive_scalar(log_ratio_clamp, "log_ratio_clamp")
     logps, old, where = v.behaviour_logps(token_logps, old_token_logps, where)
     adv = v.advantages_array(advantages, where, logps.dtype)
     dtype = adv.dtype
-    ratio = ratio_from_logps(
-        logps.astype(dtype), old.astype(dtype), where, "token", log_ratio_clamp
-    )
+    ratio = ratio_from_logps(logps.astype(dtype), old.astype(dtype), where, level, log_ratio_clamp)
     tau = jnp.where(adv > 0, jnp.asarray(tau_pos, dtype), jnp.asarray(tau_neg, dtype))
     gate = 4 / tau * jax.nn.sigmoid(tau * (ratio - 1))
     return jnp.where(where, -gate * adv, 0.0)
