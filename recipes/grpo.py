@@ -263,7 +263,11 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         scorer_params = placement.replicate({"decoder": scorer.model.params, "head": scorer.head})
         score = jax.jit(
             lambda params, *arrays: reward_model.completion_scores(
-                scorer.model.graphdef, params["decoder"], params["head"], *arrays
+                scorer.model.graphdef,
+                params["decoder"],
+                params["head"],
+                *arrays,
+                pooling=scorer.pooling,
             )
         )
     if config.reward is not None:

@@ -37,6 +37,11 @@ class RewardModelConfig(Run, Task, DataFile, SFTStart):
         "misses where it is right), or near misses only",
     )
     num_prompts: int = flag(9000, "built-in task: training prompts the pairs are built on")
+    pooling: Literal["last", "mean"] = flag(
+        "last",
+        "the reward: the head on the last token's hidden state, or its mean over the "
+        "completion's tokens",
+    )
     centering_weight: float = flag(
         0.0, "weight of the squared reward sum that keeps rewards near 0 (TRL suggests 0.01)"
     )
@@ -68,7 +73,7 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
 
     def loss_fn(params, batch):
         chosen, rejected, real = reward_model.pair_scores(
-            graphdef, params["decoder"], params["head"], batch
+            graphdef, params["decoder"], params["head"], batch, pooling=config.pooling
         )
         per_pair = losses.bradley_terry_loss(
             chosen, rejected, centering_weight=config.centering_weight, where=real
@@ -99,7 +104,9 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
         batches=data.batches(task, config, placement, kind="preference"),
     )  # fmt: skip
     trained = state["params"]
-    reward_model.save(run.path / "model", model, trained["decoder"], trained["head"])
+    reward_model.save(
+        run.path / "model", model, trained["decoder"], trained["head"], pooling=config.pooling
+    )
     headline = loop.before_and_after(run, "heldout_pair_accuracy")
     headline["final_pair_accuracy"] = loop.first_and_last(run, "pair_accuracy")[1]
     return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})
