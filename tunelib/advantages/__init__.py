@@ -1,4 +1,4 @@
-"""Advantage estimators, returns, whitening, reward shaping and data filters for RL.
+"""Advantage estimators, returns, whitening, reward shaping, data filters and controllers for RL.
 
 Group-relative estimators take the rewards of the G completions of each prompt on the last
 axis, `rewards [..., G]`, or flat, `rewards [B*G]` with `group_size=G` (never guessed), and
@@ -10,6 +10,19 @@ statistics run in float32 (float64 for float64 input).
 """
 
 from tunelib._deprecation import moved_names
+from tunelib.advantages._controllers import (
+    Controller,
+    EntropyControllerState,
+    KLControllerState,
+    ReferencePointState,
+    RewardNormalizer,
+    RunningMomentsState,
+    adaptive_entropy_controller,
+    adaptive_kl_controller,
+    fixed_kl_controller,
+    reward_normalizer,
+    running_kto_reference_point,
+)
 from tunelib.advantages._entropy_mask import high_entropy_mask
 from tunelib.advantages._gae import discounted_returns, gae, lambda_returns
 from tunelib.advantages._group import (
@@ -40,8 +53,17 @@ __getattr__ = moved_names(
 __all__ = [
     "COMBINES",
     "SCALES",
+    "Controller",
+    "EntropyControllerState",
+    "KLControllerState",
+    "ReferencePointState",
+    "RewardNormalizer",
+    "RunningMomentsState",
+    "adaptive_entropy_controller",
+    "adaptive_kl_controller",
     "discounted_returns",
     "dynamic_sampling_mask",
+    "fixed_kl_controller",
     "gae",
     "group_advantages",
     "high_entropy_mask",
@@ -49,7 +71,9 @@ __all__ = [
     "lambda_returns",
     "multi_reward_advantages",
     "overlong_penalty",
+    "reward_normalizer",
     "rloo_advantages",
+    "running_kto_reference_point",
     "sequence_rewards_to_tokens",
     "truncation_mask",
     "whiten",
