@@ -130,8 +130,9 @@ def adaptive_kl_controller(
     or a KL far below target makes $\beta$ negative.
 
     The KL is measured however the trainer logs it: TRL's PPO takes the batch mean of each
-    sequence's summed per-token KL, verl the token mean. `update` averages the entries of
-    `kl` it is given (a scalar, or one value per sequence with `where`).
+    sequence's summed per-token KL, verl the batch mean of each sequence's token-mean KL;
+    `target_kl` must be in the same units. `update` averages the entries of `kl` it is given
+    (a scalar, or one value per sequence with `where`).
 
     `init() -> KLControllerState(kl_coef=init_kl_coef)`;
     `update(kl, state, *, n_steps, where=None) -> KLControllerState`. A `kl` with no valid
