@@ -1,5 +1,5 @@
 """Diagnostics to log next to the loss: preference rewards and accuracies, clip fractions,
-KL, ratio, entropy and advantage statistics.
+KL, ratio, entropy, advantage and reward statistics.
 
 Each is a pure function of the same arrays the losses take, returning float scalars (or `[B]`
 per-pair values) that are never part of the gradient you optimise: wrap them in
@@ -9,16 +9,21 @@ empty batch are 0, not NaN.
 
 from tunelib.metrics._advantages import (
     AdvantageStatistics,
+    RewardStatistics,
     advantage_statistics,
+    multi_reward_zero_std_fraction,
+    reward_statistics,
     zero_std_fraction,
 )
 from tunelib.metrics._entropy import EntropyStatistics, entropy_statistics
 from tunelib.metrics._policy import (
     ApproxKL,
     ClipFractions,
+    ClipMasks,
     RatioStatistics,
     approx_kl,
     clip_fractions,
+    clip_masks,
     ratio_statistics,
 )
 from tunelib.metrics._preference import implicit_rewards, preference_accuracy, reward_margins
@@ -27,15 +32,20 @@ __all__ = [
     "AdvantageStatistics",
     "ApproxKL",
     "ClipFractions",
+    "ClipMasks",
     "EntropyStatistics",
     "RatioStatistics",
+    "RewardStatistics",
     "advantage_statistics",
     "approx_kl",
     "clip_fractions",
+    "clip_masks",
     "entropy_statistics",
     "implicit_rewards",
+    "multi_reward_zero_std_fraction",
     "preference_accuracy",
     "ratio_statistics",
     "reward_margins",
+    "reward_statistics",
     "zero_std_fraction",
 ]
