@@ -1,5 +1,6 @@
 """The high-entropy token mask (tunelib/advantages/_entropy_mask.py)."""
 
+import functools
 import math
 from fractions import Fraction
 
@@ -17,7 +18,7 @@ from tests._helpers import (
     own_checks,
     raises_naming,
 )
-from tunelib import advantages
+from tunelib import advantages, losses
 
 high_entropy_mask = jax.jit(advantages.high_entropy_mask, static_argnames="selection")
 
@@ -179,3 +180,76 @@ def test_errors_name_the_argument():
         for rho in (-0.1, 1.5):
             with raises_naming("rho", error=ValueError):
                 advantages.high_entropy_mask(entropy, rho=rho)
+
+
+def trl_entropy_masked_loss(per_token_loss, entropy, mask, top_entropy_quantile, loss_type):
+    """TRL 1.16's `GRPOTrainer._compute_loss` with `top_entropy_quantile` (one process), in
+    float64: the loss multiplied by the high-entropy mask, reduced with the completion mask."""
+    loss = np.asarray(per_token_loss, np.float64)
+    entropy = np.asarray(entropy, np.float64)
+    mask = np.asarray(mask, np.float64)
+    gathered = entropy[mask.astype(bool)]
+    if gathered.size == 0:
+        entropy_mask = np.zeros(mask.shape)
+    else:
+        threshold = np.quantile(gathered, 1 - top_entropy_quantile)  # torch.quantile: linear
+        entropy_mask = ((entropy * mask >= threshold) & mask.astype(bool)).astype(np.float64)
+    loss = loss * entropy_mask
+    if loss_type == "grpo":
+        return ((loss * mask).sum(-1) / np.maximum(mask.sum(-1), 1.0)).mean()
+    assert loss_type == "bnpo"
+    return (loss * mask).sum() / max(mask.sum(), 1.0)
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def entropy_masked_losses(values, entropy, where, rho, *, mode):
+    """(TRL's reduction, the mask as `where`) of `values` restricted to high-entropy tokens."""
+    selected = advantages.high_entropy_mask(entropy, rho=rho, selection="quantile", where=where)
+    empty_rows = "count" if mode == "seq_mean_token_mean" else "skip"
+    trl = losses.aggregate(
+        jnp.where(selected, values, 0.0), mode=mode, empty_rows=empty_rows, where=where
+    )
+    as_where = losses.aggregate(values, mode=mode, where=selected)
+    return trl.mean(), as_where.mean()
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "mode"), [("grpo", "seq_mean_token_mean"), ("bnpo", "token_mean")]
+)
+@given(entropies(grid=True), DYADIC_RHO, st.data())
+def test_documented_call_matches_trl(loss_type, mode, data, rho, more):
+    entropy, where = data
+    values = more.draw(float_arrays(entropy.shape, -5.0, 5.0))
+    nan = masked(values, where)  # garbage on padding
+    trl, _ = entropy_masked_losses(nan, masked(entropy, where), where, rho, mode=mode)
+    expected = trl_entropy_masked_loss(values, entropy, where, rho, loss_type)
+    np.testing.assert_allclose(float(trl), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_as_where_changes_the_denominators():
+    # Row 0: 1 of 4 tokens selected; row 1: 2 of 2; row 2: none of 3.
+    entropy = np.array([[3.0, 0.0, 0.0, 0.0], [3.0, 3.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    where = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], bool)
+    values = np.array([[2.0, 1.0, 1.0, 1.0], [4.0, 6.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    rho = 0.3  # 9 valid entropies 0,0,0,1,1,1,3,3,3: the 0.7-quantile is 2.2
+    for loss_type, mode, as_where_expected in (
+        ("grpo", "seq_mean_token_mean", (2.0 + 5.0) / 2),
+        ("bnpo", "token_mean", (2.0 + 4.0 + 6.0) / 3),
+    ):
+        trl, as_where = entropy_masked_losses(
+            values.astype(np.float32), entropy.astype(np.float32), where, rho, mode=mode
+        )
+        expected = trl_entropy_masked_loss(values, entropy, where, rho, loss_type)
+        np.testing.assert_allclose(float(trl), expected, rtol=1e-6)
+        np.testing.assert_allclose(float(as_where), as_where_expected, rtol=1e-6)
+        assert abs(float(as_where) - float(trl)) > 0.5
+    # TRL: row means 2/4, 10/2 and 0/3 over all three rows; tokens: 12 over 9.
+    expected_grpo = (2.0 / 4 + 10.0 / 2 + 0.0) / 3
+    trl_grpo, _ = entropy_masked_losses(
+        values.astype(np.float32),
+        entropy.astype(np.float32),
+        where,
+        rho,
+        mode="seq_mean_token_mean",
+    )
+    np.testing.assert_allclose(float(trl_grpo), expected_grpo, rtol=1e-6)

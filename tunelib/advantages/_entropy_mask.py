@@ -30,10 +30,28 @@ def high_entropy_mask(
     $$
 
     with $H$ = `entropy`, $m$ = `where` and $\rho$ = `rho`. Wang et al. (2025) train only on
-    these "forking" tokens, $\rho = 0.2$ of the tokens in each batch: pass the result as the
-    `where` of the policy loss and of `aggregate`. Masked tokens are never selected. The
-    ranking runs over the whole `[B, T]` array passed (under `jax.jit` with a sharded array
-    that is the global batch); micro-batches that are ranked separately select differently.
+    these "forking" tokens, $\rho = 0.2$ of the tokens in each batch. Masked tokens are never
+    selected. The ranking runs over the whole `[B, T]` array passed (under `jax.jit` with a
+    sharded array that is the global batch); micro-batches that are ranked separately select
+    differently.
+
+    How the mask enters the loss decides the denominators, and the two ways differ:
+
+    * As the `where` of `aggregate`: the selected tokens alone are the data, so each
+      sequence's mean (``"seq_mean_token_mean"``) runs over its selected tokens, a token mean
+      over the selected tokens of the batch, and a sequence without a selected token drops
+      out of the sequence count.
+    * TRL (1.16, `top_entropy_quantile`): the per-token loss is multiplied by the mask and
+      reduced with the completion mask's denominators, so an unselected token adds 0 to the
+      numerator but still counts in its sequence's length and in the token count. The exact
+      call, with `mask` this function's result and `completion` the completion mask:
+      ``aggregate(jnp.where(mask, per_token, 0.0), mode=..., where=completion)``, with the
+      mode (and ``empty_rows="count"``) that matches TRL's `loss_type` (see `aggregate`), and
+      ``selection="quantile"``, ``rho=top_entropy_quantile``.
+
+    With ``"seq_mean_token_mean"`` the first gives each selected token of a sequence with
+    $k$ of them the weight $1/k$, TRL's $1/|o_i|$: sequences with few forking tokens weigh
+    more in the first.
 
     The two conventions, `selection`:
 
@@ -65,9 +83,20 @@ def high_entropy_mask(
       >>> from tunelib.advantages import high_entropy_mask
       >>> entropy = jnp.array([[0.1, 2.0, 0.3, 1.5, 0.2], [0.9, 0.0, 3.0, 0.5, 9.0]])
       >>> where = jnp.array([[True] * 5, [True] * 4 + [False]])  # 9 valid tokens, k = 2
-      >>> print(high_entropy_mask(entropy, rho=0.2, where=where).astype(int))
+      >>> mask = high_entropy_mask(entropy, rho=0.2, where=where)
+      >>> print(mask.astype(int))
       [[0 1 0 0 0]
        [0 0 1 0 0]]
+      >>> from tunelib.losses import aggregate
+      >>> per_token = jnp.ones((2, 5))
+      >>> print(aggregate(per_token, mode="seq_mean_token_mean", where=mask).mean())
+      1.0
+      >>> trl = aggregate(
+      ...     jnp.where(mask, per_token, 0.0), mode="seq_mean_token_mean", empty_rows="count",
+      ...     where=where,
+      ... )
+      >>> print(trl.mean())  # (1/5 + 1/4) / 2
+      0.225
 
     This function was `tunelib.losses.high_entropy_mask`, which still works until tunelib
     0.3.0, with a `DeprecationWarning`.
