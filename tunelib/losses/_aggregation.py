@@ -120,9 +120,9 @@ def aggregate(
       ``"token_mean"``, ``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``.
 
     Under gradient accumulation TRL divides each micro-batch's value by the number of
-    accumulation steps and Tunix averages the micro-batches' gradients; both equal the merged
-    aggregate here when every micro-batch has the same number of rows (TRL) or the same
-    denominator (Tunix).
+    accumulation steps and Tunix averages the micro-batches' gradients (`optax.MultiSteps`);
+    in the merging modes both equal the merged aggregate here when every micro-batch has the
+    same number of rows (TRL, always so) or the same denominator (Tunix).
 
     Packed rows: with `segment_ids` (1, 2, ... per sequence of a row, 0 on padding, as the
     packed pipelines of `tunelib.data` give them), each segment counts as one sequence $i$ in
