@@ -134,6 +134,71 @@ def ref_cispo(d, low=1.0, high=2.0):
     return np.mean(terms)
 
 
+def sequence_ratio(d, i, n):
+    """GSPO's s_i: the exponential of the mean token log-ratio of sequence i."""
+    return np.exp(np.mean(d["token_logps"][i, :n] - d["old_token_logps"][i, :n]))
+
+
+def ref_cispo_sequence(d, cap=5.0):
+    """TRL's CISPO at sequence level: -min(s_i, cap) A_i log pi_t, token mean."""
+    adv = group_normalised(d["rewards"]).reshape(-1)
+    terms = [
+        -min(sequence_ratio(d, i, n), cap) * adv[i] * d["token_logps"][i, t]
+        for i, n in enumerate(d["lengths"].astype(int))
+        for t in range(n)
+    ]
+    return np.mean(terms)
+
+
+def ref_sapo_sequence(d, tau_pos=1.0, tau_neg=1.05):
+    """SAPO's gate of s_i, one term per sequence: -(4 / tau) sigmoid(tau (s_i - 1)) A_i."""
+    adv = group_normalised(d["rewards"]).reshape(-1)
+    out = []
+    for i, n in enumerate(d["lengths"].astype(int)):
+        tau = tau_pos if adv[i] > 0 else tau_neg
+        gate = 4 / tau / (1 + np.exp(-tau * (sequence_ratio(d, i, n) - 1)))
+        out.append(-gate * adv[i])
+    return np.mean(out)
+
+
+def ref_vespo(d, k=(2.0, 3.0), lam=(3.0, 2.0)):
+    """VESPO: -phi(w_i) A_i log pi_t with w_i the product of the token ratios, token mean."""
+    adv = group_normalised(d["rewards"]).reshape(-1)
+    terms = []
+    for i, n in enumerate(d["lengths"].astype(int)):
+        w = np.prod(np.exp(d["token_logps"][i, :n] - d["old_token_logps"][i, :n]))
+        j = 0 if adv[i] >= 0 else 1
+        phi = w ** k[j] * np.exp(lam[j] * (1 - w))
+        terms += [-phi * adv[i] * d["token_logps"][i, t] for t in range(n)]
+    return np.mean(terms)
+
+
+def ref_luspo(d, low=3e-4, high=4e-4):
+    """LUSPO: (1/G) sum_i |y_i| (-min(s_i A_i, clip(s_i) A_i))."""
+    adv = group_normalised(d["rewards"]).reshape(-1)
+    lengths = d["lengths"].astype(int)
+    return np.mean(
+        [n * -clipped(sequence_ratio(d, i, n), adv[i], low, high) for i, n in enumerate(lengths)]
+    )
+
+
+def ref_grpo_off_policy(d, beta=0.04, eps=0.2, delta=0.05):
+    """GRPO with DeepSeek-V3.2's off-policy sequence mask (eq. 9) on the policy term and the
+    importance-weighted k3 (pi_theta / pi_old) k3_t."""
+    adv = group_normalised(d["rewards"]).reshape(-1)
+    per_sequence = []
+    for i, n in enumerate(d["lengths"].astype(int)):
+        lp, old, ref = (d[k][i, :n] for k in ("token_logps", "old_token_logps", "ref_token_logps"))
+        keep = not (adv[i] < 0 and np.mean(old - lp) > delta)
+        terms = [
+            -clipped(np.exp(lp[t] - old[t]), adv[i], eps, eps) * keep
+            + beta * np.exp(lp[t] - old[t]) * (np.exp(ref[t] - lp[t]) - (ref[t] - lp[t]) - 1)
+            for t in range(n)
+        ]
+        per_sequence.append(np.mean(terms))
+    return np.mean(per_sequence)
+
+
 def ref_ppo(d, beta=0.05, gamma=1.0, lam=0.95, value_coef=0.5, eps=0.2):
     lengths = d["lengths"].astype(int)
     score = d["rewards"].reshape(-1)
@@ -167,4 +232,21 @@ def test_each_algorithm_matches_its_paper(page, seed):
     assert_close(page["dr_grpo"](logps), ref_dr_grpo(d), rtol=1e-5, atol=1e-6)
     assert_close(page["gspo"](logps), ref_gspo(d), rtol=1e-5, atol=1e-6)
     assert_close(page["cispo"](logps), ref_cispo(d), rtol=1e-5, atol=1e-6)
+    assert_close(page["cispo_sequence"](logps), ref_cispo_sequence(d), rtol=1e-5, atol=1e-6)
+    assert_close(page["sapo_sequence"](logps), ref_sapo_sequence(d), rtol=1e-5, atol=1e-6)
+    assert_close(page["vespo"](logps), ref_vespo(d), rtol=1e-5, atol=1e-6)
+    assert_close(page["luspo"](logps), ref_luspo(d), rtol=1e-5, atol=1e-6)
+    assert_close(page["grpo_off_policy"](logps), ref_grpo_off_policy(d), rtol=1e-5, atol=1e-6)
     assert_close(page["ppo"](logps, page["values"]), ref_ppo(d), rtol=1e-4, atol=1e-5)
+
+
+def test_the_off_policy_mask_drops_sequences_on_the_page(page):
+    """The threshold of the page's example binds: some sequences are dropped, not all."""
+    dropped = []
+    for seed in range(4):
+        d = new_batch(page, seed)
+        adv = group_normalised(d["rewards"]).reshape(-1)
+        for i, n in enumerate(d["lengths"].astype(int)):
+            drift = np.mean(d["old_token_logps"][i, :n] - d["token_logps"][i, :n])
+            dropped.append(adv[i] < 0 and drift > 0.05)
+    assert 0 < sum(dropped) < len(dropped)

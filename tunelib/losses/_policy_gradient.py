@@ -260,7 +260,7 @@ def cispo_loss(
     $$
     \ell_t = -\,\mathrm{sg}\big[\mathrm{clip}(r_t, 1 - \varepsilon_{\mathrm{low}}, U)\big] \,
              A_t \, \log \pi_\theta(y_t),
-    \qquad U = \begin{cases} C & \text{`ratio_cap` given} \\
+    \qquad U = \begin{cases} C & \text{if a ratio cap } C \text{ is given} \\
                1 + \varepsilon_{\mathrm{high}} & \text{otherwise} \end{cases}
     $$
 
