@@ -200,6 +200,17 @@ def test_off_policy_mask_times_the_loss_is_trls_masked_loss():
     assert_close(value, np.mean([0.0, 1.0, -1.0, -0.5]), rtol=1e-6)
 
 
+def test_off_policy_mask_counts_an_unscored_token_as_no_drift():
+    """TRL (1.16): a NaN sampler log-prob at a counted token adds 0 to the drift and 1 to the
+    length."""
+    logps = np.zeros((2, 4), np.float32)
+    sampler = np.array([[0.9, 0.9, 0.9, np.nan], [0.9, 0.9, 0.9, 0.0]], np.float32)
+    adv = -np.ones(2, np.float32)
+    for threshold, dropped in ((0.6, True), (0.7, False)):  # drift 0.675 in both rows
+        out = losses.off_policy_sequence_mask(logps, sampler, adv, threshold=threshold)
+        np.testing.assert_array_equal(out, np.full((2, 4), not dropped))
+
+
 def test_off_policy_mask_errors():
     logps = np.zeros((2, 3), np.float32)
     adv = np.ones(2, np.float32)

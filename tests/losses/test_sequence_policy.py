@@ -161,7 +161,8 @@ def test_vespo_log_weight_clamps():
 
 
 def test_luspo_reduction_weighs_each_sequence_by_its_length():
-    """(1/B) sum_i |y_i| l_i, TRL's luspo reduction, from the token sum over sequences."""
+    """(1/B) sum_i |y_i| l_i from the mean over sequences of their token sums; TRL's luspo
+    reduction, (1/B) sum_i (l_i m_i).sum(), counts an empty row as a sequence of loss 0."""
     rng = np.random.default_rng(2)
     logps = rng.uniform(-3, 0, (4, 6)).astype(np.float32)
     old = (logps + rng.uniform(-0.3, 0.3, (4, 6))).astype(np.float32)
@@ -169,14 +170,23 @@ def test_luspo_reduction_weighs_each_sequence_by_its_length():
     where = np.arange(6)[None, :] < np.array([[6], [3], [1], [5]])
     eps = {"epsilon_low": 0.05, "epsilon_high": 0.08}
     per_token = losses.luspo_loss(logps, old, adv, **eps, where=where)
-    value = losses.aggregate(
-        per_token, mode="seq_mean_token_sum_norm", norm_constant=1.0, where=where
-    ).mean()
+    value = losses.aggregate(per_token, mode="seq_mean_token_sum", where=where).mean()
     n = where.sum(-1)
     per_sequence = [
         ref.ppo(*row, level="sequence", **eps)[0] for row in ref.rows(where, logps, old, adv)
     ]
     assert_close(value, np.mean(n * np.array(per_sequence)), rtol=1e-6)
+    # An empty fifth row: TRL's mean over all rows is empty_rows="count".
+    padded = [np.concatenate([x, np.zeros((1, 6), np.float32)]) for x in (logps, old)]
+    where5 = np.concatenate([where, np.zeros((1, 6), bool)])
+    adv5 = np.append(adv, 1.0).astype(np.float32)
+    per_token5 = losses.luspo_loss(*padded, adv5, **eps, where=where5)
+    trl = np.mean(np.where(where5, np.asarray(per_token5, np.float64), 0).sum(-1))
+    counted = losses.aggregate(
+        per_token5, mode="seq_mean_token_sum", empty_rows="count", where=where5
+    )
+    assert_close(counted.mean(), trl, rtol=1e-6)
+    assert_close(counted.mean(), 4 / 5 * np.mean(n * np.array(per_sequence)), rtol=1e-6)
     # The per-token values are GSPO's.
     gspo = losses.policy_gradient_loss(logps, old, adv, level="sequence", **eps, where=where)
     assert_close(per_token, gspo, rtol=0, atol=0)
@@ -195,9 +205,7 @@ def test_luspo_token_gradients_do_not_depend_on_the_length():
         per_token = losses.luspo_loss(x, old, adv, **wide)
         return losses.aggregate(per_token, mode=mode, where=where, **kw).mean()
 
-    luspo = np.asarray(
-        jax.grad(objective)(jnp.asarray(logps), "seq_mean_token_sum_norm", norm_constant=1.0)
-    )
+    luspo = np.asarray(jax.grad(objective)(jnp.asarray(logps), "seq_mean_token_sum"))
     gspo = np.asarray(jax.grad(objective)(jnp.asarray(logps), "seq_mean_token_mean"))
     s = np.exp(0.01)
     assert_close(luspo[where], np.full(8, -s / 2), rtol=1e-5)

@@ -132,7 +132,7 @@ def kl_penalty(
     \log \pi_{\mathrm{old}}(y_{i,u})), -c, c\big)$ on every token of row $i$, differentiated
     through every token of the row (unless `stop_gradient_weight`); ``"sequence_token"`` has
     the value $s_i$ with each token's weight differentiated through its own log-prob only.
-    TRL's ``use_bias_correction_kl=True`` multiplies its k3 by the importance ratio of the
+    TRL's (1.16) ``use_bias_correction_kl=True`` multiplies its k3 by the importance ratio of the
     policy loss, undetached: with ``importance_sampling_level="token"`` that is
     ``estimator="k3", old_token_logps=old`` here, with ``"sequence"`` it is the same with
     ``level="sequence"``. TRL clips neither log-ratio; the default clamp $c = 20$ binds only

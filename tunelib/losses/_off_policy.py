@@ -158,14 +158,15 @@ def off_policy_sequence_mask(
     already moved away from, and DeepSeek-V3.2 reports that such samples destabilise
     training. Positive-advantage sequences are always kept.
 
-    Multiply the per-token policy loss by the mask, as TRL (``off_policy_mask_threshold``)
+    Multiply the per-token policy loss by the mask, as TRL (1.16, ``off_policy_mask_threshold``)
     does: the dropped tokens then stay in the reduction's denominators, like tokens with zero
     loss. Passing ``where & mask`` to `aggregate` instead removes them from the denominators
     too. TRL compares the current log-probs with the sampler's (vLLM's) where it has them and
     with the trainer's `old_token_logps` otherwise; pass whichever log-probs the completions
-    were sampled under. With `[B]` advantages the mask is constant on each row; with
-    `[B, T]` advantages it is decided per token, as in the paper's formula (and TRL's) with
-    per-token advantages.
+    were sampled under. With `[B]` advantages the mask is constant on each row; with `[B, T]`
+    advantages it is decided per token, as in the paper's formula (and TRL's) with per-token
+    advantages. A NaN log-prob at a counted token (one the sampler could not score) adds no
+    drift but still counts in $|y_i|$, as in TRL; masked tokens are left out.
 
     Args:
       token_logps: `[B, T]` log-probs of the sampled tokens under the current policy (no
@@ -201,6 +202,8 @@ def off_policy_sequence_mask(
     )
     adv = v.advantages_array(advantages, where, logps.dtype)
     count = jnp.maximum(jnp.sum(where, axis=-1, keepdims=True), 1).astype(logps.dtype)
-    drift = jnp.sum(lax.stop_gradient(sampler - logps), axis=-1, keepdims=True) / count
+    token_drift = lax.stop_gradient(sampler - logps)
+    token_drift = jnp.where(jnp.isnan(token_drift), 0.0, token_drift)
+    drift = jnp.sum(token_drift, axis=-1, keepdims=True) / count
     drop = (adv < 0) & (drift > jnp.asarray(threshold, logps.dtype))
     return where & ~drop

@@ -276,10 +276,11 @@ def cispo_loss(
     `level`: ``"token"`` (MiniMax-M1's per-token ratio, the default) or ``"sequence"``, GSPO's
     length-normalised sequence ratio $s_i$, the same weight on every token of row $i$; as the
     weight carries no gradient, ``"sequence_token"`` gives exactly the value and gradient of
-    ``"sequence"``. TRL's ``importance_sampling_level="sequence"`` with
+    ``"sequence"``. TRL (1.16) with ``importance_sampling_level="sequence"`` and
     ``loss_type="cispo"`` computes this sequence weight and then sums the per-token terms
-    over the batch's tokens (its token-mean reduction), which weighs each sequence by its
-    length; TRL warns about this and points to the per-sequence mean
+    over the batch's tokens (its token mean over the accumulated batch,
+    ``aggregate(mode="global_token_mean")``), which weighs each sequence by its length; TRL
+    warns about this and points to the per-sequence mean
     (``aggregate(mode="seq_mean_token_mean")``) for GSPO's objective. Both reductions are
     available here; the per-token values are the same.
 
@@ -288,7 +289,7 @@ def cispo_loss(
     * relative, $1 + \varepsilon_{\mathrm{high}}$ (default `epsilon_high` = 3, a cap of 4,
       the default of Tinker's CISPO loss; verl's CISPO example uses 0.2, a cap of 1.2);
       MiniMax-M1 tunes only this bound and does not publish its value;
-    * absolute, `ratio_cap` $= C$: TRL's ``epsilon_high`` for ``loss_type="cispo"`` is the
+    * absolute, `ratio_cap` $= C$: TRL's (1.16) ``epsilon_high`` for ``loss_type="cispo"`` is the
       cap itself (``clamp(ratio, max=epsilon_high)``, ScaleRL's $\varepsilon_{\max}$, TRL
       recommends 5.0), so TRL's ``epsilon_high=5.0`` is ``ratio_cap=5.0`` here. TRL applies
       no lower bound for CISPO and ignores its ``epsilon``: keep the default
@@ -403,7 +404,7 @@ def sapo_loss(
 
     ``level="sequence"`` gates GSPO's length-normalised sequence ratio $s_i$ instead, the same
     value on every token of row $i$, whose gradient reaches every token of the row (through
-    $\partial s_i / \partial \log \pi_\theta(y_{i,t}) = s_i / |y_i|$): TRL's
+    $\partial s_i / \partial \log \pi_\theta(y_{i,t}) = s_i / |y_i|$): TRL's (1.16)
     ``loss_type="sapo"`` with ``importance_sampling_level="sequence"``, which TRL reduces
     with the per-sequence token mean (``aggregate(mode="seq_mean_token_mean")``, one term
     per sequence). ``"sequence_token"`` has the same value with each token differentiating

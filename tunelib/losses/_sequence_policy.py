@@ -19,7 +19,7 @@ from tunelib._typing import Mask, Scalar
 from tunelib.losses._policy_gradient import RATIO_LEVELS, RatioLevel, policy_gradient_loss
 
 # The sequence log-weight and each token's log importance weight are kept above log(1e-8),
-# the floor of the VESPO authors' code and of TRL.
+# the floor of the VESPO authors' code and of TRL (1.16).
 _LOG_WEIGHT_FLOOR = math.log(1e-8)
 
 
@@ -56,7 +56,7 @@ def vespo_loss(
     smoothly, without a clip. Unlike GSPO, $w_i$ is the product of the token ratios, not
     their geometric mean: VESPO does not normalise by the length.
 
-    Numerics, as in the VESPO authors' code and TRL: each token's log-ratio is clipped to
+    Numerics, as in the VESPO authors' code and TRL (1.16): each token's log-ratio is clipped to
     $[-c, c]$, $c$ = `log_ratio_clamp`, and each $\log \rho_{i,t}$ to
     $[\log 10^{-8}, c]$ (so a weight of 0 counts as $10^{-8}$); their sum over the row,
     $\log w_i$, is clipped to $[\log 10^{-8}, c]$; $\phi$ is computed in log space,
@@ -73,8 +73,8 @@ def vespo_loss(
     Defaults: $k_+ = 2$, $\lambda_+ = 3$, $k_- = 3$, $\lambda_- = 2$, those of the VESPO
     code and TRL (``vespo_k_pos``, ``vespo_lambda_pos``, ``vespo_k_neg``,
     ``vespo_lambda_neg``). TRL reduces VESPO, like CISPO and DAPO, with the token mean over
-    the accumulated batch: ``aggregate(mode="token_mean")``, or ``"global_token_mean"``
-    under gradient accumulation. VESPO computes its sequence weight itself: TRL expects
+    the accumulated batch: ``aggregate(mode="global_token_mean")`` with TRL's token count
+    (``"token_mean"`` within one batch). VESPO computes its sequence weight itself: TRL expects
     ``importance_sampling_level="token"`` with it, and there is no `level` here.
 
     Args:
@@ -166,17 +166,15 @@ def luspo_loss(
 
     This function returns $\ell_i$ on every valid token of row $i$, exactly
     `policy_gradient_loss` at the same `level`; the length weight is the reduction. Summing a
-    row's tokens gives $|y_i| \ell_i$, so LUSPO's loss is the token sum over the batch divided
-    by the number of sequences: ``aggregate(values, mode="seq_mean_token_sum_norm",
-    norm_constant=1.0, where=where).mean()``. That is TRL's ``loss_type="luspo"`` reduction,
-    ``(per_sequence_loss * lengths).mean()``, except that TRL divides by the batch size
-    including rows without valid tokens, which `aggregate` leaves out.
+    row's tokens gives $|y_i| \ell_i$, so LUSPO's loss is the mean over sequences of each
+    sequence's token sum: ``aggregate(values, mode="seq_mean_token_sum",
+    where=where).mean()``. TRL (1.16, ``loss_type="luspo"``) reduces the same way but counts
+    rows without a valid token as sequences of loss 0: ``empty_rows="count"`` gives exactly
+    its value.
 
     `level`: ``"sequence"`` (default, LUSPO's and GSPO's ratio; TRL warns unless
     ``importance_sampling_level="sequence"``), ``"sequence_token"`` (GSPO-token) or
-    ``"token"``. TRL's ``"luspo"`` with ``importance_sampling_level="token"`` multiplies
-    each token's loss by its sequence's length and averages over all $B \times T$
-    positions, padding included; that combination has no counterpart here.
+    ``"token"`` (TRL's ``importance_sampling_level="token"``, with the same reduction).
 
     Defaults: GSPO's clip range, $\varepsilon_{\mathrm{low}} = 3 \times 10^{-4}$,
     $\varepsilon_{\mathrm{high}} = 4 \times 10^{-4}$, which LUSPO builds on. TRL uses its
@@ -209,8 +207,7 @@ def luspo_loss(
       >>> print(per_token)
       [[-1. -1. -1.]
        [ 1.  0.  0.]]
-      >>> luspo = aggregate(per_token, mode="seq_mean_token_sum_norm", norm_constant=1.0,
-      ...                   where=where)
+      >>> luspo = aggregate(per_token, mode="seq_mean_token_sum", where=where)
       >>> print(luspo.mean())  # (3 * -1 + 1 * 1) / 2
       -1.0
 
