@@ -5,14 +5,15 @@
     python recipes/grpo.py --reward-model runs/reward_model-seed0   # RLHF: GRPO on its rewards
 
 The data: pairs of a prompt, a chosen and a rejected completion, as for DPO (on the built-in
-task the chosen answer is the right one, the rejected one the SFT model's own wrong greedy
-answer, or a near miss where it is right; with `--data`, a file's `prompt`/`chosen`/`rejected`
-records). The model: the SFT decoder, whose final hidden state at a sequence's last token a
-score vector reads, r(x, y) = w . h_last (`kit.reward_model`). The loss: the Bradley-Terry
+task the chosen answer is the right one, the rejected one the SFT model's own wrong answer,
+sampled as GRPO will sample it, or a near miss where it is right; with `--data`, a file's
+`prompt`/`chosen`/`rejected` records). The model: the SFT decoder with a score vector w on its
+final hidden states: r(x, y) = w . h_last, at the sequence's last token, or the mean of w . h_j
+over the completion's tokens (`--pooling`, `kit.reward_model`). The loss: the Bradley-Terry
 negative log-likelihood of `tunelib.losses` on the two sides' rewards, from one forward pass
-over both. The step: an Optax update of every weight and the head. Held-out: the share of
-pairs whose chosen side gets the higher reward. The reward model learns which answers are right
-only from the preferences: nothing else tells it.
+over both. The step: an Optax update of every weight and the head. Held-out: the share of pairs
+whose chosen side gets the higher reward. The reward model learns which answers are right only
+from the preferences: nothing else tells it.
 """
 
 import dataclasses
@@ -31,10 +32,11 @@ class RewardModelConfig(Run, Task, DataFile, SFTStart):
     steps: int = flag(400, "optimizer steps")
     eval_every: int = flag(50, "steps between held-out evaluations")
     checkpoint_every: int = flag(100, "steps between checkpoints")
-    rejected: Literal["model", "near_miss"] = flag(
-        "model",
-        "built-in task: rejected answers are the SFT model's own wrong greedy answers (near "
-        "misses where it is right), or near misses only",
+    rejected: Literal["sampled", "model", "near_miss"] = flag(
+        "sampled",
+        "built-in task: rejected answers are the SFT model's own wrong answers, sampled at "
+        "temperature 1 as GRPO samples them, or greedy (model); near misses where it is right; "
+        "or near misses only",
     )
     num_prompts: int = flag(9000, "built-in task: training prompts the pairs are built on")
     pooling: Literal["last", "mean"] = flag(
@@ -65,8 +67,11 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
     model = models.replicated(models.load_model(folder), placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
-    if task.name == "arithmetic" and config.rejected == "model":
-        task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size)
+    if task.name == "arithmetic" and config.rejected != "near_miss":
+        temperature = 1.0 if config.rejected == "sampled" else 0.0
+        task = pairs.on_policy_pairs(
+            task, graphdef, model.params, vocab_size, temperature=temperature, seed=config.seed
+        )
     head = reward_model.init_head(model.config.hidden_size, config.seed)
     params = {"decoder": model.params, "head": placement.replicate(head)}
     optimizer = optim.adamw(config, warmup=0.1)

@@ -44,7 +44,8 @@ def completions(graphdef, params, task: Task, records: list[dict], sampling, key
             extra = -len(chunk) % placed.num_devices
             filled = [np.concatenate([x, np.repeat(x[:1], extra, 0)]) for x in (tokens, where)]
             tokens, where = placed.global_rows(tuple(filled))
-        out = rollout.sample(graphdef, params, tokens, where, key, sampling)
+        chunk_key = jax.random.fold_in(key, first)  # each chunk samples afresh
+        out = rollout.sample(graphdef, params, tokens, where, chunk_key, sampling)
         rows = placed.fetch(out.tokens) if placed is not None else np.asarray(out.tokens)
         texts += [task.tokenizer.decode(row) for row in rows[: len(chunk)].tolist()]
     return texts
