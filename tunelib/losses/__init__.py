@@ -3,10 +3,12 @@
 Data arrays come first, then keyword-only hyperparameters, then `where` (True = counts). Reduce
 per-token values with `aggregate`, which returns a numerator and a denominator so that gradient
 accumulation and data parallelism give exactly the full-batch result. The files follow the
-families: the DPO family against a reference model (`_dpo.py`), reference-free preference
-losses (`_reference_free.py`), unpaired feedback (`_kto.py`), reward models
-(`_reward_model.py`); RL objectives (`_policy_gradient.py`, `_sequence_policy.py`, `_kl.py`,
-`_value.py`, `_entropy.py`, `_off_policy.py`); SFT (`_sft.py`); distillation (`_distillation.py`,
+families: the DPO family against a reference model (`_dpo.py`) and its f-divergence and
+length-desensitised variants (`_dpo_variants.py`), WPO's pair weights
+(`_preference_weighting.py`), reference-free preference losses (`_reference_free.py`),
+unpaired feedback (`_kto.py`), reward models (`_reward_model.py`); RL objectives
+(`_policy_gradient.py`, `_sequence_policy.py`, `_kl.py`, `_value.py`, `_entropy.py`,
+`_off_policy.py`); SFT (`_sft.py`); distillation (`_distillation.py`,
 `_feature_matching.py`); mixture-of-experts routers (`_router.py`); and `_aggregation.py`.
 Diagnostics are in `tunelib.metrics`.
 """
@@ -38,6 +40,13 @@ from tunelib.losses._dpo import (
     robust_dpo_loss,
     sppo_hard_loss,
 )
+from tunelib.losses._dpo_variants import (
+    F_DPO_DIVERGENCES,
+    f_dpo_loss,
+    f_dpo_scores,
+    length_desensitized_dpo_loss,
+    length_desensitized_logps,
+)
 from tunelib.losses._entropy import entropy_bonus
 from tunelib.losses._feature_matching import attention_output_matching_loss, feature_matching_loss
 from tunelib.losses._kl import KL_ESTIMATORS, kl_penalty
@@ -50,6 +59,7 @@ from tunelib.losses._policy_gradient import (
     policy_gradient_loss,
     sapo_loss,
 )
+from tunelib.losses._preference_weighting import wpo_weights
 from tunelib.losses._reference_free import cpo_loss, orpo_log_odds_ratio, orpo_loss, simpo_loss
 from tunelib.losses._reward_model import bradley_terry_loss
 from tunelib.losses._router import load_balancing_loss, router_z_loss
@@ -84,6 +94,7 @@ __getattr__ = moved_names(
 
 __all__ = [
     "AGGREGATION_MODES",
+    "F_DPO_DIVERGENCES",
     "KL_ESTIMATORS",
     "RATIO_LEVELS",
     "Aggregate",
@@ -100,6 +111,8 @@ __all__ = [
     "dpo_loss",
     "entropy_bonus",
     "exo_loss",
+    "f_dpo_loss",
+    "f_dpo_scores",
     "feature_matching_loss",
     "forward_kl_loss",
     "generalized_jsd_loss",
@@ -109,6 +122,8 @@ __all__ = [
     "kl_penalty",
     "kto_loss",
     "kto_reference_point",
+    "length_desensitized_dpo_loss",
+    "length_desensitized_logps",
     "length_normalized_dpo_loss",
     "load_balancing_loss",
     "luspo_loss",
@@ -131,4 +146,5 @@ __all__ = [
     "truncated_importance_weights",
     "value_loss",
     "vespo_loss",
+    "wpo_weights",
 ]
