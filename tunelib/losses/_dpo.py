@@ -123,10 +123,14 @@ def dpo_loss(
     with $\log \pi_\theta(y_w)$ = `chosen_logps`, $\log \pi_\theta(y_l)$ = `rejected_logps`,
     $\log \pi_{\mathrm{ref}}(y_w)$ = `ref_chosen_logps`, $\log \pi_{\mathrm{ref}}(y_l)$ =
     `ref_rejected_logps`, $\beta$ = `beta` and $\varepsilon$ = `label_smoothing`. With
-    $\varepsilon = 0$ this is DPO; $\varepsilon > 0$ is conservative DPO, the cross-entropy
-    against labels flipped with probability $\varepsilon$, whose minimum lies at the finite
-    margin $\beta h = \log((1 - \varepsilon) / \varepsilon)$ rather than at $+\infty$ (TRL:
-    `loss_type="sigmoid"` with `label_smoothing`).
+    $\varepsilon = 0$ this is DPO (TRL: `loss_type="sigmoid"`). $\varepsilon > 0$ is
+    Mitchell's conservative DPO (cDPO), the cross-entropy against labels flipped with
+    probability $\varepsilon$, whose minimum lies at the finite margin
+    $\beta h = \log((1 - \varepsilon) / \varepsilon)$ rather than at $+\infty$. Tunix's DPO
+    computes it with `label_smoothing` (`DPOTrainingConfig`, 0.1.7), and so did TRL's
+    `"sigmoid"` up to 0.28; TRL 1.16's `"sigmoid"` ignores `label_smoothing`, which it reads
+    only for `"robust"` (rDPO, `robust_dpo_loss`, a different loss: unbiased rather than
+    conservative), `"exo_pair"` and the AOT losses, so it has no cDPO.
 
     Args:
       chosen_logps: `[B]` policy log-probabilities of the chosen completions, each the sum of
@@ -263,8 +267,9 @@ def length_normalized_dpo_loss(
     with the four sequence log-probabilities as in `dpo_loss` (sums over tokens), $|y_w|$ =
     `chosen_lengths`, $|y_l|$ = `rejected_lengths` and $\beta$ = `beta`. Averaging over
     tokens keeps the margin from growing with the completions' lengths, which counters DPO's
-    drift towards longer outputs. This is the "LN-DPO" ablation of SimPO and the `dpo_norm`
-    loss of Tulu 3.
+    drift towards longer outputs. This is the "LN-DPO" ablation of SimPO, the `dpo_norm`
+    loss of Tulu 3 and TRL 1.16's `loss_type="sigmoid_norm"` (which divides by the completion
+    mask's token counts).
 
     Args:
       chosen_logps: `[B]` policy log-probabilities of the chosen completions (sums over
