@@ -89,8 +89,8 @@ def f_dpo_scores(
     DPO is f-DPO under the reverse KL. The Jensen-Shannon score is computed as
     $\log 2 + \log \sigma(r)$, and the others as $-\mathrm{expm1}(-\alpha r)/\alpha$ with the
     exponent $-\alpha r$ capped at 80 (the forward KL is $\alpha = 1$), as TRL caps its
-    $\alpha$-divergence: the score stays finite, and below $r = -80/\alpha$ it is constant
-    with a zero gradient.
+    $\alpha$-divergence: the score stays finite, and where $-\alpha r > 80$ (below
+    $r = -80/\alpha$ for $\alpha > 0$) it is constant with a zero gradient.
 
     Scores replace the log-ratios of any loss on the DPO margin: `f_dpo_loss` is
     `dpo_loss(s_w, s_l, 0, 0)` with $\beta$ and no label smoothing, and TRL's
