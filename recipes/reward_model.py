@@ -1,6 +1,7 @@
 """A reward model: an SFT model with a score head, trained on preference pairs.
 
     python recipes/reward_model.py            # trains recipes/sft.py first if its model is absent
+    python recipes/reward_model.py --pooling last   # the last token's state, not the mean
     python recipes/reward_model.py --resume   # continue the run from its last checkpoint
     python recipes/grpo.py --reward-model runs/reward_model-seed0   # RLHF: GRPO on its rewards
 
@@ -27,11 +28,11 @@ from kit.errors import UserError
 @dataclasses.dataclass(kw_only=True)
 class RewardModelConfig(Run, Task, DataFile, SFTStart):
     RECIPE = "reward_model"
-    LEARNING_RATE = 1e-4
+    LEARNING_RATE = 1e-3
 
-    steps: int = flag(400, "optimizer steps")
-    eval_every: int = flag(50, "steps between held-out evaluations")
-    checkpoint_every: int = flag(100, "steps between checkpoints")
+    steps: int = flag(3000, "optimizer steps")
+    eval_every: int = flag(500, "steps between held-out evaluations")
+    checkpoint_every: int = flag(500, "steps between checkpoints")
     rejected: Literal["sampled", "model", "near_miss"] = flag(
         "sampled",
         "built-in task: rejected answers are the SFT model's own wrong answers, sampled at "
@@ -40,7 +41,7 @@ class RewardModelConfig(Run, Task, DataFile, SFTStart):
     )
     num_prompts: int = flag(9000, "built-in task: training prompts the pairs are built on")
     pooling: Literal["last", "mean"] = flag(
-        "last",
+        "mean",
         "the reward: the head on the last token's hidden state, or its mean over the "
         "completion's tokens",
     )
