@@ -11,6 +11,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
+from tunelib.models import KVCache
 from tunelib.rollout._processors import (
     check_sampling_args,
     check_sampling_values,
@@ -212,6 +213,30 @@ def sample(
       Pope et al., "Efficiently Scaling Transformer Inference" (KV caching), 2022,
       https://arxiv.org/abs/2211.05102.
     """
+    prompt_tokens, prompt_where, _ = _checked_inputs(
+        graphdef, params, prompt_tokens, prompt_where, config, group_size
+    )
+    prompt_len = prompt_tokens.shape[1]
+    needed = prompt_len + config.max_new_tokens
+    if config.cache_length is not None and config.cache_length < needed:
+        raise ValueError(
+            f"prompts of {prompt_len} positions plus max_new_tokens={config.max_new_tokens} "
+            f"need {needed} cache slots, but cache_length is {config.cache_length}."
+        )
+    return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
+
+
+def _checked_inputs(
+    graphdef: nnx.GraphDef,
+    params: PyTree,
+    prompt_tokens: ArrayLike,
+    prompt_where: ArrayLike,
+    config: SamplingConfig,
+    group_size: int,
+) -> tuple[jax.Array, jax.Array, object]:
+    """The prompts as arrays and the model's config, after every check that needs no cache
+    length: the config against the vocabulary, `group_size`, and (when they are concrete)
+    empty prompts and prompt ids outside the vocabulary."""
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}.")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -237,13 +262,6 @@ def sample(
         raise ValueError(
             f"pad_token must lie in [0, {model_config.vocab_size}), got {config.pad_token}."
         )
-    prompt_len = prompt_tokens.shape[1]
-    needed = prompt_len + config.max_new_tokens
-    if config.cache_length is not None and config.cache_length < needed:
-        raise ValueError(
-            f"prompts of {prompt_len} positions plus max_new_tokens={config.max_new_tokens} "
-            f"need {needed} cache slots, but cache_length is {config.cache_length}."
-        )
     if not isinstance(prompt_where, jax.core.Tracer):
         for first, real in _rows_held_here(prompt_where):
             empty = first + np.flatnonzero(~real.any(axis=1))
@@ -261,7 +279,7 @@ def sample(
                     f"prompt_tokens must lie in [0, {model_config.vocab_size}) where "
                     f"prompt_where is True, got ids from {ids.min()} to {ids.max()}."
                 )
-    return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
+    return prompt_tokens, prompt_where, model_config
 
 
 def _rows_held_here(x: jax.Array) -> list[tuple[int, np.ndarray]]:
@@ -280,47 +298,110 @@ def _rows_held_here(x: jax.Array) -> list[tuple[int, np.ndarray]]:
 
 @jax.jit(static_argnums=(0, 5, 6))
 def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size):
-    if isinstance(params, nnx.State):  # plain arrays: the loop body merges them again
-        params = nnx.to_pure_dict(params)
+    params = _pure(params)
+    logits, cache = _prefill(
+        graphdef,
+        params,
+        prompt_tokens,
+        prompt_where,
+        config.cache_length or prompt_tokens.shape[1] + config.max_new_tokens,
+        group_size,
+    )
+    done = jnp.zeros((logits.shape[0],), jnp.bool_)
+    out = _decode(graphdef, params, logits, cache, _as_key(key), config, done=done)
+    temperature = jnp.asarray(config.temperature or 1.0, jnp.float32)
+    lengths = out.where.sum(-1, dtype=jnp.int32)
+    return Rollout(out.tokens, out.where, out.logps, lengths, ~out.done, temperature)
+
+
+def _pure(params: PyTree) -> PyTree:
+    """Plain arrays: loop bodies merge them into a module again."""
+    return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def _as_key(key: jax.Array) -> jax.Array:
+    """A new-style PRNG key (legacy uint32 keys are wrapped)."""
+    if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(key)
+    return key
+
+
+def _prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size):
+    """Next-token logits `[B * G, V]` after each prompt's last real token, and the KV cache of
+    `cache_length` slots holding the prompts, each row repeated `group_size` times (a fork of
+    one prefill)."""
     model = nnx.merge(graphdef, params)
     batch, prompt_len = prompt_tokens.shape
-    new = config.max_new_tokens
-    cache = model.init_cache(batch, config.cache_length or prompt_len + new)
+    cache = model.init_cache(batch, cache_length)
     hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
     last = prompt_len - 1 - jnp.argmax(prompt_where[:, ::-1], axis=1)
     logits = model.unembed(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
     if group_size > 1:  # fork the prefilled cache: row b * G + g continues prompt b
         cache = cache.repeat_rows(group_size)
         logits = jnp.repeat(logits, group_size, axis=0)
-    rows = batch * group_size
-    stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
-    if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)
+    return logits, cache
 
-    def draw(logits, step_key):
-        logits = logits.astype(jnp.float32)
-        allowed = forbid_tokens(logits, config.forbidden_tokens)
-        if config.temperature == 0:
-            return jnp.argmax(allowed, axis=-1), jax.nn.log_softmax(logits)
-        processed = process_logits(
-            allowed,
-            temperature=config.temperature,
-            top_k=config.top_k,
-            top_p=config.top_p,
-            min_p=config.min_p,
-        )
-        token = jax.random.categorical(step_key, processed, axis=-1)
-        if config.logps_of == "processed":
-            return token, jax.nn.log_softmax(processed)
-        return token, jax.nn.log_softmax(logits / config.temperature)
+
+def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig):
+    """One token per row from the processed distribution of `[R, V]` logits, and the `[R, V]`
+    log-probs it is recorded under (`SamplingConfig.logps_of`)."""
+    logits = logits.astype(jnp.float32)
+    allowed = forbid_tokens(logits, config.forbidden_tokens)
+    if config.temperature == 0:
+        return jnp.argmax(allowed, axis=-1), jax.nn.log_softmax(logits)
+    processed = process_logits(
+        allowed,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        min_p=config.min_p,
+    )
+    token = jax.random.categorical(key, processed, axis=-1)
+    if config.logps_of == "processed":
+        return token, jax.nn.log_softmax(processed)
+    return token, jax.nn.log_softmax(logits / config.temperature)
+
+
+class _Decoded(NamedTuple):
+    """What `_decode` returns: the `[R, N]` tokens, mask and log-probs it drew, `[R]` flags
+    (`done`: the row stopped drawing, for any reason; `ended`: by a stop token or an end
+    sequence), the next-token logits after each row's last token and the cache."""
+
+    tokens: jax.Array
+    where: jax.Array
+    logps: jax.Array
+    done: jax.Array
+    ended: jax.Array
+    logits: jax.Array
+    cache: KVCache
+
+
+def _decode(
+    graphdef, params, logits, cache, key, config, *, done, limit=None, end_sequences=()
+) -> _Decoded:
+    """The decode loop: up to `config.max_new_tokens` steps of one token per row, from `[R, V]`
+    next-token logits and a cache, inside a `lax.while_loop` that ends once every row is done.
+
+    A row that starts `done` (`[R]`) draws nothing (its slots are padding). A row is done after a
+    stop token, after a token that completes one of `end_sequences` (static tuples of token
+    ids, drawn in this call), or, with `limit` (`[R]` ints), after `limit` tokens. Step `t`
+    draws with `fold_in(key, t)`. Every step writes one cache slot for every row.
+    """
+    rows, new = logits.shape[0], config.max_new_tokens
+    stop = jnp.asarray(
+        config.stop_tokens + tuple(s[0] for s in end_sequences if len(s) == 1) or (-1,),
+        jnp.int32,
+    )
+    longer = tuple(s for s in end_sequences if len(s) > 1)
+    width = max((len(s) for s in longer), default=1) - 1
 
     def running(state):
-        step, *_, done, _, _ = state
+        step, *_, done, _, _, _, _ = state
         return (step < new) & ~jnp.all(done)
 
     def step_fn(state):
-        step, tokens, where, logps, done, logits, cache = state
-        token, all_logps = draw(logits, jax.random.fold_in(key, step))
+        step, tokens, where, logps, done, ended, tail, logits, cache = state
+        token, all_logps = _draw(logits, jax.random.fold_in(key, step), config)
         live = ~done
         logp = jnp.take_along_axis(all_logps, token[:, None], axis=-1)[:, 0]
         token = jnp.where(live, token.astype(jnp.int32), config.pad_token)
@@ -329,21 +410,34 @@ def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_si
         logps = jax.lax.dynamic_update_slice_in_dim(
             logps, jnp.where(live, logp, 0.0)[:, None], step, 1
         )
-        done = done | (live & jnp.isin(token, stop))
+        hit = jnp.isin(token, stop)
+        if longer:  # the last tokens of the row, the newest at the end
+            window = jnp.concatenate([tail, token[:, None]], axis=1)
+            for sequence in longer:
+                hit |= jnp.all(window[:, -len(sequence) :] == jnp.asarray(sequence), axis=1)
+            tail = window[:, 1:]
+        ended = ended | (live & hit)
+        stopped = hit if limit is None else hit | (step + 1 >= limit)
+        done = done | (live & stopped)
         # Merged inside the loop body: NNX modules do not cross into an inner trace.
         step_model = nnx.merge(graphdef, params)
         hidden, cache = step_model.extend(token[:, None], live[:, None], cache)
-        return step + 1, tokens, where, logps, done, step_model.unembed(hidden[:, 0]), cache
+        # A row that drew nothing keeps the logits after its last real token.
+        logits = jnp.where(live[:, None], step_model.unembed(hidden[:, 0]), logits)
+        return step + 1, tokens, where, logps, done, ended, tail, logits, cache
 
     state = (
         jnp.zeros((), jnp.int32),
         jnp.full((rows, new), config.pad_token, jnp.int32),
         jnp.zeros((rows, new), jnp.bool_),
         jnp.zeros((rows, new), jnp.float32),
+        done,
         jnp.zeros((rows,), jnp.bool_),
+        jnp.full((rows, width), -1, jnp.int32),
         logits,
         cache,
     )
-    _, tokens, where, logps, done, _, _ = jax.lax.while_loop(running, step_fn, state)
-    temperature = jnp.asarray(config.temperature or 1.0, jnp.float32)
-    return Rollout(tokens, where, logps, where.sum(-1, dtype=jnp.int32), ~done, temperature)
+    _, tokens, where, logps, done, ended, _, logits, cache = jax.lax.while_loop(
+        running, step_fn, state
+    )
+    return _Decoded(tokens, where, logps, done, ended, logits, cache)
