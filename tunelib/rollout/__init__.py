@@ -1,4 +1,5 @@
-"""Rollouts: logits processors, the KV-cache sampler, grouped sampling and weight sync.
+"""Rollouts: logits processors, the KV-cache sampler, grouped sampling, multi-turn episodes and
+environments, and weight sync.
 
 `sample(graphdef, params, prompt_tokens, prompt_where, key, config)` generates completions
 with the reference decoder's KV cache (`tunelib.models.Decoder.extend`) and returns a
@@ -6,9 +7,19 @@ with the reference decoder's KV cache (`tunelib.models.Decoder.extend`) and retu
 truncation flags. `completion_logps` scores completions under (possibly other) parameters, with
 the shift from prompt to completion done once. `sync_weights` moves trained parameters onto a
 rollout mesh.
+
+Multi-turn episodes: `run_episodes` alternates model turns and the observations of host-side
+`Environment`s in one KV cache and returns an `Episode` (tokens as sampled and observed,
+roles, behaviour log-probs, turn boundaries and rewards); `episode_advantages` and
+`turn_advantages` spread group-relative advantages over its tokens. Tools: `parse_tool_calls`
+reads Hermes / Qwen `<tool_call>` blocks, `tool_response_tokens` renders tool messages with a
+chat template, and `ToolEnvironment` with the `CALCULATOR` tool is a ready environment.
 """
 
 from tunelib.rollout._completion import completion_logps
+from tunelib.rollout._environments import Environment, Step, Turn
+from tunelib.rollout._episode_advantages import CREDITS, episode_advantages, turn_advantages
+from tunelib.rollout._episodes import Episode, EpisodeConfig, Role, run_episodes
 from tunelib.rollout._processors import (
     check_sampling_args,
     forbid_tokens,
@@ -20,18 +31,44 @@ from tunelib.rollout._processors import (
 )
 from tunelib.rollout._sampler import Rollout, SamplingConfig, sample
 from tunelib.rollout._sync import sync_weights
+from tunelib.rollout._tool_calls import (
+    CALCULATOR,
+    Tool,
+    ToolCall,
+    ToolEnvironment,
+    calculator,
+    parse_tool_calls,
+    tool_response_tokens,
+)
 
 __all__ = [
+    "CALCULATOR",
+    "CREDITS",
+    "Environment",
+    "Episode",
+    "EpisodeConfig",
+    "Role",
     "Rollout",
     "SamplingConfig",
+    "Step",
+    "Tool",
+    "ToolCall",
+    "ToolEnvironment",
+    "Turn",
+    "calculator",
     "check_sampling_args",
     "completion_logps",
+    "episode_advantages",
     "forbid_tokens",
     "min_p_filter",
+    "parse_tool_calls",
     "process_logits",
+    "run_episodes",
     "sample",
     "sync_weights",
     "temperature_scale",
+    "tool_response_tokens",
     "top_k_filter",
     "top_p_filter",
+    "turn_advantages",
 ]
