@@ -324,7 +324,9 @@ def run_episodes(
         left = slots - int(cache.index)
         limit = np.where(run.active, np.minimum(config.max_tokens - run.offset, left), 0)
         for r in np.flatnonzero(run.active & (limit < 1)).tolist():
-            run.end(r, truncated=True)
+            run.end(r, truncated=True)  # no budget or cache slot left for a token
+        if not run.active.any():
+            break
         out = _turn(graphdef, params, logits, cache, jax.random.fold_in(key, turn), sampling,
                     config.turn_end_sequences, ~run.active, limit.astype(np.int32))  # fmt: skip
         logits, cache = out.logits, out.cache
@@ -335,8 +337,7 @@ def run_episodes(
         calls: list = [None] * rows
         for r in stepping:
             ids = run.add_turn(r, turn, drawn[r][drawn_where[r]], drawn_logps[r][drawn_where[r]])
-            text = None if tokenizer is None else tokenizer.decode(ids)
-            calls[r] = functools.partial(environments[r].step, Turn(ids, text, not ended[r]))
+            calls[r] = functools.partial(_step, environments[r], ids, tokenizer, not ended[r])
         outcomes = call_all(calls, config.step_timeout)
         pending = {}
         for r in stepping:
@@ -358,6 +359,13 @@ def run_episodes(
                 block_where[r, : observation.size] = True
             logits, cache = _observe(graphdef, params, logits, cache, block, block_where)
     return run.episode(sampling)
+
+
+def _step(environment: Environment, ids: tuple[int, ...], tokenizer, truncated: bool):
+    """`environment.step` of a turn, its text decoded first (in the step's own thread, so
+    that a decoding error fails only its row)."""
+    text = None if tokenizer is None else tokenizer.decode(ids)
+    return environment.step(Turn(ids, text, truncated))
 
 
 @jax.jit(static_argnums=(0, 4, 5))
