@@ -556,11 +556,21 @@ def test_advantage_properties():
     model[0, 1] = model[1, 3] = False
     masked = np.asarray(turn_advantages(rewards, turn_ids, group_size=2, where=model))
     assert masked[0, 1] == 0 and masked[1, 3] == 0 and (masked[turn_ids < 0] == 0).all()
+    # Padding columns change nothing; nothing kept gives exactly 0.
+    padded = np.concatenate([turn_ids, np.full((4, 3), -1)], axis=1)
+    for fn, r in ((turn_advantages, rewards), (episode_advantages, rewards.sum(1))):
+        assert_close(fn(r, padded, group_size=2)[:, :5], fn(r, turn_ids, group_size=2))
+        assert (np.asarray(fn(r, padded, group_size=2))[:, 5:] == 0).all()
+        none = fn(r, turn_ids, group_size=2, where=np.zeros(turn_ids.shape, bool))
+        assert (np.asarray(none) == 0).all()
     # A NaN turn reward leaves the row out at that turn (and, crediting returns, before it).
     nan = rewards.copy()
     nan[1, 1] = np.nan
     out = np.asarray(turn_advantages(nan, turn_ids, group_size=2))
     assert np.isfinite(out).all() and (out[1] == 0).all() and (out[0] == 0).all()
+    weighted = lambda r: (turn_advantages(r, turn_ids, group_size=2) * np.arange(5)).sum()  # noqa: E731
+    grad = jax.grad(weighted)(jnp.asarray(nan).at[3, 0].set(0.2))  # rows 2, 3 differ
+    assert np.isfinite(np.asarray(grad)).all() and np.asarray(grad)[2:].any()
     # bf16 rewards: within bf16 rounding of float32, computed in float32.
     bf16 = turn_advantages(jnp.asarray(rewards, jnp.bfloat16), turn_ids, group_size=2)
     assert bf16.dtype == jnp.float32
