@@ -1,7 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests._helpers import (
@@ -62,6 +62,10 @@ logit_arrays = float_arrays((L, B, T, E), -4.0, 4.0)
     st.booleans(),
 )
 def test_load_balancing_equals_the_float64_reference(logits, where, top_k, pool, normalize):
+    # Which of two experts within float32 rounding of each other is in the top k is float32's
+    # choice, not the formula's: such near ties are left out here.
+    ranked = -np.sort(-softmax64(logits), axis=-1)
+    assume(top_k == E or np.all(ranked[..., top_k - 1] - ranked[..., top_k] > 1e-6))
     kwargs = dict(top_k=top_k, pool_layers=pool, normalize_by_top_k=normalize)
     got = losses.load_balancing_loss(logits, where=where, **kwargs)
     assert got.shape == (() if pool else (L,))
