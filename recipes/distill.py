@@ -169,11 +169,19 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     def evaluate_fn(params):
         return {"accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size)}
 
+    def pieces(state, rows):  # a step's jitted parts, for --plan and --device-memory
+        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+        sampled = jax.ShapeDtypeStruct((), bool)
+        out = {"update": kit.plan.Piece(update, (state, {**rows, "sampled": sampled}), (1,))}
+        if config.on_policy:
+            out["rollout"] = kit.plan.Piece(student_rows, (state["params"], rows, key), (1,))
+        return out
+
     state = loop.initial_state(student.params, optimizer, config.seed)
     state["step"] = placement.replicate(np.int32(0))  # which steps sample (--on-policy)
     state = loop.train(
         run, config, state=state,
-        step_fn=train_step, evaluate=evaluate_fn,
+        step_fn=train_step, evaluate=evaluate_fn, pieces=pieces,
         batches=data.batches(task, config, placement, kind="sft"),
     )  # fmt: skip
     models.save_model(run.path / "model", student, state["params"])

@@ -461,6 +461,21 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
             return {"accuracy": float("nan")}
         return {"accuracy": evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)}
 
+    def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
+        sized = dataclasses.replace(config, batch_size=indices.shape[0])
+        rows = {
+            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.by_rows())
+            for k, x in batch_template(task, sized, sampling).items() if k != "version"
+        }  # fmt: skip
+        policy = jax.eval_shape(tuning.dense, state["params"]) if tuning.base else state["params"]
+        prompts = rows["prompt_tokens"], rows["prompt_where"]
+        return {
+            "rollout": kit.plan.sampler(graphdef, policy, *prompts, sampling, group_size=group),
+            "update": kit.plan.Piece(
+                update, (frozen, state, {**rows, "old": rows["logps"]}, None), batch_argnums=(2,)
+            ),
+        }
+
     state = loop.initial_state(tuning.trainable, optimizer, config.seed)
     checkpointed = None
     if split:  # the trainer's state is checkpointed and saved on every device of both
@@ -473,6 +488,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     state = loop.train(
         run, config, state=state, batches=batches, evaluate=evaluate_fn,
         step_fn=disaggregated_step if split else train_step, checkpointed=checkpointed,
+        pieces=pieces,
     )  # fmt: skip
     if split:
         model, state = models.replicated(model, both), checkpointed[0](state)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kit import plan
 from kit.config import Run, parse
 from kit.errors import UserError
 from kit.runs import RunFolder, checkpoint_steps
@@ -68,8 +69,15 @@ def main(
         if not isinstance(config, Run):  # a script without a run folder (generate.py)
             return train(config, None)
         out = config.out or default_out(config.run_name(), config.seed)
-        run = RunFolder(out, resume=config.resume, overwrite=config.overwrite, steps=config.steps)
-        run.check_resume(config)
+        if config.plan:  # writes nothing, so the folder's state does not matter
+            run = plan.PlanFolder(out, steps=config.steps)
+        else:
+            run = RunFolder(
+                out, resume=config.resume, overwrite=config.overwrite, steps=config.steps
+            )
+            run.check_resume(config)
+        if config.plan or config.device_memory:
+            return plan.guard(config, train, run)
         return train(config, run)
     except UserError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")

@@ -89,12 +89,28 @@ class Run(Config):
         "split every batch over this many devices (default: all of them; with several "
         "processes, every process's, see docs/scale.md)",
     )
+    plan: bool = flag(
+        False,
+        "print the memory plan per device of a train step (compiled, never run) and exit, "
+        "before any training or writing (see docs/memory.md)",
+        command_line_only=True,
+    )
+    device_memory: str | None = flag(
+        None,
+        "memory per device, e.g. 16GiB or 800MB: a run predicted not to fit is refused "
+        "before it starts, saying what to change",
+        command_line_only=True,
+    )
 
     def check(self) -> None:
         super().check()
         at_least("steps", self.steps, 1)
         if self.devices is not None:
             at_least("devices", self.devices, 1)
+        if self.device_memory is not None:
+            from kit.plan import parse_size
+
+            parse_size(self.device_memory)
         at_least("batch_size", self.batch_size, 1)
         at_least("eval_every", self.eval_every, 1)
         at_least("checkpoint_every", self.checkpoint_every, 1)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kit import goodput, parallel
+from kit import goodput, parallel, plan
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
 from kit.logs import open_writers
@@ -49,6 +49,7 @@ def train(
     step_fn: Callable[[dict, Any], tuple[dict, dict]],
     evaluate: Callable[[Any], dict],
     checkpointed: tuple[Callable, Callable] | None = None,
+    pieces: Callable | None = None,
 ) -> dict:
     """Run `step_fn` from step 0 (or the last checkpoint, with `--resume`) to `--steps`.
 
@@ -57,9 +58,13 @@ def train(
     `step_fn` receives the global batch of them, split over the run's devices.
     `checkpointed`, `(to_saved, from_saved)`, maps the state to what a checkpoint holds and
     back (every process calls both; `kit.disaggregated`'s roles save the trainer's state).
+    With `--plan` or `--device-memory` the step is planned first (`kit.plan.check`): as one
+    jitted function of `(state, batch)`, or, for a step that runs several or branches on
+    the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say.
     """
     from tqdm import tqdm
 
+    plan.check(config, state=state, batches=batches, step_fn=step_fn, pieces=pieces)
     name = config.run_name()
     placed = parallel.current()
     main = parallel.is_main()

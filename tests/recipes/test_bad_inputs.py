@@ -8,6 +8,7 @@ JAX. The others (a data file's contents, a batch larger than the data) run in th
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,112 @@ def test_a_checkpoint_of_other_shapes_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"step 3 in .* does not fit this run's model: .*\(5, 2\)"):
         checkpoints.restore_latest({"w": jnp.ones((5, 2))}, data())
     checkpoints.close()
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        ("16", "--device-memory '16': give a size with its unit, e.g. 16GiB"),
+        ("lots", "--device-memory 'lots': give a size with its unit"),
+        ("16 GiBs", "give a size with its unit"),
+        ("0MB", "--device-memory '0MB': the size must be at least 1 byte"),
+    ],
+)
+def test_a_bad_device_memory_is_one_line_before_jax(world, size, message):
+    before = snapshot(world)
+    proc = run_without_jax("sft", "--device-memory", size, cwd=world)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert lines == [f"sft.py: error: {lines[0].split('error: ', 1)[1]}"] and message in lines[0]
+    assert snapshot(world) == before
+
+
+def test_device_memory_sizes_take_decimal_and_binary_units():
+    from kit.plan import parse_size
+
+    assert parse_size("16GiB") == 16 * 2**30
+    assert parse_size("800MB") == 800 * 10**6
+    assert parse_size("1.5 gb") == 1_500_000_000
+    assert parse_size("64KiB") == 65536 and parse_size("7B") == 7
+
+
+def test_plan_of_a_recipe_that_would_train_its_start_first_is_one_line(tmp_path):
+    """`--plan` trains nothing: DPO without its SFT model stops before JAX, saying how."""
+    proc = run_without_jax("dpo", "--plan", cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "--plan trains nothing" in lines[0], lines
+    assert "python recipes/sft.py --out runs/sft-seed0" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_prints_the_plan_and_exits_without_a_run_folder(world, char_model):
+    """`--plan` compiles the step and prints its memory per device; it writes nothing, not
+    even where a run already is (runs/sft-seed0 holds one)."""
+    from tests.recipes._scripts import run_recipe_process
+
+    before = snapshot(world)
+    flags = ["--model", str(char_model), "--batch-size", "8", "--num-train", "40"]
+    started = time.perf_counter()
+    proc = run_recipe_process("sft", "--plan", *flags, "--num-heldout", "8", cwd=world)
+    seconds = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("sft: memory plan per device (1 CPU device)"), proc.stdout
+    assert "a batch of 8 rows and never run" in lines[0]
+    rows = {line.split()[0]: line for line in lines[1:] if line.strip()}
+    assert {"params", "optimizer", "outputs", "activations", "peak"} <= set(rows), proc.stdout
+    assert "device memory: CPU reports none" in proc.stdout
+    assert snapshot(world) == before
+    assert seconds < 120, seconds  # seconds: a model made, a step compiled twice
+
+
+def test_a_run_predicted_not_to_fit_is_refused_in_one_line(world, char_model, monkeypatch, capsys):
+    before = snapshot(world)
+    flags = ["--model", str(char_model), "--batch-size", "8", "--num-train", "40"]
+    flags += ["--num-heldout", "8", "--out", "runs/too-big", "--device-memory", "1MB"]
+    status, lines = run_here("sft", flags, world, monkeypatch, capsys)
+    assert status == 2, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("sft.py: error: the run needs ")
+    assert "per device (predicted), more than --device-memory 1MB: " in lines[0]
+    assert "no batch size fits" in lines[0] or "--batch-size" in lines[0]
+    assert "--lora-rank 16" in lines[0]  # what else was compiled, with its peak
+    assert snapshot(world) == before
+
+
+def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys, monkeypatch):
+    """With `--device-memory` the step is planned on the first batch, which the loop then
+    reads again; too little memory stops the run with the plan (`kit.plan.Planned`)."""
+    import types
+
+    import grain
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kit import parallel, plan
+
+    monkeypatch.setattr(parallel, "_PLACEMENT", {})  # no recipe's placement: one device
+
+    batches = iter(
+        grain.MapDataset.range(64)
+        .map(lambda i: np.full((3,), i, np.float32))
+        .batch(8)
+        .to_iter_dataset()
+    )
+    state = {"params": {"w": jnp.ones((3, 3))}, "opt_state": {"m": jnp.zeros((3, 3))}}
+    step = jax.jit(lambda state, x: (state, {"loss": jnp.sum(x @ state["params"]["w"])}))
+
+    def config(memory):
+        return types.SimpleNamespace(plan=False, device_memory=memory, run_name=lambda: "toy")
+
+    plan.check(config("1GiB"), state=state, batches=batches, step_fn=step)
+    assert "toy: predicted peak" in capsys.readouterr().out
+    np.testing.assert_array_equal(next(batches)[:, 0], np.arange(8))  # the first batch
+    with pytest.raises(plan.Planned) as stop:
+        plan.check(config("100B"), state=state, batches=batches, step_fn=step)
+    planned = stop.value.plan
+    assert planned.batch_size == 8 and planned.peak_bytes > 100
+    assert planned.plans["step"].params_bytes == planned.plans["step"].opt_state_bytes == 36
+    np.testing.assert_array_equal(next(batches)[:, 0], np.arange(8, 16))

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 
 from tunelib import _validation as v
-from tunelib.memory._plan import MemoryPlan, PyTree, _shape_dtype, abstract, check_device_memory
+from tunelib.memory._plan import PyTree, _shape_dtype, abstract, check_device_memory
 
 
 def _first_axes(tree: PyTree) -> list[tuple[Any, int]]:
@@ -104,17 +104,17 @@ class BatchSearch(NamedTuple):
 
     Attributes:
       size: the largest batch size that fits (0 when even the smallest does not).
-      plan: its `MemoryPlan` (None when none fits).
+      plan: its plan, what `plan_at` returned (None when none fits).
       peaks: every batch size compiled during the search -> its peak bytes.
     """
 
     size: int
-    plan: MemoryPlan | None
+    plan: Any
     peaks: dict[int, int]
 
 
 def largest_batch(
-    plan_at: Callable[[int], MemoryPlan],
+    plan_at: Callable[[int], Any],
     *,
     device_memory: int,
     start: int,
@@ -133,7 +133,8 @@ def largest_batch(
     that the peak does not decrease as the batch grows.
 
     Args:
-      plan_at: batch size -> `MemoryPlan`.
+      plan_at: batch size -> its `MemoryPlan` (or any plan with an int `peak_bytes`, as
+        the plan of a step made of several compiled functions).
       device_memory: bytes per device.
       start: the first size compiled (the run's batch size), a multiple of `multiple_of`.
       multiple_of: candidates are its multiples (the number of devices a batch splits over).
@@ -170,7 +171,7 @@ def largest_batch(
             f"start must be a multiple of multiple_of={multiple_of} and <= max_size="
             f"{max_size}, got {start}."
         )
-    plans: dict[int, MemoryPlan] = {}
+    plans: dict[int, Any] = {}
 
     def peak(size: int) -> int:
         if size not in plans:
@@ -211,6 +212,6 @@ def _crossing(plans: dict, low: int, high: int, memory: int, multiple: int) -> i
     return int((low + (memory - plans[low].peak_bytes) / slope) // multiple * multiple)
 
 
-def _found(size: int, plans: dict[int, MemoryPlan]) -> BatchSearch:
+def _found(size: int, plans: dict[int, Any]) -> BatchSearch:
     peaks = {s: p.peak_bytes for s, p in sorted(plans.items())}
     return BatchSearch(size, plans.get(size), peaks)
