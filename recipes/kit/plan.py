@@ -363,9 +363,10 @@ def _report(config, plan: StepPlan, context: Context, memory, search, tried) -> 
         lines.append(f"peak of a step: {format_bytes(plan.peak_bytes)}")
     if any(p.activations_bytes is not None for p in plan.plans.values()):
         lines.append(
-            "(XLA reports the temporaries as one size: activations and the KV cache are the "
-            "part that grows with the batch, from a second compilation at half of it; "
-            "gradients at most the parameters' size of the rest)"
+            "(XLA reports the temporaries as one size; the split estimates it: activations "
+            "and the KV cache are the part that grows with the batch, from a second "
+            "compilation at half of it; gradients, at most the parameters' size, come from "
+            "the rest, and are left out when XLA fuses each into its update)"
         )
     if memory is None:
         lines.append(
