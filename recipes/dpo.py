@@ -72,8 +72,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     model = models.replicated(models.load_model(folder), placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
-    # The model's own wrong answers (not for --plan: the task fixes the batches' shapes).
-    if task.name == "arithmetic" and config.rejected == "model" and not config.plan:
+    if task.name == "arithmetic" and config.rejected == "model":
         task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size)
     tuning = lora.tuning(config, model, placement)
     # With LoRA the reference is the frozen base without adapters: the policy's start.

@@ -68,8 +68,7 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
     model = models.replicated(models.load_model(folder), placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
-    # Sampled negatives (not for --plan: the task fixes the batches' shapes).
-    if task.name == "arithmetic" and config.rejected != "near_miss" and not config.plan:
+    if task.name == "arithmetic" and config.rejected != "near_miss":
         temperature = 1.0 if config.rejected == "sampled" else 0.0
         task = pairs.on_policy_pairs(
             task, graphdef, model.params, vocab_size, temperature=temperature, seed=config.seed
