@@ -107,7 +107,7 @@ class StepPlan:
 
 class Planned(Exception):
     """Raised by `check` before the first step: the plan is made (`--plan`), or the run
-    does not fit (`--device-memory`). `kit.cli` reports it."""
+    does not fit (`--device-memory`). `guard` reports it."""
 
     def __init__(self, plan: StepPlan, context: "Context"):
         super().__init__(plan.peak_bytes)
