@@ -23,8 +23,11 @@ from tunelib.logprobs._tiles import (
     capped,
     default_chunk_size,
     tile_logits,
+    tile_loop,
     tiles,
+    varying_zero,
     vocab_tile,
+    write_tiles,
 )
 
 Implementation = Literal["auto", "chunked", "pallas", "naive"]
@@ -84,14 +87,17 @@ def _forward(h, w, b, targets, tau, chunk, with_entropy, axis, softcap):
     tau = tau.astype(dtype)
     chunk, n_tiles = tiles(vocab, chunk)
 
-    def stats(index):
+    def stats(index, w):
         _, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
         z = tile_logits(h, w_tile, b_tile, tau, dtype, softcap)
         return _tile_stats(z, owned, with_entropy)
 
+    def add_tile(index, acc, w):
+        return _merge_stats(acc, stats(index, w))
+
     # The first tile seeds the loop, so the carry has the type (and, under shard_map, the
     # device variance) of the tiles.
-    total = lax.fori_loop(1, n_tiles, lambda i, acc: _merge_stats(acc, stats(i)), stats(0))
+    total = tile_loop(1, n_tiles, add_tile, stats(0, w), (w,))
     offset = _vocab_offset(vocab, axis)
     target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, offset, softcap)
     return _finish(total, target_z, axis)
@@ -118,61 +124,48 @@ def _chunked_bwd(chunk, with_entropy, axis, softcap, residuals, cotangents):
     chunk, n_tiles = tiles(vocab, chunk)
     g = g.astype(dtype)
     e = e.astype(dtype) if with_entropy else None
+    local = targets - _vocab_offset(vocab, axis)  # the targets' columns in this shard
 
-    def tile_grads(index):
+    def tile_grads(index, w, h_t):
         start, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
         z = tile_logits(h, w_tile, b_tile, tau_c, dtype, softcap)
         p = jnp.where(owned, jnp.exp(z - lse[:, None]), 0.0)
-        dz = -g[:, None] * p  # the one-hot part of d logp / dz is added from the targets
+        hit = owned & (start + jnp.arange(chunk) == local[:, None])
+        dz = g[:, None] * (hit - p)
         if with_entropy:
             dz = dz - e[:, None] * p * (z - expected_z[:, None])
-        z_dz = jnp.sum(dz * jnp.where(owned, z, 0.0))  # for the temperature's gradient
+        z_dz = jnp.sum(dz * z)  # for the temperature's gradient
         dz = dz / tau_c * cap_slope(z, tau_c, softcap)  # d/d(h W + b)
         dh = jnp.matmul(dz, w_tile.T.astype(dtype), preferred_element_type=dtype)
-        dw_tile = jnp.matmul(h.T.astype(dtype), dz, preferred_element_type=dtype)
-        return start, dh, dw_tile, jnp.sum(dz, axis=0), z_dz
+        dw_tile = jnp.matmul(h_t, dz, preferred_element_type=dtype)
+        return start, dh, dw_tile.astype(w.dtype), jnp.sum(dz, axis=0), z_dz
 
-    def add_tile(index, carry):
-        dh, dw, db, z_dz = carry
-        start, tile_dh, dw_tile, db_tile, tile_z_dz = tile_grads(index)
-        dw = lax.dynamic_update_slice_in_dim(
-            dw, lax.dynamic_slice_in_dim(dw, start, chunk, axis=1) + dw_tile, start, axis=1
-        )
-        if db is not None:
-            tile_db = lax.dynamic_slice_in_dim(db, start, chunk, axis=0) + db_tile
-            db = lax.dynamic_update_slice_in_dim(db, tile_db, start, axis=0)
-        return dh + tile_dh, dw, db, z_dz + tile_z_dz
+    def tile(index, carry, w, h_t):
+        dh, db, z_dz = carry
+        start, tile_dh, dw_tile, db_tile, tile_z_dz = tile_grads(index, w, h_t)
+        if db is not None:  # disjoint columns too, written once
+            db = lax.dynamic_update_slice_in_dim(db, db_tile, start, axis=0)
+        return (dh + tile_dh, db, z_dz + tile_z_dz), start, dw_tile
 
-    # Seeded with tile 0 (see `_forward`): tile 0 starts at column 0 and owns all its columns.
-    _, dh, dw_tile, db_tile, z_dz = tile_grads(0)
-    dw = jnp.zeros(w.shape, dtype) + jnp.zeros_like(dw_tile[:, :1])
+    # Each tile owns a disjoint slice of the unembedding's gradient and writes it once, in the
+    # unembedding's dtype (`write_tiles`). d hidden and the temperature's gradient accumulate
+    # over the tiles in `dtype`.
+    zero = varying_zero(h, w, b, targets, tau, lse, expected_z, g, e)
     init = (
-        dh,
-        lax.dynamic_update_slice_in_dim(dw, dw_tile, 0, axis=1),
-        None
-        if b is None
-        else lax.dynamic_update_slice_in_dim(
-            jnp.zeros(b.shape, dtype) + jnp.zeros_like(db_tile[:1]), db_tile, 0, axis=0
-        ),
-        z_dz,
+        jnp.zeros(h.shape, dtype) + zero.astype(dtype),
+        None if b is None else jnp.zeros(b.shape, dtype) + zero[0].astype(dtype),
+        zero[0, 0].astype(dtype),
     )
-    dh, dw, db, z_dz = lax.fori_loop(1, n_tiles, add_tile, init)
-    # The one-hot part: g / tau at each token's target column (in whichever shard holds it).
-    target_z, inside, local = _target_logits(
-        h, w, b, targets, tau_c, dtype, _vocab_offset(vocab, axis), softcap
-    )
-    g_inside = jnp.where(inside, g, 0.0)
-    # z = logits / tau, so d/d tau = -sum(dz * z) / tau over every logit and the targets.
-    d_tau = -(z_dz + jnp.sum(g_inside * target_z)) / tau_c
-    g_target = g_inside / tau_c * cap_slope(target_z, tau_c, softcap)
-    dh = dh + g_target[:, None] * jnp.take(w, local, axis=1).T.astype(dtype)
-    dw = dw.at[:, local].add(h.T.astype(dtype) * g_target[None, :])
-    if db is not None:
-        db = db.at[local].add(g_target).astype(b.dtype)
+    (dh, db, z_dz), dw = write_tiles(
+        tile, init, (w, h.T.astype(dtype)), n_tiles=n_tiles, chunk=chunk, shape=w.shape,
+        dtype=w.dtype, zero=zero,
+    )  # fmt: skip
+    # z = logits / tau, so d/d tau = -sum(dz * z) / tau over every logit.
+    d_tau = -z_dz / tau_c
     dh, dw = _sum_over_broadcast_axes(dh, h), _sum_over_broadcast_axes(dw, w)
-    db = None if db is None else _sum_over_broadcast_axes(db, b)
+    db = None if db is None else _sum_over_broadcast_axes(db, b).astype(b.dtype)
     d_tau = _sum_over_broadcast_axes(d_tau, tau)
-    return dh.astype(h.dtype), dw.astype(w.dtype), db, None, d_tau.astype(tau.dtype)
+    return dh.astype(h.dtype), dw, db, None, d_tau.astype(tau.dtype)
 
 
 def _sum_over_broadcast_axes(cotangent: jax.Array, primal: ArrayLike) -> jax.Array:

@@ -23,8 +23,11 @@ from tunelib.logprobs._tiles import (
     cap_slope,
     default_chunk_size,
     tile_logits,
+    tile_loop,
     tiles,
+    varying_zero,
     vocab_tile,
+    write_tiles,
 )
 
 
@@ -33,16 +36,17 @@ def _log_normalisers(student, teacher, tau, chunk, dtype, caps):
     n, vocab = student[0].shape[0], student[1].shape[1]
     chunk, n_tiles = tiles(vocab, chunk)
 
-    def body(index, carry):
+    def body(index, carry, w, w_t):
         lse = []
-        for (h, w, b), running, cap in zip((student, teacher), carry, caps, strict=True):
+        heads = ((student[0], w, student[2]), (teacher[0], w_t, teacher[2]))
+        for (h, w, b), running, cap in zip(heads, carry, caps, strict=True):
             _, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
             z = jnp.where(owned, tile_logits(h, w_tile, b_tile, tau, dtype, cap), -jnp.inf)
             lse.append(jnp.logaddexp(running, jax.nn.logsumexp(z, axis=-1)))
         return tuple(lse)
 
     init = jnp.full((n,), -jnp.inf, dtype)
-    return lax.fori_loop(0, n_tiles, body, (init, init))
+    return tile_loop(0, n_tiles, body, (init, init), (student[1], teacher[1]))
 
 
 def _tile_terms(student, teacher, lse, index, tau, mix, divergence, chunk, dtype, caps):
@@ -75,11 +79,10 @@ def _forward(student, teacher, tau, mix, divergence, chunk, caps, with_slope):
     lse = _log_normalisers(student, teacher, tau, chunk, dtype, caps)
     chunk, n_tiles = tiles(vocab, chunk)
 
-    def body(index, carry):
+    def body(index, carry, w, w_t):
         total, slope = carry
-        terms, log_p, *_ = _tile_terms(
-            student, teacher, lse, index, tau, mix, divergence, chunk, dtype, caps
-        )
+        heads = (student[0], w, student[2]), (teacher[0], w_t, teacher[2])
+        terms, log_p, *_ = _tile_terms(*heads, lse, index, tau, mix, divergence, chunk, dtype, caps)
         if with_slope:
             values, pullback = jax.vjp(terms, log_p)
             (d_log_p,) = pullback(jnp.ones_like(values))
@@ -89,7 +92,7 @@ def _forward(student, teacher, tau, mix, divergence, chunk, caps, with_slope):
         return total + jnp.sum(values, axis=-1), slope
 
     zeros = jnp.zeros((n,), dtype)
-    total, slope = lax.fori_loop(0, n_tiles, body, (zeros, zeros))
+    total, slope = tile_loop(0, n_tiles, body, (zeros, zeros), (student[1], teacher[1]))
     return total, lse, slope
 
 
@@ -113,32 +116,38 @@ def _fused_divergence_bwd(divergence, chunk, caps, residuals, g):
     chunk, n_tiles = tiles(w.shape[1], chunk)
     coefficient = g.astype(dtype) / tau
 
-    def body(index, carry):
-        dh, dw, db = carry
+    def tile_grads(index, w, w_t, h_t):
+        heads = (h, w, b), (teacher[0], w_t, teacher[2])
         terms, log_p, p, start, w_tile = _tile_terms(
-            student, teacher, lse, index, tau, mix, divergence, chunk, dtype, caps
+            *heads, lse, index, tau, mix, divergence, chunk, dtype, caps
         )
         values, pullback = jax.vjp(terms, log_p)
         (d_log_p,) = pullback(jnp.ones_like(values))
         dz = coefficient[:, None] * (d_log_p - p * slope[:, None])
         dz = dz * cap_slope(log_p + lse[0][:, None], tau, caps[0])  # d/d(h W + b)
-        dh = dh + jnp.matmul(dz, w_tile.T.astype(dtype), preferred_element_type=dtype)
-        dw_tile = jnp.matmul(h.T.astype(dtype), dz, preferred_element_type=dtype)
-        dw = lax.dynamic_update_slice_in_dim(
-            dw, lax.dynamic_slice_in_dim(dw, start, chunk, axis=1) + dw_tile, start, axis=1
-        )
-        if db is not None:
-            db_tile = lax.dynamic_slice_in_dim(db, start, chunk, axis=0) + jnp.sum(dz, axis=0)
-            db = lax.dynamic_update_slice_in_dim(db, db_tile, start, axis=0)
-        return dh, dw, db
+        dh = jnp.matmul(dz, w_tile.T.astype(dtype), preferred_element_type=dtype)
+        dw_tile = jnp.matmul(h_t, dz, preferred_element_type=dtype)
+        return start, dh, dw_tile.astype(w.dtype), jnp.sum(dz, axis=0)
 
+    def tile(index, carry, w, w_t, h_t):
+        dh, db = carry
+        start, tile_dh, dw_tile, db_tile = tile_grads(index, w, w_t, h_t)
+        if db is not None:
+            db = lax.dynamic_update_slice_in_dim(db, db_tile, start, axis=0)
+        return (dh + tile_dh, db), start, dw_tile
+
+    # As in `fused_token_logps`: each tile writes its own columns of the unembedding's gradient
+    # once, in the unembedding's dtype; d hidden accumulates over the tiles in `dtype`.
+    zero = varying_zero(h, w, b, *teacher, tau, mix, lse[0], lse[1], slope, g)
     init = (
-        jnp.zeros(h.shape, dtype),
-        jnp.zeros(w.shape, dtype),
-        None if b is None else jnp.zeros(b.shape, dtype),
+        jnp.zeros(h.shape, dtype) + zero.astype(dtype),
+        None if b is None else jnp.zeros(b.shape, dtype) + zero[0].astype(dtype),
     )
-    dh, dw, db = lax.fori_loop(0, n_tiles, body, init)
-    d_student = (dh.astype(h.dtype), dw.astype(w.dtype), None if b is None else db.astype(b.dtype))
+    (dh, db), dw = write_tiles(
+        tile, init, (w, teacher[1], h.T.astype(dtype)), n_tiles=n_tiles, chunk=chunk,
+        shape=w.shape, dtype=w.dtype, zero=zero,
+    )  # fmt: skip
+    d_student = (dh.astype(h.dtype), dw, None if b is None else db.astype(b.dtype))
     # The teacher, the temperature and the mixture weight are data: no cotangent for them.
     return d_student, None, None, None
 
