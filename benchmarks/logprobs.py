@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
     p.add_argument(
+        "--memory-only", action="store_true",
+        help="compile naive and chunked on abstract inputs at every size (or --size) for this "
+        "backend and print their temporaries against the gradients' size; runs nothing",
+    )  # fmt: skip
+    p.add_argument(
         "--json-out",
         type=Path,
         default=None,
@@ -477,8 +482,46 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def memory_only(args: argparse.Namespace) -> list[dict]:
+    """Temporaries of the compiled forward and backward on abstract inputs (no allocation),
+    against the gradients' own size, `[N, H]` and `[H, V]` in the inputs' dtype."""
+    names = [args.size] if args.size else [name for name in SIZES if name != "smoke"]
+    rows = []
+    for name in names:
+        size = shape_of(argparse.Namespace(size=name, n=args.n))
+        specs = (
+            jax.ShapeDtypeStruct((size.n, size.h), size.dtype),
+            jax.ShapeDtypeStruct((size.h, size.v), size.dtype),
+            jax.ShapeDtypeStruct((size.n,), jnp.int32),
+        )
+        gradients = (size.n * size.h + size.h * size.v) * jnp.dtype(size.dtype).itemsize
+        for variant in ("naive", "chunked"):
+            step = loss_and_grads(variant, args.chunk_size)
+            memory = step.lower(*specs).compile().memory_analysis()
+            rows.append({
+                "size": name, "n": size.n, "h": size.h, "v": size.v, "dtype": size.dtype,
+                "variant": variant, "temp_bytes": memory.temp_size_in_bytes,
+                "output_bytes": memory.output_size_in_bytes, "gradient_bytes": gradients,
+                "temp_over_gradients": memory.temp_size_in_bytes / gradients,
+            })  # fmt: skip
+            row = rows[-1]
+            print(
+                f"{name:>10} {size.dtype:>8} {variant:>7}: temporaries "
+                f"{row['temp_bytes'] / 1e6:>9,.1f} MB, gradients {gradients / 1e6:>8,.1f} MB, "
+                f"ratio {row['temp_over_gradients']:.3f}"
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.memory_only:
+        print(f"backend {jax.default_backend()}, compiled on abstract inputs (nothing runs)")
+        line = json.dumps({"benchmark": "logprobs", "memory_only": memory_only(args)})
+        print(line)
+        if args.json_out is not None:
+            args.json_out.write_text(line + "\n")
+        return 0
     if args.variant is not None:
         if args.size is None or args.json_out is None:
             raise SystemExit("worker mode needs --size and --json-out.")

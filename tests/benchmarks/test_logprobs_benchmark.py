@@ -91,3 +91,21 @@ def test_relative_error_is_normwise_and_streams_rows():
     assert bench.relative_error(np.float32(2.5), np.float64(2.0)) == pytest.approx(0.25)
     with pytest.raises(ValueError, match="shape"):
         bench.relative_error(x[:2], ref)
+
+
+def test_memory_only_compiles_abstract_inputs_without_running(tmp_path):
+    written = tmp_path / "memory.json"
+    command = [sys.executable, str(SCRIPT), "--memory-only", "--size", "smoke"]
+    command += ["--chunk-size", "1024", "--json-out", str(written)]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=user_env(), check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(written.read_text())["memory_only"]}
+    assert set(rows) == {"naive", "chunked"}
+    # [128, 64] and [64, 10000] float32 gradients; the naive path holds [N, V] logits.
+    assert rows["chunked"]["gradient_bytes"] == 4 * (128 * 64 + 64 * 10_000)
+    assert rows["naive"]["temp_bytes"] >= 4 * 128 * 10_000 > rows["chunked"]["temp_bytes"]
+    for row in rows.values():
+        assert row["temp_over_gradients"] == row["temp_bytes"] / row["gradient_bytes"]
+        assert row["output_bytes"] >= row["gradient_bytes"]
