@@ -106,6 +106,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     )  # fmt: skip
     teacher = models.replicated(models.load_model(folder), placement)
     student = models.new_model(CharTokenizer(), "student", config.seed)
+    student = models.with_remat(student, config.remat)
     student = models.replicated(student, placement)
     task = data.load_task(config, "sft", teacher.tokenizer, num_train=config.num_prompts)
     vocab_size = student.config.vocab_size

@@ -70,6 +70,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     placement = parallel.placement(config)  # every device of every process, batches by rows
     folder, sft_seconds = chain.sft_start(config)
     model = models.replicated(models.load_model(folder), placement)
+    model = models.with_remat(model, config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":

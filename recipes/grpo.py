@@ -246,6 +246,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     trainer = not split or disaggregated.role() == disaggregated.TRAINER
     folder, sft_seconds = chain.sft_start(config)
     model = models.replicated(models.load_model(folder), placement)
+    model = models.with_remat(model, config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
     tuning = lora.tuning(config, model, placement)

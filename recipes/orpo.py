@@ -54,6 +54,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
 
     placement = parallel.placement(config)  # every device of every process, batches by rows
     model = models.start_model(config.model, config.model_size, config.seed)
+    model = models.with_remat(model, config.remat)
     model = models.replicated(model, placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer)

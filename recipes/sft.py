@@ -63,6 +63,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     placement = parallel.placement(config)  # every device of every process, batches by rows
     model = models.start_model(config.model, config.model_size, config.seed)
+    model = models.with_remat(model, config.remat)
     task = data.load_task(config, "sft", model.tokenizer)
     tuning = lora.tuning(config, model, placement)
     optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)

@@ -83,6 +83,11 @@ class Run(Config):
         "how log-probs are computed from hidden states: the fused chunked head ('auto' "
         "picks the Pallas kernel on TPU), or 'naive' materialised logits",
     )
+    remat: bool = flag(
+        False,
+        "recompute each layer's activations in the backward pass: far less activation "
+        "memory for one more forward pass of compute (see docs/memory.md)",
+    )
     no_progress: bool = flag(False, "hide the progress bar")
     devices: int | None = flag(
         None,

@@ -203,6 +203,20 @@ def start_model(path: Path | None, size: str, seed: int) -> Model:
     return new_model(CharTokenizer(), size, seed)
 
 
+def with_remat(model: Model, remat: bool) -> Model:
+    """`model` whose layers recompute their activations in the backward pass (`--remat`), or
+    `model` itself. Only the graph changes: the parameters are the same arrays."""
+    if not remat or model.config.remat:
+        return model
+    from flax import nnx
+
+    from tunelib.models import Decoder
+
+    config = dataclasses.replace(model.config, remat=True)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+    return dataclasses.replace(model, config=config, graphdef=graphdef)
+
+
 def replicated(model: Model, placement) -> Model:
     """`model` with its parameters on every device of `placement` (a `kit.parallel.Placement`)."""
     return dataclasses.replace(model, params=placement.replicate(model.params))
@@ -223,7 +237,9 @@ def save_model(folder: Path, model: Model, params: dict) -> None:
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(folder / "params", params, force=True)
     if parallel.is_main():
-        text = json.dumps(dataclasses.asdict(model.config), indent=2)
+        # The architecture; `--remat` is a choice of the run that trained it, not saved.
+        config = dataclasses.replace(model.config, remat=False)
+        text = json.dumps(dataclasses.asdict(config), indent=2)
         (folder / "config.json").write_text(text)
         if hasattr(model.tokenizer, "save"):
             model.tokenizer.save(folder)

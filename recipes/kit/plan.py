@@ -258,8 +258,8 @@ def _step_plan(state, batch, pieces_fn: Callable, *, estimate: bool) -> StepPlan
 
 def _changes(config) -> list[tuple[str, dict]]:
     """The flag changes that lower a recipe's memory, those its configuration can take:
-    LoRA, QLoRA and the fused log-prob head (no `[B, T, V]` logits)."""
-    out = []
+    remat, LoRA, QLoRA and the fused log-prob head (no `[B, T, V]` logits)."""
+    out = [] if getattr(config, "remat", True) else [("--remat", {"remat": True})]
     rank = getattr(config, "lora_rank", None)
     if rank == 0:
         out.append(("--lora-rank 16", {"lora_rank": 16}))

@@ -17,7 +17,7 @@ from kit.config import to_toml
 from kit.errors import UserError
 
 # What `--resume` may change: the budget, how often it evaluates and saves, where it logs, and
-# how it runs (devices, log-prob implementation). Every other setting picks the model, the
+# how it runs (devices, log-prob implementation, remat). Every other setting picks the model, the
 # data or the objective, which a checkpoint cannot be continued under.
 RESUMABLE_CHANGES = frozenset(
     {
@@ -28,6 +28,7 @@ RESUMABLE_CHANGES = frozenset(
         "no_progress",
         "devices",
         "logprobs",
+        "remat",
         "out",
     }
 )

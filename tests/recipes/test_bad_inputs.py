@@ -344,6 +344,7 @@ def test_a_run_predicted_not_to_fit_is_refused_in_one_line(world, char_model, mo
     assert "per device (predicted), more than --device-memory 1MB: " in lines[0]
     assert "no batch size fits" in lines[0] or "--batch-size" in lines[0]
     assert "--lora-rank 16" in lines[0]  # what else was compiled, with its peak
+    assert "--remat would need" in lines[0]
     assert snapshot(world) == before
 
 
