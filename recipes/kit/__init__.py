@@ -14,6 +14,9 @@
 - `reward_model`: a decoder with a score head: its rewards, saving and loading.
 - `loop`: the train loop (resume, evaluate, log, checkpoint, Ctrl-C) and the result line.
 - `logs`, `plots`, `checkpoints`: metrics writers, the curves, Orbax checkpoints.
+- `goodput`: each step's time split by phase.
+- `parallel`, `disaggregated`: the mesh over every process's devices; GRPO's two roles.
+- `plan`: `--plan` and `--device-memory`, the step's memory planned before it runs.
 
 Only `config`, `cli`, `runs`, `errors` are imported before the flags are checked; they do not
 import JAX.
