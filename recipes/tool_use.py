@@ -1,0 +1,308 @@
+"""Learning to use a tool: SFT on a few demonstrations, then GRPO over multi-turn episodes.
+
+    python recipes/tool_use.py                   # 3-digit multiplication with the calculator
+    python recipes/tool_use.py --tool none       # the same budget, answering in the head
+    python recipes/tool_use.py --resume          # continue the run from its last checkpoint
+    python recipes/tool_use.py --steps 600 --sft-steps 300   # 300 SFT steps, then 300 of GRPO
+
+The data: problems "123*456" with answers (`tunelib.data.arithmetic_split`, `--operations`
+on up to `--max-digits` digits), asked in a chat. A new decoder of `--model-size` reads them
+with a character tokenizer that has a chat template and the tool-call tags as tokens
+(`kit.episodes`). An episode runs in `tunelib.rollout.ToolEnvironment` with the `calculator`
+tool: the model may call it (`<tool_call>{"name": "calculator", "arguments":
+{"expression": "123*456"}}</tool_call>`), reads its answer (a tool message, an observation),
+and ends with an answer in a turn without a call, within `--max-turns` model turns. The
+reward: 1 for the exact answer, else 0. With `--tool none` the model has no tool and one
+turn.
+
+The steps: the first `--sft-steps` of `--steps` train on `--num-demonstrations`
+demonstration episodes (a call, the tool's answer, the answer; without the tool, the answer)
+by the negative log-likelihood of their model tokens; the rest are GRPO: each samples
+`--group-size` episodes of `--batch-size` problems with `tunelib.rollout.run_episodes` and
+takes one Optax step on the clipped surrogate of `tunelib.losses` with each episode's
+group-relative outcome advantage (`episode_advantages`) on its model tokens, the sampler's
+log-probs as the behaviour policy. Observation tokens are context, never trained on, in both
+stages. Held-out: greedy episodes' accuracy, tool-call rate, malformed-call rate and turns,
+before training, after SFT and after GRPO.
+"""
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+import kit
+from kit.config import Run, Task, at_least, flag
+from kit.errors import UserError
+
+
+@dataclasses.dataclass(kw_only=True)
+class ToolUseConfig(Run, Task):
+    RECIPE = "tool_use"
+    LEARNING_RATE = 1e-4
+
+    steps: int = flag(400, "optimizer steps: --sft-steps of SFT, then GRPO")
+    sft_steps: int = flag(200, "the first steps, SFT on the demonstrations")
+    sft_learning_rate: float = flag(3e-3, "peak learning rate of the SFT steps")
+    num_demonstrations: int = flag(256, "demonstration episodes (the first training problems)")
+    batch_size: int = flag(8, "problems per GRPO step")
+    sft_batch_size: int = flag(64, "demonstrations per SFT step")
+    eval_every: int = flag(100, "steps between held-out evaluations")
+    checkpoint_every: int = flag(100, "steps between checkpoints")
+    operations: str = flag("*", "the task's operations, any of '+-*'")
+    max_digits: int = flag(3, "operand digits of the task")
+    num_train: int = flag(2000, "training problems")
+    num_heldout: int = flag(200, "held-out problems")
+    tool: Literal["calculator", "none"] = flag(
+        "calculator", "the model's tool, or none (one turn, answered in the head)"
+    )
+    max_turns: int = flag(3, "model turns per episode with the tool")
+    group_size: int = flag(8, "episodes per problem, G")
+    temperature: float = flag(1.0, "sampling temperature of the GRPO episodes")
+    epsilon: float = flag(0.2, "clip bound of the ratio (both sides)")
+    model_size: Literal["student", "base", "teacher"] = flag("base", "the new model's size")
+    model: Path | None = flag(
+        None, "start from this model (a tool_use run folder or its model/) instead of a new one"
+    )
+
+    def check(self) -> None:
+        super().check()
+        at_least("sft_steps", self.sft_steps, 0)
+        if self.sft_steps >= self.steps:
+            raise UserError(
+                f"--sft-steps {self.sft_steps} leaves no GRPO step of --steps {self.steps}"
+            )
+        at_least("num_demonstrations", self.num_demonstrations, 1)
+        at_least("sft_batch_size", self.sft_batch_size, 1)
+        if self.num_demonstrations > self.num_train:
+            raise UserError(
+                f"--num-demonstrations {self.num_demonstrations} is more than --num-train "
+                f"{self.num_train}"
+            )
+        if self.batch_size > self.num_train:
+            raise UserError(f"--batch-size {self.batch_size} is more than --num-train")
+        at_least("num_heldout", self.num_heldout, 1)
+        at_least("max_turns", self.max_turns, 2)
+        at_least("group_size", self.group_size, 2)
+        if not self.temperature > 0:
+            raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        if not self.sft_learning_rate > 0:
+            raise UserError(f"--sft-learning-rate must be > 0, got {self.sft_learning_rate}")
+        if not 0 < self.epsilon < 1:
+            raise UserError(f"--epsilon must lie in (0, 1), got {self.epsilon}")
+        if self.model is not None:
+            from kit.models import model_folder
+
+            model_folder(self.model)
+
+    def run_name(self) -> str:
+        return self.RECIPE if self.tool == "calculator" else f"{self.RECIPE}-{self.tool}"
+
+
+def bucket(width: int, size: int = 128) -> int:
+    """`width` rounded up to a multiple of `size`: few distinct shapes to compile."""
+    return -(-width // size) * size
+
+
+def trimmed(batch: dict, limit: int) -> dict:
+    """The `[B, T]` arrays of `batch` cut to the columns its rows use (`context_where`),
+    rounded up by `bucket` and at most `limit`."""
+    import numpy as np
+
+    used = int(np.asarray(batch["context_where"]).sum(-1).max())
+    width = min(limit, bucket(max(used, 1)))
+    return {
+        k: x[:, :width] if k not in ("prompt_tokens", "prompt_where") else x
+        for k, x in batch.items()
+    }
+
+
+def scores(graphdef, params, batch, *, temperature=1.0, implementation="auto"):
+    """`[B, T]` log-probs of every episode token after its prompt, the observations read as
+    context (`context_where`); only `where` (model tokens) is ever counted."""
+    from tunelib import rollout
+
+    return rollout.completion_logps(
+        graphdef, params, batch["prompt_tokens"], batch["prompt_where"], batch["tokens"],
+        batch["context_where"], temperature=temperature, implementation=implementation,
+    )  # fmt: skip
+
+
+def sft_loss(token_logps, batch):
+    """The token mean of the model tokens' negative log-likelihood."""
+    from tunelib import losses
+
+    return -losses.aggregate(token_logps, mode="token_mean", where=batch["where"]).mean()
+
+
+def grpo_loss(token_logps, batch, *, epsilon: float):
+    """The clipped surrogate on the model tokens, with the episodes' token advantages and the
+    sampler's log-probs as the behaviour policy; per episode token mean, then the mean."""
+    from tunelib import losses
+
+    per_token = losses.policy_gradient_loss(
+        token_logps, batch["logps"], batch["advantages"], epsilon_low=epsilon,
+        epsilon_high=epsilon, where=batch["where"],
+    )  # fmt: skip
+    return losses.aggregate(per_token, mode="seq_mean_token_mean", where=batch["where"]).mean()
+
+
+def episode_batch(task, records: list, episode, group_size: int) -> dict:
+    """The GRPO batch of sampled episodes, as NumPy: their prompts `[B, P]`, and per episode
+    the tokens exactly as sampled and observed, the masks, the behaviour log-probs and the
+    group-relative advantage of its outcome on its model tokens (failed rows left out of
+    their group's statistics)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tunelib import rollout
+
+    from kit import data
+
+    prompt_tokens, prompt_where = data.prompts(task, records)
+    rewards = jnp.where(episode.failed, jnp.nan, episode.rewards)
+    advantages = rollout.episode_advantages(
+        rewards, episode.turn_ids, group_size=group_size, where=episode.where
+    )
+    return {
+        "prompt_tokens": np.asarray(prompt_tokens), "prompt_where": np.asarray(prompt_where),
+        "tokens": np.asarray(episode.tokens), "where": np.asarray(episode.where),
+        "context_where": np.asarray(episode.context_where), "logps": np.asarray(episode.logps),
+        "advantages": np.asarray(advantages),
+    }  # fmt: skip
+
+
+def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
+    import grain
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from tunelib import rollout
+
+    from kit import data, episodes, goodput, loop, models, parallel
+
+    placement = parallel.placement(config)
+    if placement.process_count > 1:
+        raise UserError("tool_use.py runs in one process: start it without tunelib.launch")
+    if config.model is not None:
+        model = models.load_model(config.model)
+        if getattr(model.tokenizer, "chat_template", None) is None:
+            raise UserError(f"--model {config.model}: its tokenizer has no chat template")
+    else:
+        model = models.new_model(episodes.chat_tokenizer(), config.model_size, config.seed)
+    model = models.replicated(model, placement)
+    graphdef, tok = model.graphdef, model.tokenizer
+    task = episodes.load_task(
+        config, tok, tool=config.tool == "calculator", max_turns=config.max_turns
+    )
+    demos = episodes.demonstrations(task, task.train[: config.num_demonstrations])
+    group, width = config.group_size, task.episode_tokens
+
+    def episode_config(temperature: float):
+        return rollout.EpisodeConfig(
+            sampling=rollout.SamplingConfig(
+                max_new_tokens=task.turn_tokens, temperature=temperature,
+                stop_tokens=tuple(tok.stop_ids), pad_token=tok.pad_id,
+                forbidden_tokens=tuple(range(tok.vocab_size, model.config.vocab_size)),
+            ),
+            max_turns=task.max_turns, max_tokens=width,
+            max_observation_tokens=task.observation_tokens,
+        )  # fmt: skip
+
+    sampling, greedy = episode_config(config.temperature), episode_config(0.0)
+
+    def episodes_of(params, records, key, config_, group_size):
+        """Episodes of `records` (`group_size` each) and their environments."""
+        envs = episodes.environments(task, records, group_size)
+        prompt_tokens, prompt_where = data.prompts(task, records)
+        episode = rollout.run_episodes(
+            graphdef, params, prompt_tokens, prompt_where, key, config_, envs,
+            group_size=group_size, tokenizer=tok,
+        )  # fmt: skip
+        return episode, envs
+
+    sft_rate = optax.warmup_cosine_decay_schedule(
+        0.0, config.sft_learning_rate, max(1, config.sft_steps // 20), max(1, config.sft_steps)
+    )
+    # SFT, then GRPO from a fresh optimizer state (of the same structure, so that one
+    # checkpoint template holds either) at its own learning rate.
+    sft_optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sft_rate))
+    grpo_rate = optax.constant_schedule(config.learning_rate)
+    grpo_optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(grpo_rate))
+
+    def make_update(objective, optimizer):
+        @jax.jit
+        def update(state, batch):
+            def loss_fn(params):
+                token_logps = scores(graphdef, params, batch, implementation=config.logprobs)
+                return objective(token_logps, batch)
+
+            loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+            updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            return {**state, "params": params, "opt_state": opt_state}, {"loss": loss}
+
+        return update
+
+    sft_update = make_update(sft_loss, sft_optimizer)
+    grpo_update = make_update(
+        lambda logps, batch: grpo_loss(logps, batch, epsilon=config.epsilon), grpo_optimizer
+    )
+
+    def evaluate_fn(params):
+        """Greedy episodes of every held-out problem: accuracy and tool use."""
+        episode, envs = episodes_of(params, task.heldout, jax.random.key(0), greedy, 1)
+        rewards = np.asarray(episode.rewards)
+        return {
+            "accuracy": float((rewards == 1.0).mean()),
+            **episodes.tool_use(envs, np.asarray(episode.num_turns)),
+        }
+
+    def train_step(state, indices):
+        step = int(state["step"]) + 1
+        if step <= config.sft_steps:  # demonstrations drawn by the seed and the step
+            draw = np.random.default_rng([config.seed, step])
+            chosen = draw.integers(0, config.num_demonstrations, config.sft_batch_size)
+            rows = {k: x[chosen] for k, x in demos.items()}
+            state, out = sft_update(state, placement.rows(trimmed(rows, width)))
+            if step == config.sft_steps and step % config.eval_every:
+                out.update(evaluate_fn(state["params"]))  # the start of GRPO, measured
+        else:
+            if step == config.sft_steps + 1:
+                state = {**state, "opt_state": grpo_optimizer.init(state["params"])}
+            rng, key = loop.step_keys(state["rng"], "rollouts")
+            records = [task.train[i] for i in placement.local(indices)]
+            with goodput.phase("rollout"):
+                episode, envs = episodes_of(state["params"], records, key, sampling, group)
+                rows = episode_batch(task, records, episode, group)
+            state, out = grpo_update({**state, "rng": rng}, placement.rows(trimmed(rows, width)))
+            out.update(
+                reward=float(np.asarray(episode.rewards).mean()),
+                **{f"sample_{k}": v for k, v in episodes.tool_use(
+                    envs, np.asarray(episode.num_turns)).items()},
+            )  # fmt: skip
+        return {**state, "step": state["step"] + 1}, out
+
+    order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
+    batches = iter(order.batch(config.batch_size).to_iter_dataset())
+    # The SFT optimizer's state; GRPO's replaces it (same structure) at its first step.
+    state = loop.initial_state(model.params, sft_optimizer, config.seed)
+    state["step"] = placement.replicate(jnp.zeros((), jnp.int32))
+    state = loop.train(
+        run, config, state=state, batches=batches, step_fn=train_step, evaluate=evaluate_fn
+    )
+    models.save_model(run.path / "model", model, state["params"])
+    records = run.records()
+    at_sft = next((r for r in records if r["step"] == config.sft_steps and "accuracy" in r), {})
+    headline = {"tool": config.tool}
+    for key in ("accuracy", "tool_call_rate", "malformed_rate", "turns"):
+        values = [r[key] for r in records if key in r and r["step"] != config.sft_steps]
+        headline[f"{key}_before"] = values[0]
+        headline[f"{key}_sft"] = at_sft.get(key, float("nan"))
+        headline[f"{key}_after"] = values[-1]
+    return loop.finish(run, config, headline)
+
+
+if __name__ == "__main__":
+    kit.cli.main(ToolUseConfig, train, __doc__)
