@@ -83,7 +83,7 @@ def test_layers_share_keys_and_values_and_the_cache_has_one_array_per_shape():
     widths = [layer.mlp.up_proj.kernel.shape[1] for layer in model.layers]
     assert widths == [48, 48, 48, 96, 96]
     cache = model.init_cache(3, 10)
-    assert [k.shape for k in cache.keys] == [(2, 3, 10, 2, 8), (1, 3, 10, 1, 16)]
+    assert [k.shape for k in cache.keys] == [(2, 3, 2, 10, 8), (1, 3, 1, 10, 16)]
     assert [x.shape for x in cache.values] == [k.shape for k in cache.keys]
 
 

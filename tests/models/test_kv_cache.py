@@ -1,4 +1,5 @@
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ from flax import nnx
 from tests._helpers import assert_close, raises_naming
 from tests.models.test_decoder import VARIANTS, build, forward, make_config
 from tunelib.models import KVCache
+from tunelib.models._layers import cache_buckets
 
 # Left-padded, unpadded and right-padded rows; columns 0-4 are the "prompt", 5-9 "decoded".
 TOKENS = np.array(
@@ -82,7 +84,7 @@ def test_bf16_cache():
     model = build(make_config(dtype="bfloat16"))
     cache = model.init_cache(3, 10)
     (keys,), (values,) = cache.keys, cache.values  # one group: every layer has one shape
-    assert keys.dtype == jnp.bfloat16 and values.shape == (2, 3, 10, 2, 16)
+    assert keys.dtype == jnp.bfloat16 and values.shape == (2, 3, 2, 10, 16)
     hidden, _ = cached_hidden(model, TOKENS, WHERE, prefill=5, slots=10)
     expected, _ = forward(model)(TOKENS, WHERE)
     mask = WHERE[..., None]
@@ -94,7 +96,7 @@ def test_cache_is_a_pytree_with_documented_shapes():
     model = build(make_config(num_hidden_layers=3))
     cache = model.init_cache(2, 7)
     assert isinstance(cache, KVCache)
-    assert [k.shape for k in cache.keys] == [(3, 2, 7, 2, 16)] and cache.where.shape == (2, 7)
+    assert [k.shape for k in cache.keys] == [(3, 2, 2, 7, 16)] and cache.where.shape == (2, 7)
     assert cache.lengths.dtype == jnp.int32 and cache.index.shape == ()
     assert len(jax.tree.leaves(cache)) == 5
 
@@ -112,3 +114,30 @@ def test_errors_name_the_argument():
         model.extend(TOKENS[:2, :2], WHERE[:2, :2], cache)
     with raises_naming("tokens"):
         model.extend(TOKENS[:, :2].astype(np.float32), WHERE[:, :2], cache)
+
+
+def test_cache_buckets_are_few_ascending_and_end_at_the_cache():
+    assert cache_buckets(10) == (10,) and cache_buckets(32) == (32,)
+    assert cache_buckets(80) == (32, 64, 80)
+    assert cache_buckets(272) == (64, 128, 192, 256, 272)
+    for slots in (33, 257, 1000, 2048, 5000):
+        buckets = cache_buckets(slots)
+        assert 1 < len(buckets) <= 8 and buckets[-1] == slots
+        assert all(a < b for a, b in itertools.pairwise(buckets))
+        assert all(n % 32 == 0 for n in buckets[:-1])
+
+
+@pytest.mark.parametrize(("variant", "scan"), [("default", True), ("sliding_window", False)])
+def test_decoding_across_buckets_equals_the_full_forward(variant, scan):
+    # 70 columns into 80 slots: the steps attend over 32, 64, then 80 slots.
+    model = build(make_config(**VARIANTS[variant], scan_layers=scan))
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 32, (2, 70))
+    where = np.ones(tokens.shape, bool)
+    where[0, :3] = False  # left padding
+    where[1, 40:43] = False  # a padding slot mid-decode, in the second bucket
+    expected, _ = forward(model)(tokens, where)
+    hidden, cache = cached_hidden(model, tokens, where, prefill=20, slots=80)
+    assert_close(np.where(where[..., None], hidden, 0), np.where(where[..., None], expected, 0),
+                 rtol=1e-5, atol=2e-5)  # fmt: skip
+    assert int(cache.index) == 70

@@ -200,10 +200,10 @@ class Decoder(nnx.Module):
         groups = [(len(members), *shape) for shape, members in _cache_groups(c)]
         return KVCache(
             keys=tuple(
-                jnp.zeros((n, batch_size, length, k, d), c.compute_dtype) for n, k, d in groups
+                jnp.zeros((n, batch_size, k, length, d), c.compute_dtype) for n, k, d in groups
             ),
             values=tuple(
-                jnp.zeros((n, batch_size, length, k, d), c.compute_dtype) for n, k, d in groups
+                jnp.zeros((n, batch_size, k, length, d), c.compute_dtype) for n, k, d in groups
             ),
             where=jnp.zeros((batch_size, length), jnp.bool_),
             lengths=jnp.zeros((batch_size,), jnp.int32),
@@ -444,16 +444,17 @@ class KVCache(NamedTuple):
     (`DecoderConfig.num_kv_shared_layers`) have no entry.
 
     Attributes:
-      keys: one `[L_g, B, S, K_g, D_g]` array of RoPE-rotated keys per group, in the
-        compute dtype; the group's layers in order.
+      keys: one `[L_g, B, K_g, S, D_g]` array of RoPE-rotated keys per group, in the
+        compute dtype; the group's layers in order. Heads before slots: the layout both
+        attention matmuls read without a transpose.
       values: the values, shaped as `keys`.
       where: `[B, S]` True where a slot holds a real token.
       lengths: `[B]` real tokens per row so far: the RoPE position of the next real token.
       index: the next slot to write, a scalar shared by every row.
     """
 
-    keys: tuple[Float[Array, "_ B S _ _"], ...]
-    values: tuple[Float[Array, "_ B S _ _"], ...]
+    keys: tuple[Float[Array, "_ B _ S _"], ...]
+    values: tuple[Float[Array, "_ B _ S _"], ...]
     where: Bool[Array, "B S"]
     lengths: Int[Array, " B"]
     index: Int[Array, ""]

@@ -18,9 +18,10 @@ from tunelib.models._config import DecoderConfig
 from tunelib.models._rope import apply_rope
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
-# The cached keys and values `[L, B, S, K, D]` of every layer of one shape, the layer an
+# The cached keys and values `[L, B, K, S, D]` of every layer of one shape, the layer an
 # attention block reads and writes, and the slot the next tokens go to.
 LayerCache = tuple[jax.Array, jax.Array, jax.Array | int, jax.Array]
+_BUCKET, _MAX_BUCKETS = 32, 8
 
 
 def param(
@@ -170,10 +171,11 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, LayerCache | None, tuple[jax.Array, jax.Array]]:
         """Attention of `x [B, T, H]`; with a `cache`, over the cached keys and these.
 
-        `cache` is `(keys, values, layer, index)`: the `[L, B, S, K, D]` keys and values of
+        `cache` is `(keys, values, layer, index)`: the `[L, B, K, S, D]` keys and values of
         every layer that shares this layer's shape, this layer's index in them, and the slot
         at which this call's `T` keys and values are written. The queries then attend over
-        all `S` slots of this layer (`allowed` is `[B, 1, 1, T, S]`). Writing into the
+        this layer's slots up to the last one written, rounded up to a bucket
+        (`cache_buckets`; `allowed` is `[B, 1, 1, T, S]`). Writing into the
         whole-model arrays, rather than into a slice of them, lets XLA update the cache in
         place inside a decode loop. A layer that shares keys and values gets them as `shared`
         (and no cache). Returns the output, the updated cache (None without one) and the
@@ -196,24 +198,67 @@ class Attention(nnx.Module):
             if self.v_norm is not None:
                 val = self.v_norm(val)
             k = apply_rope(k, cos, sin)
-        if cache is not None:
+            # Attended in `[B, K, S, D]`, the cache's own layout, so that neither attention
+            # matmul needs an operand transposed.
+            k = rearrange(k, "b t k d -> b k t d")
+            val = rearrange(val, "b t k d -> b k t d")
+        # Query head n = k * groups + g reads key/value head k (grouped-query attention).
+        q = rearrange(q, "b t (k g) d -> b k g t d", k=self.num_kv_heads)
+        if cache is None:
+            out = self._attend(q, k, val, allowed, fill)
+        else:
             all_k, all_v, layer, index = cache
-            start = (layer, 0, index, 0, 0)
+            start = (layer, 0, 0, index, 0)
             all_k = jax.lax.dynamic_update_slice(all_k, k.astype(all_k.dtype)[None], start)
             all_v = jax.lax.dynamic_update_slice(all_v, val.astype(all_v.dtype)[None], start)
-            k, val = all_k[layer], all_v[layer]
             cache = (all_k, all_v, layer, index)
-        # Query head n = k * groups + g reads key/value head k (grouped-query attention).
-        q = rearrange(q, "b t (k g) d -> b t k g d", k=self.num_kv_heads)
+            out = self._attend_filled(q, all_k, all_v, layer, index + x.shape[1], allowed, fill)
+            k, val = all_k[layer], all_v[layer]
+        return self.o_proj(rearrange(out, "b k g t d -> b t (k g d)")), cache, (k, val)
+
+    def _attend(self, q, k, val, allowed, fill):
+        """Softmax attention of `q [B, K, G, T, D]` over `k`, `val` `[B, K, S, D]`."""
         high = v.compute_dtype(self.dtype)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=high)
+        scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=high)
         scores = scores * jnp.asarray(self.scale, high)
         if self.softcap is not None:
             scores = self.softcap * jnp.tanh(scores / self.softcap)
         scores = jnp.where(allowed, scores, fill)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, val.astype(self.dtype))
-        return self.o_proj(rearrange(out, "b t k g d -> b t (k g d)")), cache, (k, val)
+        return jnp.einsum("bkgts,bksd->bkgtd", probs, val.astype(self.dtype))
+
+    def _attend_filled(self, q, all_k, all_v, layer, end, allowed, fill):
+        """Attention over the cache's first slots only: those up to `end` (traced), rounded
+        up to a whole bucket of `cache_buckets` slots. The slots left out are later than
+        every query, so their weights are exactly 0 and the result is the full cache's."""
+        _, b, kv, slots, d = all_k.shape
+        buckets = cache_buckets(slots)
+
+        def over(n):
+            def attend(q, all_k, all_v, layer, allowed, fill):
+                size = (1, b, kv, n, d)
+                k = jax.lax.dynamic_slice(all_k, (layer, 0, 0, 0, 0), size)[0]
+                val = jax.lax.dynamic_slice(all_v, (layer, 0, 0, 0, 0), size)[0]
+                return self._attend(q, k, val, allowed[..., :n], fill[:, :n])
+
+            return attend
+
+        if len(buckets) == 1:
+            return over(slots)(q, all_k, all_v, layer, allowed, fill)
+        which = jnp.searchsorted(jnp.asarray(buckets), end, side="left")
+        which = jnp.clip(which, 0, len(buckets) - 1)
+        branches = [over(n) for n in buckets]
+        return jax.lax.switch(which, branches, q, all_k, all_v, layer, allowed, fill)
+
+
+def cache_buckets(slots: int) -> tuple[int, ...]:
+    """The prefix lengths a cached attention reads, ascending, the last `slots`: a decode step
+    attends over the shortest that holds every slot written so far, so that its cost grows
+    with the tokens present rather than with the cache's size. At most `_MAX_BUCKETS` (each
+    is a branch of the compiled step), each a multiple of `_BUCKET` slots."""
+    width = max(_BUCKET, -(-slots // _MAX_BUCKETS))
+    width = -(-width // _BUCKET) * _BUCKET
+    return (*range(width, slots, width), slots)
 
 
 def activation(name: str):
