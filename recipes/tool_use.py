@@ -1,29 +1,30 @@
-"""Learning to use a tool: SFT on a few demonstrations, then GRPO over multi-turn episodes.
+"""Learning to use a tool: SFT on demonstrations, then GRPO over multi-turn episodes.
 
     python recipes/tool_use.py                   # 3-digit multiplication with the calculator
     python recipes/tool_use.py --tool none       # the same budget, answering in the head
     python recipes/tool_use.py --resume          # continue the run from its last checkpoint
-    python recipes/tool_use.py --steps 600 --sft-steps 300   # 300 SFT steps, then 300 of GRPO
+    python recipes/tool_use.py --steps 700 --sft-steps 500   # 500 SFT steps, then 200 of GRPO
 
 The data: problems "123*456" with answers (`tunelib.data.arithmetic_split`, `--operations`
 on up to `--max-digits` digits), asked in a chat. A new decoder of `--model-size` reads them
 with a character tokenizer that has a chat template and the tool-call tags as tokens
 (`kit.episodes`). An episode runs in `tunelib.rollout.ToolEnvironment` with the `calculator`
-tool: the model may call it (`<tool_call>{"name": "calculator", "arguments":
-{"expression": "123*456"}}</tool_call>`), reads its answer (a tool message, an observation),
+tool: the model may call it (`<tool_call>{"name":"calculator","arguments":
+{"expression":"123*456"}}</tool_call>`), reads its answer (a tool message, an observation),
 and ends with an answer in a turn without a call, within `--max-turns` model turns. The
 reward: 1 for the exact answer, else 0. With `--tool none` the model has no tool and one
 turn.
 
-The steps: the first `--sft-steps` of `--steps` train on `--num-demonstrations`
-demonstration episodes (a call, the tool's answer, the answer; without the tool, the answer)
-by the negative log-likelihood of their model tokens; the rest are GRPO: each samples
-`--group-size` episodes of `--batch-size` problems with `tunelib.rollout.run_episodes` and
-takes one Optax step on the clipped surrogate of `tunelib.losses` with each episode's
-group-relative outcome advantage (`episode_advantages`) on its model tokens, the sampler's
-log-probs as the behaviour policy. Observation tokens are context, never trained on, in both
-stages. Held-out: greedy episodes' accuracy, tool-call rate, malformed-call rate and turns,
-before training, after SFT and after GRPO.
+The steps: the first `--sft-steps` of `--steps` train on `--sft-batch-size` of the
+`--num-demonstrations` demonstration episodes (a call, the tool's answer, the answer;
+without the tool, the answer) by the negative log-likelihood of their model tokens; the rest
+are GRPO: each samples `--group-size` episodes of `--batch-size` problems with
+`tunelib.rollout.run_episodes` and takes one Optax step on the clipped surrogate of
+`tunelib.losses` with each episode's group-relative outcome advantage
+(`episode_advantages`) on its model tokens, the sampler's log-probs as the behaviour policy.
+Observation tokens are context, never trained on, in both stages. Held-out: greedy
+episodes' accuracy, tool-call rate, malformed-call rate and turns, before training, after
+SFT and after GRPO.
 """
 
 import dataclasses
@@ -38,14 +39,14 @@ from kit.errors import UserError
 @dataclasses.dataclass(kw_only=True)
 class ToolUseConfig(Run, Task):
     RECIPE = "tool_use"
-    LEARNING_RATE = 1e-4
+    LEARNING_RATE = 3e-4
 
-    steps: int = flag(400, "optimizer steps: --sft-steps of SFT, then GRPO")
-    sft_steps: int = flag(200, "the first steps, SFT on the demonstrations")
+    steps: int = flag(575, "optimizer steps: --sft-steps of SFT, then GRPO")
+    sft_steps: int = flag(500, "the first steps, SFT on the demonstrations")
     sft_learning_rate: float = flag(3e-3, "peak learning rate of the SFT steps")
-    num_demonstrations: int = flag(256, "demonstration episodes (the first training problems)")
+    num_demonstrations: int = flag(1000, "demonstration episodes (the first training problems)")
     batch_size: int = flag(8, "problems per GRPO step")
-    sft_batch_size: int = flag(64, "demonstrations per SFT step")
+    sft_batch_size: int = flag(16, "demonstrations per SFT step")
     eval_every: int = flag(100, "steps between held-out evaluations")
     checkpoint_every: int = flag(100, "steps between checkpoints")
     operations: str = flag("*", "the task's operations, any of '+-*'")
