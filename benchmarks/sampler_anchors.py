@@ -19,8 +19,9 @@ The model is a Qwen3-style decoder (at the default size: 4 layers, hidden 256, 8
 key/value heads of width 32, QK-norm, SwiGLU MLP 768, vocabulary 1,024, untied head,
 float32), randomly initialised by tunelib (seed 0, its default `initializer_range` 0.02) and
 written once as a Hugging Face Qwen3 checkpoint (`save_hf_checkpoint`, safetensors) that
-every library loads: tunelib with `load_hf_checkpoint` (`scan_layers=True` as the recipes
-load a model; `--no-scan-layers` unrolls them), transformers with
+every library loads: tunelib with `load_hf_checkpoint`, its layers unrolled
+(`scan_layers=False`) as Tunix's and transformers' models run theirs (`--scan-layers` stacks
+them under one `lax.scan`, as the recipes load a model), transformers with
 `Qwen3ForCausalLM.from_pretrained`, Tunix with
 `tunix.models.qwen3.params.create_model_from_safe_tensors`. The prompts are `P` random ids
 (`--prompt`, 16) per row, none padded; each call generates `N` (`--new-tokens`, 256) tokens
@@ -106,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scan-layers",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="load tunelib's decoder with its layers under one lax.scan",
+        default=False,
+        help="load tunelib's decoder with its layers under one lax.scan (default: unrolled)",
     )
     p.add_argument("--logits-tol", type=float, default=1e-6, help="largest |logit difference|")
     p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
@@ -377,7 +378,7 @@ class Worker:
 
     def __init__(self, name: str, python: str, checkpoint: Path, scan_layers: bool):
         argv = [python, __file__, "--worker", name, "--checkpoint", str(checkpoint)]
-        argv += [] if scan_layers else ["--no-scan-layers"]
+        argv.append("--scan-layers" if scan_layers else "--no-scan-layers")
         env = dict(os.environ)
         if name != "tunelib":  # the anchors' own environment, nothing of ours on its path
             env.pop("PYTHONPATH", None)
