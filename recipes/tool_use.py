@@ -41,8 +41,8 @@ class ToolUseConfig(Run, Task):
     RECIPE = "tool_use"
     LEARNING_RATE = 3e-4
 
-    steps: int = flag(575, "optimizer steps: --sft-steps of SFT, then GRPO")
-    sft_steps: int = flag(500, "the first steps, SFT on the demonstrations")
+    steps: int = flag(660, "optimizer steps: --sft-steps of SFT, then GRPO")
+    sft_steps: int = flag(600, "the first steps, SFT on the demonstrations")
     sft_learning_rate: float = flag(3e-3, "peak learning rate of the SFT steps")
     num_demonstrations: int = flag(1000, "demonstration episodes (the first training problems)")
     batch_size: int = flag(8, "problems per GRPO step")
@@ -223,8 +223,8 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
         )  # fmt: skip
         return episode, envs
 
-    sft_rate = optax.warmup_cosine_decay_schedule(
-        0.0, config.sft_learning_rate, max(1, config.sft_steps // 20), max(1, config.sft_steps)
+    sft_rate = optax.warmup_constant_schedule(
+        0.0, config.sft_learning_rate, max(1, config.sft_steps // 20)
     )
     # SFT, then GRPO from a fresh optimizer state (of the same structure, so that one
     # checkpoint template holds either) at its own learning rate.
