@@ -192,7 +192,7 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
             raise UserError(f"--model {config.model}: its tokenizer has no chat template")
     else:
         model = models.new_model(episodes.chat_tokenizer(), config.model_size, config.seed)
-    model = models.replicated(model, placement)
+    model = models.replicated(models.with_remat(model, config.remat), placement)
     graphdef, tok = model.graphdef, model.tokenizer
     task = episodes.load_task(
         config, tok, tool=config.tool == "calculator", max_turns=config.max_turns
