@@ -8,6 +8,11 @@ against it in interpret mode on CPU:
   implementation="pallas")`, with GPU (Triton) and TPU (Mosaic) lowerings.
 - `nf4_matmul_pallas`: a matrix product with an NF4 weight decoded tile by tile (Triton
   lowering), behind `tunelib.peft` products with `NF4Tensor`s built with `matmul="pallas"`.
+
+This file is the package's `__init__`; its modules are the repository's top-level `kernels/`
+folder, which setuptools installs here. That folder has no `__init__.py`, so that from the
+repository root it is never the top-level module `kernels`, which is Hugging Face's package
+(docs/architecture.md, "The kernels folder").
 """
 
 from tunelib.kernels._fused_logps import fused_token_logps_pallas
