@@ -5,6 +5,7 @@ dependency of `transformers`; neither in the test session nor from the repositor
 import importlib.metadata
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from tests._helpers import user_env
@@ -43,3 +44,39 @@ def test_transformers_imports_from_the_repository_root():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert Path(proc.stdout.strip()).resolve() == expected, proc.stdout
+
+
+def test_the_wheel_holds_tunelib_kernels_and_no_top_level_kernels(tmp_path):
+    """A wheel (not the editable install the tests run on) puts the package's `__init__.py`
+    and the kernels folder's modules in one `tunelib/kernels/`, and nothing at the top."""
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    proc = subprocess.run(
+        [*build, "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("tunelib-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        archive.extractall(tmp_path / "site")
+    modules = {f"tunelib/kernels/{path.name}" for path in (ROOT / "kernels").glob("*.py")}
+    assert modules | {"tunelib/kernels/__init__.py"} <= names
+    assert not any(name.startswith("kernels/") for name in names)
+    code = "import tunelib.kernels as k; print(k.__file__, k.fused_token_logps_pallas.__module__)"
+    env = user_env() | {"PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path, module = proc.stdout.split()
+    assert Path(path) == tmp_path / "site" / "tunelib" / "kernels" / "__init__.py"
+    assert module == "tunelib.kernels._fused_logps"
