@@ -3,10 +3,15 @@
 dependency of `transformers`; neither in the test session nor from the repository root."""
 
 import importlib.metadata
+import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests._helpers import user_env
 from tests._hf import hf_modules
@@ -80,3 +85,35 @@ def test_the_wheel_holds_tunelib_kernels_and_no_top_level_kernels(tmp_path):
     path, module = proc.stdout.split()
     assert Path(path) == tmp_path / "site" / "tunelib" / "kernels" / "__init__.py"
     assert module == "tunelib.kernels._fused_logps"
+
+
+def locked_versions() -> dict[str, str]:
+    """requirements/test.lock's pins: normalised name -> version."""
+    text = (ROOT / "requirements" / "test.lock").read_text()
+    pins = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", text, re.M)
+    return {canonicalize_name(name): version for name, version in pins}
+
+
+def test_the_lock_satisfies_every_declared_requirement_of_the_test_extra():
+    """The lock the README's test command installs is the test extra resolved: every
+    requirement of the library and of the extras the test extra pulls in has a pin that
+    satisfies it. (`bash .ci/upstream --refresh` rewrites the lock after a change here.)"""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    requirements, pending, seen = list(project["dependencies"]), ["test"], set()
+    while pending:
+        extra = pending.pop()
+        seen.add(extra)
+        for text in extras[extra]:
+            requirement = Requirement(text)
+            if requirement.name == project["name"]:
+                pending += [e for e in requirement.extras if e not in seen]
+            else:
+                requirements.append(text)
+    locked = locked_versions()
+    assert len(requirements) > 30 and len(locked) > 100
+    for text in requirements:
+        requirement = Requirement(text)
+        version = locked.get(canonicalize_name(requirement.name))
+        assert version is not None, f"{requirement.name} is not in requirements/test.lock"
+        assert requirement.specifier.contains(version, prereleases=True), (text, version)
