@@ -1,7 +1,7 @@
 r"""The memory plan of the recipes' steps against the memory a real step takes.
 
     python benchmarks/memory_plan.py                       # sft, dpo and grpo at their defaults
-    python benchmarks/memory_plan.py --recipes sft --json-out plan.json
+    python benchmarks/memory_plan.py --recipes sft --json-out plan.json   # what the tests run
     python benchmarks/memory_plan.py --variants            # what would make a big step fit
 
 For each recipe, a worker subprocess builds the recipe's run as `--plan` does (its model,
@@ -283,7 +283,14 @@ def variants(rows: int, length: int, budget: int) -> dict:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    if not recipes:
+        parser.error("--recipes names no recipe")
+    for recipe in recipes:
+        if not (RECIPES / f"{recipe}.py").is_file():
+            parser.error(f"--recipes: no recipe {recipe!r} in {RECIPES}")
     if args.worker is not None:
         print(json.dumps(worker(args.worker, args.model)), flush=True)
         return
@@ -302,7 +309,6 @@ def main() -> None:
         if args.json_out is not None:
             args.json_out.write_text(line + "\n")
         return
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     results = []
     with tempfile.TemporaryDirectory() as folder:
         model = new_sft_model(Path(folder)) if set(recipes) - {"sft"} else None
