@@ -6,14 +6,17 @@ processes, side by side in one run.
     python benchmarks/async_grpo.py                 # ~6 min on 2 CPU cores
     python benchmarks/async_grpo.py --steps 20 --json-out result.json
     python benchmarks/async_grpo.py --accuracy --sft-steps 1000   # accuracy, 3 seeds, ~40 min
+    python benchmarks/async_grpo.py --model-size student --sft-steps 1 --steps 3 \
+        --warmup-steps 1 --batch-size 4 --group-size 2 --max-new-tokens 4   # the tests' smoke run
 
 It trains a start model with `recipes/sft.py` (one process), then runs `recipes/grpo.py`
 under `python -m tunelib.launch -n 2` (process 0 trains, process 1 samples, one device each)
 with each staleness, and reads each step's time split from the runs' `metrics.jsonl`. A
 step's time is its wall time less compilation, evaluation and checkpoints (the median over
-the steps after the first three); `rollout` on the trainer is the time it waits for a batch,
-`sync` the exchange of the batch and the weights. The weight push's bytes per second is the
-median of what the runs log.
+the steps after the first `--warmup-steps`); `rollout` on the trainer is the time it waits
+for a batch, `sync` the exchange of the batch and the weights. The weight push's bytes per
+second is the median of what the runs log, `staleness` the largest any measured step had.
+Prints a table and one JSON line (`--json-out` writes it to a file too).
 
 With `--accuracy`, each seed trains its SFT model (`--sft-steps`) and then GRPO with each
 staleness for `--accuracy-steps` steps of 32 prompts x 8 samples (held-out greedy accuracy
@@ -27,6 +30,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from kit.models import MODEL_SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCLUDED = ("compile", "eval", "checkpoint")
@@ -67,7 +73,8 @@ def accuracy(args, tmp: Path) -> dict:
         sft = tmp / f"sft-{seed}"
         _run([
             sys.executable, str(ROOT / "recipes/sft.py"), "--seed", str(seed), "--steps",
-            str(args.sft_steps), "--no-progress", "--devices", "1", "--out", str(sft),
+            str(args.sft_steps), "--model-size", args.model_size, "--no-progress", "--devices",
+            "1", "--out", str(sft),
         ])  # fmt: skip
         for staleness in (0, 1):
             run = tmp / f"grpo-{seed}-s{staleness}"
@@ -85,9 +92,16 @@ def accuracy(args, tmp: Path) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument(
+        "--warmup-steps", type=int, default=3, help="first steps left out of the medians"
+    )
+    parser.add_argument(
+        "--model-size", choices=sorted(MODEL_SIZES), default="base",
+        help="the recipes' model that SFT trains first",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -100,7 +114,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--accuracy-steps", type=int, default=60)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not 0 <= args.warmup_steps < args.steps:
+        parser.error(f"--warmup-steps must lie in [0, --steps), got {args.warmup_steps}")
     if args.accuracy:
         with tempfile.TemporaryDirectory() as tmp:
             results = accuracy(args, Path(tmp))
@@ -110,7 +126,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sft = Path(tmp) / "sft"
         _run([sys.executable, str(ROOT / "recipes/sft.py"), "--steps", str(args.sft_steps),
-              "--no-progress", "--devices", "1", "--out", str(sft)])  # fmt: skip
+              "--model-size", args.model_size, "--no-progress", "--devices", "1",
+              "--out", str(sft)])  # fmt: skip
         results = {}
         runs = {
             "staleness_0": (0, "auto"),
@@ -131,7 +148,7 @@ def main() -> None:
                 "--max-staleness", str(staleness), "--is-correction", correction,
                 "--out", str(out),
             ])  # fmt: skip
-            results[name] = step_times(out, skip=3)
+            results[name] = step_times(out, skip=args.warmup_steps)
     for name in ("staleness_1", "staleness_1_no_is"):
         results[f"speedup_{name}"] = results["staleness_0"]["step"] / results[name]["step"]
     print(f"{'':<18}{'s/step':>9}{'rollout':>9}{'train':>9}{'logprobs':>9}{'sync':>9}{'MB/s':>9}")
@@ -142,8 +159,10 @@ def main() -> None:
               f"{r['weight_push_mb_per_s']:>9.2f}")  # fmt: skip
     for name in ("staleness_1", "staleness_1_no_is"):
         print(f"{name} / staleness_0 speed: {results[f'speedup_{name}']:.2f}x")
+    line = json.dumps({"benchmark": "async_grpo", **results})
+    print(line)
     if args.json_out:
-        args.json_out.write_text(json.dumps(results, indent=2))
+        args.json_out.write_text(line + "\n")
 
 
 if __name__ == "__main__":
