@@ -74,3 +74,12 @@ def pytest_unconfigure(config):
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
         del os.environ[_CACHE_VARIABLE]
+
+
+def pytest_collection_modifyitems(items):
+    """The long end-to-end runs (marked `slow`) first, the rest in their usual order.
+
+    pytest-xdist's two workers then start on the runs of a minute or more and fill in with
+    the short tests, instead of one worker finishing a recipe run alone at the end while the
+    other waits. The order changes when a test runs, never what it checks."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
