@@ -16,13 +16,14 @@ decoder (`tunelib.models.Decoder`) and the fused log-prob head:
 - ``qlora``: the NF4 base through `tunelib.peft.lora`: each layer's product dequantises under
   a custom VJP that saves only the codes.
 
-The parent process only orchestrates; each variant runs in a fresh worker subprocess
-(`--variant X --size S --json-out FILE`). First the loss and adapter gradients of
-every LoRA variant and of its naive twin are compared with a float64 reference on the same
-inputs (the merged weights formed in float64, the model run in float64): the loss's relative
-error and the gradients' $\max|g - g_{ref}| / \max|g_{ref}|$ over all adapters. A variant
-passes when its error is at most twice its naive twin's plus `TOLERANCE` (float32 rounding
-alone reaches about 1e-3 of the largest entry at the `cpu` size). Then each variant is measured:
+The parent process only orchestrates; each variant is measured in a fresh worker subprocess
+(`--variant X --size S --json-out FILE`). First the loss and adapter gradients of every LoRA
+variant and of its naive twin (one worker, `--check`) are compared with a float64 reference
+on the same inputs (one more worker, `--check --float64`: the merged weights formed in
+float64, the model run in float64): the loss's relative error and the gradients'
+$\max|g - g_{ref}| / \max|g_{ref}|$ over all adapters. A variant passes when its error is at
+most twice its naive twin's plus `TOLERANCE` (float32 rounding alone reaches about 1e-3 of the
+largest entry at the `cpu` size). Then each variant is measured:
 `memory_analysis()` of the compiled step (temporary, argument and output bytes), the bytes of
 its stored parameters and of its optimizer state (counted from the arrays), the worker's peak
 RSS, and the median wall time of `--repeats` steps after a warm-up (sizes that `run` only).
@@ -101,9 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed steps after one warm-up")
     p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
     worker = p.add_argument_group("worker mode (started by the parent)")
-    worker.add_argument("--variant", choices=VARIANTS, default=None)
-    worker.add_argument("--check", action="store_true", help="loss and gradients, no timing")
-    worker.add_argument("--float64", action="store_true", help="with --check: the reference")
+    worker.add_argument("--variant", choices=VARIANTS, default=None, help="measure it")
+    worker.add_argument(
+        "--check", action="store_true", help="every LoRA variant's loss and gradients, no timing"
+    )
+    worker.add_argument(
+        "--float64", action="store_true", help="with --check: the references, in float64"
+    )
     return p
 
 
@@ -275,9 +280,13 @@ def bits(size: Size) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
+    """Measure `--variant`; or, with `--check`, the loss and gradients of each variant that is
+    checked, one after the other (compared, not measured: they share a process), or with
+    `--float64` the reference of each LoRA variant's inputs."""
     size = SIZES[args.size]
     if args.check:
-        result = check(size, args.variant, args.rank, float64=args.float64)
+        names = NAIVE_TWIN if args.float64 else [*NAIVE_TWIN, *NAIVE_TWIN.values()]
+        result = {name: check(size, name, args.rank, float64=args.float64) for name in names}
     else:
         result = measure(size, args.variant, args.rank, args.repeats)
         if args.variant == "qlora":
@@ -289,15 +298,16 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_worker(
-    args: argparse.Namespace, variant: str, folder: Path, check: bool, float64: bool = False
+    args: argparse.Namespace, variant: str | None, folder: Path, float64: bool = False
 ) -> dict:
-    mode = "reference" if float64 else "check" if check else "measure"
-    out = folder / f"{variant}-{mode}.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--variant", variant]
+    """Measure `variant`, or (None) check every LoRA variant, or compute their references."""
+    mode = "measure" if variant else "reference" if float64 else "check"
+    out = folder / f"{variant or 'all'}-{mode}.json"
+    command = [sys.executable, str(Path(__file__).resolve())]
+    command += ["--variant", variant] if variant else ["--check"]
     command += ["--size", args.size, "--rank", str(args.rank), "--repeats", str(args.repeats)]
-    command += ["--json-out", str(out)] + (["--check"] if check else [])
-    command += ["--float64"] if float64 else []
-    print(f"[{variant}] {mode} ...", file=sys.stderr, flush=True)
+    command += ["--json-out", str(out)] + (["--float64"] if float64 else [])
+    print(f"[{variant or 'LoRA variants'}] {mode} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(command, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
@@ -406,7 +416,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.variant is not None:
+    if args.variant is not None or args.check:
         if args.json_out is None:
             raise SystemExit("worker mode needs --json-out.")
         worker(args)
@@ -416,13 +426,18 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         errors = {}
         if size.run:
+            references = run_worker(args, None, folder, float64=True)
+            checks = run_worker(args, None, folder)
+            for worker_result in (references, checks):
+                if "failed" in worker_result:
+                    print(f"check failed:\n{worker_result['failed']}", file=sys.stderr)
+            failed = "failed" in references or "failed" in checks
             for ours, naive in NAIVE_TWIN.items():
-                ref = run_worker(args, ours, folder, True, float64=True)
                 for name in (ours, naive):
-                    result = run_worker(args, name, folder, True)
-                    failed = "failed" in result or "failed" in ref
-                    errors[name] = None if failed else relative_error(result, ref)
-        variants = {name: run_worker(args, name, folder, False) for name in VARIANTS}
+                    errors[name] = (
+                        None if failed else relative_error(checks[name], references[ours])
+                    )
+        variants = {name: run_worker(args, name, folder) for name in VARIANTS}
     result = summarise(args, variants, errors)
     print(table(result))
     line = json.dumps({k: v for k, v in result.items()})

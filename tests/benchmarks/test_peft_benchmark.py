@@ -1,37 +1,59 @@
-"""`benchmarks/peft.py` at its smoke size, its workers run in this process."""
+"""`benchmarks/peft.py` end to end at its smoke size, as a user runs it: the check and
+reference workers, a measuring worker per variant, the table and the JSON line."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests._helpers import load_script
+from tests._helpers import user_env
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peft.py"
 
 
 @pytest.mark.slow
-def test_smoke_size_measures_what_it_says():
-    bench = load_script(SCRIPT, "peft_benchmark")
-    size = bench.SIZES["smoke"]
-    full, qlora = (bench.measure(size, v, 4, repeats=1) for v in ("full", "qlora"))
-    config = size.config
+def test_smoke_size_end_to_end(tmp_path):
+    written = tmp_path / "result.json"
+    command = [sys.executable, str(SCRIPT), "--size", "smoke", "--rank", "4", "--repeats", "1"]
+    proc = subprocess.run(
+        [*command, "--json-out", str(written)],
+        capture_output=True, text=True, timeout=600, env=user_env(), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == json.loads(written.read_text())
+    assert (result["size"], result["rank"]) == ("smoke", 4)
+
+    # The check ran before the measurements: every LoRA variant and its naive twin against the
+    # float64 reference, within float32 rounding (and not equal to it: something was compared).
+    assert result["correct"] is True
+    assert set(result["errors"]) == {"lora", "lora_merged", "qlora", "qlora_dequantized"}
+    assert all(0 < error < 1e-5 for error in result["errors"].values())
+
+    variants = result["variants"]
+    assert list(variants) == ["full", "lora_merged", "lora", "qlora_dequantized", "qlora"]
+    full, qlora = variants["full"], variants["qlora"]
     # The full fine-tune trains every weight: AdamW keeps two float32 moments of each.
     assert full["trainable_params"] == full["stored_param_bytes"] // 4
     assert full["optimizer_bytes"] >= 8 * full["trainable_params"]
     # Rank 4 on 7 projections a layer: r (d_in + d_out) each.
+    config = result["config"]
     h, f, kv = config["hidden_size"], config["intermediate_size"], 2 * config["head_dim"]
     per_layer = 4 * (2 * (h + h) + 2 * (h + kv) + 3 * (h + f))
-    assert qlora["trainable_params"] == config["num_hidden_layers"] * per_layer
+    for name in ("lora_merged", "lora", "qlora_dequantized", "qlora"):
+        assert variants[name]["trainable_params"] == config["num_hidden_layers"] * per_layer
     assert qlora["optimizer_bytes"] < full["optimizer_bytes"] / 4
     assert qlora["stored_param_bytes"] < full["stored_param_bytes"]
     assert 0 < qlora["total_bytes"] < full["total_bytes"]
-    bits = bench.bits(size)
+    bits = result["bits"]
     assert bits["nf4_all_bits"] < bits["nf4_projections_bits"] < 16
     assert bits["bf16_over_nf4_all"] == pytest.approx(16 / bits["nf4_all_bits"])
-    for record in (full, qlora):
-        assert record["median_ms"] > 0 and record["temp_bytes"] > 0
-
-    ours, naive = bench.check(size, "lora", 4), bench.check(size, "lora_merged", 4)
-    assert bench.relative_error(ours, naive) < 1e-5
-    assert not np.allclose(ours["grads"][0], 0.0)  # the check compares something
+    for record in variants.values():
+        assert len(record["runs_ms"]) == 1 and record["median_ms"] > 0
+        assert record["temp_bytes"] > 0 and record["peak_rss_bytes"] > 0
+    assert result["lora_time_over_full"] == pytest.approx(
+        variants["lora"]["median_ms"] / full["median_ms"]
+    )
+    assert "correct (at most 2 x the naive error + 1e-05): True" in proc.stdout
