@@ -18,6 +18,7 @@ def bench():
     return load_script(SCRIPT, "sampler_anchors_benchmark")
 
 
+@pytest.mark.slow
 def test_smoke_size_without_anchors_times_tunelib_alone(bench, tmp_path, capsys):
     out = tmp_path / "result.json"
     missing = tmp_path / "no-such-python"

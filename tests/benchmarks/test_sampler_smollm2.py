@@ -25,6 +25,7 @@ def bench():
     return load_script(SCRIPT, "sampler_smollm2_benchmark")
 
 
+@pytest.mark.slow
 def test_smallest_settings_check_the_tokens_then_time_both_sides(bench, tmp_path, capsys):
     hf_modules()
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf", bench.MESSAGES)
