@@ -6,13 +6,17 @@ def adamw(config, *, schedule: str = "cosine", warmup: float = 0.05, weight_deca
     `warmup` of `config.steps`, then `"cosine"` decay to 0 or `"constant"`."""
     import optax
 
-    warmup_steps = max(1, int(config.steps * warmup))
+    # At least one warmup step, but never all of them: a 1-step run has no warmup (optax's
+    # cosine schedule needs a step to decay over).
+    warmup_steps = min(max(1, int(config.steps * warmup)), max(config.steps - 1, 0))
     if schedule == "cosine":
         rate = optax.warmup_cosine_decay_schedule(
             0.0, config.learning_rate, warmup_steps=warmup_steps, decay_steps=config.steps
         )
-    else:
+    elif warmup_steps:
         rate = optax.warmup_constant_schedule(0.0, config.learning_rate, warmup_steps)
+    else:  # optax's warmup over 0 steps stays at its initial value, 0
+        rate = optax.constant_schedule(config.learning_rate)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=weight_decay))
 
 

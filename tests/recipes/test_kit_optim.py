@@ -1,0 +1,26 @@
+"""The recipes' optimizer: a warmup that leaves a step to decay over, at any run length."""
+
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tests.recipes._scripts  # noqa: F401 (puts recipes/ on the path)
+
+from kit import optim
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+@pytest.mark.parametrize("steps", [1, 2, 40])
+def test_every_run_length_takes_a_finite_step(steps, schedule):
+    """`--steps 1` once failed: one warmup step left the cosine schedule nothing to decay."""
+    optimizer = optim.adamw(SimpleNamespace(steps=steps, learning_rate=0.1), schedule=schedule)
+    params = {"w": jnp.ones(3)}
+    state = optimizer.init(params)
+    moved = []
+    for _ in range(steps):
+        updates, state = optimizer.update({"w": jnp.ones(3)}, state, params)
+        assert np.all(np.isfinite(updates["w"]))
+        moved.append(bool(np.all(updates["w"] < 0)))
+    assert moved[-1]  # the last step moves the weights (a 1-step run learns too)
