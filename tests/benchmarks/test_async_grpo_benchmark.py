@@ -7,16 +7,10 @@ It starts seven JAX processes, so it takes minutes on a loaded machine, not seco
 recipe runs share the session's compilation cache: the benchmark leaves compilation out of
 its step times, so the cache changes how long the test takes, not what it reports."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests._helpers import user_env
+from tests.benchmarks._run import refusal, run_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "async_grpo.py"
 SMOKE = [
     "--model-size", "student", "--sft-steps", "2", "--steps", "3", "--warmup-steps", "1",
     "--batch-size", "4", "--group-size", "2", "--max-new-tokens", "4",
@@ -26,15 +20,9 @@ RUNS = ("staleness_0", "staleness_1", "staleness_1_no_is")
 
 @pytest.mark.slow
 def test_smallest_settings_end_to_end(tmp_path):
-    written = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *SMOKE, "--json-out", str(written)],
-        capture_output=True, text=True, timeout=900, env=user_env(compilation_cache=True),
-        check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == json.loads(written.read_text())
+    result, output = run_benchmark(
+        "async_grpo.py", *SMOKE, out=tmp_path, timeout=900, compilation_cache=True
+    )
     assert result["benchmark"] == "async_grpo"
     # Each run trained as its flags say: staleness 0 takes turns; staleness 1 trains on the
     # batch sampled before the last weight push, and recomputes its log-probs only with the
@@ -50,17 +38,9 @@ def test_smallest_settings_end_to_end(tmp_path):
     for name in ("staleness_1", "staleness_1_no_is"):
         ratio = result["staleness_0"]["step"] / result[name]["step"]
         assert result[f"speedup_{name}"] == pytest.approx(ratio)
-    assert "staleness_1 / staleness_0 speed:" in proc.stdout
+    assert "staleness_1 / staleness_0 speed:" in output
 
 
 def test_warmup_steps_must_leave_a_step_to_measure():
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--steps", "3", "--warmup-steps", "3"],
-        capture_output=True, text=True, timeout=60, env=user_env(), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert (
-        proc.stderr.strip()
-        .splitlines()[-1]
-        .endswith("--warmup-steps must lie in [0, --steps), got 3")
-    )
+    line = refusal("async_grpo.py", "--steps", "3", "--warmup-steps", "3")
+    assert line.endswith("--warmup-steps must lie in [0, --steps), got 3")

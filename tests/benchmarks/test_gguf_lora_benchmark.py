@@ -3,32 +3,20 @@ test writes (`--model`): the real SmolLM2 file takes minutes; the tiny one runs 
 whole path (the check worker, a measuring worker per variant, the table and the JSON line) in
 seconds."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests._gguf import TOKENIZER_SIZE, write_tiny_gguf
-from tests._helpers import user_env
+from tests.benchmarks._run import refusal, run_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gguf_lora.py"
 TEXTS = tuple(f"What is {a} + {b}? {a + b}" for a in range(0, 100, 7) for b in range(9))
 
 
 @pytest.mark.slow
 def test_smallest_settings_end_to_end(tmp_path):
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf", TEXTS, dtype="Q8_0")
-    written = tmp_path / "result.json"
-    command = [sys.executable, str(SCRIPT), "--model", str(tiny), "--rank", "2", "--batch", "2"]
-    command += ["--tokens", "16", "--prompt", "4", "--repeats", "1", "--json-out", str(written)]
-    proc = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env=user_env(), check=False
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == json.loads(written.read_text())
+    flags = ["--model", str(tiny), "--rank", "2", "--batch", "2"]
+    flags += ["--tokens", "16", "--prompt", "4", "--repeats", "1"]
+    result, output = run_benchmark("gguf_lora.py", *flags, out=tmp_path)
     # The check ran: the blocks' loss and adapter gradients equal the float32 base's.
     assert result["correct"] is True and 0 <= result["error"] <= 1e-4
     assert (result["rank"], result["batch"], result["tokens"]) == (2, 2, 16)
@@ -58,7 +46,7 @@ def test_smallest_settings_end_to_end(tmp_path):
     assert result["blocks_over_float32_time"] == pytest.approx(
         blocks["median_ms"] / dense["median_ms"]
     )
-    assert "correct (at most 0.0001): True" in proc.stdout
+    assert "correct (at most 0.0001): True" in output
 
 
 @pytest.mark.parametrize(
@@ -70,9 +58,4 @@ def test_smallest_settings_end_to_end(tmp_path):
     ],
 )
 def test_bad_flags_end_in_one_line(argv, message):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv],
-        capture_output=True, text=True, timeout=60, env=user_env(), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].endswith(message)
+    assert refusal("gguf_lora.py", *argv).endswith(message)

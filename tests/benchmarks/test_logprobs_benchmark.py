@@ -8,29 +8,18 @@ from pathlib import Path
 import pytest
 
 from tests._helpers import load_script, user_env
+from tests.benchmarks._run import run_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "logprobs.py"
 
 
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
-    written = tmp_path / "result.json"
     # The library's default tile (about 2^22 logits) covers all of this small problem's
     # vocabulary, so a smaller tile is asked for to see the chunking at work.
-    command = [sys.executable, str(SCRIPT), "--size", "smoke", "--repeats", "2"]
-    command += ["--chunk-size", "1024"]
-    proc = subprocess.run(
-        [*command, "--json-out", str(written)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=user_env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1])
-    assert result == json.loads(written.read_text())
+    flags = ["--size", "smoke", "--repeats", "2", "--chunk-size", "1024"]
+    result, output = run_benchmark("logprobs.py", *flags, out=tmp_path)
+    lines = output.strip().splitlines()
     assert (result["size"], result["n"], result["h"], result["v"]) == ("smoke", 128, 64, 10_000)
     assert result["correct"] is True
     assert result["check_rows"] == 128  # the float64 reference covers every row here

@@ -4,28 +4,14 @@ plans the recipe's step as `--plan` does, then measures a real step's peak memor
 The DPO and GRPO rows take a minute each (their set-up decodes, GRPO compiles a sampler too),
 and `--variants` compiles a SmolLM2-sized step eight times; neither is run here."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests._helpers import user_env
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_plan.py"
+from tests.benchmarks._run import refusal, run_benchmark
 
 
 @pytest.mark.slow
 def test_sft_plan_against_its_measured_step(tmp_path):
-    written = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--recipes", "sft", "--json-out", str(written)],
-        capture_output=True, text=True, timeout=600, env=user_env(), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == json.loads(written.read_text())
+    result, output = run_benchmark("memory_plan.py", "--recipes", "sft", out=tmp_path)
     (sft,) = result["results"]
     assert (sft["recipe"], sft["batch_size"], list(sft["parts"])) == ("sft", 64, ["step"])
     assert sft["devices"] == 1 and sft["plan_seconds"] > 0
@@ -39,7 +25,7 @@ def test_sft_plan_against_its_measured_step(tmp_path):
     assert abs(sft["error"]) < 0.1
     # The first step also holds the compiler's memory.
     assert sft["measured_first_step_bytes"] > sft["measured_step_bytes"]
-    assert "| sft | 64 | step |" in proc.stdout
+    assert "| sft | 64 | step |" in output
 
 
 @pytest.mark.parametrize(
@@ -50,9 +36,4 @@ def test_sft_plan_against_its_measured_step(tmp_path):
     ],
 )
 def test_bad_recipes_end_in_one_line(argv, message):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv],
-        capture_output=True, text=True, timeout=60, env=user_env(), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert message in proc.stderr.strip().splitlines()[-1]
+    assert message in refusal("memory_plan.py", *argv)

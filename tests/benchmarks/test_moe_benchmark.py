@@ -1,28 +1,14 @@
 """`benchmarks/moe.py` end to end at its smoke size, as a user runs it."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests._helpers import user_env
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "moe.py"
+from tests.benchmarks._run import run_benchmark
 
 
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
-    written = tmp_path / "result.json"
-    command = [sys.executable, str(SCRIPT), "--size", "smoke", "--rounds", "1", "--repeats", "2"]
-    proc = subprocess.run(
-        [*command, "--json-out", str(written)],
-        capture_output=True, text=True, timeout=300, env=user_env(), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == json.loads(written.read_text())
+    flags = ["--size", "smoke", "--rounds", "1", "--repeats", "2"]
+    result, _ = run_benchmark("moe.py", *flags, out=tmp_path)
     assert (result["tokens"], result["experts"], result["top_k"]) == (64, 4, 2)
     assert result["correct"] is True
     assert 0 < max(result["errors_vs_naive"].values()) < 1e-5

@@ -1,29 +1,15 @@
 """`benchmarks/peft.py` end to end at its smoke size, as a user runs it: the check and
 reference workers, a measuring worker per variant, the table and the JSON line."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests._helpers import user_env
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peft.py"
+from tests.benchmarks._run import run_benchmark
 
 
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
-    written = tmp_path / "result.json"
-    command = [sys.executable, str(SCRIPT), "--size", "smoke", "--rank", "4", "--repeats", "1"]
-    proc = subprocess.run(
-        [*command, "--json-out", str(written)],
-        capture_output=True, text=True, timeout=600, env=user_env(), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == json.loads(written.read_text())
+    flags = ["--size", "smoke", "--rank", "4", "--repeats", "1"]
+    result, output = run_benchmark("peft.py", *flags, out=tmp_path)
     assert (result["size"], result["rank"]) == ("smoke", 4)
 
     # The check ran before the measurements: every LoRA variant and its naive twin against the
@@ -56,4 +42,4 @@ def test_smoke_size_end_to_end(tmp_path):
     assert result["lora_time_over_full"] == pytest.approx(
         variants["lora"]["median_ms"] / full["median_ms"]
     )
-    assert "correct (at most 2 x the naive error + 1e-05): True" in proc.stdout
+    assert "correct (at most 2 x the naive error + 1e-05): True" in output

@@ -1,34 +1,20 @@
 """`benchmarks/sampler.py` end to end at its smoke size, as a user runs it, and its check."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests._helpers import load_script, user_env
+from tests._helpers import load_script
+from tests.benchmarks._run import run_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler.py"
 
 
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
-    written = tmp_path / "result.json"
-    command = [sys.executable, str(SCRIPT), "--size", "smoke", "--repeats", "1"]
-    proc = subprocess.run(
-        [*command, "--json-out", str(written)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=user_env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1])
-    assert result == json.loads(written.read_text())
+    result, output = run_benchmark("sampler.py", "--size", "smoke", "--repeats", "1", out=tmp_path)
+    lines = output.strip().splitlines()
     assert result["correct"] is True and result["reason"] is None
     case = result["case"]
     assert (case["layers"], case["hidden"], case["new_tokens"], case["batch"]) == (2, 32, 16, 8)
@@ -63,7 +49,7 @@ def test_smoke_size_end_to_end(tmp_path):
     by_round = result["by_round"]
     assert by_round["speedup_vs_no_cache"] == list(seconds("no_cache") / seconds("greedy"))
     assert by_round["topp_cost_vs_greedy"] == list(seconds("top_p") / seconds("greedy"))
-    assert "per round" in proc.stdout
+    assert "per round" in output
 
     # The batch table: greedy and no_cache at every batch, the speedup at each.
     assert [row["batch"] for row in result["batch_table"]] == [1, batch]
