@@ -1,14 +1,17 @@
 """`completion_logps`: the log-probs of completions after their prompts, under any params."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
-from tests.rollout.test_sampler import full_logits, make_model
+from tests.rollout.test_sampler import CONFIG, full_logits, make_model
 from tunelib import peft
-from tunelib.models import PROJECTION_KERNELS
+from tunelib.models import PROJECTION_KERNELS, Decoder
 from tunelib.rollout import SamplingConfig, completion_logps, sample
 
 # Left-padded prompts of 3, 5 and 1 real tokens, and a right-padded one.
@@ -28,6 +31,18 @@ score = jax.jit(
 @pytest.fixture(scope="module")
 def model():
     return make_model(seed=2)
+
+
+@pytest.fixture(scope="module")
+def model64(model):
+    """`model`'s weights in a float64 decoder (use under `jax.enable_x64`). Two computations
+    claimed to be one function are compared on it: in float32 they sum in different orders,
+    and differ by a rounding whose size depends on the CPU."""
+    _, params = model
+    config = dataclasses.replace(CONFIG, dtype="float64", param_dtype="float64")
+    with jax.enable_x64(True):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+        return graphdef, jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
 
 
 def naive(graphdef, params, prompts, prompt_where, tokens, where, temperature):
@@ -50,32 +65,65 @@ def naive(graphdef, params, prompts, prompt_where, tokens, where, temperature):
     return out, entropy
 
 
-def test_equals_the_full_logits_for_prompts_padded_either_side(model):
-    graphdef, params = model
-    logps, entropy = score(
-        graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE, temperature=0.7, with_entropy=True
-    )
-    want, want_entropy = naive(graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE, 0.7)
-    assert logps.dtype == jnp.float32 and logps.shape == TOKENS.shape
-    assert_close(logps, want, rtol=1e-5, atol=1e-5)
-    assert_close(entropy, want_entropy, rtol=1e-5, atol=1e-5)
+def test_equals_the_full_logits_for_prompts_padded_either_side(model64):
+    graphdef, params = model64
+    with jax.enable_x64(True):
+        logps, entropy = score(
+            graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE, temperature=0.7,
+            with_entropy=True,
+        )  # fmt: skip
+        want, want_entropy = naive(graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE, 0.7)
+    assert logps.dtype == jnp.float64 and logps.shape == TOKENS.shape
+    assert_close(logps, want, rtol=1e-12, atol=1e-12)
+    assert_close(entropy, want_entropy, rtol=1e-12, atol=1e-12)
     # Masked positions are exactly 0; the peaked model makes the values far from uniform.
     assert np.all(np.asarray(logps)[~WHERE] == 0) and np.all(np.asarray(entropy)[~WHERE] == 0)
     assert np.ptp(want[WHERE]) > 1.0
 
 
-def test_recomputes_the_samplers_logps_of_a_group(model):
+def assert_within_float32_rounding(got, float32, exact):
+    """Each leaf of `got` is within 4 R max|exact| of the leaf of `exact`, for R float32's
+    relative rounding: the largest distance of a leaf of `float32` from `exact`, relative to
+    that leaf's largest entry (and at least float32's epsilon).
+
+    For two float32 computations of one function (`float32`, and `exact` its float64 twin on
+    the same weights) that sum in different orders: each rounds by about as much, how much
+    depends on the CPU, and R pools it over every leaf (a small leaf's own maximum is a noisy
+    estimate of it)."""
+    leaves = [
+        (np.asarray(g, np.float64), np.asarray(f, np.float64), np.asarray(e, np.float64))
+        for g, f, e in zip(jax.tree.leaves(got), jax.tree.leaves(float32),
+                           jax.tree.leaves(exact), strict=True)
+    ]  # fmt: skip
+    relative = np.finfo(np.float32).eps
+    for _, f, e in leaves:
+        relative = max(relative, np.abs(f - e).max() / max(np.abs(e).max(), 1e-30))
+    assert relative < 1e-4  # float32's rounding, not a bug's
+    for g, _, e in leaves:
+        assert_close(g, e, rtol=0, atol=4 * relative * np.abs(e).max())
+
+
+def test_recomputes_the_samplers_logps_of_a_group(model, model64):
+    """The sampler's float32 log-probs are `completion_logps`'. The two sum in different
+    orders, so they agree to float32 rounding: the sampler's are held within 4x
+    `completion_logps`' distance from the same weights in float64. (The sampler does not run
+    in float64: under x64 its cache index and slice starts mix int32 and int64.)"""
     graphdef, params = model
     config = SamplingConfig(max_new_tokens=5, temperature=0.7, top_k=6, stop_tokens=(2,))
     out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(3), config, group_size=2)
     logps = score(graphdef, params, PROMPTS, PROMPT_WHERE, out.tokens, out.where, temperature=0.7)
-    assert_close(logps, out.logps, rtol=1e-5, atol=1e-5)
+    repeated = np.repeat(PROMPTS, 2, 0), np.repeat(PROMPT_WHERE, 2, 0)
+    with jax.enable_x64(True):
+        exact = score(*model64, *repeated, out.tokens, out.where, temperature=0.7)
+    assert logps.dtype == jnp.float32 and exact.dtype == jnp.float64
+    assert_within_float32_rounding(out.logps, logps, exact)
     assert not np.asarray(out.where).all()  # some completions stopped early
 
 
 def test_integer_masks_jit_and_no_recompilation(model):
     graphdef, params = model
     expected = score(graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE, temperature=0.7)
+    assert expected.dtype == jnp.float32 and expected.shape == TOKENS.shape
 
     def fn(params, tokens, where, temperature):
         return completion_logps(
@@ -96,12 +144,12 @@ def test_integer_masks_jit_and_no_recompilation(model):
     assert_traced_once(fn, calls)
 
 
-def test_under_lora_equals_the_merged_weights(model):
-    graphdef, params = model
+def test_under_lora_equals_the_merged_weights(model64):
+    """In float64: x W + s (x A) B and x (W + s A B) agree to rounding there, while in float32
+    their orders of summation differ by a CPU-dependent rounding."""
+    graphdef, params = model64
     rules = [peft.LoraRule(pattern=PROJECTION_KERNELS, rank=2)]
-    adapters = peft.init_lora(params, rules, key=jax.random.key(0))
     rng = np.random.default_rng(1)
-    adapters = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape)), adapters)
 
     def loss(adapters, adapted):
         if adapted:
@@ -113,15 +161,20 @@ def test_under_lora_equals_the_merged_weights(model):
             logps = completion_logps(graphdef, merged, PROMPTS, PROMPT_WHERE, TOKENS, WHERE)
         return -logps.sum(), logps
 
-    run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-    (value, logps), grads = run(adapters, True)
-    (merged_value, merged_logps), merged_grads = run(adapters, False)
-    assert_close(logps, merged_logps, rtol=1e-5, atol=1e-5)
-    assert_close(value, merged_value, rtol=1e-5)
+    with jax.enable_x64(True):
+        adapters = peft.init_lora(params, rules, key=jax.random.key(0))
+        adapters = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape)), adapters)
+        run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+        (value, logps), grads = run(adapters, True)
+        (merged_value, merged_logps), merged_grads = run(adapters, False)
+        base = score(graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE)
+    assert logps.dtype == jnp.float64
+    assert_close(logps, merged_logps, rtol=1e-12, atol=1e-12)
+    assert_close(value, merged_value, rtol=1e-12)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(merged_grads), strict=True):
-        assert_close(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
-    assert float(np.abs(np.asarray(logps) - np.asarray(score(
-        graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE))).max()) > 1e-2  # fmt: skip
+        assert a.dtype == jnp.float64
+        assert_close(a, b, rtol=1e-10, atol=1e-12 * float(np.abs(b).max()))
+    assert float(np.abs(np.asarray(logps) - np.asarray(base)).max()) > 1e-2
 
 
 def test_errors_name_the_argument(model):
@@ -140,40 +193,46 @@ def test_errors_name_the_argument(model):
             completion_logps(*args, TOKENS, WHERE, implementation="fast")
 
 
-def test_shared_prompts_equal_the_concatenated_pass_in_values_and_gradients(model):
+def test_shared_prompts_equal_the_concatenated_pass_in_values_and_gradients(model, model64):
     """G = 3 completions per prompt: each prompt run once into a KV cache gives the log-probs,
     entropies and parameter gradients of one pass over every prompt and completion
-    concatenated (and the float64 reference's values), for fewer FLOPs."""
-    graphdef, params = model
+    concatenated (and the float64 reference's values), for fewer FLOPs. The two passes sum
+    in different orders, so in float32 they agree to a rounding whose size depends on the CPU
+    (on this one an entropy moved by 0.9 of a fixed 1e-5): the shared pass is held within 4x
+    the concatenated pass's distance from float64. (Sharing prompts does not run in float64:
+    under x64 the cache's index and slice starts mix int32 and int64.)"""
     group, rng = 3, np.random.default_rng(4)
     tokens = rng.integers(0, 24, (len(PROMPTS) * group, 4))
     where = np.cumprod(rng.random(tokens.shape) < 0.8, axis=1).astype(bool)
     where[:, 0] = True
     weights = rng.standard_normal(tokens.shape)
 
-    def loss(params, share):
+    # `weights` is an argument: a NumPy constant that the jitted function closed over would
+    # keep the dtype of its first trace (float32) in the float64 one.
+    def loss(graphdef, params, share, weights):
         logps, entropy = completion_logps(
             graphdef, params, PROMPTS, PROMPT_WHERE, tokens, where, temperature=0.7,
             with_entropy=True, share_prompts=share,
         )  # fmt: skip
         return (weights * logps).sum() + 0.1 * entropy.sum(), (logps, entropy)
 
-    run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-    (shared_value, (logps, entropy)), grads = run(params, True)
-    (full_value, (full_logps, full_entropy)), full_grads = run(params, False)
-    repeated = np.repeat(PROMPTS, group, 0), np.repeat(PROMPT_WHERE, group, 0)
-    want, want_entropy = naive(graphdef, params, *repeated, tokens, where, 0.7)
-    assert_close(logps, want, rtol=1e-5, atol=1e-5)
-    assert_close(entropy, want_entropy, rtol=1e-5, atol=1e-5)
-    assert_close(logps, full_logps, rtol=1e-5, atol=1e-5)
-    assert_close(entropy, full_entropy, rtol=1e-5, atol=1e-5)
-    assert_close(shared_value, full_value, rtol=1e-5)
-    assert np.all(np.asarray(logps)[~where] == 0) and not where.all()
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(full_grads), strict=True):
-        assert_close(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
+    run = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=(0, 2))
+    shared, full = run(*model, True, weights), run(*model, False, weights)
+    with jax.enable_x64(True):
+        exact = run(*model64, False, weights)
+        repeated = np.repeat(PROMPTS, group, 0), np.repeat(PROMPT_WHERE, group, 0)
+        want, want_entropy = naive(*model64, *repeated, tokens, where, 0.7)
+    (_, (exact_logps, exact_entropy)), _ = exact
+    assert exact_logps.dtype == jnp.float64
+    assert_close(exact_logps, want, rtol=1e-12, atol=1e-12)
+    assert_close(exact_entropy, want_entropy, rtol=1e-12, atol=1e-12)
+    assert {x.dtype for x in jax.tree.leaves((shared, full))} == {jnp.dtype(jnp.float32)}
+    assert_within_float32_rounding(shared, full, exact)
+    logps = np.asarray(shared[0][1][0])
+    assert np.all(logps[~where] == 0) and not where.all()
 
     def flops(share):
-        compiled = jax.jit(loss, static_argnums=1).lower(params, share).compile()
+        compiled = jax.jit(loss, static_argnums=(0, 2)).lower(*model, share, weights).compile()
         analysis = compiled.cost_analysis()
         return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 
