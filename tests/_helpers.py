@@ -79,6 +79,28 @@ def assert_close(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-6) ->
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol, atol=atol)
 
 
+def assert_within_float32_rounding(got, float32, exact):
+    """Each leaf of `got` is within 4 R max|exact| of the leaf of `exact`, for R float32's
+    relative rounding: the largest distance of a leaf of `float32` from `exact`, relative to
+    that leaf's largest entry (and at least float32's epsilon).
+
+    For two float32 computations of one function (`float32`, and `exact` its float64 twin on
+    the same weights) that sum in different orders: each rounds by about as much, how much
+    depends on the CPU, and R pools it over every leaf (a small leaf's own maximum is a noisy
+    estimate of it)."""
+    leaves = [
+        (np.asarray(g, np.float64), np.asarray(f, np.float64), np.asarray(e, np.float64))
+        for g, f, e in zip(jax.tree.leaves(got), jax.tree.leaves(float32),
+                           jax.tree.leaves(exact), strict=True)
+    ]  # fmt: skip
+    relative = np.finfo(np.float32).eps
+    for _, f, e in leaves:
+        relative = max(relative, np.abs(f - e).max() / max(np.abs(e).max(), 1e-30))
+    assert relative < 1e-4  # float32's rounding, not a bug's
+    for g, _, e in leaves:
+        assert_close(g, e, rtol=0, atol=4 * relative * np.abs(e).max())
+
+
 def user_env(*, compilation_cache: bool = False) -> dict:
     """The environment a user's script runs in: one CPU device, not the test session's eight
     (the session's other compile-time XLA flags stay).

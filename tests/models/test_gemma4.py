@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._helpers import assert_close, raises_naming
+from tests._helpers import assert_within_float32_rounding, raises_naming
 from tests._hf import hf_modules, model_class, write_tiny_checkpoint
 from tests.models.test_kv_cache import TOKENS, WHERE, cached_hidden
 from tests.models.test_moe import expert_parallel_equals_one_device
@@ -96,7 +96,7 @@ def test_cached_decoding_equals_the_full_forward():
     The cached steps sum in another order than the full forward, so the two agree only to
     float32 rounding, whose size depends on the CPU. It is measured here: the full forward's
     distance from the same weights' float64 forward. The cached steps must be as close to
-    float64, within a factor 4 (here they are within 2). Cached decoding itself does not run
+    float64, within a factor 4 (here they are within 1.1). Cached decoding itself does not run
     in float64 (under x64 its cache index and slice starts mix int32 and int64)."""
     model = Decoder(DecoderConfig(**DENSE), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
@@ -113,9 +113,9 @@ def test_cached_decoding_equals_the_full_forward():
         )
     assert exact.dtype == np.float64
     mask = WHERE[..., None]
-    rounding = np.abs(np.where(mask, np.asarray(expected) - exact, 0)).max()
-    assert 0 < rounding < 1e-4  # float32's, on hidden states of about 3
-    assert_close(np.where(mask, hidden, 0), np.where(mask, exact, 0), rtol=0, atol=4 * rounding)
+    assert_within_float32_rounding(
+        np.where(mask, hidden, 0), np.where(mask, expected, 0), np.where(mask, exact, 0)
+    )
     assert int(cache.index) == 10
 
 

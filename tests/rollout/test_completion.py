@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
+from tests._helpers import (
+    assert_close,
+    assert_traced_once,
+    assert_within_float32_rounding,
+    own_checks,
+    raises_naming,
+)
 from tests.rollout.test_sampler import CONFIG, full_logits, make_model
 from tunelib import peft
 from tunelib.models import PROJECTION_KERNELS, Decoder
@@ -79,28 +85,6 @@ def test_equals_the_full_logits_for_prompts_padded_either_side(model64):
     # Masked positions are exactly 0; the peaked model makes the values far from uniform.
     assert np.all(np.asarray(logps)[~WHERE] == 0) and np.all(np.asarray(entropy)[~WHERE] == 0)
     assert np.ptp(want[WHERE]) > 1.0
-
-
-def assert_within_float32_rounding(got, float32, exact):
-    """Each leaf of `got` is within 4 R max|exact| of the leaf of `exact`, for R float32's
-    relative rounding: the largest distance of a leaf of `float32` from `exact`, relative to
-    that leaf's largest entry (and at least float32's epsilon).
-
-    For two float32 computations of one function (`float32`, and `exact` its float64 twin on
-    the same weights) that sum in different orders: each rounds by about as much, how much
-    depends on the CPU, and R pools it over every leaf (a small leaf's own maximum is a noisy
-    estimate of it)."""
-    leaves = [
-        (np.asarray(g, np.float64), np.asarray(f, np.float64), np.asarray(e, np.float64))
-        for g, f, e in zip(jax.tree.leaves(got), jax.tree.leaves(float32),
-                           jax.tree.leaves(exact), strict=True)
-    ]  # fmt: skip
-    relative = np.finfo(np.float32).eps
-    for _, f, e in leaves:
-        relative = max(relative, np.abs(f - e).max() / max(np.abs(e).max(), 1e-30))
-    assert relative < 1e-4  # float32's rounding, not a bug's
-    for g, _, e in leaves:
-        assert_close(g, e, rtol=0, atol=4 * relative * np.abs(e).max())
 
 
 def test_recomputes_the_samplers_logps_of_a_group(model, model64):
