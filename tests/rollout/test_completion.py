@@ -1,12 +1,9 @@
 """`completion_logps`: the log-probs of completions after their prompts, under any params."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from tests._helpers import (
     assert_close,
@@ -15,9 +12,9 @@ from tests._helpers import (
     own_checks,
     raises_naming,
 )
-from tests.rollout.test_sampler import CONFIG, full_logits, make_model
+from tests.rollout.test_sampler import float64_twin, full_logits, make_model
 from tunelib import peft
-from tunelib.models import PROJECTION_KERNELS, Decoder
+from tunelib.models import PROJECTION_KERNELS
 from tunelib.rollout import SamplingConfig, completion_logps, sample
 
 # Left-padded prompts of 3, 5 and 1 real tokens, and a right-padded one.
@@ -41,14 +38,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def model64(model):
-    """`model`'s weights in a float64 decoder (use under `jax.enable_x64`). Two computations
-    claimed to be one function are compared on it: in float32 they sum in different orders,
-    and differ by a rounding whose size depends on the CPU."""
-    _, params = model
-    config = dataclasses.replace(CONFIG, dtype="float64", param_dtype="float64")
-    with jax.enable_x64(True):
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
-        return graphdef, jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+    """`model`'s weights in a float64 decoder (use under `jax.enable_x64`)."""
+    return float64_twin(model[1])
 
 
 def naive(graphdef, params, prompts, prompt_where, tokens, where, temperature):

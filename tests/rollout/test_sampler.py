@@ -50,6 +50,17 @@ def make_model(seed: int = 0, config: DecoderConfig = CONFIG):
     return graphdef, pure
 
 
+def float64_twin(params, config: DecoderConfig = CONFIG):
+    """`config`'s decoder in float64 with `params` (a float32 model's weights, exactly): its
+    `(graphdef, params)`, to use under `jax.enable_x64`. Two computations claimed to be one
+    function are compared on it, or against it: in float32 they sum in different orders and
+    differ by a rounding whose size depends on the CPU."""
+    config = dataclasses.replace(config, dtype="float64", param_dtype="float64")
+    with jax.enable_x64(True):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+        return graphdef, jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+
+
 @jax.jit(static_argnums=0)
 def full_logits(graphdef, params, tokens, where):
     """Uncached `[B, T, V]` logits of whole sequences."""
