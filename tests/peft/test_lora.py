@@ -184,16 +184,21 @@ def test_zero_b_gives_the_base_outputs_bit_for_bit(scan_layers):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_merged_and_unmerged_forwards_agree(scan_layers):
-    graphdef, params = decoder(scan_layers=scan_layers)
-    adapters = trained(init_adapters(params))
-    unmerged = run_lora(graphdef, params, adapters)
-    merged = run_dense(graphdef, merge_lora(params, adapters))
-    base = run_dense(graphdef, params)
-    assert float(jnp.abs(unmerged - base).max()) > 0.1  # the adapters do change the model
-    np.testing.assert_allclose(unmerged, merged, rtol=1e-5, atol=1e-5)
-    restored = unmerge_lora(merge_lora(params, adapters), adapters)
+    """In float64, where x W + s (x A) B and x (W + s A B) agree to rounding: in float32 their
+    orders of summation moved hidden states of 3 by 3e-6 here, by how much depending on the
+    CPU."""
+    with jax.enable_x64(True):
+        graphdef, params = decoder(scan_layers=scan_layers, dtype="float64", param_dtype="float64")
+        adapters = trained(init_adapters(params))
+        unmerged = run_lora(graphdef, params, adapters)
+        merged = run_dense(graphdef, merge_lora(params, adapters))
+        base = run_dense(graphdef, params)
+        restored = unmerge_lora(merge_lora(params, adapters), adapters)
+    assert unmerged.dtype == merged.dtype == jnp.float64
+    assert np.abs(np.asarray(unmerged) - np.asarray(base)).max() > 0.1  # the adapters change it
+    np.testing.assert_allclose(unmerged, merged, rtol=1e-12, atol=1e-12)
     for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(params), strict=True):
-        np.testing.assert_allclose(x, y, atol=1e-6)
+        np.testing.assert_allclose(x, y, atol=1e-15)
 
 
 def test_bf16_compute_is_close_to_float32():
@@ -289,13 +294,20 @@ def test_second_call_with_new_adapters_does_not_retrace():
 
 
 def test_sharded_over_8_devices_equals_one_device():
-    graphdef, params = decoder()
-    adapters = trained(init_adapters(params))
-    expected = run_lora(graphdef, params, adapters)
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    sharded = jax.device_put(params, param_shardings(graphdef, params, mesh))
-    replicated = jax.device_put(adapters, jax.sharding.NamedSharding(mesh, jax.P()))
-    np.testing.assert_allclose(run_lora(graphdef, sharded, replicated), expected, atol=2e-5)
+    """In float64: the sharded products sum partial results in another order, which moves
+    float32 hidden states by a CPU-dependent rounding (1.4e-6 here)."""
+    with jax.enable_x64(True):
+        graphdef, params = decoder(dtype="float64", param_dtype="float64")
+        adapters = trained(init_adapters(params))
+        expected = run_lora(graphdef, params, adapters)
+        mesh = jax.make_mesh(
+            (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+        )
+        sharded = jax.device_put(params, param_shardings(graphdef, params, mesh))
+        replicated = jax.device_put(adapters, jax.sharding.NamedSharding(mesh, jax.P()))
+        out = run_lora(graphdef, sharded, replicated)
+    assert out.dtype == jnp.float64
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- user models
