@@ -299,29 +299,33 @@ def test_ld_fixed_values():
 
 @given(token_batches())
 def test_ld_endpoints(batch):
-    (c, r, rc, rr), mask_c, mask_r = batch
-    masks = {"chosen_where": mask_c, "rejected_where": mask_r}
-    # tail_weight = 1: the plain sums, so the loss is DPO's.
-    one = ld_logps(c, r, tail_weight=1.0, **masks)
-    assert_close(one[0], logprobs.sequence_sum(c, where=mask_c), rtol=1e-6, atol=1e-6)
-    assert_close(one[1], logprobs.sequence_sum(r, where=mask_r), rtol=1e-6, atol=1e-6)
-    assert_close(
-        ld_loss(c, r, rc, rr, tail_weight=1.0, beta=0.3, **masks),
-        losses.dpo_loss(*sums((c, r, rc, rr), mask_c, mask_r), beta=0.3),
-        rtol=1e-5,
-        atol=1e-6,
-    )
-    # tail_weight = 0: DPO on both completions truncated to the shorter one's valid tokens.
-    shared = np.minimum(mask_c.sum(-1), mask_r.sum(-1))
-    keep_c = mask_c & (np.cumsum(mask_c, -1) <= shared[:, None])
-    keep_r = mask_r & (np.cumsum(mask_r, -1) <= shared[:, None])
-    truncated = sums((c, r, rc, rr), keep_c, keep_r)
-    assert_close(
-        ld_loss(c, r, rc, rr, tail_weight=0.0, beta=0.3, **masks),
-        losses.dpo_loss(*truncated, beta=0.3),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    """In float64: the weighted sums and the plain ones sum in different orders, which in
+    float32 moved log-prob sums of 19 by 0.1 of a fixed rtol 1e-6 on this CPU."""
+    arrays, mask_c, mask_r = batch
+    c, r, rc, rr = (np.asarray(x, np.float64) for x in arrays)
+    with jax.enable_x64(True):
+        masks = {"chosen_where": mask_c, "rejected_where": mask_r}
+        # tail_weight = 1: the plain sums, so the loss is DPO's.
+        one = ld_logps(c, r, tail_weight=1.0, **masks)
+        assert_close(one[0], logprobs.sequence_sum(c, where=mask_c), rtol=1e-13, atol=1e-13)
+        assert_close(one[1], logprobs.sequence_sum(r, where=mask_r), rtol=1e-13, atol=1e-13)
+        assert_close(
+            ld_loss(c, r, rc, rr, tail_weight=1.0, beta=0.3, **masks),
+            losses.dpo_loss(*sums((c, r, rc, rr), mask_c, mask_r), beta=0.3),
+            rtol=1e-13,
+            atol=1e-13,
+        )
+        # tail_weight = 0: DPO on both completions truncated to the shorter one's valid tokens.
+        shared = np.minimum(mask_c.sum(-1), mask_r.sum(-1))
+        keep_c = mask_c & (np.cumsum(mask_c, -1) <= shared[:, None])
+        keep_r = mask_r & (np.cumsum(mask_r, -1) <= shared[:, None])
+        truncated = sums((c, r, rc, rr), keep_c, keep_r)
+        assert_close(
+            ld_loss(c, r, rc, rr, tail_weight=0.0, beta=0.3, **masks),
+            losses.dpo_loss(*truncated, beta=0.3),
+            rtol=1e-13,
+            atol=1e-13,
+        )
 
 
 @given(st.floats(0.0, 1.0))
