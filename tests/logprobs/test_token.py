@@ -49,12 +49,23 @@ def test_fixed_values():
     logits = np.array([[[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]]], np.float32)
     targets = np.array([[0, 2]])
     for temperature in (1.0, 0.7, 2.5):
+        # float32's rounding: log-softmax rounds about ten times (the division, the max's
+        # subtraction, V exponentials and their sum, a log, the last subtraction), each by at
+        # most a few ulps (XLA's exp and log on CPU are polynomials, a few ulps at most) of
+        # values up to max|z| / tau + log V: 32 of those bound it; the entropy, a mean of the
+        # log-probs, too. (The fixed 1e-6 it replaces was 2 ulps of these values.)
+        ulps = 32 * 2.0**-24 * (np.abs(logits).max() / temperature + np.log(3))
         assert_close(
             token_logps(logits, targets, temperature=temperature),
             ref_token_logps(logits, targets, temperature),
+            rtol=0,
+            atol=ulps,
         )
         assert_close(
-            token_entropy(logits, temperature=temperature), ref_entropy(logits, temperature)
+            token_entropy(logits, temperature=temperature),
+            ref_entropy(logits, temperature),
+            rtol=0,
+            atol=ulps,
         )
 
 
