@@ -101,6 +101,16 @@ def assert_within_float32_rounding(got, float32, exact, *, factor: float = 4.0):
         assert_close(g, e, rtol=0, atol=factor * relative * np.abs(e).max())
 
 
+def x64_copies(*arrays) -> tuple[np.ndarray, ...]:
+    """Fresh copies of module-level NumPy arrays, to use under `jax.enable_x64`.
+
+    JAX keeps the device copy of a NumPy array that a jitted function traced, and hands it to
+    later calls given the same object even in the other mode: an int64 buffer to a program
+    compiled for int32 or the reverse (`RuntimeProgramInputMismatch`). A test's float64 part
+    works on copies, so that the module's arrays stay the float32 tests' alone."""
+    return tuple(np.array(x) for x in arrays)
+
+
 def user_env(*, compilation_cache: bool = False) -> dict:
     """The environment a user's script runs in: one CPU device, not the test session's eight
     (the session's other compile-time XLA flags stay).

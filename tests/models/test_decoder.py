@@ -10,7 +10,13 @@ from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
+from tests._helpers import (
+    assert_close,
+    assert_traced_once,
+    own_checks,
+    raises_naming,
+    x64_copies,
+)
 from tests.models._reference import params_of, ref_decoder
 from tunelib.models import Decoder, DecoderConfig
 
@@ -238,12 +244,12 @@ def test_rope_is_relative(causal_run, offset):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def weighted_loss_and_grad(graphdef, state, weights):
+def weighted_loss_and_grad(graphdef, state, weights, tokens, where):
     """A weighted sum of the logits and its gradient (the loop's compiles once for all cases)."""
 
     def loss(params):
         m = nnx.merge(graphdef, params)
-        return jnp.sum(m.unembed(m(TOKENS, where=WHERE)) * weights * WHERE[..., None])
+        return jnp.sum(m.unembed(m(tokens, where=where)) * weights * where[..., None])
 
     return jax.value_and_grad(loss)(state)
 
@@ -253,6 +259,7 @@ def test_scan_and_remat_equal_the_loop(scan, remat):
     """The loop, the scan over layers and the checkpointed layers are one function: compared in
     float64, where their orders of summation agree to rounding. In float32 they differ by up to
     3e-5 on gradients of 90 here, and by how much depends on how the CPU vectorises each."""
+    tokens, where = x64_copies(TOKENS, WHERE)
     with jax.enable_x64(True):
         config = make_config(**VARIANTS["qk_norm_bias"], dtype="float64", param_dtype="float64")
         plain = build(config)
@@ -260,13 +267,14 @@ def test_scan_and_remat_equal_the_loop(scan, remat):
         copy_weights(plain, other)
         # The options change the program: a scan over one layer, a checkpointed layer.
         graphdef, state = nnx.split(other)
-        program = str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(TOKENS, WHERE))(state))
+        program = str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens, where))(state))
         assert (" scan[" in program) == scan and ("remat" in program) == remat
         weights = np.random.default_rng(0).standard_normal((3, 7, 32))
         (value, grads), (other_value, other_grads) = (
-            weighted_loss_and_grad(*nnx.split(model), weights) for model in (plain, other)
+            weighted_loss_and_grad(*nnx.split(model), weights, tokens, where)
+            for model in (plain, other)
         )
-        hidden, other_hidden = forward(plain)(TOKENS, WHERE)[0], forward(other)(TOKENS, WHERE)[0]
+        hidden, other_hidden = forward(plain)(tokens, where)[0], forward(other)(tokens, where)[0]
         # Round trip: copying back gives the original weights exactly.
         back = abstract(config, seed=3)
         copy_weights(other, back)
@@ -399,13 +407,14 @@ def test_sharded_forward_equals_single_device():
         ("mlp", "model"),
     ]
     segments = np.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 1, 0, 0]])
+    tokens, where = x64_copies(TOKENS[:2], WHERE[:2])
     with jax.enable_x64(True):
         config = make_config(
             tie_word_embeddings=False, scan_layers=True, dtype="float64", param_dtype="float64"
         )
         model = build(config)
         run = forward(model)
-        expected = run(TOKENS[:2], WHERE[:2], segment_ids=segments)
+        expected = run(tokens, where, segment_ids=segments)
         mesh = jax.make_mesh(
             (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
         )
@@ -416,7 +425,7 @@ def test_sharded_forward_equals_single_device():
         q_kernel = sharded["layers"]["self_attn"]["q_proj"]["kernel"][...]
         assert q_kernel.sharding.spec == jax.P(None, None, "model")
         data = jax.sharding.NamedSharding(mesh, jax.P("data"))
-        tokens, where = jax.device_put(TOKENS[:2], data), jax.device_put(WHERE[:2], data)
+        tokens, where = jax.device_put(tokens, data), jax.device_put(where, data)
         segment_ids = jax.device_put(segments, data)
 
         @jax.jit
@@ -425,7 +434,7 @@ def test_sharded_forward_equals_single_device():
             return m.unembed(m(tokens, where=where, segment_ids=segment_ids))
 
         out = logits(sharded, tokens, where, segment_ids)
-        unpacked = np.asarray(run(TOKENS[:2], WHERE[:2])[1])
+        unpacked = np.asarray(run(*x64_copies(TOKENS[:2], WHERE[:2]))[1])
     assert out.dtype == jnp.float64
     assert_close(out, expected[1], rtol=1e-12, atol=1e-12)
     # The packing is honoured: the second sequence of row 0 is not its unpacked continuation.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._helpers import assert_within_float32_rounding, raises_naming
+from tests._helpers import assert_within_float32_rounding, raises_naming, x64_copies
 from tests._hf import hf_modules, model_class, write_tiny_checkpoint
 from tests.models.test_kv_cache import TOKENS, WHERE, cached_hidden
 from tests.models.test_moe import expert_parallel_equals_one_device
@@ -101,16 +101,15 @@ def test_cached_decoding_equals_the_full_forward():
     model = Decoder(DecoderConfig(**DENSE), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     hidden, cache = cached_hidden(model, TOKENS, WHERE, prefill=5, slots=12)
-    run = jax.jit(lambda state: nnx.merge(graphdef, state)(TOKENS, where=WHERE))
-    expected = run(state)
+    expected = jax.jit(lambda s, t, w: nnx.merge(graphdef, s)(t, where=w))(state, TOKENS, WHERE)
+    tokens, where = x64_copies(TOKENS, WHERE)
     with jax.enable_x64(True):
         config = DecoderConfig(**DENSE, dtype="float64", param_dtype="float64")
         graphdef64, state64 = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
         pure = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), nnx.to_pure_dict(state))
         nnx.replace_by_pure_dict(state64, pure)
-        exact = np.asarray(
-            jax.jit(lambda s: nnx.merge(graphdef64, s)(TOKENS, where=WHERE))(state64)
-        )
+        run = jax.jit(lambda s, t, w: nnx.merge(graphdef64, s)(t, where=w))
+        exact = np.asarray(run(state64, tokens, where))
     assert exact.dtype == np.float64
     mask = WHERE[..., None]
     assert_within_float32_rounding(

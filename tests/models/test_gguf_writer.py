@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from tests._helpers import assert_within_float32_rounding, raises_naming
+from tests._helpers import assert_within_float32_rounding, raises_naming, x64_copies
 from tests._hf import TOKENIZER_SIZE, VOCAB_SIZE, hf_logits, hf_modules, write_tokenizer
 from tests.models.test_decoder import build, make_config
 from tests.models.test_gguf import gguf_name, llama_cpp_permute
@@ -166,15 +166,16 @@ def test_transformers_gguf_loader_gives_our_logits(tmp_path, name):
     # 8x float32's rounding of ours, measured against our float64 forward of the same weights
     # (transformers' own is up to 2.2x ours here; a fixed 1e-4 on logits of 67 was 12 ulps
     # of them, 0.23 of it used on this CPU).
+    tokens, where = x64_copies(TOKENS, WHERE)
     with jax.enable_x64(True):
         ours64 = load_hf_checkpoint(back, dtype="float64", param_dtype="float64")
 
         @jax.jit
-        def exact_logits(params):
+        def exact_logits(params, tokens, where):
             model = nnx.merge(ours64.graphdef, params)
-            return model.unembed(model(TOKENS, where=WHERE))
+            return model.unembed(model(tokens, where=where))
 
-        exact = np.asarray(exact_logits(ours64.params))
+        exact = np.asarray(exact_logits(ours64.params, tokens, where))
     assert exact.dtype == np.float64
     assert_within_float32_rounding(expected[WHERE], logits[WHERE], exact[WHERE], factor=8)
 

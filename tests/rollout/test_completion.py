@@ -11,6 +11,7 @@ from tests._helpers import (
     assert_within_float32_rounding,
     own_checks,
     raises_naming,
+    x64_copies,
 )
 from tests.rollout.test_sampler import float64_twin, full_logits, make_model
 from tunelib import peft
@@ -64,12 +65,10 @@ def naive(graphdef, params, prompts, prompt_where, tokens, where, temperature):
 
 def test_equals_the_full_logits_for_prompts_padded_either_side(model64):
     graphdef, params = model64
+    arrays = x64_copies(PROMPTS, PROMPT_WHERE, TOKENS, WHERE)
     with jax.enable_x64(True):
-        logps, entropy = score(
-            graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE, temperature=0.7,
-            with_entropy=True,
-        )  # fmt: skip
-        want, want_entropy = naive(graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE, 0.7)
+        logps, entropy = score(graphdef, params, *arrays, temperature=0.7, with_entropy=True)
+        want, want_entropy = naive(graphdef, params, *arrays, 0.7)
     assert logps.dtype == jnp.float64 and logps.shape == TOKENS.shape
     assert_close(logps, want, rtol=1e-12, atol=1e-12)
     assert_close(entropy, want_entropy, rtol=1e-12, atol=1e-12)
@@ -125,15 +124,15 @@ def test_under_lora_equals_the_merged_weights(model64):
     graphdef, params = model64
     rules = [peft.LoraRule(pattern=PROJECTION_KERNELS, rank=2)]
     rng = np.random.default_rng(1)
+    arrays = x64_copies(PROMPTS, PROMPT_WHERE, TOKENS, WHERE)
 
     def loss(adapters, adapted):
         if adapted:
             logps = peft.lora(completion_logps)(
-                graphdef, peft.apply_lora(params, adapters), PROMPTS, PROMPT_WHERE, TOKENS, WHERE
+                graphdef, peft.apply_lora(params, adapters), *arrays
             )
         else:
-            merged = peft.merge_lora(params, adapters)
-            logps = completion_logps(graphdef, merged, PROMPTS, PROMPT_WHERE, TOKENS, WHERE)
+            logps = completion_logps(graphdef, peft.merge_lora(params, adapters), *arrays)
         return -logps.sum(), logps
 
     with jax.enable_x64(True):
@@ -142,7 +141,7 @@ def test_under_lora_equals_the_merged_weights(model64):
         run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
         (value, logps), grads = run(adapters, True)
         (merged_value, merged_logps), merged_grads = run(adapters, False)
-        base = score(graphdef, params, PROMPTS, PROMPT_WHERE, TOKENS, WHERE)
+        base = score(graphdef, params, *arrays)
     assert logps.dtype == jnp.float64
     assert_close(logps, merged_logps, rtol=1e-12, atol=1e-12)
     assert_close(value, merged_value, rtol=1e-12)
@@ -182,21 +181,24 @@ def test_shared_prompts_equal_the_concatenated_pass_in_values_and_gradients(mode
     where[:, 0] = True
     weights = rng.standard_normal(tokens.shape)
 
-    # `weights` is an argument: a NumPy constant that the jitted function closed over would
-    # keep the dtype of its first trace (float32) in the float64 one.
-    def loss(graphdef, params, share, weights):
+    # The arrays are arguments, and the float64 run's are copies: a NumPy array that a jitted
+    # function closes over, or that it is given, keeps the dtype it got in the first mode.
+    def loss(graphdef, params, share, arrays):
+        prompts, prompt_where, tokens, where, weights = arrays
         logps, entropy = completion_logps(
-            graphdef, params, PROMPTS, PROMPT_WHERE, tokens, where, temperature=0.7,
+            graphdef, params, prompts, prompt_where, tokens, where, temperature=0.7,
             with_entropy=True, share_prompts=share,
         )  # fmt: skip
         return (weights * logps).sum() + 0.1 * entropy.sum(), (logps, entropy)
 
+    arrays = (PROMPTS, PROMPT_WHERE, tokens, where, weights)
     run = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=(0, 2))
-    shared, full = run(*model, True, weights), run(*model, False, weights)
+    shared, full = run(*model, True, arrays), run(*model, False, arrays)
+    arrays64 = x64_copies(*arrays)
     with jax.enable_x64(True):
-        exact = run(*model64, False, weights)
+        exact = run(*model64, False, arrays64)
         repeated = np.repeat(PROMPTS, group, 0), np.repeat(PROMPT_WHERE, group, 0)
-        want, want_entropy = naive(*model64, *repeated, tokens, where, 0.7)
+        want, want_entropy = naive(*model64, *repeated, *arrays64[2:4], 0.7)
     (_, (exact_logps, exact_entropy)), _ = exact
     assert exact_logps.dtype == jnp.float64
     assert_close(exact_logps, want, rtol=1e-12, atol=1e-12)
@@ -207,7 +209,7 @@ def test_shared_prompts_equal_the_concatenated_pass_in_values_and_gradients(mode
     assert np.all(logps[~where] == 0) and not where.all()
 
     def flops(share):
-        compiled = jax.jit(loss, static_argnums=(0, 2)).lower(*model, share, weights).compile()
+        compiled = jax.jit(loss, static_argnums=(0, 2)).lower(*model, share, arrays).compile()
         analysis = compiled.cost_analysis()
         return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 
