@@ -162,14 +162,14 @@ class _Launch:
         deadline = None
         while True:
             codes = [p.poll() for p in self.processes]
-            if failed is None and self.stopping is None:
-                for rank, code in enumerate(codes):
-                    if code not in (None, 0):
-                        failed = (rank, code)
-                        self._say(f"process {rank} {_described(code)}; stopping the others.")
-                        self.stopping = f"process {rank} failed"
-                        self._stop_all(signal.SIGTERM)
-                        break
+            failures = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed is None and self.stopping is None and failures:
+                # A process killed by a signal is named first: the others' errors (a peer's
+                # closed connection) follow from it, often within the same poll.
+                failed = rank, code = min(failures, key=lambda f: (f[1] >= 0, f[0]))
+                self._say(f"process {rank} {_described(code)}; stopping the others.")
+                self.stopping = f"process {rank} failed"
+                self._stop_all(signal.SIGTERM)
             if self.stopping is not None and deadline is None:
                 deadline = time.monotonic() + self.grace
             if deadline is not None and time.monotonic() > deadline:
