@@ -417,8 +417,10 @@ def summarise(args, size: Size, info: dict, variants: dict, gemm: dict | None, n
     nhv = size.n * size.h * size.v
     if gemm is not None and "median_ms" in gemm:
         gemm["tflops"] = 2 * nhv / (gemm["median_ms"] * 1e-3) / 1e12
+    gradient_bytes = (size.n * size.h + size.h * size.v) * jnp.dtype(size.dtype).itemsize
     for record in variants.values():
         record["memory_ratio"] = ratio(naive.get("temp_bytes"), record.get("temp_bytes"))
+        record["temp_over_gradients"] = ratio(record.get("temp_bytes"), gradient_bytes)
         record["time_ratio"] = ratio(record.get("median_ms"), naive.get("median_ms"))
         if size.gpu and "median_ms" in record:
             record["tflops"] = 6 * nhv / (record["median_ms"] * 1e-3) / 1e12
@@ -441,6 +443,7 @@ def summarise(args, size: Size, info: dict, variants: dict, gemm: dict | None, n
         "memory_ratio": ratio(naive.get("temp_bytes"), chunked.get("temp_bytes")),
         "time_ratio": ratio(chunked.get("median_ms"), naive.get("median_ms")),
         "rss_ratio": ratio(naive.get("peak_rss_bytes"), chunked.get("peak_rss_bytes")),
+        "gradient_bytes": gradient_bytes,
         "variants": variants,
     }
     if gemm is not None:
@@ -501,6 +504,13 @@ def report(result: dict) -> str:
         f"time_ratio (chunked median / naive median) = {fmt(r['time_ratio'], '.3f')}, "
         f"peak RSS ratio (naive / chunked) = {fmt(r['rss_ratio'], '.2f')}",
     ]
+    lines.append(
+        "temporaries / gradients' bytes: "
+        + ", ".join(
+            f"{name} {fmt(v.get('temp_over_gradients'), '.3f')}"
+            for name, v in r["variants"].items()
+        )
+    )
     if "cpu_targets" in r:
         met = ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in r["cpu_targets"].items())
         lines.append(f"CPU targets (reported, not asserted): {met}")

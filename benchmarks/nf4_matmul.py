@@ -1,0 +1,195 @@
+r"""Side by side: the NF4 Pallas matmul against XLA's dequantise-then-matmul.
+
+    python benchmarks/nf4_matmul.py                 # the `gpu` shapes (a GPU's figures)
+    python benchmarks/nf4_matmul.py --size smoke    # seconds, in the Pallas interpreter on CPU
+
+For a frozen weight stored in NF4 (`tunelib.peft.nf4_quantize(kernel, transpose=True)`: the
+`[in, out]` kernel stored `[out, in]` in blocks of 64 with double quantisation, as QLoRA and
+bitsandbytes keep it), `y = x W` with `x` `[M, in]` in bfloat16, in two ways:
+
+- ``xla``: the weight dequantised to bfloat16 in the step, then XLA's matmul (what an
+  `NF4Tensor` built with `matmul="xla"` does, the default);
+- ``pallas``: `tunelib.kernels.nf4_matmul_pallas`, which decodes the codes tile by tile in
+  the kernel and never forms the dense weight (`matmul="pallas"`).
+
+Each is timed as users call it, through `tunelib.peft.lora` on the `NF4Tensor`: the forward
+`y`, and the forward and backward with respect to `x` (the weight is frozen; a LoRA step needs
+only the input's gradient through it). Before timing, each path's forward is checked against
+the float32 product with the dequantised weight: $\|y - y_{ref}\| / \|y_{ref}\|$ at most
+`TOLERANCE` (bfloat16 inputs and output; float32 accumulation on both paths).
+
+Timing: one warm-up (compiling) call of each, then `--repeats` rounds that call every variant
+`--inner` times in a row, the order reversed every other round; each variant's time is the
+median over rounds of the mean call. The script prints a table and ends with one JSON line:
+per shape and `M`, each path's milliseconds, its bytes of weight read per call (packed codes
+and absmax for ``pallas``; codes, absmax and the dense bfloat16 weight written and read for
+``xla``), and `pallas_speedup` (xla time / pallas time). `faster` names the path that won each
+case: the default stays `matmul="xla"` except where ``pallas`` wins, which this figure decides.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+
+class Case(NamedTuple):
+    n_in: int  # K: the kernel's input features
+    n_out: int  # N: its output features
+    rows: tuple[int, ...]  # M: tokens of x
+
+
+SIZES = {
+    "smoke": (Case(n_in=128, n_out=64, rows=(16, 48)),),
+    "gpu": (
+        Case(n_in=4096, n_out=4096, rows=(16, 8192)),
+        Case(n_in=4096, n_out=14_336, rows=(16, 8192)),
+    ),
+}
+VARIANTS = ("xla", "pallas")
+# bfloat16 inputs and output (a relative rounding of 2^-8 = 3.9e-3 per element); both paths
+# accumulate in float32. A wrong decode gives an error near 1.
+TOLERANCE = 1e-2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--size", choices=sorted(SIZES), default="gpu")
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up")
+    p.add_argument("--inner", type=int, default=10, help="calls of each variant per round")
+    p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("repeats", "inner"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}.")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)  # flags are checked before JAX is imported
+
+    import jax
+    import jax.numpy as jnp
+
+    from tunelib import peft
+
+    def paths(kernel):
+        """Per variant: (forward, forward and backward) as users call them, and the weight."""
+        out = {}
+        for variant in VARIANTS:
+            weight = peft.nf4_quantize(kernel, transpose=True, matmul=variant)
+            product = peft.lora(lambda x, w: x @ w)
+
+            def forward(x, w=weight, product=product):
+                return product(x, w)
+
+            def loss(x, cotangent, w=weight, product=product):
+                return jnp.vdot(product(x, w).astype(jnp.float32), cotangent)
+
+            out[variant] = (jax.jit(forward), jax.jit(jax.value_and_grad(loss)), weight)
+        return out
+
+    def time_calls(calls: dict, repeats: int, inner: int) -> dict:
+        for fn, fn_args in calls.values():
+            jax.block_until_ready(fn(*fn_args))
+        seconds = {name: [] for name in calls}
+        names = list(calls)
+        for round_index in range(repeats):
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                fn, fn_args = calls[name]
+                start = time.perf_counter()
+                for _ in range(inner):
+                    result = fn(*fn_args)
+                jax.block_until_ready(result)
+                seconds[name].append((time.perf_counter() - start) / inner)
+        return {name: 1e3 * statistics.median(runs) for name, runs in seconds.items()}
+
+    results, correct = [], True
+    key = jax.random.key(0)
+    for case in SIZES[args.size]:
+        key, kw = jax.random.split(key)
+        kernel = 0.02 * jax.random.normal(kw, (case.n_in, case.n_out), jnp.float32)
+        kernel = kernel.astype(jnp.bfloat16)  # dequantised to bfloat16, as a bf16 model's
+        by_variant = paths(kernel)
+        dense = by_variant["xla"][2].dequantize(jnp.float32)
+        codes_bytes = sum(
+            x.nbytes for x in jax.tree.leaves(by_variant["pallas"][2]) if hasattr(x, "nbytes")
+        )
+        for m in case.rows:
+            key, kx, kc = jax.random.split(key, 3)
+            x = jax.random.normal(kx, (m, case.n_in), jnp.float32).astype(jnp.bfloat16)
+            cotangent = jax.random.normal(kc, (m, case.n_out), jnp.float32)
+            reference = jnp.matmul(
+                x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST
+            )
+            row = {"n_in": case.n_in, "n_out": case.n_out, "m": m, "variants": {}}
+            calls = {}
+            for variant, (forward, backward, _) in by_variant.items():
+                record = row["variants"].setdefault(variant, {})
+                try:
+                    y = forward(x).astype(jnp.float32)
+                    error = float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
+                except Exception as e:  # a path that does not compile here is reported
+                    record["failed"] = f"{type(e).__name__}: {str(e)[:500]}"
+                    correct = False
+                    continue
+                record["relative_error"] = error
+                record["passed"] = error <= TOLERANCE
+                correct &= record["passed"]
+                if record["passed"]:
+                    calls[f"{variant}/forward"] = (forward, (x,))
+                    calls[f"{variant}/forward+backward"] = (backward, (x, cotangent))
+            times = time_calls(calls, args.repeats, args.inner) if calls else {}
+            dense_bytes = case.n_in * case.n_out * 2
+            for variant, record in row["variants"].items():
+                record["weight_bytes_read"] = codes_bytes + (
+                    2 * dense_bytes if variant == "xla" else 0
+                )
+                for part in ("forward", "forward+backward"):
+                    if f"{variant}/{part}" in times:
+                        record[f"{part}_ms"] = times[f"{variant}/{part}"]
+            for part in ("forward", "forward+backward"):
+                xla_ms = row["variants"]["xla"].get(f"{part}_ms")
+                pallas_ms = row["variants"]["pallas"].get(f"{part}_ms")
+                if xla_ms and pallas_ms:
+                    row[f"pallas_speedup_{part}"] = xla_ms / pallas_ms
+                    row[f"faster_{part}"] = "pallas" if pallas_ms < xla_ms else "xla"
+            results.append(row)
+
+    header = f"{'K x N':>13} {'M':>6} {'path':>7} {'rel err':>9} {'fwd ms':>9} {'fwd+bwd ms':>11}"
+    print(f"{jax.default_backend()} ({jax.devices()[0].device_kind}), bfloat16 x, NF4 weight")
+    print(header)
+    for row in results:
+        for variant, r in row["variants"].items():
+            err = f"{r['relative_error']:.2e}" if "relative_error" in r else "FAILED"
+            fwd, both = r.get("forward_ms"), r.get("forward+backward_ms")
+            print(
+                f"{row['n_in']:>6} x {row['n_out']:<6}{row['m']:>6} {variant:>7} {err:>9} "
+                f"{'-' if fwd is None else f'{fwd:.3f}':>9} "
+                f"{'-' if both is None else f'{both:.3f}':>11}"
+            )
+    line = json.dumps({
+        "benchmark": "nf4_matmul", "size": args.size, "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "repeats": args.repeats, "inner": args.inner, "tolerance": TOLERANCE,
+        "correct": correct, "cases": results,
+    })  # fmt: skip
+    print(line)
+    if args.json_out is not None:
+        args.json_out.write_text(line + "\n")
+    return 0 if correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
