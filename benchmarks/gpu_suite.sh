@@ -11,7 +11,8 @@
 # CPU half of the parity check is .gpu/grpo_cpu.npz, made beforehand on a CPU machine with
 #   python benchmarks/grpo_parity.py --out .gpu/grpo_cpu.npz
 # Parts run in order of importance, each with a time limit inside SECONDS (default 500) in
-# all; a part that fails or runs out of time is logged and the next one starts.
+# all; a part that fails or runs out of time is logged and the next one starts. PARTS (names,
+# space-separated) runs only those parts.
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash benchmarks/gpu_suite.sh OUT_DIR [SECONDS]}")
 budget=${2:-500}
@@ -44,6 +45,7 @@ optax.__version__, jax.devices())"
 part() {
     local name=$1 limit=$2
     shift 2
+    [[ -n "${PARTS:-}" && " $PARTS " != *" $name "* ]] && return
     local left=$((budget - SECONDS - 5))
     if ((left < 20)); then
         echo "== $name: skipped, $left s of the budget left" | tee -a "$log"

@@ -91,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
             weight = peft.nf4_quantize(kernel, transpose=True, matmul=variant)
             product = peft.lora(lambda x, w: x @ w)
 
-            def forward(x, w=weight, product=product):
+            # The weight is an argument, not a closed-over constant (XLA would fold its
+            # decoding into the program at compile time).
+            def forward(x, w, product=product):
                 return product(x, w)
 
-            def loss(x, cotangent, w=weight, product=product):
+            def loss(x, w, cotangent, product=product):
                 return jnp.vdot(product(x, w).astype(jnp.float32), cotangent)
 
             out[variant] = (jax.jit(forward), jax.jit(jax.value_and_grad(loss)), weight)
@@ -135,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             row = {"n_in": case.n_in, "n_out": case.n_out, "m": m, "variants": {}}
             calls = {}
-            for variant, (forward, backward, _) in by_variant.items():
+            for variant, (forward, backward, weight) in by_variant.items():
                 record = row["variants"].setdefault(variant, {})
                 try:
-                    y = forward(x).astype(jnp.float32)
+                    y = forward(x, weight).astype(jnp.float32)
                     error = float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
                 except Exception as e:  # a path that does not compile here is reported
                     record["failed"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -148,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 record["passed"] = error <= TOLERANCE
                 correct &= record["passed"]
                 if record["passed"]:
-                    calls[f"{variant}/forward"] = (forward, (x,))
-                    calls[f"{variant}/forward+backward"] = (backward, (x, cotangent))
+                    calls[f"{variant}/forward"] = (forward, (x, weight))
+                    calls[f"{variant}/forward+backward"] = (backward, (x, weight, cotangent))
             times = time_calls(calls, args.repeats, args.inner) if calls else {}
             dense_bytes = case.n_in * case.n_out * 2
             for variant, record in row["variants"].items():
