@@ -26,7 +26,8 @@ the first token that differs sends the two trajectories apart.
 
 `--compare A B` prints, per step, the fraction of equal sampled tokens, the largest
 differences of the log-probs, and the relative differences of loss, gradient norm and
-parameter norm, and ends with one JSON line: the first step with a differing token, and
+parameter norm (the loss's absolute difference: an on-policy loss is the mean advantage,
+about 0), and ends with one JSON line: the first step with a differing token, and
 the largest relative differences over the run. `--matmul-precision highest` asks for full
 float32 products (a GPU otherwise may use TF32 for float32 matrix products).
 """
@@ -163,18 +164,22 @@ def compare(a_path: Path, b_path: Path) -> dict:
     trainer = [float(np.max(np.abs(a["trainer_logps"][s] - b["trainer_logps"][s])))
                for s in range(steps)]  # fmt: skip
     loss, grad, param = relative("loss"), relative("grad_norm"), relative("param_norm")
+    # An on-policy step's loss is the mean advantage, about 0 (1e-8): its absolute difference
+    # is the figure to read; the relative one divides by rounding noise.
+    loss_abs = np.abs(a["loss"][:steps].astype(np.float64) - b["loss"][:steps])
     print(f"{a_path} against {b_path}, {steps} steps")
     print(f"{'step':>4} {'tokens equal':>12} {'sampler logp':>13} {'trainer logp':>13} "
-          f"{'loss rel':>9} {'grad rel':>9} {'param rel':>9}")  # fmt: skip
+          f"{'loss abs':>9} {'grad rel':>9} {'param rel':>9}")  # fmt: skip
     for s in range(steps):
         print(f"{s:>4} {agree[s]:>12.1%} {sampler[s]:>13.2e} {trainer[s]:>13.2e} "
-              f"{loss[s]:>9.1e} {grad[s]:>9.1e} {param[s]:>9.1e}")  # fmt: skip
+              f"{loss_abs[s]:>9.1e} {grad[s]:>9.1e} {param[s]:>9.1e}")  # fmt: skip
     differing = [s for s in range(steps) if agree[s] < 1.0]
     return {
         "benchmark": "grpo_parity", "mode": "compare", "a": str(a_path), "b": str(b_path),
         "steps": steps, "first_step_with_differing_tokens": differing[0] if differing else None,
         "token_agreement": agree, "max_sampler_logp_diff": sampler,
-        "max_trainer_logp_diff": trainer, "loss_relative_diff": loss.tolist(),
+        "max_trainer_logp_diff": trainer, "loss_abs_diff": loss_abs.tolist(),
+        "loss_relative_diff": loss.tolist(),
         "grad_norm_relative_diff": grad.tolist(), "param_norm_relative_diff": param.tolist(),
         "reward": [a["reward"][:steps].tolist(), b["reward"][:steps].tolist()],
     }  # fmt: skip
