@@ -37,12 +37,10 @@ line; ratios are reported, never asserted.
 import argparse
 import functools
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -54,6 +52,8 @@ from flax import nnx
 
 from tunelib import logprobs, losses, peft
 from tunelib.models import PROJECTION_KERNELS, Decoder, DecoderConfig
+
+from _measure import compiled_bytes, peak_rss_bytes, step_seconds
 
 
 class Size(NamedTuple):
@@ -187,34 +187,18 @@ def stored(tree) -> int:
 def measure(size: Size, variant: str, rank: int, repeats: int) -> dict:
     step, _, trainable, opt_state, frozen, batch = setup(size, variant, rank)
     compiled = step.lower(trainable, opt_state, frozen, batch).compile()
-    memory = compiled.memory_analysis()
     params = trainable if frozen is None else frozen
     out = {
-        "temp_bytes": memory.temp_size_in_bytes,
-        "argument_bytes": memory.argument_size_in_bytes,
-        "output_bytes": memory.output_size_in_bytes,
-        # Everything the step holds at once: inputs, new outputs (donated ones reuse their
-        # inputs' buffers) and temporaries.
-        "total_bytes": memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes,
+        **compiled_bytes(compiled),
         "stored_param_bytes": stored(params) + (0 if frozen is None else stored(trainable)),
         "trainable_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trainable))),
         "optimizer_bytes": stored(opt_state),
     }
     if size.run:
-        trainable, opt_state, _ = compiled(trainable, opt_state, frozen, batch)
-        jax.block_until_ready(trainable)
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            trainable, opt_state, value = compiled(trainable, opt_state, frozen, batch)
-            jax.block_until_ready(value)
-            seconds.append(time.perf_counter() - start)
+        seconds = step_seconds(compiled, trainable, opt_state, frozen, batch, repeats=repeats)
         out["median_ms"] = 1e3 * statistics.median(seconds)
         out["runs_ms"] = [round(1e3 * s, 2) for s in seconds]
-    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 
 
