@@ -33,7 +33,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,14 @@ from pathlib import Path
 
 import numpy as np
 
-from _measure import compiled_bytes, peak_rss_bytes, step_seconds
+from _measure import (
+    compiled_bytes,
+    peak_rss_bytes,
+    ratio,
+    relative_error,
+    step_seconds,
+    worker_result,
+)
 
 VARIANTS = ("gguf_blocks", "float32")
 EMBEDDING = "embed_tokens/embedding"
@@ -179,24 +185,7 @@ def run_worker(args: argparse.Namespace, variant: str | None, folder: Path) -> d
         command += [f"--{flag}", str(getattr(args, flag))]
     command += ["--model", str(args.model)] if args.model else []
     command += ["--json-out", str(out)]
-    print(f"[{name}] {mode} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
-    return json.loads(out.read_text())
-
-
-def relative_error(ours: dict, reference: dict) -> float:
-    """The larger of the loss's relative error and the gradients' largest error relative to
-    the largest gradient entry."""
-    x = np.concatenate([np.asarray(g) for g in ours["grads"]])
-    y = np.concatenate([np.asarray(g) for g in reference["grads"]])
-    loss = abs(ours["loss"] - reference["loss"]) / abs(reference["loss"])
-    return max(loss, float(np.abs(x - y).max() / np.abs(y).max()))
-
-
-def ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
+    return worker_result(command, out, label=f"[{name}] {mode}")
 
 
 def summarise(args, variants: dict, error: float | None) -> dict:

@@ -38,7 +38,6 @@ import argparse
 import functools
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -53,7 +52,14 @@ from flax import nnx
 from tunelib import logprobs, losses, peft
 from tunelib.models import PROJECTION_KERNELS, Decoder, DecoderConfig
 
-from _measure import compiled_bytes, peak_rss_bytes, step_seconds
+from _measure import (
+    compiled_bytes,
+    peak_rss_bytes,
+    ratio,
+    relative_error,
+    step_seconds,
+    worker_result,
+)
 
 
 class Size(NamedTuple):
@@ -291,25 +297,7 @@ def run_worker(
     command += ["--variant", variant] if variant else ["--check"]
     command += ["--size", args.size, "--rank", str(args.rank), "--repeats", str(args.repeats)]
     command += ["--json-out", str(out)] + (["--float64"] if float64 else [])
-    print(f"[{variant or 'LoRA variants'}] {mode} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
-    return json.loads(out.read_text())
-
-
-def relative_error(ours: dict, naive: dict) -> float:
-    """The larger of the loss's relative error and the gradients' largest error relative to
-    the largest gradient entry (leaves whose gradients are near zero, such as the query
-    projections of a random model, are judged on the scale of the whole gradient)."""
-    x = np.concatenate([np.asarray(g) for g in ours["grads"]])
-    y = np.concatenate([np.asarray(g) for g in naive["grads"]])
-    loss = abs(ours["loss"] - naive["loss"]) / abs(naive["loss"])
-    return max(loss, float(np.abs(x - y).max() / np.abs(y).max()))
-
-
-def ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
+    return worker_result(command, out, label=f"[{variant or 'LoRA variants'}] {mode}")
 
 
 def summarise(args, variants: dict, errors: dict) -> dict:
