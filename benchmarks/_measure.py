@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 
-def compiled_bytes(compiled) -> dict[str, int]:
+def step_memory(compiled) -> dict[str, int]:
     """The bytes of a compiled step from its `memory_analysis()`: `temp_bytes`,
     `argument_bytes`, `output_bytes`, and `total_bytes`, everything the step holds at once:
     inputs, new outputs (donated ones reuse their inputs' buffers) and temporaries."""

@@ -40,14 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _measure import (
-    compiled_bytes,
-    peak_rss_bytes,
-    ratio,
-    relative_error,
-    step_seconds,
-    worker_result,
-)
+from _measure import peak_rss_bytes, ratio, relative_error, step_memory, step_seconds, worker_result
 
 VARIANTS = ("gguf_blocks", "float32")
 EMBEDDING = "embed_tokens/embedding"
@@ -143,7 +136,7 @@ def measure(args: argparse.Namespace, variant: str) -> dict:
     compiled = step.lower(adapters, opt_state, base, batch).compile()
     compile_s = time.perf_counter() - start
     out = {
-        **compiled_bytes(compiled),
+        **step_memory(compiled),
         "base_bytes": peft.stored_bytes(base),
         "base_bits_per_param": peft.bits_per_parameter(base),
         "adapter_bytes": peft.stored_bytes(adapters),

@@ -52,14 +52,7 @@ from flax import nnx
 from tunelib import logprobs, losses, peft
 from tunelib.models import PROJECTION_KERNELS, Decoder, DecoderConfig
 
-from _measure import (
-    compiled_bytes,
-    peak_rss_bytes,
-    ratio,
-    relative_error,
-    step_seconds,
-    worker_result,
-)
+from _measure import peak_rss_bytes, ratio, relative_error, step_memory, step_seconds, worker_result
 
 
 class Size(NamedTuple):
@@ -195,7 +188,7 @@ def measure(size: Size, variant: str, rank: int, repeats: int) -> dict:
     compiled = step.lower(trainable, opt_state, frozen, batch).compile()
     params = trainable if frozen is None else frozen
     out = {
-        **compiled_bytes(compiled),
+        **step_memory(compiled),
         "stored_param_bytes": stored(params) + (0 if frozen is None else stored(trainable)),
         "trainable_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trainable))),
         "optimizer_bytes": stored(opt_state),
