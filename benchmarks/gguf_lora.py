@@ -32,15 +32,15 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from _measure import peak_rss_bytes, ratio, relative_error, step_memory, step_seconds, worker_result
 
 VARIANTS = ("gguf_blocks", "float32")
 EMBEDDING = "embed_tokens/embedding"
@@ -129,41 +129,23 @@ def setup(args: argparse.Namespace, variant: str):
 
 
 def measure(args: argparse.Namespace, variant: str) -> dict:
-    import jax
-
     from tunelib import peft
 
     step, _, adapters, opt_state, base, batch = setup(args, variant)
     start = time.perf_counter()
     compiled = step.lower(adapters, opt_state, base, batch).compile()
     compile_s = time.perf_counter() - start
-    memory = compiled.memory_analysis()
     out = {
-        "temp_bytes": memory.temp_size_in_bytes,
-        "argument_bytes": memory.argument_size_in_bytes,
-        "output_bytes": memory.output_size_in_bytes,
-        # Everything the step holds at once: inputs, new outputs (donated ones reuse their
-        # inputs' buffers) and temporaries.
-        "total_bytes": memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes,
+        **step_memory(compiled),
         "base_bytes": peft.stored_bytes(base),
         "base_bits_per_param": peft.bits_per_parameter(base),
         "adapter_bytes": peft.stored_bytes(adapters),
         "compile_s": compile_s,
     }
-    adapters, opt_state, _ = compiled(adapters, opt_state, base, batch)
-    jax.block_until_ready(adapters)
-    seconds = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        adapters, opt_state, value = compiled(adapters, opt_state, base, batch)
-        jax.block_until_ready(value)
-        seconds.append(time.perf_counter() - start)
+    seconds = step_seconds(compiled, adapters, opt_state, base, batch, repeats=args.repeats)
     out["median_ms"] = 1e3 * statistics.median(seconds)
     out["runs_ms"] = [round(1e3 * s, 1) for s in seconds]
-    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 
 
@@ -196,24 +178,7 @@ def run_worker(args: argparse.Namespace, variant: str | None, folder: Path) -> d
         command += [f"--{flag}", str(getattr(args, flag))]
     command += ["--model", str(args.model)] if args.model else []
     command += ["--json-out", str(out)]
-    print(f"[{name}] {mode} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
-    return json.loads(out.read_text())
-
-
-def relative_error(ours: dict, reference: dict) -> float:
-    """The larger of the loss's relative error and the gradients' largest error relative to
-    the largest gradient entry."""
-    x = np.concatenate([np.asarray(g) for g in ours["grads"]])
-    y = np.concatenate([np.asarray(g) for g in reference["grads"]])
-    loss = abs(ours["loss"] - reference["loss"]) / abs(reference["loss"])
-    return max(loss, float(np.abs(x - y).max() / np.abs(y).max()))
-
-
-def ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
+    return worker_result(command, out, label=f"[{name}] {mode}")
 
 
 def summarise(args, variants: dict, error: float | None) -> dict:

@@ -37,12 +37,9 @@ line; ratios are reported, never asserted.
 import argparse
 import functools
 import json
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -54,6 +51,8 @@ from flax import nnx
 
 from tunelib import logprobs, losses, peft
 from tunelib.models import PROJECTION_KERNELS, Decoder, DecoderConfig
+
+from _measure import peak_rss_bytes, ratio, relative_error, step_memory, step_seconds, worker_result
 
 
 class Size(NamedTuple):
@@ -187,34 +186,18 @@ def stored(tree) -> int:
 def measure(size: Size, variant: str, rank: int, repeats: int) -> dict:
     step, _, trainable, opt_state, frozen, batch = setup(size, variant, rank)
     compiled = step.lower(trainable, opt_state, frozen, batch).compile()
-    memory = compiled.memory_analysis()
     params = trainable if frozen is None else frozen
     out = {
-        "temp_bytes": memory.temp_size_in_bytes,
-        "argument_bytes": memory.argument_size_in_bytes,
-        "output_bytes": memory.output_size_in_bytes,
-        # Everything the step holds at once: inputs, new outputs (donated ones reuse their
-        # inputs' buffers) and temporaries.
-        "total_bytes": memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes,
+        **step_memory(compiled),
         "stored_param_bytes": stored(params) + (0 if frozen is None else stored(trainable)),
         "trainable_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trainable))),
         "optimizer_bytes": stored(opt_state),
     }
     if size.run:
-        trainable, opt_state, _ = compiled(trainable, opt_state, frozen, batch)
-        jax.block_until_ready(trainable)
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            trainable, opt_state, value = compiled(trainable, opt_state, frozen, batch)
-            jax.block_until_ready(value)
-            seconds.append(time.perf_counter() - start)
+        seconds = step_seconds(compiled, trainable, opt_state, frozen, batch, repeats=repeats)
         out["median_ms"] = 1e3 * statistics.median(seconds)
         out["runs_ms"] = [round(1e3 * s, 2) for s in seconds]
-    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 
 
@@ -307,25 +290,7 @@ def run_worker(
     command += ["--variant", variant] if variant else ["--check"]
     command += ["--size", args.size, "--rank", str(args.rank), "--repeats", str(args.repeats)]
     command += ["--json-out", str(out)] + (["--float64"] if float64 else [])
-    print(f"[{variant or 'LoRA variants'}] {mode} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
-    return json.loads(out.read_text())
-
-
-def relative_error(ours: dict, naive: dict) -> float:
-    """The larger of the loss's relative error and the gradients' largest error relative to
-    the largest gradient entry (leaves whose gradients are near zero, such as the query
-    projections of a random model, are judged on the scale of the whole gradient)."""
-    x = np.concatenate([np.asarray(g) for g in ours["grads"]])
-    y = np.concatenate([np.asarray(g) for g in naive["grads"]])
-    loss = abs(ours["loss"] - naive["loss"]) / abs(naive["loss"])
-    return max(loss, float(np.abs(x - y).max() / np.abs(y).max()))
-
-
-def ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
+    return worker_result(command, out, label=f"[{variant or 'LoRA variants'}] {mode}")
 
 
 def summarise(args, variants: dict, errors: dict) -> dict:

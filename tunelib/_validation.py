@@ -276,6 +276,32 @@ def finite_entries(x: ArrayLike, where: ArrayLike | None, name: str) -> tuple[ja
     return jnp.where(valid, x, 0.0), valid
 
 
+def reward_vectors(
+    rewards: jax.Array, where: jax.Array, reward_weights: ArrayLike | None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Several rewards per completion, ready to combine: `(rewards, weights, rows, entries)`.
+
+    `rewards` is a checked real array `[..., K]` and `where` the checked `[...]` mask of its
+    completions. A completion counts (`rows`, `[...]`) when `where` keeps it and at least one
+    of its rewards is finite; a reward counts (`entries`, `[..., K]`) when it is finite in a
+    completion that counts. The rewards come back in the compute dtype, 0 where they do not
+    count, with the `[K]` weights in that dtype: `reward_weights` checked against $K$, or
+    every reward weighing 1 when it is None.
+    """
+    dtype = compute_dtype(rewards.dtype)
+    rewards = rewards.astype(dtype)
+    finite = jnp.isfinite(rewards)
+    rows = where & jnp.any(finite, axis=-1)
+    entries = rows[..., None] & finite
+    rewards = jnp.where(entries, rewards, 0.0)
+    num_rewards = rewards.shape[-1]
+    if reward_weights is None:
+        return rewards, jnp.ones((num_rewards,), dtype), rows, entries
+    weights = real_array(reward_weights, "reward_weights")
+    check_shape(weights, "reward_weights", (num_rewards,), f"rewards {rewards.shape}")
+    return rewards, weights.astype(dtype), rows, entries
+
+
 # ---------------------------------------------------------------------------------------------
 # The data arrays of the log-probs, losses and metrics: masked float arrays of one shape,
 # advantages, behaviour log-probs, token and segment ids; ranges of hyperparameters.

@@ -310,19 +310,7 @@ def multi_reward_advantages(
     where = v.mask_array(where, rewards.shape[:-1])
     rewards = split_groups(rewards, group_size, name="rewards", trailing=1)
     where = split_groups(where, group_size, name="where")
-    dtype = v.compute_dtype(rewards.dtype)
-    rewards = rewards.astype(dtype)
-    finite = jnp.isfinite(rewards)
-    rows = where & jnp.any(finite, axis=-1)
-    entries = rows[..., None] & finite
-    rewards = jnp.where(entries, rewards, 0.0)
-    num_rewards = rewards.shape[-1]
-    if reward_weights is None:
-        weights = jnp.ones((num_rewards,), dtype)
-    else:
-        weights = v.real_array(reward_weights, "reward_weights")
-        v.check_shape(weights, "reward_weights", (num_rewards,), f"rewards {rewards.shape}")
-        weights = weights.astype(dtype)
+    rewards, weights, rows, entries = v.reward_vectors(rewards, where, reward_weights)
     normalize = functools.partial(_normalize, scale=scale, ddof=ddof, eps=eps)
     if combine == "sum_then_normalize":
         return merge_groups(normalize(rewards @ weights, rows), group_size)
@@ -331,7 +319,7 @@ def multi_reward_advantages(
     if scale == "none":
         return merge_groups(jnp.where(rows, summed, 0.0), group_size)
     mean, var, _ = masked_moments(summed, rows, axis=None, ddof=ddof)
-    advantages = _safe_divide(summed - mean, _std(var) + jnp.asarray(eps, dtype))
+    advantages = _safe_divide(summed - mean, _std(var) + jnp.asarray(eps, rewards.dtype))
     keep = rows & has_spread(summed, rows)[..., None]
     return merge_groups(jnp.where(keep, advantages, 0.0), group_size)
 

@@ -10,9 +10,11 @@ plans of one step with and without a change (remat, LoRA, QLoRA, the fused log-p
 smaller micro-batches) side by side; `device_memory_bytes` is what a device reports having.
 """
 
-from tunelib.memory._plan import MemoryPlan, memory_plan, tree_bytes
+from tunelib.memory._batch import resize_batch
+from tunelib.memory._plan import MemoryPlan, memory_plan
 from tunelib.memory._report import device_memory_bytes, format_bytes, format_plans
-from tunelib.memory._search import BatchSearch, largest_batch, resize_batch
+from tunelib.memory._search import BatchSearch, largest_batch
+from tunelib.memory._trees import tree_bytes
 
 __all__ = [
     "BatchSearch",

@@ -1,17 +1,14 @@
 """The memory plan of one compiled step: XLA's buffer sizes, split by what holds them."""
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from tunelib import _validation as v
-
-PyTree = Any
+from tunelib.memory._batch import batch_multiple, batch_size, resize_batch
+from tunelib.memory._trees import PyTree, abstract, leaf_bytes, shape_dtype, tree_bytes
 
 
 class MemoryPlan(NamedTuple):
@@ -79,68 +76,6 @@ def check_device_memory(device_memory: object, name: str = "device_memory") -> N
         raise TypeError(f"{name} must be an int (bytes), got {type(device_memory).__name__}.")
     if device_memory < 1:
         raise ValueError(f"{name} must be >= 1 byte, got {device_memory}.")
-
-
-def _leaf_bytes(x: Any) -> int:
-    """The bytes of `x` on one device: its shard's shape when it has a sharding."""
-    shape, dtype = _shape_dtype(x)
-    sharding = getattr(x, "sharding", None)
-    if sharding is not None and shape:
-        shape = sharding.shard_shape(shape)
-    return math.prod(shape) * dtype.itemsize  # a PRNG key's dtype has one too
-
-
-def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
-    if isinstance(x, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic):
-        return tuple(x.shape), x.dtype
-    if v.is_real_number(x) or isinstance(x, bool | complex):
-        return (), jnp.result_type(x)
-    raise TypeError(
-        f"expected arrays, ShapeDtypeStructs or numbers in the tree, got {type(x).__name__}."
-    )
-
-
-def tree_bytes(tree: PyTree) -> int:
-    """The bytes one device holds of a pytree of arrays or `jax.ShapeDtypeStruct`s.
-
-    A leaf with a sharding counts its shard on one device (`sharding.shard_shape`): a
-    parameter replicated over 8 devices counts whole, one split over them an eighth. A
-    leaf without one (a `ShapeDtypeStruct` without a sharding, a NumPy array, a number)
-    counts whole, as `jax.jit` places it on one device.
-
-    Args:
-      tree: any pytree of arrays, `jax.ShapeDtypeStruct`s or Python numbers.
-
-    Returns:
-      The bytes, an int.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> from tunelib.memory import tree_bytes
-      >>> params = {"w": jax.ShapeDtypeStruct((1024, 256), jnp.float32),
-      ...           "b": jax.ShapeDtypeStruct((256,), jnp.bfloat16)}
-      >>> tree_bytes(params)  # 1024 * 256 * 4 + 256 * 2
-      1049088
-
-    References:
-      JAX, "Distributed arrays and automatic parallelization" (shardings and shard shapes),
-      https://docs.jax.dev/en/latest/notebooks/Distributed_arrays_and_automatic_parallelization.html.
-    """
-    return sum(_leaf_bytes(x) for x in jax.tree.leaves(tree))
-
-
-def abstract(tree: PyTree) -> PyTree:
-    """`tree` with every array replaced by a `jax.ShapeDtypeStruct` of its shape, dtype and
-    sharding: what `jax.jit(...).lower` needs, and nothing it could copy to a device."""
-
-    def leaf(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        if isinstance(x, np.ndarray | np.generic):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return x
-
-    return jax.tree.map(leaf, tree)
 
 
 def _argnums(value: int | Sequence[int], name: str, count: int) -> tuple[int, ...]:
@@ -236,14 +171,14 @@ def _compile(step: Callable, args: tuple, static: tuple[int, ...], donate: tuple
         list(laid_out[1:]) if hoist else jax.tree.structure(dynamic).flatten_up_to(tuple(laid_out))
     )
     sizes = [
-        _leaf_bytes(x if s is None else jax.ShapeDtypeStruct(*_shape_dtype(x), sharding=s))
+        leaf_bytes(x if s is None else jax.ShapeDtypeStruct(*shape_dtype(x), sharding=s))
         for x, s in zip(flat, shardings, strict=True)
     ]
     return _Compiled(stats, sizes, constants)
 
 
 def _batch_leaves(args: tuple, batch: tuple[int, ...]) -> list:
-    return [x for i in batch for x in jax.tree.leaves(args[i]) if len(_shape_dtype(x)[0]) >= 1]
+    return [x for i in batch for x in jax.tree.leaves(args[i]) if len(shape_dtype(x)[0]) >= 1]
 
 
 def memory_plan(
@@ -360,7 +295,7 @@ def memory_plan(
     by_leaf = {id(x): n for x, n in zip(originals, compiled.argument_bytes, strict=True)}
 
     def size(tree):  # a part of the arguments as laid out, else as its own shardings say
-        return sum(by_leaf.get(id(x), _leaf_bytes(x)) for x in jax.tree.leaves(tree))
+        return sum(by_leaf.get(id(x), leaf_bytes(x)) for x in jax.tree.leaves(tree))
 
     pieces = {
         name: size(tree)
@@ -407,8 +342,6 @@ def memory_plan(
 def _activations(step, args, batch, static, donate, temp) -> tuple[int, int]:
     """The batch-proportional part of the temporaries at the arguments' batch size, from a
     second compilation at another batch size; and that batch size."""
-    from tunelib.memory._search import batch_multiple, batch_size, resize_batch
-
     leaves = _batch_leaves(args, batch)
     if not leaves:
         raise ValueError(

@@ -368,19 +368,7 @@ def multi_reward_zero_std_fraction(
     rewards = v.real_array(rewards, "rewards")
     _check_groups(rewards, trailing=1)
     where = v.mask_array(where, rewards.shape[:-1])
-    dtype = v.compute_dtype(rewards.dtype)
-    rewards = rewards.astype(dtype)
-    finite = jnp.isfinite(rewards)
-    rows = where & jnp.any(finite, axis=-1)
-    entries = rows[..., None] & finite
-    rewards = jnp.where(entries, rewards, 0.0)
-    num_rewards = rewards.shape[-1]
-    if reward_weights is None:
-        weights = jnp.ones((num_rewards,), dtype)
-    else:
-        weights = v.real_array(reward_weights, "reward_weights")
-        v.check_shape(weights, "reward_weights", (num_rewards,), f"rewards {rewards.shape}")
-        weights = weights.astype(dtype)
+    rewards, weights, rows, entries = v.reward_vectors(rewards, where, reward_weights)
     if combine == "sum_then_normalize":
         summed = rewards @ weights
         return _zero_spread_fraction(summed, rows, batch=scale == "batch", groups=groups)

@@ -154,14 +154,18 @@ def clip_masks(
     `importance_ratio`), $A_t$ = `advantages`, $\varepsilon_l$ = `epsilon_low`,
     $\varepsilon_h$ = `epsilon_high` and $c$ = `dual_clip`; all False on masked tokens.
     `clip_fractions` averages them over tokens; these masks let a run reduce them as its loss
-    is reduced, with `tunelib.losses.aggregate` (`.astype(float)` first):
+    is reduced, with `tunelib.losses.aggregate`. The masks are boolean and `aggregate` (like
+    `sequence_mean`) takes floating-point values: convert them with `.astype(float)` first.
 
     * Tunix logs `pg_clipfrac_lower` (GRPO) aggregated with the loss's own mode, by default
-      per sequence: ``aggregate(masks.dual, mode="seq_mean_token_mean", where=where)``.
+      per sequence: ``aggregate(masks.dual.astype(float), mode="seq_mean_token_mean",
+      where=where).mean()``.
     * At the sequence level (``level="sequence"``, GSPO) TRL averages its clip indicators
       over sequences, each row once, empty rows included as unclipped:
-      ``aggregate(masks.low, mode="seq_mean_token_mean", empty_rows="count", where=where)``.
-    * Each row's own fraction is ``tunelib.logprobs.sequence_mean(masks.low, where=where)``.
+      ``aggregate(masks.low.astype(float), mode="seq_mean_token_mean", empty_rows="count",
+      where=where).mean()``.
+    * Each row's own fraction is
+      ``tunelib.logprobs.sequence_mean(masks.low.astype(float), where=where)``.
 
     The dual-clip bound $-c A_t$ binds, for $A_t < 0$, exactly where $r_t > c$ (with
     $c > 1$ the clipped ratio never exceeds the ratio there), so `dual` is where
@@ -189,6 +193,10 @@ def clip_masks(
       >>> masks = clip_masks(logps, old, jnp.array([[1.0, 1.0, -1.0, -1.0]]), dual_clip=1.5)
       >>> print(masks.high.astype(int), masks.low.astype(int), masks.dual.astype(int))
       [[0 1 0 0]] [[0 0 1 0]] [[0 0 0 1]]
+      >>> from tunelib.losses import aggregate
+      >>> low = masks.low.astype(float)  # aggregate takes floating-point values
+      >>> print(aggregate(low, mode="seq_mean_token_mean", empty_rows="count").mean())
+      0.25
 
     References:
       Schulman et al., "Proximal Policy Optimization Algorithms", 2017,
@@ -253,11 +261,12 @@ def clip_fractions(
       NaN for an empty row is skipped by its `nanmin` / `nanmax` at the token level).
     * `dual` = $\frac{1}{N}\sum_t \mathbb{1}[A_t < 0,\ r_t > c]$, $c$ = `dual_clip`, is
       Tunix's `pg_clipfrac_lower` as a token mean; Tunix's GRPO reduces it with the loss's
-      aggregation mode instead (per sequence by default): reduce `clip_masks(...).dual` with
-      `aggregate` for that.
+      aggregation mode instead (per sequence by default): reduce
+      `clip_masks(...).dual.astype(float)` with `aggregate` for that.
     * The means here weigh every valid token alike at every `level`. At the sequence level
-      TRL weighs each row once (empty rows too): reduce `clip_masks` with
-      ``aggregate(mode="seq_mean_token_mean", empty_rows="count")`` for its value.
+      TRL weighs each row once (empty rows too): reduce `clip_masks(...).low.astype(float)`
+      with ``aggregate(..., mode="seq_mean_token_mean", empty_rows="count").mean()`` for its
+      value.
 
     Formerly `tunelib.losses.clip_fractions`, still served there until tunelib 0.3.0, with a
     `DeprecationWarning`.

@@ -1,0 +1,83 @@
+"""How a benchmark measures side by side: in a worker, the memory a compiled train step
+holds, the time a step takes and the worker's peak RSS; in the parent, each worker's JSON
+result, a variant's error against a reference, and ratios.
+
+A module beside the scripts, not a script: `python benchmarks/<script>.py` puts this folder
+first on `sys.path`, so the scripts (and their worker subprocesses) import it as `_measure`.
+"""
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def step_memory(compiled) -> dict[str, int]:
+    """The bytes of a compiled step from its `memory_analysis()`: `temp_bytes`,
+    `argument_bytes`, `output_bytes`, and `total_bytes`, everything the step holds at once:
+    inputs, new outputs (donated ones reuse their inputs' buffers) and temporaries."""
+    memory = compiled.memory_analysis()
+    return {
+        "temp_bytes": memory.temp_size_in_bytes,
+        "argument_bytes": memory.argument_size_in_bytes,
+        "output_bytes": memory.output_size_in_bytes,
+        "total_bytes": memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes,
+    }
+
+
+def step_seconds(compiled, trainable, opt_state, *inputs, repeats: int) -> list[float]:
+    """The wall time of each of `repeats` train steps after one warm-up step. `compiled`
+    maps `(trainable, opt_state, *inputs)` to `(trainable, opt_state, loss)`; each step
+    takes the state the last one returned (donated buffers are updated in place). A step's
+    outputs come from one executable and are ready together: waiting for the loss waits for
+    the step (and this module needs no JAX import, so a parent process that imports it stays
+    free of JAX)."""
+    trainable, opt_state, value = compiled(trainable, opt_state, *inputs)
+    value.block_until_ready()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        trainable, opt_state, value = compiled(trainable, opt_state, *inputs)
+        value.block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes (Linux counts `ru_maxrss` in
+    KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker_result(command: list[str], out: Path, *, label: str) -> dict:
+    """Run a worker subprocess, `command` (which writes its result as JSON to `out`), and
+    return that result; `{"failed": ...}` with the end of its stderr when it exits with an
+    error (out of memory, say), so that the other variants are still measured."""
+    print(f"{label} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
+    return json.loads(out.read_text())
+
+
+def relative_error(ours: dict, reference: dict) -> float:
+    """The larger of the loss's relative error and the gradients' largest error relative to
+    the largest gradient entry, of two `{"loss", "grads"}` results (leaves whose gradients
+    are near zero, such as the query projections of a random model, are judged on the scale
+    of the whole gradient)."""
+    x = np.concatenate([np.asarray(g) for g in ours["grads"]])
+    y = np.concatenate([np.asarray(g) for g in reference["grads"]])
+    loss = abs(ours["loss"] - reference["loss"]) / abs(reference["loss"])
+    return max(loss, float(np.abs(x - y).max() / np.abs(y).max()))
+
+
+def ratio(a, b):
+    """`a / b`, or None when either is missing (a variant failed) or `b` is 0."""
+    return None if a is None or b is None or b == 0 else a / b
