@@ -26,7 +26,7 @@ from tunelib.rollout._decoding import (
     pure_params,
 )
 from tunelib.rollout._environments import Environment, Turn, call_all
-from tunelib.rollout._sampler import SamplingConfig
+from tunelib.rollout._sampler import Rollout, SamplingConfig
 
 _logger = logging.getLogger(__name__)
 
@@ -113,22 +113,49 @@ class EpisodeConfig:
             object.__setattr__(self, name, value)
 
 
-class Episode(NamedTuple):
+# An Episode has a Rollout's fields, over the episode's T positions (N = T in their
+# annotations), then its own.
+_EpisodeFields = NamedTuple(
+    "_EpisodeFields",
+    [
+        *Rollout.__annotations__.items(),
+        ("roles", Int[Array, "B T"]),
+        ("context_where", Bool[Array, "B T"]),
+        ("turn_ids", Int[Array, "B T"]),
+        ("turn_starts", Int[Array, "B K"]),
+        ("turn_ends", Int[Array, "B K"]),
+        ("turn_rewards", Float[Array, "B K"]),
+        ("rewards", Float[Array, " B"]),
+        ("num_turns", Int[Array, " B"]),
+        ("failed", Bool[Array, " B"]),
+    ],
+)
+
+
+class Episode(_EpisodeFields):
     """Multi-turn episodes from `run_episodes`, one row per episode, in one padded `[B, T]`
     layout after the prompt: the model's turns and the observations between them, in order,
     then padding. A pytree of arrays (every field but the scalar `temperature` has a row per
     episode).
 
+    It has the six fields of a `Rollout`, meaning what they mean there for the model's
+    tokens (with observations in `tokens` and `lengths` too), then seven of its own.
+
     Attributes:
       tokens: `[B, T]` token ids, exactly as sampled (model turns) and as observed
         (observations); `sampling.pad_token` on padding.
-      roles: `[B, T]` int8 `Role` of each position: `MODEL`, `OBSERVATION` or `PADDING`.
       where: `[B, T]` True on model tokens, `roles == Role.MODEL`: the mask of the loss, the
         KL and the entropy. Observation tokens are never trained on.
-      context_where: `[B, T]` True on model and observation tokens, `roles != Role.PADDING`:
-        what the model attends to, the mask to score the episode with (`completion_logps`).
       logps: `[B, T]` float32 behaviour log-probs of model tokens (as `Rollout.logps`), 0
         elsewhere.
+      lengths: `[B]` int32 positions used, `context_where.sum(-1)`.
+      truncated: `[B]` True where the episode hit a limit (`max_turns`, `max_tokens`, the
+        cache, or an observation longer than `max_observation_tokens` or the budget left)
+        before its environment said done.
+      temperature: float32 scalar, the temperature of `logps` (as `Rollout.temperature`).
+      roles: `[B, T]` int8 `Role` of each position: `MODEL`, `OBSERVATION` or `PADDING`.
+      context_where: `[B, T]` True on model and observation tokens, `roles != Role.PADDING`:
+        what the model attends to, the mask to score the episode with (`completion_logps`).
       turn_ids: `[B, T]` int32 turn `k` of each token (a turn's model tokens and the
         observation that answers them), -1 on padding.
       turn_starts: `[B, K]` int32 first position of each model turn; 0 for turns that did
@@ -139,30 +166,11 @@ class Episode(NamedTuple):
         and on failed rows).
       rewards: `[B]` float32 episode (outcome) reward, the sum of its turn rewards.
       num_turns: `[B]` int32 model turns taken.
-      lengths: `[B]` int32 positions used, `context_where.sum(-1)`.
-      truncated: `[B]` True where the episode hit a limit (`max_turns`, `max_tokens`, the
-        cache, or an observation longer than `max_observation_tokens` or the budget left)
-        before its environment said done.
       failed: `[B]` True where the environment raised, timed out or answered an invalid
         `Step`: the episode ended there and its rewards are 0.
-      temperature: float32 scalar, the temperature of `logps` (as `Rollout.temperature`).
     """
 
-    tokens: Int[Array, "B T"]
-    roles: Int[Array, "B T"]
-    where: Bool[Array, "B T"]
-    context_where: Bool[Array, "B T"]
-    logps: Float[Array, "B T"]
-    turn_ids: Int[Array, "B T"]
-    turn_starts: Int[Array, "B K"]
-    turn_ends: Int[Array, "B K"]
-    turn_rewards: Float[Array, "B K"]
-    rewards: Float[Array, " B"]
-    num_turns: Int[Array, " B"]
-    lengths: Int[Array, " B"]
-    truncated: Bool[Array, " B"]
-    failed: Bool[Array, " B"]
-    temperature: Float[Array, ""]
+    __slots__ = ()
 
 
 def run_episodes(
