@@ -437,9 +437,10 @@ class _Run:
         return {r: ids for r, ids in observations.items() if ids is not None}
 
     def observe(self, turn: int, observations: dict, *, room: int):
-        """Record the observations, and the `[R, O]` block of their tokens and mask to write
-        into the cache (None when there is nothing to write). With fewer than `room` free
-        cache slots for the block and a next turn's token, their rows end `truncated`."""
+        """Record the observations, and return the `[R, O]` block of their tokens and mask to
+        write into the cache (None when there is nothing to write). When the cache's `room`
+        free slots cannot hold the block and a next turn's token, their rows end `truncated`
+        instead."""
         width = self.config.max_observation_tokens
         observed = any(ids.size for ids in observations.values())
         if observations and room < observed * width + 1:
@@ -455,6 +456,20 @@ class _Run:
         for r, ids in observations.items():
             block[r, : ids.size], block_where[r, : ids.size] = ids, True
         return block, block_where
+
+    def episode(self) -> Episode:
+        roles = self.roles
+        rewards = self.turn_rewards.sum(-1, dtype=np.float32)
+        arrays = dict(
+            tokens=self.tokens, roles=roles, where=roles == Role.MODEL,
+            context_where=roles != Role.PADDING, logps=self.logps, turn_ids=self.turn_ids,
+            turn_starts=self.starts, turn_ends=self.ends, turn_rewards=self.turn_rewards,
+            rewards=rewards, num_turns=self.num_turns,
+            lengths=(roles != Role.PADDING).sum(-1, dtype=np.int32),
+            truncated=self.truncated, failed=self.failed,
+            temperature=np.float32(self.config.sampling.temperature or 1.0),
+        )  # fmt: skip
+        return Episode(**{name: jnp.asarray(x) for name, x in arrays.items()})
 
     def end(self, r: int, *, truncated: bool = False) -> None:
         self.active[r] = False
@@ -529,17 +544,3 @@ class _Run:
                 f"{ids.max()}"
             )
         return ids.astype(np.int32), float(reward), False
-
-    def episode(self) -> Episode:
-        roles = self.roles
-        rewards = self.turn_rewards.sum(-1, dtype=np.float32)
-        arrays = dict(
-            tokens=self.tokens, roles=roles, where=roles == Role.MODEL,
-            context_where=roles != Role.PADDING, logps=self.logps, turn_ids=self.turn_ids,
-            turn_starts=self.starts, turn_ends=self.ends, turn_rewards=self.turn_rewards,
-            rewards=rewards, num_turns=self.num_turns,
-            lengths=(roles != Role.PADDING).sum(-1, dtype=np.int32),
-            truncated=self.truncated, failed=self.failed,
-            temperature=np.float32(self.config.sampling.temperature or 1.0),
-        )  # fmt: skip
-        return Episode(**{name: jnp.asarray(x) for name, x in arrays.items()})
