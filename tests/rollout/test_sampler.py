@@ -143,6 +143,25 @@ def test_temperature_zero_is_exact_greedy():
     assert out.temperature == 1.0
 
 
+def test_greedy_sampling_with_the_cache_runs_under_x64():
+    """Under `jax.enable_x64`, where Python ints index as int64 beside the cache's int32
+    index, a float64 decoder samples through its KV cache: the greedy tokens are the argmax of
+    one uncached float64 pass and the log-probs its log-softmax (which the sampler takes in
+    float32)."""
+    graphdef, params = make_model()
+    model64 = float64_twin(params)
+    with jax.enable_x64(True):
+        out = sample(*model64, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY, group_size=2)
+        logits = completion_logits(*model64, out, group=2)
+        assert full_logits(*model64, PROMPTS, PROMPT_WHERE).dtype == jnp.float64
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 1e-3  # no near-ties for float32 to break
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    assert np.asarray(out.where).all() and out.tokens.dtype == jnp.int32
+    expected = np.take_along_axis(log_softmax(logits), np.asarray(out.tokens)[..., None], -1)
+    assert_close(out.logps, expected[..., 0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("logps_of", ["tempered", "processed"])
 def test_logps_are_those_of_the_stated_distribution(logps_of):
     graphdef, params = make_model(1)

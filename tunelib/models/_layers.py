@@ -287,7 +287,7 @@ class Attention(nnx.Module):
             out = self._attend(q, k, val, allowed, fill)
         else:
             all_k, all_v, layer, index = cache
-            start = (layer, 0, 0, index, 0)
+            start = tuple(jnp.asarray(i, jnp.int32) for i in (layer, 0, 0, index, 0))
             all_k = jax.lax.dynamic_update_slice(all_k, k.astype(all_k.dtype)[None], start)
             all_v = jax.lax.dynamic_update_slice(all_v, val.astype(all_v.dtype)[None], start)
             cache = (all_k, all_v, layer, index)

@@ -43,8 +43,9 @@ def completion_logps(
 
     It takes a `Rollout` as `sample` returns it: `completion_logps(graphdef, params,
     prompt_tokens, prompt_where, out.tokens, out.where, temperature=τ)` recomputes
-    `out.logps` (with `logps_of="tempered"`, the default) up to float rounding, and with
-    `group_size` G the `B * G` completions follow the `B` prompts (row `b * G + g`
+    `out.logps` (with `logps_of="tempered"`, the default) up to float rounding. The group
+    size G of `sample(..., group_size=G)` is read from the shapes (there is no `group_size`
+    argument): the `R = B * G` completions follow the `B` prompts (row `b * G + g`
     continues prompt `b`). Wrap it in `tunelib.peft.lora` to score under adapters:
     `peft.lora(completion_logps)(graphdef, peft.apply_lora(params, adapters), ...)`.
 

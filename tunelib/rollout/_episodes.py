@@ -17,15 +17,16 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
 from tunelib.data import Tokenizer
-from tunelib.rollout._environments import Environment, Turn, call_all
-from tunelib.rollout._sampler import (
-    SamplingConfig,
-    _as_key,
-    _checked_inputs,
-    _decode,
-    _prefill,
-    _pure,
+from tunelib.rollout._decoding import (
+    as_key,
+    checked_prompts,
+    decode,
+    last_logits,
+    prefill,
+    pure_params,
 )
+from tunelib.rollout._environments import Environment, Turn, call_all
+from tunelib.rollout._sampler import Rollout, SamplingConfig
 
 _logger = logging.getLogger(__name__)
 
@@ -112,22 +113,49 @@ class EpisodeConfig:
             object.__setattr__(self, name, value)
 
 
-class Episode(NamedTuple):
+# An Episode has a Rollout's fields, over the episode's T positions (N = T in their
+# annotations), then its own.
+_EpisodeFields = NamedTuple(
+    "_EpisodeFields",
+    [
+        *Rollout.__annotations__.items(),
+        ("roles", Int[Array, "B T"]),
+        ("context_where", Bool[Array, "B T"]),
+        ("turn_ids", Int[Array, "B T"]),
+        ("turn_starts", Int[Array, "B K"]),
+        ("turn_ends", Int[Array, "B K"]),
+        ("turn_rewards", Float[Array, "B K"]),
+        ("rewards", Float[Array, " B"]),
+        ("num_turns", Int[Array, " B"]),
+        ("failed", Bool[Array, " B"]),
+    ],
+)
+
+
+class Episode(_EpisodeFields):
     """Multi-turn episodes from `run_episodes`, one row per episode, in one padded `[B, T]`
     layout after the prompt: the model's turns and the observations between them, in order,
     then padding. A pytree of arrays (every field but the scalar `temperature` has a row per
     episode).
 
+    It has the six fields of a `Rollout`, meaning what they mean there for the model's
+    tokens (with observations in `tokens` and `lengths` too), then seven of its own.
+
     Attributes:
       tokens: `[B, T]` token ids, exactly as sampled (model turns) and as observed
         (observations); `sampling.pad_token` on padding.
-      roles: `[B, T]` int8 `Role` of each position: `MODEL`, `OBSERVATION` or `PADDING`.
       where: `[B, T]` True on model tokens, `roles == Role.MODEL`: the mask of the loss, the
         KL and the entropy. Observation tokens are never trained on.
-      context_where: `[B, T]` True on model and observation tokens, `roles != Role.PADDING`:
-        what the model attends to, the mask to score the episode with (`completion_logps`).
       logps: `[B, T]` float32 behaviour log-probs of model tokens (as `Rollout.logps`), 0
         elsewhere.
+      lengths: `[B]` int32 positions used, `context_where.sum(-1)`.
+      truncated: `[B]` True where the episode hit a limit (`max_turns`, `max_tokens`, the
+        cache, or an observation longer than `max_observation_tokens` or the budget left)
+        before its environment said done.
+      temperature: float32 scalar, the temperature of `logps` (as `Rollout.temperature`).
+      roles: `[B, T]` int8 `Role` of each position: `MODEL`, `OBSERVATION` or `PADDING`.
+      context_where: `[B, T]` True on model and observation tokens, `roles != Role.PADDING`:
+        what the model attends to, the mask to score the episode with (`completion_logps`).
       turn_ids: `[B, T]` int32 turn `k` of each token (a turn's model tokens and the
         observation that answers them), -1 on padding.
       turn_starts: `[B, K]` int32 first position of each model turn; 0 for turns that did
@@ -138,30 +166,11 @@ class Episode(NamedTuple):
         and on failed rows).
       rewards: `[B]` float32 episode (outcome) reward, the sum of its turn rewards.
       num_turns: `[B]` int32 model turns taken.
-      lengths: `[B]` int32 positions used, `context_where.sum(-1)`.
-      truncated: `[B]` True where the episode hit a limit (`max_turns`, `max_tokens`, the
-        cache, or an observation longer than `max_observation_tokens` or the budget left)
-        before its environment said done.
       failed: `[B]` True where the environment raised, timed out or answered an invalid
         `Step`: the episode ended there and its rewards are 0.
-      temperature: float32 scalar, the temperature of `logps` (as `Rollout.temperature`).
     """
 
-    tokens: Int[Array, "B T"]
-    roles: Int[Array, "B T"]
-    where: Bool[Array, "B T"]
-    context_where: Bool[Array, "B T"]
-    logps: Float[Array, "B T"]
-    turn_ids: Int[Array, "B T"]
-    turn_starts: Int[Array, "B K"]
-    turn_ends: Int[Array, "B K"]
-    turn_rewards: Float[Array, "B K"]
-    rewards: Float[Array, " B"]
-    num_turns: Int[Array, " B"]
-    lengths: Int[Array, " B"]
-    truncated: Bool[Array, " B"]
-    failed: Bool[Array, " B"]
-    temperature: Float[Array, ""]
+    __slots__ = ()
 
 
 def run_episodes(
@@ -271,9 +280,37 @@ def run_episodes(
     """
     if not isinstance(config, EpisodeConfig):
         raise TypeError(f"config must be an EpisodeConfig, got {type(config).__name__}.")
-    prompt_tokens, prompt_where, model_config = _checked_inputs(
+    prompt_tokens, prompt_where, model_config = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config.sampling, group_size
     )
+    environments = list(environments)
+    _check_rows(prompt_tokens, prompt_where, len(environments), group_size)
+    slots = _cache_slots(config, prompt_tokens.shape[1], model_config)
+    params, key = pure_params(params), as_key(key)
+
+    logits, cache = _start(graphdef, params, prompt_tokens, prompt_where, slots, group_size)
+    run = _Run(environments, config, model_config.vocab_size, tokenizer)
+    run.reset(_row_prompts(prompt_tokens, prompt_where, group_size))
+    for turn in range(config.max_turns):
+        limit = run.limits(slots - int(cache.index))
+        if not run.active.any():
+            break
+        out = _turn(graphdef, params, logits, cache, jax.random.fold_in(key, turn),
+                    config.sampling, config.turn_end_sequences, ~run.active, limit)  # fmt: skip
+        logits, cache = out.logits, out.cache
+        drawn = jax.device_get((out.tokens, out.where, out.logps, out.ended))
+        observations = run.step(turn, *drawn)
+        block = run.observe(turn, observations, room=slots - int(cache.index))
+        if block is not None:
+            logits, cache = _observe(graphdef, params, logits, cache, *block)
+    return run.episode()
+
+
+def _check_rows(
+    prompt_tokens: jax.Array, prompt_where: jax.Array, environments: int, group_size: int
+) -> None:
+    """The prompts are concrete and in this process, with one environment for each of their
+    `B * G` rows."""
     if isinstance(prompt_tokens, jax.core.Tracer) or isinstance(prompt_where, jax.core.Tracer):
         raise ValueError(
             "prompt_tokens and prompt_where must be concrete arrays: run_episodes steps "
@@ -283,17 +320,20 @@ def run_episodes(
         if not x.is_fully_addressable:
             raise ValueError(f"{name} is spread over several processes; run_episodes needs "
                              "every row in this process.")  # fmt: skip
-    batch, prompt_len = prompt_tokens.shape
-    rows = batch * group_size
-    environments = list(environments)
-    if len(environments) != rows:
+    batch = prompt_tokens.shape[0]
+    if environments != batch * group_size:
         raise ValueError(
             f"environments must hold one environment per row, B * G = {batch} * {group_size} "
-            f"= {rows}, got {len(environments)}."
+            f"= {batch * group_size}, got {environments}."
         )
-    sampling = config.sampling
-    turns, new, width = config.max_turns, sampling.max_new_tokens, config.max_observation_tokens
-    slots = config.cache_length or prompt_len + turns * new + (turns - 1) * width
+
+
+def _cache_slots(config: EpisodeConfig, prompt_len: int, model_config) -> int:
+    """The episode's KV-cache slots, checked against the prompts and the model's window."""
+    turns, new = config.max_turns, config.sampling.max_new_tokens
+    slots = config.cache_length or (
+        prompt_len + turns * new + (turns - 1) * config.max_observation_tokens
+    )
     if slots <= prompt_len:
         raise ValueError(
             f"cache_length {slots} leaves no slot after prompts of {prompt_len} positions."
@@ -306,77 +346,25 @@ def run_episodes(
             "so it would see fewer real tokens than a forward pass over the episode. Use a "
             "cache_length of at most the window."
         )
-    params = _pure(params)
-    key = _as_key(key)
-    logits, cache = _start(graphdef, params, prompt_tokens, prompt_where, slots, group_size)
-
-    tokens_np, where_np = np.asarray(prompt_tokens), np.asarray(prompt_where)
-    prompts = [tuple(tokens_np[r // group_size][where_np[r // group_size]].tolist())
-               for r in range(rows)]  # fmt: skip
-    run = _Run(rows, config, model_config.vocab_size, tokenizer)
-    resets = [functools.partial(e.reset, p) for e, p in zip(environments, prompts, strict=True)]
-    for r, outcome in enumerate(call_all(resets, config.step_timeout)):
-        if outcome.error is not None:
-            run.fail(r, f"reset {outcome.error}")
-    for turn in range(turns):
-        if not run.active.any():
-            break
-        left = slots - int(cache.index)
-        limit = np.where(run.active, np.minimum(config.max_tokens - run.offset, left), 0)
-        for r in np.flatnonzero(run.active & (limit < 1)).tolist():
-            run.end(r, truncated=True)  # no budget or cache slot left for a token
-        if not run.active.any():
-            break
-        out = _turn(graphdef, params, logits, cache, jax.random.fold_in(key, turn), sampling,
-                    config.turn_end_sequences, ~run.active, limit.astype(np.int32))  # fmt: skip
-        logits, cache = out.logits, out.cache
-        drawn, drawn_where, drawn_logps, ended = jax.device_get(
-            (out.tokens, out.where, out.logps, out.ended)
-        )
-        stepping = np.flatnonzero(run.active).tolist()
-        calls: list = [None] * rows
-        for r in stepping:
-            ids = run.add_turn(r, turn, drawn[r][drawn_where[r]], drawn_logps[r][drawn_where[r]])
-            calls[r] = functools.partial(_step, environments[r], ids, tokenizer, not ended[r])
-        outcomes = call_all(calls, config.step_timeout)
-        pending = {}
-        for r in stepping:
-            observation = run.take_step(r, turn, outcomes[r])
-            if observation is not None:
-                pending[r] = observation
-        observed = any(observation.size for observation in pending.values())
-        if pending and slots - int(cache.index) < observed * width + 1:
-            for r in pending:  # no room for the observations and a next turn
-                run.end(r, truncated=True)
-            pending = {}
-        for r, observation in pending.items():
-            run.add_observation(r, turn, observation)
-        if observed and pending:
-            block = np.full((rows, width), sampling.pad_token, np.int32)
-            block_where = np.zeros((rows, width), np.bool_)
-            for r, observation in pending.items():
-                block[r, : observation.size] = observation
-                block_where[r, : observation.size] = True
-            logits, cache = _observe(graphdef, params, logits, cache, block, block_where)
-    return run.episode(sampling)
+    return slots
 
 
-def _step(environment: Environment, ids: tuple[int, ...], tokenizer, truncated: bool):
-    """`environment.step` of a turn, its text decoded first (in the step's own thread, so
-    that a decoding error fails only its row)."""
-    text = None if tokenizer is None else tokenizer.decode(ids)
-    return environment.step(Turn(ids, text, truncated))
+def _row_prompts(prompt_tokens: jax.Array, prompt_where: jax.Array, group_size: int) -> list:
+    """Each row's real prompt ids, a tuple of ints (row `b * G + g` has prompt `b`'s)."""
+    tokens, where = np.asarray(prompt_tokens), np.asarray(prompt_where)
+    return [tuple(t[w].tolist()) for t, w in zip(tokens, where, strict=True)
+            for _ in range(group_size)]  # fmt: skip
 
 
 @jax.jit(static_argnums=(0, 4, 5))
 def _start(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size):
-    return _prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)
+    return prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)
 
 
 @jax.jit(static_argnums=(0, 5, 6), donate_argnums=3)
 def _turn(graphdef, params, logits, cache, key, config, end_sequences, done, limit):
-    return _decode(graphdef, params, logits, cache, key, config, done=done, limit=limit,
-                   end_sequences=end_sequences)  # fmt: skip
+    return decode(graphdef, params, logits, cache, key, config, done=done, limit=limit,
+                  end_sequences=end_sequences)  # fmt: skip
 
 
 @jax.jit(static_argnums=0, donate_argnums=3)
@@ -386,17 +374,24 @@ def _observe(graphdef, params, logits, cache, tokens, where):
     row without one)."""
     model = nnx.merge(graphdef, params)
     hidden, cache = model.extend(tokens, where, cache)
-    count = where.sum(-1)
-    last = jnp.maximum(count - 1, 0)
-    after = model.unembed(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
-    return jnp.where(count[:, None] > 0, after, logits), cache
+    return jnp.where(where.any(-1)[:, None], last_logits(model, hidden, where), logits), cache
+
+
+def _step(environment: Environment, ids: tuple[int, ...], tokenizer, truncated: bool):
+    """`environment.step` of a turn, its text decoded first (in the step's own thread, so
+    that a decoding error fails only its row)."""
+    text = None if tokenizer is None else tokenizer.decode(ids)
+    return environment.step(Turn(ids, text, truncated))
 
 
 class _Run:
-    """The host-side record of the episodes: `[R, T]` NumPy buffers filled turn by turn."""
+    """The host side of the episodes: their environments, and `[R, T]` NumPy buffers of the
+    episodes filled turn by turn."""
 
-    def __init__(self, rows: int, config: EpisodeConfig, vocab_size: int, tokenizer):
-        self.config, self.vocab_size, self.tokenizer = config, vocab_size, tokenizer
+    def __init__(self, environments: list, config: EpisodeConfig, vocab_size: int, tokenizer):
+        self.environments, self.config = environments, config
+        self.vocab_size, self.tokenizer = vocab_size, tokenizer
+        rows = len(environments)
         size, turns = (rows, config.max_tokens), (rows, config.max_turns)
         self.tokens = np.full(size, config.sampling.pad_token, np.int32)
         self.roles = np.full(size, Role.PADDING, np.int8)
@@ -407,6 +402,74 @@ class _Run:
         self.num_turns, self.offset = np.zeros(rows, np.int32), np.zeros(rows, np.int64)
         self.active = np.ones(rows, np.bool_)
         self.truncated, self.failed = np.zeros(rows, np.bool_), np.zeros(rows, np.bool_)
+
+    def reset(self, prompts: list) -> None:
+        """Reset each row's environment with its prompt ids (in threads)."""
+        resets = [
+            functools.partial(e.reset, p) for e, p in zip(self.environments, prompts, strict=True)
+        ]
+        for r, outcome in enumerate(call_all(resets, self.config.step_timeout)):
+            if outcome.error is not None:
+                self.fail(r, f"reset {outcome.error}")
+
+    def limits(self, slots_left: int) -> np.ndarray:
+        """The `[R]` int32 most tokens each row's next turn may draw, its budget or the
+        cache's free slots (0 on ended rows); a row with none left ends `truncated`."""
+        budget = np.minimum(self.config.max_tokens - self.offset, slots_left)
+        limit = np.where(self.active, budget, 0)
+        for r in np.flatnonzero(self.active & (limit < 1)).tolist():
+            self.end(r, truncated=True)
+        return limit.astype(np.int32)
+
+    def step(self, turn: int, tokens, where, logps, ended) -> dict[int, np.ndarray]:
+        """Record the `[R, N]` turn the model drew on each active row, step the rows'
+        environments with it (in threads) and record their answers; the observations of the
+        rows that go on, by row."""
+        stepping = np.flatnonzero(self.active).tolist()
+        calls: list = [None] * len(self.environments)
+        for r in stepping:
+            ids = self.add_turn(r, turn, tokens[r][where[r]], logps[r][where[r]])
+            calls[r] = functools.partial(
+                _step, self.environments[r], ids, self.tokenizer, not ended[r]
+            )
+        outcomes = call_all(calls, self.config.step_timeout)
+        observations = {r: self.take_step(r, turn, outcomes[r]) for r in stepping}
+        return {r: ids for r, ids in observations.items() if ids is not None}
+
+    def observe(self, turn: int, observations: dict, *, room: int):
+        """Record the observations, and return the `[R, O]` block of their tokens and mask to
+        write into the cache (None when there is nothing to write). When the cache's `room`
+        free slots cannot hold the block and a next turn's token, their rows end `truncated`
+        instead."""
+        width = self.config.max_observation_tokens
+        observed = any(ids.size for ids in observations.values())
+        if observations and room < observed * width + 1:
+            for r in observations:
+                self.end(r, truncated=True)
+            return None
+        for r, ids in observations.items():
+            self.add_observation(r, turn, ids)
+        if not observed:
+            return None
+        block = np.full((len(self.environments), width), self.config.sampling.pad_token, np.int32)
+        block_where = np.zeros(block.shape, np.bool_)
+        for r, ids in observations.items():
+            block[r, : ids.size], block_where[r, : ids.size] = ids, True
+        return block, block_where
+
+    def episode(self) -> Episode:
+        roles = self.roles
+        rewards = self.turn_rewards.sum(-1, dtype=np.float32)
+        arrays = dict(
+            tokens=self.tokens, roles=roles, where=roles == Role.MODEL,
+            context_where=roles != Role.PADDING, logps=self.logps, turn_ids=self.turn_ids,
+            turn_starts=self.starts, turn_ends=self.ends, turn_rewards=self.turn_rewards,
+            rewards=rewards, num_turns=self.num_turns,
+            lengths=(roles != Role.PADDING).sum(-1, dtype=np.int32),
+            truncated=self.truncated, failed=self.failed,
+            temperature=np.float32(self.config.sampling.temperature or 1.0),
+        )  # fmt: skip
+        return Episode(**{name: jnp.asarray(x) for name, x in arrays.items()})
 
     def end(self, r: int, *, truncated: bool = False) -> None:
         self.active[r] = False
@@ -481,17 +544,3 @@ class _Run:
                 f"{ids.max()}"
             )
         return ids.astype(np.int32), float(reward), False
-
-    def episode(self, sampling: SamplingConfig) -> Episode:
-        roles = self.roles
-        rewards = self.turn_rewards.sum(-1, dtype=np.float32)
-        arrays = dict(
-            tokens=self.tokens, roles=roles, where=roles == Role.MODEL,
-            context_where=roles != Role.PADDING, logps=self.logps, turn_ids=self.turn_ids,
-            turn_starts=self.starts, turn_ends=self.ends, turn_rewards=self.turn_rewards,
-            rewards=rewards, num_turns=self.num_turns,
-            lengths=(roles != Role.PADDING).sum(-1, dtype=np.int32),
-            truncated=self.truncated, failed=self.failed,
-            temperature=np.float32(sampling.temperature or 1.0),
-        )  # fmt: skip
-        return Episode(**{name: jnp.asarray(x) for name, x in arrays.items()})

@@ -1,23 +1,18 @@
-"""The KV-cache sampler: jit-compiled prefill and a `lax.while_loop` decode."""
+"""The KV-cache sampler: `sample` and its config and output, on the rollout core
+(`tunelib.rollout._decoding`)."""
 
 import dataclasses
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
-from tunelib.models import KVCache
-from tunelib.rollout._processors import (
-    check_sampling_args,
-    check_sampling_values,
-    forbid_tokens,
-    process_logits,
-)
+from tunelib.rollout._decoding import as_key, checked_prompts, decode, prefill, pure_params
+from tunelib.rollout._processors import check_sampling_values
 
 LogpsOf = Literal["tempered", "processed"]
 
@@ -213,7 +208,9 @@ def sample(
       Pope et al., "Efficiently Scaling Transformer Inference" (KV caching), 2022,
       https://arxiv.org/abs/2211.05102.
     """
-    prompt_tokens, prompt_where, _ = _checked_inputs(
+    if not isinstance(config, SamplingConfig):
+        raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}.")
+    prompt_tokens, prompt_where, _ = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config, group_size
     )
     prompt_len = prompt_tokens.shape[1]
@@ -226,218 +223,13 @@ def sample(
     return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
 
 
-def _checked_inputs(
-    graphdef: nnx.GraphDef,
-    params: PyTree,
-    prompt_tokens: ArrayLike,
-    prompt_where: ArrayLike,
-    config: SamplingConfig,
-    group_size: int,
-) -> tuple[jax.Array, jax.Array, object]:
-    """The prompts as arrays and the model's config, after every check that needs no cache
-    length: the config against the vocabulary, `group_size`, and (when they are concrete)
-    empty prompts and prompt ids outside the vocabulary."""
-    if not isinstance(config, SamplingConfig):
-        raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}.")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}.")
-    prompt_tokens = v.int_array(prompt_tokens, "prompt_tokens")
-    if prompt_tokens.ndim != 2:
-        raise ValueError(f"prompt_tokens must have shape [B, P], got {prompt_tokens.shape}.")
-    prompt_where = v.mask_array(prompt_where, prompt_tokens.shape, "prompt_where")
-    # The config of a model merged from shapes alone: a module made of the arrays themselves
-    # would hold them in reference cycles until Python's next garbage collection.
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
-    model_config = nnx.merge(graphdef, shapes).config
-    check_sampling_args(
-        vocab_size=model_config.vocab_size,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        min_p=config.min_p,
-        forbidden_tokens=config.forbidden_tokens,
-        stop_tokens=config.stop_tokens,
-    )
-    if not 0 <= config.pad_token < model_config.vocab_size:
-        raise ValueError(
-            f"pad_token must lie in [0, {model_config.vocab_size}), got {config.pad_token}."
-        )
-    if not isinstance(prompt_where, jax.core.Tracer):
-        for first, real in _rows_held_here(prompt_where):
-            empty = first + np.flatnonzero(~real.any(axis=1))
-            if empty.size:
-                raise ValueError(
-                    f"prompt_where has no real token in rows {empty[:10].tolist()}: every "
-                    "prompt needs at least one token to condition on (start empty prompts "
-                    "with a BOS)."
-                )
-        if not isinstance(prompt_tokens, jax.core.Tracer):
-            pairs = zip(_rows_held_here(prompt_tokens), _rows_held_here(prompt_where), strict=True)
-            ids = np.concatenate([np.zeros(0, np.int64)] + [t[w] for (_, t), (_, w) in pairs])
-            if ids.size and not (ids.min() >= 0 and ids.max() < model_config.vocab_size):
-                raise ValueError(
-                    f"prompt_tokens must lie in [0, {model_config.vocab_size}) where "
-                    f"prompt_where is True, got ids from {ids.min()} to {ids.max()}."
-                )
-    return prompt_tokens, prompt_where, model_config
-
-
-def _rows_held_here(x: jax.Array) -> list[tuple[int, np.ndarray]]:
-    """`(first row, whole rows)` blocks of `[B, P]` `x` that this process holds: all of it,
-    or, for an array spread over several processes (a multi-process run), its addressable
-    shards that hold whole rows, so each process checks its own prompts."""
-    if getattr(x, "is_fully_addressable", True):
-        return [(0, np.asarray(x))]
-    blocks = {}
-    for shard in x.addressable_shards:
-        rows, columns = shard.index
-        if columns.indices(x.shape[1]) == (0, x.shape[1], 1):
-            blocks[rows.indices(x.shape[0])[0]] = np.asarray(shard.data)
-    return sorted(blocks.items(), key=lambda block: block[0])
-
-
 @jax.jit(static_argnums=(0, 5, 6))
 def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size):
-    params = _pure(params)
-    logits, cache = _prefill(
-        graphdef,
-        params,
-        prompt_tokens,
-        prompt_where,
-        config.cache_length or prompt_tokens.shape[1] + config.max_new_tokens,
-        group_size,
-    )
-    done = jnp.zeros((logits.shape[0],), jnp.bool_)
-    out = _decode(graphdef, params, logits, cache, _as_key(key), config, done=done)
+    """`sample` after its checks: a prefill and one decode loop, in one program."""
+    params = pure_params(params)
+    cache_length = config.cache_length or prompt_tokens.shape[1] + config.max_new_tokens
+    logits, cache = prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)
+    out = decode(graphdef, params, logits, cache, as_key(key), config)
     temperature = jnp.asarray(config.temperature or 1.0, jnp.float32)
     lengths = out.where.sum(-1, dtype=jnp.int32)
     return Rollout(out.tokens, out.where, out.logps, lengths, ~out.done, temperature)
-
-
-def _pure(params: PyTree) -> PyTree:
-    """Plain arrays: loop bodies merge them into a module again."""
-    return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-
-
-def _as_key(key: jax.Array) -> jax.Array:
-    """A new-style PRNG key (legacy uint32 keys are wrapped)."""
-    if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(key)
-    return key
-
-
-def _prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size):
-    """Next-token logits `[B * G, V]` after each prompt's last real token, and the KV cache of
-    `cache_length` slots holding the prompts, each row repeated `group_size` times (a fork of
-    one prefill)."""
-    model = nnx.merge(graphdef, params)
-    batch, prompt_len = prompt_tokens.shape
-    cache = model.init_cache(batch, cache_length)
-    hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
-    last = prompt_len - 1 - jnp.argmax(prompt_where[:, ::-1], axis=1)
-    logits = model.unembed(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
-    if group_size > 1:  # fork the prefilled cache: row b * G + g continues prompt b
-        cache = cache.repeat_rows(group_size)
-        logits = jnp.repeat(logits, group_size, axis=0)
-    return logits, cache
-
-
-def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig):
-    """One token per row from the processed distribution of `[R, V]` logits, and the `[R, V]`
-    log-probs it is recorded under (`SamplingConfig.logps_of`)."""
-    logits = logits.astype(jnp.float32)
-    allowed = forbid_tokens(logits, config.forbidden_tokens)
-    if config.temperature == 0:
-        return jnp.argmax(allowed, axis=-1), jax.nn.log_softmax(logits)
-    processed = process_logits(
-        allowed,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        min_p=config.min_p,
-    )
-    token = jax.random.categorical(key, processed, axis=-1)
-    if config.logps_of == "processed":
-        return token, jax.nn.log_softmax(processed)
-    return token, jax.nn.log_softmax(logits / config.temperature)
-
-
-class _Decoded(NamedTuple):
-    """What `_decode` returns: the `[R, N]` tokens, mask and log-probs it drew, `[R]` flags
-    (`done`: the row stopped drawing, for any reason; `ended`: by a stop token or an end
-    sequence), the next-token logits after each row's last token and the cache."""
-
-    tokens: jax.Array
-    where: jax.Array
-    logps: jax.Array
-    done: jax.Array
-    ended: jax.Array
-    logits: jax.Array
-    cache: KVCache
-
-
-def _decode(
-    graphdef, params, logits, cache, key, config, *, done, limit=None, end_sequences=()
-) -> _Decoded:
-    """The decode loop: up to `config.max_new_tokens` steps of one token per row, from `[R, V]`
-    next-token logits and a cache, inside a `lax.while_loop` that ends once every row is done.
-
-    A row that starts `done` (`[R]`) draws nothing (its slots are padding). A row is done after a
-    stop token, after a token that completes one of `end_sequences` (static tuples of token
-    ids, drawn in this call), or, with `limit` (`[R]` ints), after `limit` tokens. Step `t`
-    draws with `fold_in(key, t)`. Every step writes one cache slot for every row.
-    """
-    rows, new = logits.shape[0], config.max_new_tokens
-    stop = jnp.asarray(
-        config.stop_tokens + tuple(s[0] for s in end_sequences if len(s) == 1) or (-1,),
-        jnp.int32,
-    )
-    longer = tuple(s for s in end_sequences if len(s) > 1)
-    width = max((len(s) for s in longer), default=1) - 1
-
-    def running(state):
-        step, *_, done, _, _, _, _ = state
-        return (step < new) & ~jnp.all(done)
-
-    def step_fn(state):
-        step, tokens, where, logps, done, ended, tail, logits, cache = state
-        token, all_logps = _draw(logits, jax.random.fold_in(key, step), config)
-        live = ~done
-        logp = jnp.take_along_axis(all_logps, token[:, None], axis=-1)[:, 0]
-        token = jnp.where(live, token.astype(jnp.int32), config.pad_token)
-        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, 1)
-        where = jax.lax.dynamic_update_slice_in_dim(where, live[:, None], step, 1)
-        logps = jax.lax.dynamic_update_slice_in_dim(
-            logps, jnp.where(live, logp, 0.0)[:, None], step, 1
-        )
-        hit = jnp.isin(token, stop)
-        if longer:  # the last tokens of the row, the newest at the end
-            window = jnp.concatenate([tail, token[:, None]], axis=1)
-            for sequence in longer:
-                hit |= jnp.all(window[:, -len(sequence) :] == jnp.asarray(sequence), axis=1)
-            tail = window[:, 1:]
-        ended = ended | (live & hit)
-        stopped = hit if limit is None else hit | (step + 1 >= limit)
-        done = done | (live & stopped)
-        # Merged inside the loop body: NNX modules do not cross into an inner trace.
-        step_model = nnx.merge(graphdef, params)
-        hidden, cache = step_model.extend(token[:, None], live[:, None], cache)
-        # A row that drew nothing keeps the logits after its last real token.
-        logits = jnp.where(live[:, None], step_model.unembed(hidden[:, 0]), logits)
-        return step + 1, tokens, where, logps, done, ended, tail, logits, cache
-
-    state = (
-        jnp.zeros((), jnp.int32),
-        jnp.full((rows, new), config.pad_token, jnp.int32),
-        jnp.zeros((rows, new), jnp.bool_),
-        jnp.zeros((rows, new), jnp.float32),
-        done,
-        jnp.zeros((rows,), jnp.bool_),
-        jnp.full((rows, width), -1, jnp.int32),
-        logits,
-        cache,
-    )
-    _, tokens, where, logps, done, ended, _, logits, cache = jax.lax.while_loop(
-        running, step_fn, state
-    )
-    return _Decoded(tokens, where, logps, done, ended, logits, cache)

@@ -1,0 +1,255 @@
+"""The rollout core: KV-cache prefill and the decode loop, shared by `sample` and `run_episodes`.
+
+The internal API of `tunelib.rollout` (none of it is public; `sample` and `run_episodes` are
+built from it, each in its own jitted functions):
+
+- `checked_prompts(graphdef, params, prompt_tokens, prompt_where, config, group_size)`: the
+  prompts as arrays and the model's config, after every check that needs no cache length.
+- `pure_params(params)`, `as_key(key)`: the parameters as plain arrays and the key as a
+  new-style PRNG key, as the functions below take them.
+- `prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)`: the
+  next-token logits after each prompt and the KV cache holding the prompts, forked
+  `group_size` ways.
+- `last_logits(model, hidden, where)`: the next-token logits after each row's last real
+  token of a block that `Decoder.extend` ran (prefill and an episode's observations).
+- `decode(graphdef, params, logits, cache, key, config, *, done, limit, end_sequences)`: the
+  decode loop, a `lax.while_loop` of one token per row a step from next-token logits and a
+  cache; it returns a `Decoded`, the drawn tokens and where the cache and logits stand after
+  them, so that a caller can continue the same cache.
+
+`config` is a `SamplingConfig` (`tunelib.rollout.sample` checks that it is one). Nothing here
+is jitted: the callers jit whole programs of these steps.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import PyTree
+
+from tunelib import _validation as v
+from tunelib.models import KVCache
+from tunelib.rollout._processors import check_sampling_args, forbid_tokens, process_logits
+
+
+def checked_prompts(
+    graphdef: nnx.GraphDef,
+    params: PyTree,
+    prompt_tokens: ArrayLike,
+    prompt_where: ArrayLike,
+    config,
+    group_size: int,
+) -> tuple[jax.Array, jax.Array, object]:
+    """The prompts as arrays and the model's config, after every check that needs no cache
+    length: `group_size`, the sampling `config` against the vocabulary, and (when they are
+    concrete) empty prompts and prompt ids outside the vocabulary."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}.")
+    prompt_tokens = v.int_array(prompt_tokens, "prompt_tokens")
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must have shape [B, P], got {prompt_tokens.shape}.")
+    prompt_where = v.mask_array(prompt_where, prompt_tokens.shape, "prompt_where")
+    # The config of a model merged from shapes alone: a module made of the arrays themselves
+    # would hold them in reference cycles until Python's next garbage collection.
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    model_config = nnx.merge(graphdef, shapes).config
+    check_sampling_args(
+        vocab_size=model_config.vocab_size,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        min_p=config.min_p,
+        forbidden_tokens=config.forbidden_tokens,
+        stop_tokens=config.stop_tokens,
+    )
+    if not 0 <= config.pad_token < model_config.vocab_size:
+        raise ValueError(
+            f"pad_token must lie in [0, {model_config.vocab_size}), got {config.pad_token}."
+        )
+    if not isinstance(prompt_where, jax.core.Tracer):
+        for first, real in _rows_held_here(prompt_where):
+            empty = first + np.flatnonzero(~real.any(axis=1))
+            if empty.size:
+                raise ValueError(
+                    f"prompt_where has no real token in rows {empty[:10].tolist()}: every "
+                    "prompt needs at least one token to condition on (start empty prompts "
+                    "with a BOS)."
+                )
+        if not isinstance(prompt_tokens, jax.core.Tracer):
+            pairs = zip(_rows_held_here(prompt_tokens), _rows_held_here(prompt_where), strict=True)
+            ids = np.concatenate([np.zeros(0, np.int64)] + [t[w] for (_, t), (_, w) in pairs])
+            if ids.size and not (ids.min() >= 0 and ids.max() < model_config.vocab_size):
+                raise ValueError(
+                    f"prompt_tokens must lie in [0, {model_config.vocab_size}) where "
+                    f"prompt_where is True, got ids from {ids.min()} to {ids.max()}."
+                )
+    return prompt_tokens, prompt_where, model_config
+
+
+def _rows_held_here(x: jax.Array) -> list[tuple[int, np.ndarray]]:
+    """`(first row, whole rows)` blocks of `[B, P]` `x` that this process holds: all of it,
+    or, for an array spread over several processes (a multi-process run), its addressable
+    shards that hold whole rows, so each process checks its own prompts."""
+    if getattr(x, "is_fully_addressable", True):
+        return [(0, np.asarray(x))]
+    blocks = {}
+    for shard in x.addressable_shards:
+        rows, columns = shard.index
+        if columns.indices(x.shape[1]) == (0, x.shape[1], 1):
+            blocks[rows.indices(x.shape[0])[0]] = np.asarray(shard.data)
+    return sorted(blocks.items(), key=lambda block: block[0])
+
+
+def pure_params(params: PyTree) -> PyTree:
+    """Plain arrays: loop bodies merge them into a module again."""
+    return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def as_key(key: jax.Array) -> jax.Array:
+    """A new-style PRNG key (legacy uint32 keys are wrapped)."""
+    if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(key)
+    return key
+
+
+def prefill(
+    graphdef: nnx.GraphDef,
+    params: PyTree,
+    prompt_tokens: jax.Array,
+    prompt_where: jax.Array,
+    cache_length: int,
+    group_size: int,
+) -> tuple[jax.Array, KVCache]:
+    """Next-token logits `[B * G, V]` after each prompt's last real token, and the KV cache of
+    `cache_length` slots holding the prompts, each row repeated `group_size` times (a fork of
+    one prefill)."""
+    model = nnx.merge(graphdef, params)
+    cache = model.init_cache(prompt_tokens.shape[0], cache_length)
+    hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
+    logits = last_logits(model, hidden, prompt_where)
+    if group_size > 1:  # fork the prefilled cache: row b * G + g continues prompt b
+        cache = cache.repeat_rows(group_size)
+        logits = jnp.repeat(logits, group_size, axis=0)
+    return logits, cache
+
+
+def last_logits(model: nnx.Module, hidden: jax.Array, where: jax.Array) -> jax.Array:
+    """The `[R, V]` next-token logits of a `Decoder.extend` block, from its `[R, T, H]` hidden
+    states at each row's last real position (`where` `[R, T]`; a row with no real token
+    gives the logits of its last position, which callers discard)."""
+    last = where.shape[1] - 1 - jnp.argmax(where[:, ::-1], axis=1)
+    return model.unembed(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+
+
+class Decoded(NamedTuple):
+    """What `decode` returns: the `[R, N]` tokens, mask and log-probs it drew, `[R]` flags
+    (`done`: the row stopped drawing, for any reason; `ended`: by a stop token or an end
+    sequence), the next-token logits after each row's last token and the cache."""
+
+    tokens: jax.Array
+    where: jax.Array
+    logps: jax.Array
+    done: jax.Array
+    ended: jax.Array
+    logits: jax.Array
+    cache: KVCache
+
+
+def decode(
+    graphdef: nnx.GraphDef,
+    params: PyTree,
+    logits: jax.Array,
+    cache: KVCache,
+    key: jax.Array,
+    config,
+    *,
+    done: jax.Array | None = None,
+    limit: jax.Array | None = None,
+    end_sequences: tuple[tuple[int, ...], ...] = (),
+) -> Decoded:
+    """The decode loop: up to `config.max_new_tokens` steps of one token per row, from `[R, V]`
+    next-token logits and a cache, inside a `lax.while_loop` that ends once every row is done.
+
+    A row that starts `done` (`[R]`; None: no row) draws nothing (its slots are padding). A
+    row is done after a stop token, after a token that completes one of `end_sequences`
+    (static tuples of token ids, drawn in this call), or, with `limit` (`[R]` ints), after
+    `limit` tokens. Step `t` draws with `fold_in(key, t)`. Every step writes one cache slot
+    for every row.
+    """
+    rows, new = logits.shape[0], config.max_new_tokens
+    stop = jnp.asarray(
+        config.stop_tokens + tuple(s[0] for s in end_sequences if len(s) == 1) or (-1,),
+        jnp.int32,
+    )
+    longer = tuple(s for s in end_sequences if len(s) > 1)
+    width = max((len(s) for s in longer), default=1) - 1
+
+    def running(state):
+        step, *_, done, _, _, _, _ = state
+        return (step < new) & ~jnp.all(done)
+
+    def step_fn(state):
+        step, tokens, where, logps, done, ended, tail, logits, cache = state
+        token, all_logps = _draw(logits, jax.random.fold_in(key, step), config)
+        live = ~done
+        logp = jnp.take_along_axis(all_logps, token[:, None], axis=-1)[:, 0]
+        token = jnp.where(live, token.astype(jnp.int32), config.pad_token)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, 1)
+        where = jax.lax.dynamic_update_slice_in_dim(where, live[:, None], step, 1)
+        logps = jax.lax.dynamic_update_slice_in_dim(
+            logps, jnp.where(live, logp, 0.0)[:, None], step, 1
+        )
+        hit = jnp.isin(token, stop)
+        if longer:  # the last tokens of the row, the newest at the end
+            window = jnp.concatenate([tail, token[:, None]], axis=1)
+            for sequence in longer:
+                hit |= jnp.all(window[:, -len(sequence) :] == jnp.asarray(sequence), axis=1)
+            tail = window[:, 1:]
+        ended = ended | (live & hit)
+        stopped = hit if limit is None else hit | (step + 1 >= limit)
+        done = done | (live & stopped)
+        # Merged inside the loop body: NNX modules do not cross into an inner trace.
+        step_model = nnx.merge(graphdef, params)
+        hidden, cache = step_model.extend(token[:, None], live[:, None], cache)
+        # A row that drew nothing keeps the logits after its last real token.
+        logits = jnp.where(live[:, None], step_model.unembed(hidden[:, 0]), logits)
+        return step + 1, tokens, where, logps, done, ended, tail, logits, cache
+
+    state = (
+        jnp.zeros((), jnp.int32),
+        jnp.full((rows, new), config.pad_token, jnp.int32),
+        jnp.zeros((rows, new), jnp.bool_),
+        jnp.zeros((rows, new), jnp.float32),
+        jnp.zeros((rows,), jnp.bool_) if done is None else done,
+        jnp.zeros((rows,), jnp.bool_),
+        jnp.full((rows, width), -1, jnp.int32),
+        logits,
+        cache,
+    )
+    _, tokens, where, logps, done, ended, _, logits, cache = jax.lax.while_loop(
+        running, step_fn, state
+    )
+    return Decoded(tokens, where, logps, done, ended, logits, cache)
+
+
+def _draw(logits: jax.Array, key: jax.Array, config) -> tuple[jax.Array, jax.Array]:
+    """One token per row from the processed distribution of `[R, V]` logits, and the `[R, V]`
+    log-probs it is recorded under (`SamplingConfig.logps_of`)."""
+    logits = logits.astype(jnp.float32)
+    allowed = forbid_tokens(logits, config.forbidden_tokens)
+    if config.temperature == 0:
+        return jnp.argmax(allowed, axis=-1), jax.nn.log_softmax(logits)
+    processed = process_logits(
+        allowed,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        min_p=config.min_p,
+    )
+    token = jax.random.categorical(key, processed, axis=-1)
+    if config.logps_of == "processed":
+        return token, jax.nn.log_softmax(processed)
+    return token, jax.nn.log_softmax(logits / config.temperature)
