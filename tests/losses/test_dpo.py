@@ -1,4 +1,8 @@
-"""The DPO family against a reference model (tunelib/losses/_dpo.py)."""
+"""The DPO family against a reference model.
+
+Its losses on the margin (tunelib/losses/_dpo.py), on each log-ratio (_dpo_anchored.py) and on
+the batch's sorted log-ratios (_dpo_aot.py).
+"""
 
 import pathlib
 import re

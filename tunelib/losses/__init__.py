@@ -3,8 +3,10 @@
 Data arrays come first, then keyword-only hyperparameters, then `where` (True = counts). Reduce
 per-token values with `aggregate`, which returns a numerator and a denominator so that gradient
 accumulation and data parallelism give exactly the full-batch result. The files follow the
-families: the DPO family against a reference model (`_dpo.py`) and its f-divergence and
-length-desensitised variants (`_dpo_variants.py`), WPO's pair weights
+families: the DPO family against a reference model, a link of a pair's log-ratios each
+(`_dpo_family.py`): on the margin (`_dpo.py`), on each log-ratio (`_dpo_anchored.py`), on the
+batch's sorted log-ratios (`_dpo_aot.py`), and its f-divergence and length-desensitised variants
+(`_dpo_variants.py`), WPO's pair weights
 (`_preference_weighting.py`), reference-free preference losses (`_reference_free.py`),
 unpaired feedback (`_kto.py`), reward models (`_reward_model.py`); RL objectives
 (`_policy_gradient.py`, `_sequence_policy.py`, `_kl.py`, `_value.py`, `_entropy.py`,
@@ -26,20 +28,22 @@ from tunelib.losses._distillation import (
     top_k_forward_kl_loss,
 )
 from tunelib.losses._dpo import (
-    aot_loss,
-    apo_down_loss,
-    apo_zero_loss,
-    bco_pair_loss,
     discopop_loss,
     dpo_loss,
     exo_loss,
     hinge_loss,
     ipo_loss,
     length_normalized_dpo_loss,
-    nca_loss,
     robust_dpo_loss,
+)
+from tunelib.losses._dpo_anchored import (
+    apo_down_loss,
+    apo_zero_loss,
+    bco_pair_loss,
+    nca_loss,
     sppo_hard_loss,
 )
+from tunelib.losses._dpo_aot import aot_loss
 from tunelib.losses._dpo_variants import (
     F_DPO_DIVERGENCES,
     f_dpo_loss,

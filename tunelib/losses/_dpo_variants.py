@@ -17,7 +17,7 @@ from jaxtyping import Array, Float
 
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
-from tunelib.losses._dpo import dpo_margin
+from tunelib.losses._dpo_family import dpo_margin, pair_logps, with_pair_arguments
 
 FDivergence = Literal["reverse_kl", "forward_kl", "jsd", "alpha_divergence"]
 F_DPO_DIVERGENCES: tuple[str, ...] = FDivergence.__args__
@@ -141,6 +141,7 @@ def f_dpo_scores(
     return jnp.where(where, _scores(logps - ref_logps, divergence, alpha), 0.0)
 
 
+@with_pair_arguments
 def f_dpo_loss(
     chosen_logps: Float[ArrayLike, " B"],
     rejected_logps: Float[ArrayLike, " B"],
@@ -172,18 +173,12 @@ def f_dpo_loss(
     at some cost in reward (TRL 1.16: `f_divergence_type` with `loss_type="sigmoid"`).
 
     Args:
-      chosen_logps: `[B]` policy log-probabilities of the chosen completions (sums over
-        tokens).
-      rejected_logps: `[B]` policy log-probabilities of the rejected completions.
-      ref_chosen_logps: `[B]` reference-policy log-probabilities of the chosen completions.
-      ref_rejected_logps: `[B]` reference-policy log-probabilities of the rejected ones.
       beta: $\beta > 0$; may be traced.
       divergence: ``"reverse_kl"`` (default, DPO), ``"forward_kl"``, ``"jsd"`` or
         ``"alpha_divergence"`` (static).
       alpha: the $\alpha$ of ``"alpha_divergence"`` in the paper's parametrisation (TRL 1.16's
         `f_alpha_divergence_coef` is $1 - \alpha$; see `f_dpo_scores`); default 0.5; may be
         traced.
-      where: `[B]` mask, True (or 1) = counts; masked rows give 0 and a zero gradient.
 
     Returns:
       `[B]` per-pair losses, float32 (float64 for float64 input).
@@ -207,13 +202,8 @@ def f_dpo_loss(
     """
     v.positive_scalar(beta, "beta")
     _check_divergence(divergence, alpha)
-    (chosen, rejected, ref_chosen, ref_rejected), where = v.masked_floats(
-        where,
-        ndim=1,
-        chosen_logps=chosen_logps,
-        rejected_logps=rejected_logps,
-        ref_chosen_logps=ref_chosen_logps,
-        ref_rejected_logps=ref_rejected_logps,
+    (chosen, rejected, ref_chosen, ref_rejected), where = pair_logps(
+        (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps), where
     )
     margin = _scores(chosen - ref_chosen, divergence, alpha) - _scores(
         rejected - ref_rejected, divergence, alpha
@@ -435,6 +425,6 @@ def length_desensitized_dpo_loss(
     rejected, ref_rejected = (
         _desensitized(x, rejected_mask, shared, alpha) for x in rejected_arrays
     )
-    h, _ = dpo_margin(chosen, rejected, ref_chosen, ref_rejected, where)
+    h, _ = dpo_margin((chosen, rejected, ref_chosen, ref_rejected), where)
     loss = -jax.nn.log_sigmoid(jnp.asarray(beta, h.dtype) * h)
     return jnp.where(where, loss, 0.0)
