@@ -16,6 +16,7 @@ from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
 from tunelib import _validation as v
+from tunelib._products import products_must_be_plain
 from tunelib.models._config import DecoderConfig
 from tunelib.models._rope import apply_rope
 
@@ -137,11 +138,13 @@ def _matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """
     blocks = _block_count(x.shape[-1])
     # A JAX array or tracer; a Quax tracer (an adapted or quantised weight) reshaped would be
-    # materialised, so it keeps the one product its own rule knows.
+    # materialised, so it keeps the one product its own rule knows. Inside a scan over stacked
+    # layers such a weight is traced as a plain array: `peft.lora` says so (tunelib._products).
     plain = type(kernel).__module__.startswith(("jax.", "jaxlib."))
     if (
         blocks == 1
         or not plain
+        or products_must_be_plain()
         or x.dtype != jnp.float32
         or kernel.dtype != jnp.float32
         or jax.default_backend() != "cpu"

@@ -21,6 +21,7 @@ import quax
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
+from tunelib._products import plain_products
 from tunelib._validation import compute_dtype
 from tunelib.models import grouped_matmul_p
 from tunelib.peft import _transforms
@@ -163,7 +164,8 @@ def lora(fn):
     @functools.wraps(fn, updated=())
     def run(*args, **kwargs):
         _transforms.install()
-        return quaxified(*args, **kwargs)
+        with plain_products():  # the models' products stay plain, for Quax's rules
+            return quaxified(*args, **kwargs)
 
     return run
 
