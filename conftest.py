@@ -34,6 +34,7 @@ for _flag in _FLAGS:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
 
@@ -83,3 +84,28 @@ def pytest_collection_modifyitems(items):
     the short tests, instead of one worker finishing a recipe run alone at the end while the
     other waits. The order changes when a test runs, never what it checks."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# docs/own_loop.md runs on the GGUF file named `model_path`: in the suite's doctests a tiny
+# file of SmolLM2's layout (Q8_0 blocks, byte-level BPE, ChatML), written once per process;
+# tests/test_own_loop.py runs the page on SmolLM2 itself.
+OWN_LOOP_PAGE = "own_loop.md"
+OWN_LOOP_MESSAGES = (
+    "What is the capital of France?",
+    "Paris is the capital of France.",
+    "Write a haiku about rain. Soft rain on the roof. I cannot do that. London.",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_file(tmp_path_factory):
+    from tests._gguf import write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    return write_tiny_gguf(folder / "tiny.gguf", OWN_LOOP_MESSAGES, dtype="Q8_0")
+
+
+@pytest.fixture(autouse=True)
+def _own_loop_model(request, doctest_namespace):
+    if request.node.path.name == OWN_LOOP_PAGE:
+        doctest_namespace["model_path"] = request.getfixturevalue("tiny_gguf_file")
