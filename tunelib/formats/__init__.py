@@ -7,9 +7,10 @@ Qwen3-MoE, Gemma 2, Gemma 3 and Gemma 4 families into and out of `tunelib.models
 `convert_gguf` and `save_gguf` read, load, convert and write llama.cpp's GGUF files, and
 `gguf_tokenizer` builds a file's tokenizer (`gguf_tokenizer_metadata` gives a tokenizer's
 GGUF metadata back). Every loader takes one `LoadOptions` (dtypes, stacked layers, remat,
-placement), or the same options as keyword arguments. The adapters' own formats (Orbax, the
-Hugging Face PEFT format) and a GGUF file's quantised blocks as a QLoRA base are in
-`tunelib.peft`, which reads GGUF files through this package.
+placement), or the same options as keyword arguments. `write_peft_lora` and `read_peft_lora`
+write and read Hugging Face PEFT LoRA adapters as factor matrices per module.
+`tunelib.peft` builds on this package: `export_peft` / `import_peft` map a model's adapters to
+PEFT's modules, and `gguf_base` keeps a GGUF file's quantised blocks as a QLoRA base.
 """
 
 from tunelib.formats._gguf import (
@@ -33,6 +34,7 @@ from tunelib.formats._hf_checkpoint import (
 )
 from tunelib.formats._hf_config import MODEL_TYPES, config_from_hf, config_to_hf
 from tunelib.formats._load_options import LoadOptions
+from tunelib.formats._peft_lora import read_peft_lora, write_peft_lora
 
 __all__ = [
     "COPIED_FILES",
@@ -53,6 +55,8 @@ __all__ = [
     "load_gguf",
     "load_hf_checkpoint",
     "read_gguf",
+    "read_peft_lora",
     "save_gguf",
     "save_hf_checkpoint",
+    "write_peft_lora",
 ]
