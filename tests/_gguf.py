@@ -30,8 +30,9 @@ def write_tiny_gguf(path: Path, messages: tuple[str, ...], *, dtype: str = "F32"
     from flax import nnx
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from tunelib.data import HFTokenizer, gguf_tokenizer_metadata
-    from tunelib.models import Decoder, DecoderConfig, save_gguf
+    from tunelib.data import HFTokenizer
+    from tunelib.formats import gguf_tokenizer_metadata, save_gguf
+    from tunelib.models import Decoder, DecoderConfig
 
     inner = tokenizers.Tokenizer(models.BPE())
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,5 +1,6 @@
-"""Every renamed argument and moved name of the losses, log-probs, metrics and advantages keeps
-working until tunelib 0.3.0: the old form warns and gives the same result as the new one."""
+"""Every renamed argument and moved name of the losses, log-probs, metrics, advantages, models
+and data keeps working until tunelib 0.3.0: the old form warns and gives the same result as the
+new one."""
 
 import importlib
 
@@ -82,6 +83,30 @@ MOVED = [
     ("tunelib.advantages", "AdvantageStatistics", "tunelib.metrics"),
     ("tunelib.advantages", "advantage_statistics", "tunelib.metrics"),
     ("tunelib.advantages", "zero_std_fraction", "tunelib.metrics"),
+    *[
+        ("tunelib.models", name, "tunelib.formats")
+        for name in (
+            "COPIED_FILES",
+            "GGUF_ARCHITECTURES",
+            "GGUF_TENSOR_TYPES",
+            "MODEL_TYPES",
+            "GGUFModel",
+            "GGUFTensor",
+            "HFCheckpoint",
+            "config_from_hf",
+            "config_to_hf",
+            "convert_gguf",
+            "gguf_raw_tensors",
+            "gguf_tensors",
+            "load_gguf",
+            "load_hf_checkpoint",
+            "read_gguf",
+            "save_gguf",
+            "save_hf_checkpoint",
+        )
+    ],
+    ("tunelib.data", "gguf_tokenizer", "tunelib.formats"),
+    ("tunelib.data", "gguf_tokenizer_metadata", "tunelib.formats"),
 ]
 
 

@@ -152,17 +152,12 @@ def load_model(path: Path) -> Model:
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from tunelib.models import (
-        Decoder,
-        DecoderConfig,
-        config_from_hf,
-        load_gguf,
-        load_hf_checkpoint,
-    )
+    from tunelib.formats import config_from_hf, load_gguf, load_hf_checkpoint
+    from tunelib.models import Decoder, DecoderConfig
 
     folder = model_folder(path)
     if folder.is_file():
-        from tunelib.data import gguf_tokenizer
+        from tunelib.formats import gguf_tokenizer
 
         try:
             checkpoint, tokenizer = load_gguf(folder, scan_layers=True), gguf_tokenizer(folder)
@@ -229,7 +224,7 @@ def save_model(folder: Path, model: Model, params: dict) -> None:
     are not Orbax's."""
     import orbax.checkpoint as ocp
 
-    from tunelib.models import save_hf_checkpoint
+    from tunelib.formats import save_hf_checkpoint
 
     from kit import parallel
 

@@ -15,7 +15,8 @@ import pytest
 from tests._gguf import TOKENIZER_SIZE, write_tiny_gguf
 from tests._helpers import load_script
 from tests._hf import hf_modules
-from tunelib.data import gguf_tokenizer, render_chat_template
+from tunelib.data import render_chat_template
+from tunelib.formats import gguf_tokenizer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_smollm2.py"
 

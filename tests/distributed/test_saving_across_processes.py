@@ -9,7 +9,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
 
-from tunelib.models import Decoder, DecoderConfig, save_hf_checkpoint
+from tunelib.formats import save_hf_checkpoint
+from tunelib.models import Decoder, DecoderConfig
 
 CONFIG = {
     "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -22,7 +23,8 @@ import jax, numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tunelib import distributed
-from tunelib.models import Decoder, DecoderConfig, save_hf_checkpoint
+from tunelib.formats import save_hf_checkpoint
+from tunelib.models import Decoder, DecoderConfig
 
 runtime = distributed.initialize()
 mesh = jax.make_mesh((len(runtime.devices),), ("data",),

@@ -10,7 +10,8 @@ from flax import nnx
 
 from tests._helpers import raises_naming
 from tests._hf import hf_logits, hf_modules, model_class, write_tiny_checkpoint
-from tunelib.models import DecoderConfig, config_from_hf, load_hf_checkpoint
+from tunelib.formats import config_from_hf, load_hf_checkpoint
+from tunelib.models import DecoderConfig
 
 TOKENS = np.random.default_rng(0).integers(4, 300, size=(2, 11))
 WHERE = np.ones(TOKENS.shape, bool)

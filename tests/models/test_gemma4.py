@@ -17,15 +17,8 @@ from tests._helpers import assert_within_float32_rounding, raises_naming, x64_co
 from tests._hf import hf_modules, model_class, write_tiny_checkpoint
 from tests.models.test_kv_cache import TOKENS, WHERE, cached_hidden
 from tests.models.test_moe import expert_parallel_equals_one_device
-from tunelib.models import (
-    Decoder,
-    DecoderConfig,
-    config_from_hf,
-    config_to_hf,
-    load_hf_checkpoint,
-    rope_frequencies,
-    route,
-)
+from tunelib.formats import config_from_hf, config_to_hf, load_hf_checkpoint
+from tunelib.models import Decoder, DecoderConfig, rope_frequencies, route
 
 DOCS = Path(__file__).parents[2] / "docs" / "models.md"
 # A dense Gemma 4 with every feature on: sliding (window 3) and wider full layers with one

@@ -12,13 +12,13 @@ from tests._helpers import assert_close, assert_traced_once, own_checks, raises_
 from tests._hf import hf_logits, hf_modules, model_class, write_tiny_checkpoint
 from tests.losses.test_router import softmax64
 from tunelib import losses
+from tunelib.formats import load_hf_checkpoint
 from tunelib.models import (
     EXPERT_PARALLEL_RULES,
     Decoder,
     DecoderConfig,
     MoE,
     grouped_matmul,
-    load_hf_checkpoint,
     param_shardings,
     route,
 )

@@ -18,8 +18,8 @@ from flax import nnx
 
 from tests._hf import hf_logits, hf_modules
 from tunelib import rollout
-from tunelib.data import gguf_tokenizer, render_chat_template
-from tunelib.models import load_gguf
+from tunelib.data import render_chat_template
+from tunelib.formats import gguf_tokenizer, load_gguf
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 47 + 38?"}],
@@ -182,7 +182,7 @@ def test_smollm2_loads_and_answers_as_in_transformers(transformers_model):
     assert config.tie_word_embeddings and config.rope_theta == 1e5
 
     # The prompts are rendered by tunelib's tokenizer of the file, which
-    # tests/data/test_gguf_tokenizer.py holds equal to transformers'.
+    # tests/formats/test_gguf_tokenizer.py holds equal to transformers'.
     tokens, where = chat_prompts(gguf_tokenizer(smollm2_file()))
     assert where.sum(axis=1).min() < tokens.shape[1]  # the batch is padded
     model = transformers_model

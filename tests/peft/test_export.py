@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 from tests._helpers import raises_naming
 from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
 from tunelib import peft
-from tunelib.models import Decoder, DecoderConfig, load_hf_checkpoint
+from tunelib.formats import load_hf_checkpoint
+from tunelib.models import Decoder, DecoderConfig
 
 CONFIG = dict(
     vocab_size=32,

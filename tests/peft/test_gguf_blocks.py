@@ -19,7 +19,8 @@ from flax import nnx
 
 from tests._helpers import assert_close, assert_traced_once, own_checks, raises_naming
 from tunelib import logprobs, peft
-from tunelib.models import PROJECTION_KERNELS, gguf_raw_tensors, gguf_tensors, read_gguf
+from tunelib.formats import gguf_raw_tensors, gguf_tensors, read_gguf
+from tunelib.models import PROJECTION_KERNELS
 from tunelib.peft import GGML_TYPES, GGMLTensor
 
 TYPES = pytest.mark.parametrize("type_name", GGML_TYPES)

@@ -364,7 +364,7 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, m
     checkpoints (LoRA merged, or the PEFT adapter on the base) load in transformers; a chat
     with the result."""
     from tests._hf import hf_logits, hf_modules, write_chat_jsonl, write_tiny_checkpoint
-    from tunelib.models import load_hf_checkpoint
+    from tunelib.formats import load_hf_checkpoint
 
     torch, transformers = hf_modules()
     peft_hf = pytest.importorskip("peft", reason="the Hugging Face peft package")
@@ -451,7 +451,7 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     equal logits; then DPO (Qwen3-MoE, Gemma 2) or GRPO (Gemma 3, Gemma 4) from it: each of
     the two recipes on a soft-capped and on an uncapped family, each family in two recipes."""
     from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
-    from tunelib.models import load_hf_checkpoint
+    from tunelib.formats import load_hf_checkpoint
 
     _, transformers = hf_modules()
     overrides = GEMMA4 if family == "gemma4_text" else {}
@@ -492,7 +492,7 @@ def test_recipes_on_a_gguf_file_with_qlora_on_its_own_blocks(tmp_path):
     from tests._gguf import write_tiny_gguf
     from tests._hf import hf_logits, hf_modules
     from tunelib.data import load_tokenizer, render_chat_template
-    from tunelib.models import load_hf_checkpoint
+    from tunelib.formats import load_hf_checkpoint
 
     texts = tuple(f"What is {a} + {b}? {a + b}" for a in range(0, 100, 7) for b in range(9))
     model = write_tiny_gguf(tmp_path / "tiny.gguf", texts, dtype="Q8_0")

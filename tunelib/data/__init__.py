@@ -29,7 +29,6 @@ from tunelib.data._chat_template import (
     render_chat_template,
     tokens_in_spans,
 )
-from tunelib.data._gguf_tokenizer import gguf_tokenizer, gguf_tokenizer_metadata
 from tunelib.data._pipelines import encode_prompts, preference_dataset, sft_dataset
 from tunelib.data._records import (
     REASONS,
@@ -63,8 +62,6 @@ __all__ = [
     "encode_chat",
     "encode_prompts",
     "encode_records",
-    "gguf_tokenizer",
-    "gguf_tokenizer_metadata",
     "last_number",
     "load_tokenizer",
     "preference_dataset",
@@ -78,10 +75,13 @@ __all__ = [
     "verify_answer",
 ]
 
-# The Hugging Face pipelines merged into the one set that takes any tokenizer.
+# The Hugging Face pipelines merged into the one set that takes any tokenizer, and the GGUF
+# tokenizer moved to `tunelib.formats` with the rest of the GGUF format.
 __getattr__ = moved_names(
     __name__,
     {
+        "gguf_tokenizer": ("tunelib.formats", "gguf_tokenizer"),
+        "gguf_tokenizer_metadata": ("tunelib.formats", "gguf_tokenizer_metadata"),
         "HF_REASONS": ("tunelib.data", "REASONS"),
         "encode_hf_records": ("tunelib.data", "encode_records"),
         "hf_preference_dataset": ("tunelib.data", "preference_dataset"),

@@ -3,41 +3,21 @@
 `Decoder(config, rngs=...)` maps token ids to final-norm hidden states; `unembed` and
 `unembedding` turn them into logits separately, so that log-probs can be computed in chunks
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
-`config.json`; `load_hf_checkpoint` and `save_hf_checkpoint` read and write Hugging Face
-checkpoints (safetensors, one file or sharded) of the Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-Gemma 2, Gemma 3 and Gemma 4 families; `MoE`, `route` and `grouped_matmul` are its
-mixture-of-experts layer; `read_gguf`, `convert_gguf` and `save_gguf` read and write
-llama.cpp's GGUF files.
+`config.json` (`tunelib.formats` reads and writes Hugging Face checkpoints and GGUF files);
+`MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer; `param_shardings` and
+the rules place its parameters on a mesh.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 """
 
-from tunelib.models._config import DecoderConfig
+from tunelib._deprecation import moved_names
+from tunelib.models._config import DTYPE_NAMES, DecoderConfig
 from tunelib.models._decoder import Decoder, KVCache
-from tunelib.models._gguf import (
-    GGUF_ARCHITECTURES,
-    GGUF_TENSOR_TYPES,
-    GGUFModel,
-    GGUFTensor,
-    convert_gguf,
-    gguf_raw_tensors,
-    gguf_tensors,
-    load_gguf,
-    read_gguf,
-)
-from tunelib.models._gguf_writer import save_gguf
 from tunelib.models._grouped_matmul import (
     GROUPED_IMPLEMENTATIONS,
     grouped_matmul,
     grouped_matmul_p,
 )
-from tunelib.models._hf_checkpoint import (
-    COPIED_FILES,
-    HFCheckpoint,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-)
-from tunelib.models._hf_config import MODEL_TYPES, config_from_hf, config_to_hf
 from tunelib.models._moe import MoE, route
 from tunelib.models._names import PROJECTION_KERNELS, hf_module_name
 from tunelib.models._rope import rope_frequencies
@@ -48,35 +28,46 @@ from tunelib.models._sharding import (
 )
 
 __all__ = [
-    "COPIED_FILES",
+    "DTYPE_NAMES",
     "EXPERT_PARALLEL_RULES",
-    "GGUF_ARCHITECTURES",
-    "GGUF_TENSOR_TYPES",
     "GROUPED_IMPLEMENTATIONS",
-    "MODEL_TYPES",
     "PROJECTION_KERNELS",
     "TENSOR_PARALLEL_RULES",
     "Decoder",
     "DecoderConfig",
-    "GGUFModel",
-    "GGUFTensor",
-    "HFCheckpoint",
     "KVCache",
     "MoE",
-    "config_from_hf",
-    "config_to_hf",
-    "convert_gguf",
-    "gguf_raw_tensors",
-    "gguf_tensors",
     "grouped_matmul",
     "grouped_matmul_p",
     "hf_module_name",
-    "load_gguf",
-    "load_hf_checkpoint",
     "param_shardings",
-    "read_gguf",
     "rope_frequencies",
     "route",
-    "save_gguf",
-    "save_hf_checkpoint",
 ]
+
+# The Hugging Face and GGUF formats moved to `tunelib.formats`; served from here until 0.3.0.
+__getattr__ = moved_names(
+    __name__,
+    {
+        name: ("tunelib.formats", name)
+        for name in (
+            "COPIED_FILES",
+            "GGUF_ARCHITECTURES",
+            "GGUF_TENSOR_TYPES",
+            "MODEL_TYPES",
+            "GGUFModel",
+            "GGUFTensor",
+            "HFCheckpoint",
+            "config_from_hf",
+            "config_to_hf",
+            "convert_gguf",
+            "gguf_raw_tensors",
+            "gguf_tensors",
+            "load_gguf",
+            "load_hf_checkpoint",
+            "read_gguf",
+            "save_gguf",
+            "save_hf_checkpoint",
+        )
+    },
+)

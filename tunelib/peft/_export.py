@@ -1,11 +1,10 @@
-"""Adapters on disk: Orbax checkpoints of their own, and the Hugging Face PEFT format."""
+"""Adapters on disk: Orbax checkpoints of their own, and the Hugging Face PEFT format (written
+and read by `tunelib.formats`; here, the mapping between a model's adapters and PEFT's
+modules)."""
 
-import json
 import math
 import os
 import re
-import shutil
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -17,15 +16,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
+from tunelib.formats import read_peft_lora, write_peft_lora
 from tunelib.models import hf_module_name
 from tunelib.peft._adapters import LoraAdapter, adapter_leaves, check_adapters, set_nested
 from tunelib.peft._rules import array_keys, array_leaves, keyed_leaves
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_PREFIX = "base_model.model."
-_FACTOR = re.compile(r"(.+)\.lora_(A|B)\.weight")
-
 
 # ----------------------------------------------------------------------------- Orbax
 
@@ -169,8 +163,8 @@ def export_peft(
     `alpha_pattern` for the others), `use_rslora`,
     `lora_dropout`, and `target_modules`: the list of module suffixes when every module of
     the base with those suffixes is adapted, else a regular expression of exactly the
-    adapted modules. The directory is written in full next to `directory` and renamed into
-    place, so a crash never leaves a partial export.
+    adapted modules. The directory is written by `tunelib.formats.write_peft_lora`: in full
+    next to `directory` and renamed into place, so a crash never leaves a partial export.
 
     Args:
       directory: the output directory (replaced if it exists).
@@ -180,14 +174,12 @@ def export_peft(
         the default is `tunelib.models.hf_module_name`, for `tunelib.models.Decoder`.
       base_model_name_or_path: recorded in the config for `peft.PeftModel.from_pretrained`.
     """
-    from safetensors.numpy import save_file
-
     found = check_adapters(params, adapters)
     if not found:
         raise ValueError("adapters holds no LoraAdapter to export.")
     if len({a.rslora for a in found.values()}) > 1:
         raise ValueError("PEFT has one use_rslora for all adapters; these mix both.")
-    tensors: dict[str, np.ndarray] = {}
+    factors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     ranks, alphas, dropouts = {}, {}, Counter()
     for path, adapter in found.items():
         lora_a, lora_b = _factors(adapter)
@@ -199,17 +191,12 @@ def export_peft(
             strict=True,
         )
         for name, part_a, part_b in parts:
-            for factor, value in (("A", part_a), ("B", part_b)):
-                if value.dtype not in (np.float16, np.float32):
-                    value = value.astype(np.float32)
-                tensors[f"{_PREFIX}{name}.lora_{factor}.weight"] = np.ascontiguousarray(value)
+            factors[name] = (part_a, part_b)
             ranks[name], alphas[name] = adapter.rank, adapter.alpha
         dropouts[adapter.dropout] += 1
     r = Counter(ranks.values()).most_common(1)[0][0]
     alpha = Counter(alphas.values()).most_common(1)[0][0]
     config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
         "lora_alpha": alpha,
@@ -218,28 +205,8 @@ def export_peft(
         "target_modules": _target_modules(set(ranks), params, module_name),
         "rank_pattern": {re.escape(n): k for n, k in ranks.items() if k != r},
         "alpha_pattern": {re.escape(n): k for n, k in alphas.items() if k != alpha},
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "use_dora": False,
-        "inference_mode": True,
     }
-    directory = Path(directory).resolve()
-    staging = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex}")
-    staging.mkdir(parents=True)
-    try:
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex}")
-            directory.rename(old)
-            staging.rename(directory)
-            shutil.rmtree(old)
-        else:
-            staging.rename(directory)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    write_peft_lora(directory, factors, config)
 
 
 def _target_modules(adapted: set[str], params: PyTree, module_name) -> list[str] | str:
@@ -273,7 +240,8 @@ def import_peft(
 ) -> dict:
     """Adapters read from a Hugging Face PEFT LoRA directory, for the weights of `params`.
 
-    The inverse of `export_peft`: every `lora_A` / `lora_B` pair is matched to the weight of
+    The inverse of `export_peft`: every `lora_A` / `lora_B` pair that
+    `tunelib.formats.read_peft_lora` reads is matched to the weight of
     `params` whose module name it carries, transposed into `[in, r]` / `[r, out]` factors
     (for `layout="in_out"` weights) and stacked where `params` stacks layers (layers the
     file has no adapter for get zero factors, which change nothing). `r`, `lora_alpha`,
@@ -290,24 +258,7 @@ def import_peft(
     Returns:
       A nested dict of `LoraAdapter`s keyed like `params` (as `init_lora` returns).
     """
-    from safetensors.numpy import load_file
-
-    directory = Path(directory)
-    config = json.loads((directory / CONFIG_FILE).read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{directory} holds a {config['peft_type']} adapter, not LORA.")
-    if config.get("use_dora"):
-        raise ValueError(f"{directory} holds a DoRA adapter, which tunelib does not implement.")
-    tensors = load_file(str(directory / WEIGHTS_FILE))
-    factors: dict[str, dict[str, np.ndarray]] = {}
-    for name, value in tensors.items():
-        match = _FACTOR.fullmatch(name.removeprefix(_PREFIX))
-        if not name.startswith(_PREFIX) or match is None:
-            raise ValueError(f"{WEIGHTS_FILE} has a tensor {name!r} that is not a LoRA factor.")
-        factors.setdefault(match.group(1), {})[match.group(2)] = value
-    for module, pair in factors.items():
-        if set(pair) != {"A", "B"}:
-            raise ValueError(f"module {module!r} has lora_{next(iter(pair))} but not its partner.")
+    config, factors = read_peft_lora(directory)
     weights = array_leaves(params)
     where = {}  # module name -> (weight path, flat index over its leading axes)
     for path, leaf in weights.items():
@@ -317,11 +268,11 @@ def import_peft(
                 where[name] = (path, i)
     unknown = sorted(set(factors) - set(where))
     if unknown:
-        raise ValueError(f"{WEIGHTS_FILE} has adapters for modules params lacks: {unknown}.")
+        raise ValueError(f"{directory} has adapters for modules params lacks: {unknown}.")
     per_path: dict[str, dict[int, tuple[np.ndarray, np.ndarray, str]]] = {}
-    for module, pair in factors.items():
+    for module, (lora_a, lora_b) in factors.items():
         path, layer = where[module]
-        per_path.setdefault(path, {})[layer] = (pair["A"], pair["B"], module)
+        per_path.setdefault(path, {})[layer] = (lora_a, lora_b, module)
     keys = array_keys(params)
     out: dict = {}
     for path, layers in per_path.items():

@@ -29,17 +29,20 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float
 
+from tunelib.formats import (
+    GGUFModel,
+    HFCheckpoint,
+    LoadOptions,
+    config_from_hf,
+    gguf_raw_tensors,
+    read_gguf,
+)
 from tunelib.models import (
     PROJECTION_KERNELS,
     TENSOR_PARALLEL_RULES,
     Decoder,
-    GGUFModel,
-    HFCheckpoint,
-    config_from_hf,
-    gguf_raw_tensors,
     hf_module_name,
     param_shardings,
-    read_gguf,
 )
 from tunelib.peft._rules import match_rules, path_string
 
@@ -144,7 +147,7 @@ def _check_type(type_name: str) -> None:
         raise ValueError(
             f"type_name {type_name!r} is not supported; the GGML block types kept quantised are "
             f"{', '.join(GGML_TYPES)} (dequantise other types, e.g. with "
-            "tunelib.models.gguf_tensors)."
+            "tunelib.formats.gguf_tensors)."
         )
 
 
@@ -272,7 +275,7 @@ def ggml_from_bytes(
 
     Args:
       data: uint8, the tensor's bytes in the file's order (any shape; a memory map from
-        `tunelib.models.gguf_raw_tensors` is read once).
+        `tunelib.formats.gguf_raw_tensors` is read once).
       type_name: "Q8_0", "Q4_0" or "Q4_1" (`GGUFTensor.type_name`).
       shape: the matrix `[m, n]` the bytes encode, a Hugging Face weight's `[out, in]`
         (`GGUFTensor.shape`); `n` is a multiple of 32.
@@ -332,6 +335,7 @@ def ggml_from_bytes(
 
 def gguf_base(
     model: str | os.PathLike | GGUFModel,
+    options: LoadOptions | None = None,
     *,
     patterns: Sequence[str] = (PROJECTION_KERNELS,),
     dtype: str = "float32",
@@ -357,11 +361,13 @@ def gguf_base(
     dense.
 
     Args:
-      model: a `.gguf` file, or the `GGUFModel` that `tunelib.models.read_gguf` read.
+      model: a `.gguf` file, or the `GGUFModel` that `tunelib.formats.read_gguf` read.
       patterns: regular expressions over `/`-joined parameter paths (`re.fullmatch`) of the
         weights to keep quantised: the projections (`PROJECTION_KERNELS`) by default; add
         `"embed_tokens/embedding"` to keep the token embedding (and, when tied, the
         unembedding) too.
+      options: the options below in one `tunelib.formats.LoadOptions` (its `shardings`
+        must be None), instead of the keyword arguments.
       dtype: the compute dtype (`DecoderConfig.dtype`).
       param_dtype: the dtype of the dense parameters and of the kept tensors' values.
       scan_layers: stack the layers (`DecoderConfig.scan_layers`); each kept weight's
@@ -416,10 +422,20 @@ def gguf_base(
       >>> print(hidden.shape, bool(jnp.allclose(hidden, dense, atol=1e-5)))
       (1, 3, 64) True
     """
+    options = LoadOptions.from_arguments(
+        options, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
+        mesh=mesh, rules=rules,
+    )  # fmt: skip
+    if options.shardings is not None:
+        raise ValueError("gguf_base places the parameters by options.mesh; shardings must be None.")
     if not isinstance(model, GGUFModel):
         model = read_gguf(model)
     config = config_from_hf(
-        model.hf_config, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat
+        model.hf_config,
+        dtype=options.dtype,
+        param_dtype=options.param_dtype,
+        scan_layers=options.scan_layers,
+        remat=options.remat,
     )
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     abstract = nnx.to_pure_dict(state)
@@ -427,7 +443,7 @@ def gguf_base(
     raw = {tensor.hf_name: (tensor, data, rows) for tensor, data, rows in gguf_raw_tensors(model)}
     names = {}
     for path, spec in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-        names[path_string(path)] = _hf_names(path_string(path), scan_layers, spec.shape)
+        names[path_string(path)] = _hf_names(path_string(path), options.scan_layers, spec.shape)
     _check_tensors(model, raw, names, abstract)
     refused = [
         f"{raw[hf_name][0].gguf_name!r} ({raw[hf_name][0].type_name})"
@@ -442,7 +458,7 @@ def gguf_base(
             f"block types kept are {', '.join(GGML_TYPES)}. Leave these out of patterns to "
             "dequantise them."
         )
-    target = jnp.dtype(param_dtype)
+    target = jnp.dtype(options.param_dtype)
 
     def load(path, spec):
         name = path_string(path)
@@ -457,13 +473,13 @@ def gguf_base(
             _load_tensor(*raw[hf_name], keep=keep, kernel=name.endswith("/kernel"), dtype=target)
             for hf_name in names[name]
         ]
-        if scan_layers and name.startswith("layers/"):
+        if options.scan_layers and name.startswith("layers/"):
             return jax.tree.map(lambda *layers: jnp.stack(layers), *parts)
         return parts[0]
 
     params = jax.tree_util.tree_map_with_path(load, abstract)
-    if mesh is not None:
-        shardings = param_shardings(graphdef, abstract, mesh, rules)
+    if options.mesh is not None:
+        shardings = param_shardings(graphdef, abstract, options.mesh, options.rules)
         params = jax.tree.map(
             _placed, params, shardings, is_leaf=lambda x: isinstance(x, GGMLTensor)
         )

@@ -16,14 +16,10 @@ from safetensors.numpy import load_file, save_file
 from tests._helpers import raises_naming
 from tests._hf import VOCAB_SIZE, hf_logits, hf_modules, model_class, write_tiny_checkpoint
 from tests.models.test_decoder import LLAMA3, build, make_config
-from tunelib.models import (
-    TENSOR_PARALLEL_RULES,
-    load_hf_checkpoint,
-    param_shardings,
-    save_hf_checkpoint,
-)
-from tunelib.models import _hf_checkpoint as hf_checkpoint
-from tunelib.models._safetensors import TensorFiles
+from tunelib.formats import _hf_checkpoint as hf_checkpoint
+from tunelib.formats import load_hf_checkpoint, save_hf_checkpoint
+from tunelib.formats._safetensors import TensorFiles
+from tunelib.models import TENSOR_PARALLEL_RULES, param_shardings
 from tunelib.rollout import SamplingConfig, sample
 
 # tunelib configs each family can express, with its distinguishing options on.

@@ -8,8 +8,8 @@ from flax import nnx
 
 from tests._hf import hf_logits, hf_modules, write_chat_jsonl, write_tiny_checkpoint
 from tunelib.data import HFTokenizer, encode_chat, read_records, sft_dataset
+from tunelib.formats import load_hf_checkpoint, save_hf_checkpoint
 from tunelib.logprobs import token_logps
-from tunelib.models import load_hf_checkpoint, save_hf_checkpoint
 
 
 def test_fine_tune_a_checkpoint_on_chat_records_and_load_it_in_transformers(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from tests._hf import hf_logits, hf_modules, tiny_hf_model
-from tunelib.models import convert_gguf, load_hf_checkpoint, read_gguf
+from tunelib.formats import convert_gguf, load_hf_checkpoint, read_gguf
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is a dependency")
 

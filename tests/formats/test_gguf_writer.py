@@ -14,9 +14,9 @@ from safetensors.numpy import load_file
 
 from tests._helpers import assert_within_float32_rounding, raises_naming, x64_copies
 from tests._hf import TOKENIZER_SIZE, VOCAB_SIZE, hf_logits, hf_modules, write_tokenizer
+from tests.formats.test_gguf import gguf_name, llama_cpp_permute
 from tests.models.test_decoder import build, make_config
-from tests.models.test_gguf import gguf_name, llama_cpp_permute
-from tunelib.models import (
+from tunelib.formats import (
     config_from_hf,
     convert_gguf,
     gguf_tensors,
@@ -227,11 +227,12 @@ def test_tokenizer_metadata_keep_their_gguf_types(tmp_path):
 
 
 def test_a_tokenizer_saved_with_the_model_reads_back_in_tunelib_and_transformers(tmp_path):
-    """`tunelib.data.gguf_tokenizer_metadata` of a tokenizer with fewer ids (300) than the model
+    """`tunelib.formats.gguf_tokenizer_metadata` of a tokenizer with fewer ids (300) than the model
     has embedding rows (320): the vocabulary is padded as llama.cpp's converter pads it, and
     `gguf_tokenizer` and transformers' GGUF tokenizer encode as the original."""
     _, transformers = hf_modules()
-    from tunelib.data import gguf_tokenizer, gguf_tokenizer_metadata, load_tokenizer
+    from tunelib.data import load_tokenizer
+    from tunelib.formats import gguf_tokenizer, gguf_tokenizer_metadata
 
     tokenizer = load_tokenizer(write_tokenizer(tmp_path / "tokenizer"))
     config = make_config(**{**TINY, "vocab_size": VOCAB_SIZE})

@@ -5,7 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests._helpers import raises_naming
-from tunelib.models import MODEL_TYPES, DecoderConfig, config_from_hf, config_to_hf
+from tunelib.formats import MODEL_TYPES, config_from_hf, config_to_hf
+from tunelib.models import DecoderConfig
 
 SIZES = dict(
     vocab_size=128,

@@ -13,10 +13,15 @@ import numpy as np
 from flax import nnx
 from jaxtyping import PyTree
 
-from tunelib.models._config import DecoderConfig
-from tunelib.models._gguf import _CONFIG_KEYS, _GLOBAL_TENSORS, _LAYER_TENSORS, GGUF_ARCHITECTURES
-from tunelib.models._hf_checkpoint import _order, _tensors_to_write, checked_config
-from tunelib.models._hf_config import config_to_hf
+from tunelib.formats._gguf_layout import (
+    CONFIG_KEYS,
+    GGUF_ARCHITECTURES,
+    GLOBAL_TENSORS,
+    LAYER_TENSORS,
+)
+from tunelib.formats._hf_checkpoint import checked_config, tensor_order, tensors_to_write
+from tunelib.formats._hf_config import config_to_hf
+from tunelib.models import DecoderConfig
 
 # The tensor types `save_gguf` writes its 2-D weights in, with llama.cpp's `general.file_type`
 # (gguf.LlamaFileType) of a file so written.
@@ -29,11 +34,11 @@ _ARCHITECTURE_OF: dict[str, str] = {
 }
 # The `{arch}.<key>` of each config.json field (the inverse of `read_gguf`'s), and the keys
 # llama.cpp reads as float32 (the others are uint32).
-_KEY_OF: dict[str, str] = {field: key for key, field in _CONFIG_KEYS.items()}
+_KEY_OF: dict[str, str] = {field: key for key, field in CONFIG_KEYS.items()}
 _FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor")
 # GGUF tensor names of the Hugging Face modules (the inverse of `read_gguf`'s).
-_LAYER_PART: dict[str, str] = {module: part for part, module in _LAYER_TENSORS.items()}
-_GLOBAL_PART: dict[str, str] = {module: part for part, module in _GLOBAL_TENSORS.items()}
+_LAYER_PART: dict[str, str] = {module: part for part, module in LAYER_TENSORS.items()}
+_GLOBAL_PART: dict[str, str] = {module: part for part, module in GLOBAL_TENSORS.items()}
 # The token ids of config.json and their tokenizer keys.
 _TOKEN_ID_KEYS: dict[str, str] = {
     "bos_token_id": "tokenizer.ggml.bos_token_id",
@@ -153,7 +158,8 @@ def save_gguf(
     Examples:
       >>> import tempfile
       >>> from flax import nnx
-      >>> from tunelib.models import Decoder, DecoderConfig, read_gguf, save_gguf
+      >>> from tunelib.formats import read_gguf, save_gguf
+      >>> from tunelib.models import Decoder, DecoderConfig
       >>> config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
       ...                        num_hidden_layers=2, num_attention_heads=4,
       ...                        num_key_value_heads=2, tie_word_embeddings=True)
@@ -386,8 +392,8 @@ def _gguf_name(hf_name: str) -> str:
 def _tensors(params: PyTree, config: DecoderConfig, dtype: str, *, permute: bool):
     """The tensors to write, in Hugging Face's order, each made on demand in float32."""
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    in_float32 = _tensors_to_write(params, config, np.dtype(np.float32))
-    for t in sorted(in_float32, key=lambda t: _order(t.name)):
+    in_float32 = tensors_to_write(params, config, np.dtype(np.float32))
+    for t in sorted(in_float32, key=lambda t: tensor_order(t.name)):
         name = _gguf_name(t.name)
         part = name.split(".")[-2]
         if permute and part in heads:

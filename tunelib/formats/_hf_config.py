@@ -5,9 +5,9 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tunelib.models._config import DTYPE_NAMES, DecoderConfig
-from tunelib.models._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
-from tunelib.models._hf_gemma4 import GEMMA4_DEFAULTS, gemma4_config, gemma4_fields
+from tunelib.formats._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
+from tunelib.formats._hf_gemma4 import GEMMA4_DEFAULTS, gemma4_config, gemma4_fields
+from tunelib.models import DTYPE_NAMES, DecoderConfig
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
 ARCHITECTURES: dict[str, str] = {
@@ -143,7 +143,7 @@ def config_from_hf(
         `model_type`, or a value the decoder does not support.
 
     Examples:
-      >>> from tunelib.models import config_from_hf
+      >>> from tunelib.formats import config_from_hf
       >>> hf = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
       ...       "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
       ...       "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
@@ -294,7 +294,8 @@ def config_to_hf(
       ValueError: naming the field that `model_type` cannot express.
 
     Examples:
-      >>> from tunelib.models import DecoderConfig, config_from_hf, config_to_hf
+      >>> from tunelib.formats import config_from_hf, config_to_hf
+      >>> from tunelib.models import DecoderConfig
       >>> config = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
       ...                        num_hidden_layers=2, num_attention_heads=4,
       ...                        num_key_value_heads=2, attention_bias=True)

@@ -28,13 +28,8 @@ from tokenizers import models, pre_tokenizers, trainers
 
 from tests._helpers import raises_naming
 from tests._hf import hf_modules
-from tunelib.data import (
-    HFTokenizer,
-    encode_chat,
-    gguf_tokenizer,
-    gguf_tokenizer_metadata,
-    render_chat_template,
-)
+from tunelib.data import HFTokenizer, encode_chat, render_chat_template
+from tunelib.formats import gguf_tokenizer, gguf_tokenizer_metadata
 
 TEXTS = [
     "Hello world! Don't stop; I'M here, they'll see.",
@@ -341,7 +336,7 @@ def test_pre_tokenizers_transformers_lacks_split_as_llama_cpp(
 
 
 def test_every_name_reads_and_writes_back_its_first_name(byte_level_vocab, tmp_path):
-    from tunelib.data._gguf_tokenizer import _SPLITS
+    from tunelib.formats._gguf_tokenizer import _SPLITS
 
     for split in _SPLITS:
         for name in split.names:

@@ -12,59 +12,24 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from tunelib.data import gguf_tokenizer
-from tunelib.models._hf_checkpoint import HFCheckpoint, load_tensors, write_checkpoint
-from tunelib.models._hf_config import ARCHITECTURES
-from tunelib.models._safetensors import TensorToWrite
-from tunelib.models._sharding import TENSOR_PARALLEL_RULES
+from tunelib.formats._gguf_layout import (
+    CONFIG_KEYS,
+    GGUF_ARCHITECTURES,
+    GGUF_TENSOR_TYPES,
+    GLOBAL_TENSORS,
+    LAYER_TENSORS,
+    check_gguf_file,
+)
+from tunelib.formats._gguf_tokenizer import gguf_tokenizer
+from tunelib.formats._hf_checkpoint import HFCheckpoint, load_tensors, write_checkpoint
+from tunelib.formats._hf_config import ARCHITECTURES
+from tunelib.formats._load_options import LoadOptions
+from tunelib.formats._safetensors import TensorToWrite
+from tunelib.models import TENSOR_PARALLEL_RULES
 
-# The architectures read, as `general.architecture` names them, with their `model_type`.
-# llama.cpp writes Mistral checkpoints as `llama`.
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-# Tensor types dequantised (every one the `gguf` package reads that a GGUF model commonly
-# holds; llama.cpp's importance-matrix types IQ* are refused by name).
-GGUF_TENSOR_TYPES: tuple[str, ...] = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)  # fmt: skip
-
-# `{arch}.<key>` metadata and the config.json field each becomes.
-_CONFIG_KEYS: dict[str, str] = {
-    "vocab_size": "vocab_size",
-    "embedding_length": "hidden_size",
-    "feed_forward_length": "intermediate_size",
-    "block_count": "num_hidden_layers",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.key_length": "head_dim",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "rope.freq_base": "rope_theta",
-    "context_length": "max_position_embeddings",
-}
 # Keys read and checked rather than copied.
 _CHECKED_KEYS = ("rope.dimension_count", "attention.value_length", "rope.scaling.type")
 _ROPE_SCALING_KEYS = ("rope.scaling.factor", "rope.scaling.original_context_length")
-
-# GGUF tensor names (per layer after `blk.N.`) and their Hugging Face module names.
-_LAYER_TENSORS: dict[str, str] = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS: dict[str, str] = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_MAGIC = b"GGUF"
 
 
 class GGUFTensor(NamedTuple):
@@ -97,12 +62,7 @@ def _reader(path: Path):
     """The `gguf.GGUFReader` of `path`, one per version of the file: parsing a vocabulary's
     metadata takes seconds (5 s for SmolLM2's), and `read_gguf`, `load_gguf` and
     `tunelib.peft.gguf_base` each need the reader."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist or is not a file.")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != _MAGIC:
-        raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not {_MAGIC!r}).")
+    check_gguf_file(path)
     stat = path.stat()
     return _cached_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
@@ -131,7 +91,7 @@ def _hf_config(path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> 
             f"{sorted(GGUF_ARCHITECTURES)}."
         )
     model_type = GGUF_ARCHITECTURES[arch]
-    known = set(_CONFIG_KEYS) | set(_CHECKED_KEYS) | set(_ROPE_SCALING_KEYS)
+    known = set(CONFIG_KEYS) | set(_CHECKED_KEYS) | set(_ROPE_SCALING_KEYS)
     for key in sorted(k for k in metadata if k.startswith(f"{arch}.")):
         if key.removeprefix(f"{arch}.") not in known:
             raise ValueError(f"{path}: metadata key {key!r} is not supported.")
@@ -140,7 +100,7 @@ def _hf_config(path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> 
         return metadata.get(f"{arch}.{key}", default)
 
     config: dict[str, Any] = {"model_type": model_type}
-    for key, field in _CONFIG_KEYS.items():
+    for key, field in CONFIG_KEYS.items():
         if get(key) is not None:
             config[field] = get(key)
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
@@ -185,10 +145,10 @@ def _hf_name(path: Path, gguf_name: str) -> str:
         raise ValueError(f"{path}: tensor {gguf_name!r} is not a weight or a bias.")
     if module.startswith("blk."):
         _, layer, part = module.split(".", 2)
-        if layer.isdigit() and part in _LAYER_TENSORS:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{suffix}"
-    elif module in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[module]}.{suffix}"
+        if layer.isdigit() and part in LAYER_TENSORS:
+            return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{suffix}"
+    elif module in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[module]}.{suffix}"
     raise ValueError(f"{path}: tensor {gguf_name!r} is not one the decoder has.")
 
 
@@ -217,7 +177,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
 
     Examples:
       >>> import tempfile, gguf, numpy as np
-      >>> from tunelib.models import read_gguf
+      >>> from tunelib.formats import read_gguf
       >>> path = tempfile.mkdtemp() + "/tiny.gguf"
       >>> w = gguf.GGUFWriter(path, "llama")
       >>> for key, value in {"block_count": 1, "embedding_length": 8, "feed_forward_length": 16,
@@ -313,6 +273,7 @@ class _DequantisedTensors:
 
 def load_gguf(
     path: str | os.PathLike,
+    options: LoadOptions | None = None,
     *,
     dtype: str = "float32",
     param_dtype: str = "float32",
@@ -328,10 +289,11 @@ def load_gguf(
     config from the metadata, every tensor accounted for before any is read (a missing or
     unexpected one is an error naming it), and each parameter created with its sharding,
     its shards cut from the tensor dequantised with the `gguf` package (one tensor on the
-    host at a time). The tokenizer is `tunelib.data.gguf_tokenizer(path)`.
+    host at a time). The tokenizer is `gguf_tokenizer(path)`.
 
     Args:
       path: the `.gguf` file.
+      options: every option below in one `LoadOptions`, instead of the keyword arguments.
       dtype: the compute dtype (see `DecoderConfig.dtype`).
       param_dtype: the dtype the parameters are created in.
       scan_layers: stack the layers (`DecoderConfig.scan_layers`).
@@ -354,7 +316,8 @@ def load_gguf(
       >>> import tempfile
       >>> import numpy as np
       >>> from flax import nnx
-      >>> from tunelib.models import Decoder, DecoderConfig, load_gguf, save_gguf
+      >>> from tunelib.formats import load_gguf, save_gguf
+      >>> from tunelib.models import Decoder, DecoderConfig
       >>> config = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
       ...                        num_hidden_layers=2, num_attention_heads=4,
       ...                        num_key_value_heads=2, tie_word_embeddings=True)
@@ -366,11 +329,12 @@ def load_gguf(
       >>> bool(np.array_equal(kernel, params["layers"][1]["self_attn"]["q_proj"]["kernel"][...]))
       True
     """
-    model = read_gguf(path)
-    return load_tensors(
-        _DequantisedTensors(model), model.hf_config, dtype=dtype, param_dtype=param_dtype,
-        scan_layers=scan_layers, remat=remat, mesh=mesh, rules=rules, shardings=shardings,
+    options = LoadOptions.from_arguments(
+        options, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
+        mesh=mesh, rules=rules, shardings=shardings,
     )  # fmt: skip
+    model = read_gguf(path)
+    return load_tensors(_DequantisedTensors(model), model.hf_config, options)
 
 
 def convert_gguf(
@@ -383,10 +347,10 @@ def convert_gguf(
 ) -> Path:
     """Write a GGUF model file as a Hugging Face checkpoint folder: `config.json`, the
     dequantised weights in safetensors files, and the tokenizer (`tokenizer.json`,
-    `tokenizer_config.json` and the chat template, from `tunelib.data.gguf_tokenizer`) when
+    `tokenizer_config.json` and the chat template, from `gguf_tokenizer`) when
     the file has one.
 
-    The folder then loads with `tunelib.models.load_hf_checkpoint`, with `transformers`, and
+    The folder then loads with `load_hf_checkpoint`, with `transformers`, and
     as any recipe's `--model`. It is written as `save_hf_checkpoint` writes one: one shard's
     tensors on the host at a time, into a temporary folder that takes `directory`'s place only
     once complete. An existing, non-empty `directory` is an error unless `overwrite`.
@@ -439,7 +403,7 @@ def gguf_raw_tensors(
 
     Examples:
       >>> import tempfile, gguf, numpy as np
-      >>> from tunelib.models import gguf_raw_tensors, read_gguf
+      >>> from tunelib.formats import gguf_raw_tensors, read_gguf
       >>> path = tempfile.mkdtemp() + "/tiny.gguf"
       >>> w = gguf.GGUFWriter(path, "llama")
       >>> for key, value in {"block_count": 1, "embedding_length": 32,

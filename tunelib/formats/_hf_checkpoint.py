@@ -17,18 +17,22 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jaxtyping import PyTree
 
-from tunelib.models._config import DecoderConfig
-from tunelib.models._decoder import Decoder
-from tunelib.models._hf_config import config_from_hf, config_to_hf
-from tunelib.models._names import hf_module_name
-from tunelib.models._safetensors import (
+from tunelib.formats._hf_config import config_from_hf, config_to_hf
+from tunelib.formats._load_options import LoadOptions
+from tunelib.formats._safetensors import (
     FLOAT_DTYPES,
     TensorFiles,
     TensorSource,
     TensorToWrite,
     write_tensors,
 )
-from tunelib.models._sharding import TENSOR_PARALLEL_RULES, param_shardings
+from tunelib.models import (
+    TENSOR_PARALLEL_RULES,
+    Decoder,
+    DecoderConfig,
+    hf_module_name,
+    param_shardings,
+)
 
 # Buffers that old `transformers` releases saved with Llama weights; they are recomputed from
 # the config, so a checkpoint may hold them and they are read as nothing.
@@ -135,6 +139,7 @@ _BARE = re.compile(r"layers/(\d+/)?(layer_scalar|router/scale|router/per_expert_
 
 def load_hf_checkpoint(
     directory: str | os.PathLike,
+    options: LoadOptions | None = None,
     *,
     dtype: str = "float32",
     param_dtype: str = "float32",
@@ -160,6 +165,7 @@ def load_hf_checkpoint(
 
     Args:
       directory: the checkpoint directory.
+      options: every option below in one `LoadOptions`, instead of the keyword arguments.
       dtype: the compute dtype (see `DecoderConfig.dtype`).
       param_dtype: the dtype the parameters are created in.
       scan_layers: stack the layers (`DecoderConfig.scan_layers`).
@@ -185,8 +191,8 @@ def load_hf_checkpoint(
 
       >>> import tempfile, jax
       >>> from flax import nnx
-      >>> from tunelib.models import (Decoder, DecoderConfig, load_hf_checkpoint,
-      ...                             save_hf_checkpoint)
+      >>> from tunelib.formats import load_hf_checkpoint, save_hf_checkpoint
+      >>> from tunelib.models import Decoder, DecoderConfig
       >>> config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
       ...                        num_hidden_layers=2, num_attention_heads=4,
       ...                        num_key_value_heads=2)
@@ -206,32 +212,31 @@ def load_hf_checkpoint(
     if not config_path.exists():
         raise FileNotFoundError(f"{directory} has no config.json.")
     hf_config = json.loads(config_path.read_text())
+    options = LoadOptions.from_arguments(
+        options, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
+        mesh=mesh, rules=rules, shardings=shardings,
+    )  # fmt: skip
     with TensorFiles(directory) as files:
-        return load_tensors(
-            files, hf_config, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-            remat=remat, mesh=mesh, rules=rules, shardings=shardings,
-        )  # fmt: skip
+        return load_tensors(files, hf_config, options)
 
 
 def load_tensors(
     files: TensorSource,
     hf_config: dict[str, Any],
-    *,
-    dtype: str,
-    param_dtype: str,
-    scan_layers: bool,
-    remat: bool,
-    mesh: jax.sharding.Mesh | None,
-    rules: Sequence[tuple[str, str | None]],
-    shardings: PyTree[jax.sharding.Sharding] | None,
+    options: LoadOptions,
 ) -> HFCheckpoint:
     """The decoder of `hf_config` with its parameters read from `files` (Hugging Face names
     and layouts: `TensorFiles` for safetensors, or a GGUF file's dequantised tensors), each
     created with its sharding (see `load_hf_checkpoint`)."""
     config = config_from_hf(
-        hf_config, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat
+        hf_config,
+        dtype=options.dtype,
+        param_dtype=options.param_dtype,
+        scan_layers=options.scan_layers,
+        remat=options.remat,
     )
     graphdef, abstract = abstract_params(config)
+    mesh, shardings = options.mesh, options.shardings
     if shardings is not None and mesh is not None:
         raise ValueError("pass mesh or shardings, not both.")
     if shardings is None:
@@ -239,14 +244,14 @@ def load_tensors(
             device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             shardings = jax.tree.map(lambda _: device, abstract)
         else:
-            shardings = param_shardings(graphdef, abstract, mesh, rules)
+            shardings = param_shardings(graphdef, abstract, mesh, options.rules)
     if jax.tree.structure(shardings) != jax.tree.structure(abstract):
         raise ValueError(
             "shardings must have the structure of the parameters: "
             f"{jax.tree.structure(abstract)}, got {jax.tree.structure(shardings)}."
         )
     weights = weights_of(abstract, config)
-    target = np.dtype(jnp.dtype(param_dtype))
+    target = np.dtype(jnp.dtype(options.param_dtype))
     _check_tensors(files, weights, config)
     leaves = [
         jax.make_array_from_callback(w.shape, sharding, _ShardReader(files, w, target))
@@ -360,7 +365,7 @@ def save_hf_checkpoint(
 ) -> Path:
     """Save the decoder as a Hugging Face checkpoint that `transformers` loads.
 
-    Writes `config.json` (`tunelib.models.config_to_hf`) and the weights under their Hugging
+    Writes `config.json` (`config_to_hf`) and the weights under their Hugging
     Face names, kernels transposed to `[out, in]` and stacked layers split: one
     `model.safetensors`, or, above `max_shard_size` bytes, `model-00001-of-0000N.safetensors`
     files and `model.safetensors.index.json` (`metadata.total_size` and `weight_map`). With
@@ -400,7 +405,8 @@ def save_hf_checkpoint(
     Examples:
       >>> import json, os, tempfile
       >>> from flax import nnx
-      >>> from tunelib.models import Decoder, DecoderConfig, save_hf_checkpoint
+      >>> from tunelib.formats import save_hf_checkpoint
+      >>> from tunelib.models import Decoder, DecoderConfig
       >>> config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
       ...                        num_hidden_layers=2, num_attention_heads=4,
       ...                        use_qk_norm=True, tie_word_embeddings=True)
@@ -436,7 +442,9 @@ def save_hf_checkpoint(
     if jax.process_count() > 1:  # every process has checked before the folder appears
         multihost_utils.sync_global_devices(f"tunelib.save_hf_checkpoint {directory} checked")
     if jax.process_index() == 0:  # one writer; in a run of several, the others wait for it
-        tensors = sorted(_tensors_to_write(params, config, target), key=lambda t: _order(t.name))
+        tensors = sorted(
+            tensors_to_write(params, config, target), key=lambda t: tensor_order(t.name)
+        )
         write_checkpoint(
             directory, tensors, hf, max_shard_size=max_shard_size,
             copy_files_from=copy_files_from, tokenizer=tokenizer,
@@ -507,7 +515,7 @@ def write_checkpoint(
     return directory
 
 
-def _tensors_to_write(params: PyTree, config: DecoderConfig, dtype: np.dtype):
+def tensors_to_write(params: PyTree, config: DecoderConfig, dtype: np.dtype):
     leaves = dict(zip(_paths(params), jax.tree.leaves(params), strict=True))
     for w in weights_of(params, config):
         array = leaves[w.path]
@@ -525,7 +533,7 @@ def _paths(params: PyTree) -> list[tuple[Any, ...]]:
     return [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
-def _order(name: str) -> tuple:
+def tensor_order(name: str) -> tuple:
     """Hugging Face's order: embedding, layers in index order, final norm, lm_head."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
     if match:

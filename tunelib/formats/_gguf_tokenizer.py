@@ -27,9 +27,9 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from tunelib.data._tokenizers import HFTokenizer
+from tunelib.data import HFTokenizer
+from tunelib.formats._gguf_layout import MAGIC, check_gguf_file
 
-_MAGIC = b"GGUF"
 # gguf.TokenType: what each entry of `tokenizer.ggml.token_type` means.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _SPACE = "\u2581"  # SentencePiece's "▁", which stands for a space inside a token
@@ -157,20 +157,15 @@ def _read_metadata(path: Path) -> dict[str, Any]:
     """
     import gguf
 
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist or is not a file.")
-    with open(path, "rb") as file:
-        head = file.read(4)
-        if head != _MAGIC:
-            raise ValueError(f"{path} is not a GGUF file: it starts with {head!r}, not {_MAGIC!r}.")
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            try:
-                return _Fields(data, path, gguf.GGUFValueType).read()
-            except (struct.error, _Truncated):
-                raise ValueError(
-                    f"{path} is not a readable GGUF file: it ends inside its metadata "
-                    f"(after {len(data)} bytes); is it truncated?"
-                ) from None
+    check_gguf_file(path)
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            return _Fields(data, path, gguf.GGUFValueType).read()
+        except (struct.error, _Truncated):
+            raise ValueError(
+                f"{path} is not a readable GGUF file: it ends inside its metadata "
+                f"(after {len(data)} bytes); is it truncated?"
+            ) from None
 
 
 class _Truncated(Exception):
@@ -182,7 +177,7 @@ class _Fields:
 
     def __init__(self, data: mmap.mmap, path: Path, types: Any):
         self.data, self.path, self.types = data, path, types
-        self.offset = len(_MAGIC)
+        self.offset = len(MAGIC)
         self.scalars = {
             types.UINT8: "B",
             types.INT8: "b",
@@ -311,7 +306,7 @@ def gguf_tokenizer(path: str | os.PathLike, *, pre: str | None = None) -> HFToke
 
     Examples:
       >>> import tempfile, gguf
-      >>> from tunelib.data import gguf_tokenizer
+      >>> from tunelib.formats import gguf_tokenizer
       >>> path = tempfile.mkdtemp() + "/tokenizer.gguf"
       >>> writer = gguf.GGUFWriter(path, "llama")
       >>> writer.add_tokenizer_model("gpt2")
@@ -644,7 +639,8 @@ def gguf_tokenizer_metadata(tokenizer: HFTokenizer) -> dict[str, object]:
     Examples:
       >>> import tokenizers
       >>> from tokenizers import decoders, models, pre_tokenizers
-      >>> from tunelib.data import HFTokenizer, gguf_tokenizer_metadata
+      >>> from tunelib.data import HFTokenizer
+      >>> from tunelib.formats import gguf_tokenizer_metadata
       >>> vocab = {"<|end|>": 0, "a": 1, "b": 2, "ab": 3, "Ġ": 4, "Ġab": 5}
       >>> inner = tokenizers.Tokenizer(models.BPE(vocab, [("a", "b"), ("Ġ", "ab")]))
       >>> inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
