@@ -15,8 +15,6 @@ Kernels (`N`, `H`, `V` already padded to multiples of the blocks):
                    h_block^T dz to the program's columns of d unembedding (and d bias).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,8 +144,11 @@ def forward(h, w, b, inv_t, y, cfg: tiles.Config) -> tiles.Stats:
     n, hidden = h.shape
     dtype = inv_t.dtype
     column = jax.ShapeDtypeStruct((n, 1), dtype)
-    stats = pl.pallas_call(
-        functools.partial(_forward_kernel, cfg=cfg),
+    stats = tiles.launch(
+        _forward_kernel,
+        "forward",
+        cfg,
+        _params(),
         out_shape=[column] * 4,
         grid=(n // cfg.block_n,),
         in_specs=[
@@ -158,9 +159,6 @@ def forward(h, w, b, inv_t, y, cfg: tiles.Config) -> tiles.Stats:
             _token_spec(cfg, 1),
         ],
         out_specs=[_token_spec(cfg, 1)] * 4,
-        compiler_params=_params(),
-        interpret=cfg.interpret,
-        name="fused_logps_forward",
     )(h, w, b, inv_t, y)
     return tiles.Stats(*stats)
 
@@ -170,15 +168,15 @@ def hidden_grad(h, w, b, inv_t, y, lse, mz, g, e, cfg: tiles.Config):
     n, hidden = h.shape
     dtype = inv_t.dtype
     column = _token_spec(cfg, 1)
-    return pl.pallas_call(
-        functools.partial(_hidden_grad_kernel, cfg=cfg),
+    return tiles.launch(
+        _hidden_grad_kernel,
+        "hidden_grad",
+        cfg,
+        _params(),
         out_shape=[jax.ShapeDtypeStruct((n, hidden), dtype), jax.ShapeDtypeStruct((n, 1), dtype)],
         grid=(n // cfg.block_n,),
         in_specs=[_token_spec(cfg, hidden), _whole(w), _whole(b), _whole(inv_t)] + [column] * 5,
         out_specs=[_token_spec(cfg, hidden), column],
-        compiler_params=_params(),
-        interpret=cfg.interpret,
-        name="fused_logps_hidden_grad",
     )(h, w, b, inv_t, y, lse, mz, g, e)
 
 
@@ -187,8 +185,11 @@ def unembedding_grad(h, w, b, inv_t, y, lse, mz, g, e, cfg: tiles.Config):
     hidden, vocab = w.shape
     dtype = inv_t.dtype
     per_token = [_whole(x) for x in (y, lse, mz, g, e)]
-    return pl.pallas_call(
-        functools.partial(_unembedding_grad_kernel, cfg=cfg),
+    return tiles.launch(
+        _unembedding_grad_kernel,
+        "unembedding_grad",
+        cfg,
+        _params(),
         out_shape=[
             jax.ShapeDtypeStruct((hidden, vocab), dtype),
             jax.ShapeDtypeStruct((1, vocab), dtype),
@@ -205,7 +206,4 @@ def unembedding_grad(h, w, b, inv_t, y, lse, mz, g, e, cfg: tiles.Config):
             pl.BlockSpec((hidden, cfg.block_v), lambda j: (0, j)),
             pl.BlockSpec((1, cfg.block_v), lambda j: (0, j)),
         ],
-        compiler_params=_params(),
-        interpret=cfg.interpret,
-        name="fused_logps_unembedding_grad",
     )(h, w, b, inv_t, y, lse, mz, g, e)

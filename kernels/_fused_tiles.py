@@ -6,11 +6,13 @@ vectors (rather than `[block_n]`) keep every operand 2-D, which both Mosaic and 
 without reshapes.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 
 class Config(NamedTuple):
@@ -145,3 +147,16 @@ def logits_cotangent(
     # sum_v dz_v = 0, so shifting z by lse leaves the sum unchanged and keeps it accurate.
     zdz = jnp.sum(jnp.where(finite, dz * (z - lse), 0.0), axis=1, keepdims=True)
     return dz, zdz
+
+
+def launch(kernel, stage: str, cfg: Config, compiler_params, **call):
+    """`pl.pallas_call` of `kernel` with `cfg` bound, named `fused_logps_<stage>`, run by the
+    Pallas interpreter when `cfg.interpret`: what both lowerings share. `call` holds the rest
+    of `pl.pallas_call`'s arguments (output shapes, grid, block specs, scratch), which differ."""
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg),
+        compiler_params=compiler_params,
+        interpret=cfg.interpret,
+        name=f"fused_logps_{stage}",
+        **call,
+    )

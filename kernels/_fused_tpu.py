@@ -16,8 +16,6 @@ Kernels (`N`, `V` already padded to multiples of the blocks; `H` is never split)
                    scratch along the token axis, d bias in its output.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -115,15 +113,15 @@ def forward(h, w, b, inv_t, y, cfg: tiles.Config) -> tiles.Stats:
     n, hidden = h.shape
     column = jax.ShapeDtypeStruct((n, 1), inv_t.dtype)
     specs, per_token = _specs(cfg, hidden, tokens_first=True)
-    stats = pl.pallas_call(
-        functools.partial(_forward_kernel, cfg=cfg),
+    stats = tiles.launch(
+        _forward_kernel,
+        "forward",
+        cfg,
+        _params(),
         out_shape=[column] * 4,
         grid=(n // cfg.block_n, w.shape[1] // cfg.block_v),
         in_specs=[*specs, per_token],
         out_specs=[per_token] * 4,
-        compiler_params=_params(),
-        interpret=cfg.interpret,
-        name="fused_logps_forward",
     )(h, w, b, inv_t, y)
     return tiles.Stats(*stats)
 
@@ -133,16 +131,16 @@ def hidden_grad(h, w, b, inv_t, y, lse, mz, g, e, cfg: tiles.Config):
     n, hidden = h.shape
     dtype = inv_t.dtype
     specs, per_token = _specs(cfg, hidden, tokens_first=True)
-    return pl.pallas_call(
-        functools.partial(_hidden_grad_kernel, cfg=cfg),
+    return tiles.launch(
+        _hidden_grad_kernel,
+        "hidden_grad",
+        cfg,
+        _params(),
         out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct((n, 1), dtype)],
         grid=(n // cfg.block_n, w.shape[1] // cfg.block_v),
         in_specs=[*specs] + [per_token] * 5,
         out_specs=[specs[0], per_token],
         scratch_shapes=[pltpu.VMEM((cfg.block_n, hidden), dtype)],
-        compiler_params=_params(),
-        interpret=cfg.interpret,
-        name="fused_logps_hidden_grad",
     )(h, w, b, inv_t, y, lse, mz, g, e)
 
 
@@ -151,14 +149,14 @@ def unembedding_grad(h, w, b, inv_t, y, lse, mz, g, e, cfg: tiles.Config):
     hidden, vocab = w.shape
     dtype = inv_t.dtype
     specs, per_token = _specs(cfg, hidden, tokens_first=False)
-    return pl.pallas_call(
-        functools.partial(_unembedding_grad_kernel, cfg=cfg),
+    return tiles.launch(
+        _unembedding_grad_kernel,
+        "unembedding_grad",
+        cfg,
+        _params(),
         out_shape=[jax.ShapeDtypeStruct(w.shape, w.dtype), jax.ShapeDtypeStruct((1, vocab), dtype)],
         grid=(vocab // cfg.block_v, h.shape[0] // cfg.block_n),
         in_specs=[*specs] + [per_token] * 5,
         out_specs=[specs[1], specs[2]],
         scratch_shapes=[pltpu.VMEM((hidden, cfg.block_v), dtype)],
-        compiler_params=_params(),
-        interpret=cfg.interpret,
-        name="fused_logps_unembedding_grad",
     )(h, w, b, inv_t, y, lse, mz, g, e)
