@@ -218,3 +218,21 @@ def test_every_import_is_declared_and_every_dependency_is_imported():
     allowed = core | {requirement_name(r) for r in extras["recipes"] + extras["logging"]}
     recipes = {declared(m) for m in third_party_imports("recipes")}
     assert recipes <= allowed, f"recipes import undeclared {sorted(recipes - allowed)}"
+
+
+def test_no_module_takes_a_private_name_from_another():
+    """Modules share what they share under public names (a private module's helpers are named
+    without a leading underscore): `from tunelib.x._a import _helper` is a violation, in any
+    package (the rollout core, the formats package and the models among them)."""
+    violations, modules = [], project_modules()
+    for module, (path, _) in modules.items():
+        if module.split(".")[0] != "tunelib":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tunelib"):
+                taken = [a.name for a in node.names if a.name.startswith("_")]
+                # a private module is imported as a module, not taken as a name
+                taken = [n for n in taken if f"{node.module}.{n}" not in modules]
+                if taken:
+                    violations.append(f"{path.relative_to(ROOT)}: {node.module} {taken}")
+    assert not violations, "\n".join(violations)
