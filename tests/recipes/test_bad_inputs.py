@@ -53,7 +53,8 @@ WITHOUT_JAX = [
     ("sft", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("dpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
     ("grpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
-    ("grpo", ["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
+    ("grpo_async", ["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
+    ("grpo_async", ["--is-cap", "0"], "--is-cap must be > 0, got 0.0"),
     ("grpo", ["--is-cap", "0"], "--is-cap must be > 0, got 0.0"),
     ("sft", ["--batch-size", "0"], "--batch-size must be >= 1"),
     ("sft", ["--learning-rate", "-1"], "--learning-rate must be > 0"),
@@ -111,7 +112,7 @@ def test_bad_flags_paths_and_files_give_one_line_before_jax(world, recipe, flags
 
 
 def test_help_answers_without_jax(world):
-    for recipe in ("sft", "dpo", "grpo", "orpo", "distill", "generate"):
+    for recipe in ("sft", "dpo", "grpo", "grpo_async", "orpo", "distill", "generate"):
         proc = run_without_jax(recipe, "--help", cwd=world)
         assert proc.returncode == 0, proc.stderr
         assert "--seed" in proc.stdout and "--config" in proc.stdout
@@ -168,7 +169,7 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
         ("sft", ["--data", "data/pairs.jsonl", "--batch-size", "8"], "larger than the 3 training"),
         ("dpo", ["--data", "data/empty.jsonl"], "data/empty.jsonl holds no record"),
         ("grpo", ["--data", "data/pairs.jsonl"], "field 'answer' is missing"),
-        ("grpo", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
+        ("grpo_async", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
         ("generate", ["--chat"], "has no chat template; use --prompt"),
     ],
 )
