@@ -101,7 +101,7 @@ def worker(recipe: str, model: Path | None) -> dict:
     import jax
 
     import kit
-    from kit import parallel, plan
+    from kit import plan
 
     spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", RECIPES / f"{recipe}.py")
     module = importlib.util.module_from_spec(spec)
@@ -122,7 +122,7 @@ def worker(recipe: str, model: Path | None) -> dict:
         else:
             raise SystemExit(f"{recipe}: the recipe returned without planning its step")
         seconds = time.perf_counter() - started
-    placed = parallel.current()
+    placed = context.placement
 
     def next_batch():
         batch = next(context.batches)

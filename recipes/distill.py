@@ -113,7 +113,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     # The transfer set: the teacher's own greedy answers to the prompts (where it gives one).
     sampling = evaluate.greedy_config(task, vocab_size)
-    answers = evaluate.completions(teacher.graphdef, teacher.params, task, task.train, sampling)
+    answers = evaluate.completions(
+        teacher.graphdef, teacher.params, task, task.train, sampling, placement
+    )
     transfer = [{**r, "completion": a} for r, a in zip(task.train, answers, strict=True) if a]
     task = dataclasses.replace(task, train=transfer)
     optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
@@ -168,7 +170,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         return state, {**out, "on_policy": float(sampled)}
 
     def evaluate_fn(params):
-        return {"accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size)}
+        return {
+            "accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size, placement)
+        }
 
     def pieces(state, rows):  # a step's jitted parts, for --plan and --device-memory
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
@@ -178,10 +182,10 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
             out["rollout"] = kit.plan.Piece(student_rows, (state["params"], rows, key), (1,))
         return out
 
-    state = loop.initial_state(student.params, optimizer, config.seed)
+    state = loop.initial_state(student.params, optimizer, config.seed, placement)
     state["step"] = placement.replicate(np.int32(0))  # which steps sample (--on-policy)
     state = loop.train(
-        run, config, state=state,
+        run, config, placement, state=state,
         step_fn=train_step, evaluate=evaluate_fn, pieces=pieces,
         batches=data.batches(task, config, placement, kind="sft"),
     )  # fmt: skip
@@ -189,7 +193,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     before, after = loop.first_and_last(run, "accuracy")
     headline = {
         "divergence": config.divergence,
-        "teacher_accuracy": evaluate.accuracy(teacher.graphdef, teacher.params, task, vocab_size),
+        "teacher_accuracy": evaluate.accuracy(
+            teacher.graphdef, teacher.params, task, vocab_size, placement
+        ),
         "accuracy_before": before,
         "accuracy_after": after,
     }

@@ -74,7 +74,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":
-        task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size)
+        task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size, placement)
     tuning = lora.tuning(config, model, placement)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
@@ -135,16 +135,19 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
             )
         }
         if task.problems:
-            out["accuracy"] = evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)
+            out["accuracy"] = evaluate.accuracy(
+                graphdef, tuning.dense(trainable), task, vocab_size, placement
+            )
         return out
 
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=loop.initial_state(tuning.trainable, optimizer, config.seed),
+        run, config, placement, state=state,
         evaluate=evaluate_fn,
         step_fn=lambda state, batch: train_step(frozen, state, batch),
         batches=data.batches(task, config, placement, kind="preference", packing=config.packing),
     )  # fmt: skip
-    tuning.save(run.path, model, state["params"])
+    tuning.save(run.path, model, state["params"], placement)
     headline = {
         "loss": config.loss,
         **tuning.headline(),

@@ -92,17 +92,21 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         return learner.learn({**state, "rng": rng}, rows, dropout_key)
 
     def evaluate_fn(trainable):
-        return {"accuracy": evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)}
+        return {
+            "accuracy": evaluate.accuracy(
+                graphdef, tuning.dense(trainable), task, vocab_size, placement
+            )
+        }
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)
 
-    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=state, batches=batches, evaluate=evaluate_fn, step_fn=train_step,
-        pieces=pieces,
+        run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
+        step_fn=train_step, pieces=pieces,
     )  # fmt: skip
-    tuning.save(run.path, model, state["params"])
+    tuning.save(run.path, model, state["params"], placement)
     before, after = loop.first_and_last(run, "accuracy")
     last = run.records()[-1]
     return loop.finish(

@@ -47,8 +47,19 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     import jax
     import numpy as np
 
-    from kit import chain, data, disaggregated, evaluate, goodput, grpo, loop, lora, models
-    from kit import optim, parallel
+    from kit import (
+        chain,
+        data,
+        disaggregated,
+        evaluate,
+        goodput,
+        grpo,
+        loop,
+        lora,
+        models,
+        optim,
+        parallel,
+    )
 
     # Each process's own devices: the trainer's and the sampler's meshes are apart.
     placement = parallel.placement(config, across_processes=False)
@@ -116,13 +127,17 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     def evaluate_fn(trainable):
         if not trainer:  # the sampler's copy of the state is not the trained one
             return {"accuracy": float("nan")}
-        return {"accuracy": evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)}
+        return {
+            "accuracy": evaluate.accuracy(
+                graphdef, tuning.dense(trainable), task, vocab_size, placement
+            )
+        }
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)
 
     # The trainer's state is checkpointed and saved on every device of both processes.
-    state = loop.initial_state(tuning.trainable, optimizer, config.seed)
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     state = {**state, "updates": placement.replicate(np.int32(0))}
     both = disaggregated.everywhere()
     checkpointed = (
@@ -130,12 +145,12 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         lambda saved: disaggregated.own(saved, placement),
     )
     state = loop.train(
-        run, config, state=state, batches=batches, evaluate=evaluate_fn, step_fn=train_step,
-        checkpointed=checkpointed, pieces=pieces,
+        run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
+        step_fn=train_step, checkpointed=checkpointed, pieces=pieces,
     )  # fmt: skip
     model, state = models.replicated(model, both), checkpointed[0](state)
     tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))
-    tuning.save(run.path, model, state["params"])
+    tuning.save(run.path, model, state["params"], both)
     before, after = loop.first_and_last(run, "accuracy")
     last = run.records()[-1]
     return loop.finish(

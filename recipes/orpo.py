@@ -89,11 +89,12 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
             )
         }
         if task.problems:
-            out["accuracy"] = evaluate.accuracy(graphdef, params, task, vocab_size)
+            out["accuracy"] = evaluate.accuracy(graphdef, params, task, vocab_size, placement)
         return out
 
+    state = loop.initial_state(model.params, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=loop.initial_state(model.params, optimizer, config.seed),
+        run, config, placement, state=state,
         step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, placement, kind="preference"),
     )  # fmt: skip

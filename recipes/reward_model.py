@@ -72,7 +72,13 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
     if task.name == "arithmetic" and config.rejected != "near_miss":
         temperature = 1.0 if config.rejected == "sampled" else 0.0
         task = pairs.on_policy_pairs(
-            task, graphdef, model.params, vocab_size, temperature=temperature, seed=config.seed
+            task,
+            graphdef,
+            model.params,
+            vocab_size,
+            placement,
+            temperature=temperature,
+            seed=config.seed,
         )
     head = reward_model.init_head(model.config.hidden_size, config.seed)
     params = {"decoder": model.params, "head": placement.replicate(head)}
@@ -105,8 +111,9 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
             )
         }
 
+    state = loop.initial_state(params, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=loop.initial_state(params, optimizer, config.seed),
+        run, config, placement, state=state,
         evaluate=evaluate_fn, step_fn=optim.update_step(loss_fn, optimizer),
         batches=data.batches(task, config, placement, kind="preference"),
     )  # fmt: skip

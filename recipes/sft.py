@@ -118,15 +118,18 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
             )
         }
         if task.problems:
-            out["accuracy"] = evaluate.accuracy(graphdef, params, task, model.config.vocab_size)
+            out["accuracy"] = evaluate.accuracy(
+                graphdef, params, task, model.config.vocab_size, placement
+            )
         return out
 
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=loop.initial_state(tuning.trainable, optimizer, config.seed),
+        run, config, placement, state=state,
         step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, placement, kind="sft", packing=config.packing),
     )  # fmt: skip
-    tuning.save(run.path, model, state["params"])
+    tuning.save(run.path, model, state["params"], placement)
     headline = {**tuning.headline(), **loop.before_and_after(run, "accuracy", "heldout_loss")}
     headline["final_loss"] = loop.first_and_last(run, "loss")[1]
     return loop.finish(run, config, headline)

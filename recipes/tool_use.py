@@ -288,10 +288,16 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     batches = iter(order.batch(config.batch_size).to_iter_dataset())
     # The SFT optimizer's state; GRPO's replaces it (same structure) at its first step.
-    state = loop.initial_state(model.params, sft_optimizer, config.seed)
+    state = loop.initial_state(model.params, sft_optimizer, config.seed, placement)
     state["step"] = placement.replicate(jnp.zeros((), jnp.int32))
     state = loop.train(
-        run, config, state=state, batches=batches, step_fn=train_step, evaluate=evaluate_fn
+        run,
+        config,
+        placement,
+        state=state,
+        batches=batches,
+        step_fn=train_step,
+        evaluate=evaluate_fn,
     )
     models.save_model(run.path / "model", model, state["params"])
     records = run.records()

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 from kit.errors import UserError
 from kit.models import model_folder
 
@@ -21,10 +23,7 @@ RECIPES = Path(__file__).resolve().parents[1]
 
 def train_sft(out: Path, flags: list[str], *, what: str) -> float:
     """Run `recipes/sft.py --out OUT FLAGS` to the end; its wall time in seconds."""
-    from kit import parallel
-
-    placed = parallel.current()
-    if placed is not None and placed.process_count > 1:
+    if jax.process_count() > 1:
         raise UserError(
             f"{what}: a run of several processes starts no other run; train it first with "
             f"python -m tunelib.launch -n N recipes/sft.py --out {out}"

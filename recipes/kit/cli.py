@@ -95,11 +95,10 @@ def main(
 
 
 def _alone() -> bool:
-    """Whether this process runs alone (not one of a multi-process run's)."""
-    from kit import parallel
-
-    placed = parallel.current()
-    return placed is None or placed.process_count == 1
+    """Whether this process runs alone (not one of a multi-process run's: those import JAX
+    and join the others)."""
+    jax = sys.modules.get("jax")
+    return jax is None or jax.process_count() == 1
 
 
 def _exit(code: int) -> None:

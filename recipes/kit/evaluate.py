@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kit import parallel
 from kit.data import Task, prompts
 
 
@@ -27,15 +26,17 @@ def greedy_config(task: Task, vocab_size: int):
     )
 
 
-def completions(graphdef, params, task: Task, records: list[dict], sampling, key=None) -> list[str]:
+def completions(
+    graphdef, params, task: Task, records: list[dict], sampling, placed, key=None
+) -> list[str]:
     """The decoded completions of the records' prompts under `sampling` (greedy by default),
-    in batches of at most 512 prompts (few distinct shapes to compile)."""
+    split over the devices of `placed` (a `kit.parallel.Placement`; None: as they come), in
+    batches of at most 512 prompts (few distinct shapes to compile)."""
     import jax
 
     from tunelib import rollout
 
     key = jax.random.key(0) if key is None else key
-    placed = parallel.current()
     texts = []
     for first in range(0, len(records), 512):
         chunk = records[first : first + 512]
@@ -51,11 +52,13 @@ def completions(graphdef, params, task: Task, records: list[dict], sampling, key
     return texts
 
 
-def accuracy(graphdef, params, task: Task, vocab_size: int) -> float:
-    """The share of held-out problems whose greedy completion the verifier accepts."""
+def accuracy(graphdef, params, task: Task, vocab_size: int, placed) -> float:
+    """The share of held-out problems whose greedy completion the verifier accepts (sampled
+    on the devices of `placed`, see `completions`)."""
     if not task.problems:
         return float("nan")
-    texts = completions(graphdef, params, task, task.problems, greedy_config(task, vocab_size))
+    greedy = greedy_config(task, vocab_size)
+    texts = completions(graphdef, params, task, task.problems, greedy, placed)
     return float(np.mean([task.correct(t, r) for t, r in zip(texts, task.problems, strict=True)]))
 
 

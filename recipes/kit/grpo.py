@@ -16,10 +16,11 @@ import jax
 import numpy as np
 import optax
 
+from tunelib import advantages, losses, metrics, peft, rollout
+
 from kit import data, evaluate, goodput, plan, reward_model
 from kit.errors import UserError
 from kit.grpo_config import MODES, load_reward
-from tunelib import advantages, losses, metrics, peft, rollout
 
 
 def well_formed(text: str, truncated: bool) -> bool:
@@ -266,7 +267,9 @@ class Learner:
         batch["old"] = rows["logps"]
         return {
             "rollout": plan.sampler(self.graphdef, policy, *prompts, sampling, group_size=group),
-            "update": plan.Piece(self.update, (self.frozen, state, batch, None), batch_argnums=(2,)),
+            "update": plan.Piece(
+                self.update, (self.frozen, state, batch, None), batch_argnums=(2,)
+            ),
         }
 
 

@@ -39,21 +39,20 @@ class Tuning:
             out["base_bits_per_param"] = round(peft.bits_per_parameter(self.base), 3)
         return out
 
-    def save(self, folder, model, trainable: dict) -> None:
+    def save(self, folder, model, trainable: dict, placed) -> None:
         """The trained model in `folder/model` (adapters merged; see `kit.models.save_model`)
         and, with LoRA, the adapters alone: Orbax (`adapters/`) and the PEFT format
-        (`peft_adapter/`)."""
+        (`peft_adapter/`), written once from the arrays of `placed` (the run's
+        `kit.parallel.Placement`)."""
         from tunelib import peft
 
-        from kit import parallel
         from kit.models import save_model
 
         save_model(folder / "model", model, self.dense(trainable))
         if self.base is None:
             return
         peft.save_adapters(folder / "adapters", trainable)
-        placed = parallel.current()
-        if placed is None or placed.process_count == 1:
+        if placed.process_count == 1:
             peft.export_peft(folder / "peft_adapter", trainable, self.base)
             return
         trainable, base = placed.fetch(trainable), placed.fetch(self.base)  # on every host

@@ -18,7 +18,11 @@ every process (Orbax), each with its own data position (Grain).
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from tunelib import distributed
 
 from kit.errors import UserError
 
@@ -52,19 +56,13 @@ class Placement:
         return self.data_index, self.data_count
 
     def replicated(self):
-        import jax
-
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
     def by_rows(self):
-        import jax
-
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(AXIS))
 
     def replicate(self, tree):
         """`tree` on every device of the mesh (every process must pass the same values)."""
-        import jax
-
         target = self.replicated()
 
         def put(x):
@@ -81,8 +79,6 @@ class Placement:
     def rows(self, local):
         """Global arrays, split by rows over the mesh, from this process's rows of each
         (NumPy or host arrays: `[b, ...]` of a global `[b * process_count, ...]`)."""
-        import jax
-
         sharding = self.by_rows()
 
         def place(x):
@@ -96,8 +92,6 @@ class Placement:
         """Global arrays from the whole batch, which every process holds: each takes its own
         rows. With `pad`, rows of zeros (False in every mask) are added first so the rows
         split evenly; without, they must."""
-        import jax
-
         count = len(jax.tree.leaves(tree)[0])
         extra = -count % self.num_devices
         if extra and not pad:
@@ -111,8 +105,6 @@ class Placement:
     def local(self, x) -> np.ndarray:
         """This process's rows of a global array (the rows `rows` takes from it), on the host;
         an array laid out otherwise is split by rows first (every process must call this)."""
-        import jax
-
         if not x.sharding.is_equivalent_to(self.by_rows(), x.ndim):  # moved on the devices
             x = jax.jit(lambda x: x, out_shardings=self.by_rows())(x)
         shards = sorted(x.addressable_shards, key=lambda s: s.index[0].indices(x.shape[0])[0])
@@ -120,8 +112,6 @@ class Placement:
 
     def fetch(self, tree):
         """The whole value of every array on every process, as NumPy."""
-        import jax
-        from jax.experimental import multihost_utils
 
         def value(x):
             if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
@@ -133,12 +123,7 @@ class Placement:
     def barrier(self, name: str) -> None:
         """Wait until every process gets here (a no-op for one process)."""
         if self.process_count > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(name)
-
-
-_PLACEMENT: dict[str, Placement] = {}
 
 
 def placement(config, *, across_processes: bool = True) -> Placement:
@@ -146,10 +131,6 @@ def placement(config, *, across_processes: bool = True) -> Placement:
     over `--devices` devices (default every device of every process; with
     `across_processes=False`, every device of this process, for a role of its own). A batch
     must split evenly over them."""
-    import jax
-
-    from tunelib import distributed
-
     runtime = distributed.initialize()
     devices = list(runtime.devices if across_processes else runtime.local_devices)
     wanted = getattr(config, "devices", None)
@@ -170,17 +151,10 @@ def placement(config, *, across_processes: bool = True) -> Placement:
         )
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     index, count = (runtime.process_index, runtime.process_count) if across_processes else (0, 1)
-    out = Placement(mesh, runtime.process_index, runtime.process_count, index, count)
-    _PLACEMENT["current"] = out
-    return out
-
-
-def current() -> Placement | None:
-    """The placement the running recipe made, if any (for the kit's shared pieces)."""
-    return _PLACEMENT.get("current")
+    return Placement(mesh, runtime.process_index, runtime.process_count, index, count)
 
 
 def is_main() -> bool:
-    """Whether this process writes the run folder's files (always, in a one-process run)."""
-    placed = current()
-    return placed is None or placed.is_main
+    """Whether this process writes the run folder's files: process 0 (always, in a
+    one-process run)."""
+    return jax.process_index() == 0

@@ -129,6 +129,7 @@ class Context:
     live_state: Any  # the state, the step and its batches, to run it (benchmarks/)
     step_fn: Callable
     batches: Any
+    placement: Any  # the run's `kit.parallel.Placement`, or None
 
     def plan_at(self, size: int, *, estimate: bool = False) -> StepPlan:
         from tunelib.memory import resize_batch
@@ -162,9 +163,10 @@ def _shapes(tree):
     return jax.tree.map(leaf, tree)
 
 
-def check(config, *, state, batches, step_fn, pieces: Callable | None = None) -> None:
+def check(config, placed, *, state, batches, step_fn, pieces: Callable | None = None) -> None:
     """Before the first step: with `--plan` or `--device-memory`, plan the step on the
-    first batch's shapes and raise `Planned` to print it, or when it does not fit."""
+    first batch's shapes (split over `placed`, a `kit.parallel.Placement`, or None: one
+    device) and raise `Planned` to print it, or when it does not fit."""
     if not (getattr(config, "plan", False) or getattr(config, "device_memory", None)):
         return
     import jax
@@ -173,7 +175,6 @@ def check(config, *, state, batches, step_fn, pieces: Callable | None = None) ->
 
     from kit import parallel
 
-    placed = parallel.current()
     saved = batches.get_state()  # peek at the first batch; the loop reads it again
     batch = next(batches)
     batches.set_state(saved)
@@ -183,7 +184,8 @@ def check(config, *, state, batches, step_fn, pieces: Callable | None = None) ->
     devices = placed.num_devices if placed is not None else 1
     platform = jax.devices()[0].platform.upper()
     context = Context(
-        _shapes(state), batch, pieces, devices, devices, platform, state, step_fn, batches
+        _shapes(state), batch, pieces, devices, devices, platform, state, step_fn, batches,
+        placed,
     )  # fmt: skip
     estimate = bool(getattr(config, "plan", False)) and not _variant
     plan = context.plan_at(_rows(batch), estimate=estimate)

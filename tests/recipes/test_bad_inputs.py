@@ -359,9 +359,7 @@ def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys, monk
     import jax.numpy as jnp
     import numpy as np
 
-    from kit import parallel, plan
-
-    monkeypatch.setattr(parallel, "_PLACEMENT", {})  # no recipe's placement: one device
+    from kit import plan
 
     batches = iter(
         grain.MapDataset.range(64)
@@ -375,11 +373,11 @@ def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys, monk
     def config(memory):
         return types.SimpleNamespace(plan=False, device_memory=memory, run_name=lambda: "toy")
 
-    plan.check(config("1GiB"), state=state, batches=batches, step_fn=step)
+    plan.check(config("1GiB"), None, state=state, batches=batches, step_fn=step)
     assert "toy: predicted peak" in capsys.readouterr().out
     np.testing.assert_array_equal(next(batches)[:, 0], np.arange(8))  # the first batch
     with pytest.raises(plan.Planned) as stop:
-        plan.check(config("100B"), state=state, batches=batches, step_fn=step)
+        plan.check(config("100B"), None, state=state, batches=batches, step_fn=step)
     planned = stop.value.plan
     assert planned.batch_size == 8 and planned.peak_bytes > 100
     assert planned.plans["step"].params_bytes == planned.plans["step"].opt_state_bytes == 36
