@@ -115,12 +115,10 @@ def worker(recipe: str, model: Path | None) -> dict:
         argv += ["--model", str(model)] if model is not None else []
         config = kit.config.parse(config_type, argv, description="", prog=f"{recipe}.py")
         started = time.perf_counter()
-        try:
-            module.train(config, plan.PlanFolder(Path(folder) / "run", steps=config.steps))
-        except plan.Planned as planned:
-            step_plan, context = planned.plan, planned.context
-        else:
+        planned = module.train(config, plan.PlanFolder(Path(folder) / "run", steps=config.steps))
+        if not isinstance(planned, plan.Planned):
             raise SystemExit(f"{recipe}: the recipe returned without planning its step")
+        step_plan, context = planned.plan, planned.context
         seconds = time.perf_counter() - started
     placed = context.placement
 

@@ -30,6 +30,7 @@ from typing import Literal
 import kit
 from kit.config import Run, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -189,6 +190,8 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         step_fn=train_step, evaluate=evaluate_fn, pieces=pieces,
         batches=data.batches(task, config, placement, kind="sft"),
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     models.save_model(run.path / "model", student, state["params"])
     before, after = loop.first_and_last(run, "accuracy")
     headline = {

@@ -23,6 +23,7 @@ from typing import Literal
 import kit
 from kit.config import DataFile, Lora, Run, SFTStart, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 LOSSES = (
     "dpo", "robust_dpo", "ipo", "hinge", "exo", "nca", "bco_pair", "sppo_hard", "apo_zero",
@@ -147,6 +148,8 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         step_fn=lambda state, batch: train_step(frozen, state, batch),
         batches=data.batches(task, config, placement, kind="preference", packing=config.packing),
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     tuning.save(run.path, model, state["params"], placement)
     headline = {
         "loss": config.loss,

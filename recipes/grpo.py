@@ -44,6 +44,7 @@ from pathlib import Path
 
 import kit
 from kit.grpo_config import GRPOConfig
+from kit.plan import Planned
 
 
 def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
@@ -106,6 +107,8 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
         step_fn=train_step, pieces=pieces,
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     tuning.save(run.path, model, state["params"], placement)
     before, after = loop.first_and_last(run, "accuracy")
     last = run.records()[-1]

@@ -23,6 +23,7 @@ import kit
 from kit.config import at_least, flag
 from kit.errors import UserError
 from kit.grpo_config import GRPOConfig
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -148,6 +149,8 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
         step_fn=train_step, checkpointed=checkpointed, pieces=pieces,
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     model, state = models.replicated(model, both), checkpointed[0](state)
     tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))
     tuning.save(run.path, model, state["params"], both)

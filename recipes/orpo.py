@@ -20,6 +20,7 @@ from typing import Literal
 import kit
 from kit.config import MODELS, DataFile, Run, Start, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -98,6 +99,8 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
         step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, placement, kind="preference"),
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     models.save_model(run.path / "model", model, state["params"])
     headline = loop.before_and_after(run, "accuracy", "heldout_loss")
     chained = {}

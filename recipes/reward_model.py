@@ -23,6 +23,7 @@ from typing import Literal
 import kit
 from kit.config import DataFile, Run, SFTStart, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -117,6 +118,8 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
         evaluate=evaluate_fn, step_fn=optim.update_step(loss_fn, optimizer),
         batches=data.batches(task, config, placement, kind="preference"),
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     trained = state["params"]
     reward_model.save(
         run.path / "model", model, trained["decoder"], trained["head"], pooling=config.pooling

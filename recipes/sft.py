@@ -22,6 +22,7 @@ from typing import Literal
 import kit
 from kit.config import MODELS, DataFile, Lora, Run, Start, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -129,6 +130,8 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, placement, kind="sft", packing=config.packing),
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     tuning.save(run.path, model, state["params"], placement)
     headline = {**tuning.headline(), **loop.before_and_after(run, "accuracy", "heldout_loss")}
     headline["final_loss"] = loop.first_and_last(run, "loss")[1]

@@ -34,6 +34,7 @@ from typing import Literal
 import kit
 from kit.config import Run, Task, at_least, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -299,6 +300,8 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
         step_fn=train_step,
         evaluate=evaluate_fn,
     )
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     models.save_model(run.path / "model", model, state["params"])
     records = run.records()
     at_sft = next((r for r in records if r["step"] == config.sft_steps and "accuracy" in r), {})

@@ -55,7 +55,7 @@ def train(
     evaluate: Callable[[Any], dict],
     checkpointed: tuple[Callable, Callable] | None = None,
     pieces: Callable | None = None,
-) -> dict:
+) -> dict | plan.Planned:
     """Run `step_fn` from step 0 (or the last checkpoint, with `--resume`) to `--steps`.
 
     `placed` is the run's `kit.parallel.Placement` (None: one device, batches as they come);
@@ -66,9 +66,14 @@ def train(
     back (every process calls both; `kit.disaggregated`'s roles save the trainer's state).
     With `--plan` or `--device-memory` the step is planned first (`kit.plan.check`): as one
     jitted function of `(state, batch)`, or, for a step that runs several or branches on
-    the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say.
+    the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say; the plan,
+    a `kit.plan.Planned`, is then returned in place of the state, and the recipe returns it.
     """
-    plan.check(config, placed, state=state, batches=batches, step_fn=step_fn, pieces=pieces)
+    planned = plan.check(
+        config, placed, state=state, batches=batches, step_fn=step_fn, pieces=pieces
+    )
+    if planned is not None:  # --plan, or a run that does not fit --device-memory: no step
+        return planned
     name = config.run_name()
     main = parallel.is_main()
     if main:

@@ -4,11 +4,13 @@ predicted not to fit, in one line that says what to change.
 Every recipe hands its state, its batches and its step to `kit.loop.train`, which calls
 `check` before anything is written: the step is compiled for the first batch's shapes (never
 run; `tunelib.memory.memory_plan`) and its peak memory per device compared with
-`--device-memory`. A step that is one jitted function of `(state, batch)` is planned as it
-is; a recipe whose step runs several (a sampler, then an update) or branches on the host
-gives `loop.train` its parts: `pieces(state, batch) -> {name: Piece}`, each a jittable
-function and its arguments, and the step's peak is the largest part's, plus what the other
-parts keep resident meanwhile (the optimizer state during sampling).
+`--device-memory`. With `--plan`, or when the run does not fit, `check` returns the plan as
+a `Planned`, which `loop.train` and then the recipe return in place of a trained state, and
+the entry point (`guard`) reports. A step that is one jitted function of `(state, batch)` is
+planned as it is; a recipe whose step runs several (a sampler, then an update) or branches
+on the host gives `loop.train` its parts: `pieces(state, batch) -> {name: Piece}`, each a
+jittable function and its arguments, and the step's peak is the largest part's, plus what
+the other parts keep resident meanwhile (the optimizer state during sampling).
 
 Nothing here imports JAX at import time: `parse_size` checks `--device-memory` with the
 other flags.
@@ -105,14 +107,14 @@ class StepPlan:
         return self.peak_bytes - self.resident_bytes
 
 
-class Planned(Exception):
-    """Raised by `check` before the first step: the plan is made (`--plan`), or the run
-    does not fit (`--device-memory`). `guard` reports it."""
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """What `check` returns before the first step when the plan is made (`--plan`), or the
+    run does not fit (`--device-memory`): nothing trains, the recipe returns it, and `guard`
+    reports it."""
 
-    def __init__(self, plan: StepPlan, context: "Context"):
-        super().__init__(plan.peak_bytes)
-        self.plan = plan
-        self.context = context
+    plan: StepPlan
+    context: "Context"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,12 +165,14 @@ def _shapes(tree):
     return jax.tree.map(leaf, tree)
 
 
-def check(config, placed, *, state, batches, step_fn, pieces: Callable | None = None) -> None:
+def check(
+    config, placed, *, state, batches, step_fn, pieces: Callable | None = None
+) -> Planned | None:
     """Before the first step: with `--plan` or `--device-memory`, plan the step on the
     first batch's shapes (split over `placed`, a `kit.parallel.Placement`, or None: one
-    device) and raise `Planned` to print it, or when it does not fit."""
+    device); return the `Planned` run to print it, or when it does not fit (None: train)."""
     if not (getattr(config, "plan", False) or getattr(config, "device_memory", None)):
-        return
+        return None
     import jax
 
     from tunelib.memory import format_bytes
@@ -191,7 +195,7 @@ def check(config, placed, *, state, batches, step_fn, pieces: Callable | None = 
     plan = context.plan_at(_rows(batch), estimate=estimate)
     memory = device_memory(config)
     if getattr(config, "plan", False) or (memory is not None and plan.peak_bytes > memory):
-        raise Planned(plan, context)
+        return Planned(plan, context)
     if parallel.is_main():
         print(
             f"{config.run_name()}: predicted peak {format_bytes(plan.peak_bytes)} per device "
@@ -282,14 +286,14 @@ def _plan_with(config, train: Callable, run, changes: dict) -> StepPlan | None:
     changed = dataclasses.replace(config, plan=True, **changes)
     _variant.append(changes)
     try:
-        train(changed, run)
-    except Planned as planned:
-        return planned.plan
+        planned = train(changed, run)
     except UserError:
         return None
     finally:
         _variant.pop()
-    raise AssertionError("a recipe in plan mode returned without planning its step")
+    if not isinstance(planned, Planned):
+        raise AssertionError("a recipe in plan mode returned without planning its step")
+    return planned.plan
 
 
 def conclude(planned: Planned, config, train: Callable, run) -> None:
@@ -427,13 +431,13 @@ def check_start(config) -> None:
 
 
 def guard(config, train: Callable, run) -> Any:
-    """`train(config, run)` with `--plan` or `--device-memory`: a `Planned` stop becomes the
+    """`train(config, run)` with `--plan` or `--device-memory`: a `Planned` run becomes the
     printed plan or a refusal in one line."""
     if config.plan:
         check_start(config)
-    try:
-        return train(config, run)
-    except Planned as planned:
-        conclude(planned, config, train, run)
-        sys.stdout.flush()
-        return None
+    result = train(config, run)
+    if not isinstance(result, Planned):
+        return result
+    conclude(result, config, train, run)
+    sys.stdout.flush()
+    return None

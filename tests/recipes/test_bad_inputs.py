@@ -349,9 +349,9 @@ def test_a_run_predicted_not_to_fit_is_refused_in_one_line(world, char_model, mo
     assert snapshot(world) == before
 
 
-def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys, monkeypatch):
+def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys):
     """With `--device-memory` the step is planned on the first batch, which the loop then
-    reads again; too little memory stops the run with the plan (`kit.plan.Planned`)."""
+    reads again; too little memory stops the run with the plan (a `kit.plan.Planned`)."""
     import types
 
     import grain
@@ -373,12 +373,12 @@ def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys, monk
     def config(memory):
         return types.SimpleNamespace(plan=False, device_memory=memory, run_name=lambda: "toy")
 
-    plan.check(config("1GiB"), None, state=state, batches=batches, step_fn=step)
+    assert plan.check(config("1GiB"), None, state=state, batches=batches, step_fn=step) is None
     assert "toy: predicted peak" in capsys.readouterr().out
     np.testing.assert_array_equal(next(batches)[:, 0], np.arange(8))  # the first batch
-    with pytest.raises(plan.Planned) as stop:
-        plan.check(config("100B"), None, state=state, batches=batches, step_fn=step)
-    planned = stop.value.plan
+    stop = plan.check(config("100B"), None, state=state, batches=batches, step_fn=step)
+    assert isinstance(stop, plan.Planned)
+    planned = stop.plan
     assert planned.batch_size == 8 and planned.peak_bytes > 100
     assert planned.plans["step"].params_bytes == planned.plans["step"].opt_state_bytes == 36
     np.testing.assert_array_equal(next(batches)[:, 0], np.arange(8, 16))
