@@ -294,7 +294,7 @@ def main() -> None:
         return
     if args.variants:
         sys.path.insert(0, str(RECIPES))
-        from kit.plan import parse_size
+        from kit.config import parse_size
 
         result = variants(args.rows, args.length, parse_size(args.memory, "--memory"))
         print(result["table"])

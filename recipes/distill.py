@@ -102,7 +102,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         model_size="base",
     )  # fmt: skip
     folder, teacher_seconds = chain.ensure_model(
-        config.teacher, kit.cli.default_out("teacher", config.seed), teacher_flags,
+        config.teacher, kit.runs.default_out("teacher", config.seed), teacher_flags,
         what="teacher",
     )  # fmt: skip
     teacher = models.replicated(models.load_model(folder), placement)

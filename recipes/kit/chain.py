@@ -17,6 +17,7 @@ import jax
 
 from kit.errors import UserError
 from kit.models import model_folder
+from kit.runs import default_out
 
 RECIPES = Path(__file__).resolve().parents[1]
 
@@ -78,8 +79,6 @@ def sft_flags(config, **values) -> list[str]:
 def sft_start(config) -> tuple[Path, float | None]:
     """The start model of DPO and GRPO: `--model`, or this seed's SFT run, trained first
     (on this run's task, for `--sft-steps`) when it is not there."""
-    from kit.cli import default_out
-
     steps = {} if config.sft_steps is None else {"steps": config.sft_steps}
     return ensure_model(
         config.model, default_out("sft", config.seed), sft_flags(config, **steps),

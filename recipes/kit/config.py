@@ -14,6 +14,7 @@ Nothing here imports JAX.
 import argparse
 import dataclasses
 import importlib.util
+import re
 import sys
 import tomllib
 import types
@@ -113,8 +114,6 @@ class Run(Config):
         if self.devices is not None:
             at_least("devices", self.devices, 1)
         if self.device_memory is not None:
-            from kit.plan import parse_size
-
             parse_size(self.device_memory)
         at_least("batch_size", self.batch_size, 1)
         at_least("eval_every", self.eval_every, 1)
@@ -264,6 +263,28 @@ class SFTStart(Start):
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+# The units `--device-memory` takes: decimal (kB = 1000 bytes) and binary (KiB = 1024).
+UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str, flag: str = "--device-memory") -> int:
+    """`"16GiB"`, `"800MB"`, `"1.5 GB"` -> bytes; a `UserError` in one line otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*", text)
+    if match is None or match.group(2).lower() not in UNITS:
+        raise UserError(
+            f"{flag} {text!r}: give a size with its unit, e.g. 16GiB, 800MB or 1.5GB "
+            "(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    size = int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    if size < 1:
+        raise UserError(f"{flag} {text!r}: the size must be at least 1 byte")
+    return size
 
 
 def at_least(name: str, value: int | float, low: int | float) -> None:

@@ -12,40 +12,18 @@ on the host gives `loop.train` its parts: `pieces(state, batch) -> {name: Piece}
 jittable function and its arguments, and the step's peak is the largest part's, plus what
 the other parts keep resident meanwhile (the optimizer state during sampling).
 
-Nothing here imports JAX at import time: `parse_size` checks `--device-memory` with the
-other flags.
+Nothing here imports JAX at import time.
 """
 
 import dataclasses
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kit.config import parse_size
 from kit.errors import UserError
-from kit.runs import RunFolder
-
-# The units `--device-memory` takes: decimal (kB = 1000 bytes) and binary (KiB = 1024).
-UNITS = {
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-
-
-def parse_size(text: str, flag: str = "--device-memory") -> int:
-    """`"16GiB"`, `"800MB"`, `"1.5 GB"` -> bytes; a `UserError` in one line otherwise."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*", text)
-    if match is None or match.group(2).lower() not in UNITS:
-        raise UserError(
-            f"{flag} {text!r}: give a size with its unit, e.g. 16GiB, 800MB or 1.5GB "
-            "(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    size = int(float(match.group(1)) * UNITS[match.group(2).lower()])
-    if size < 1:
-        raise UserError(f"{flag} {text!r}: the size must be at least 1 byte")
-    return size
+from kit.runs import RunFolder, default_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,8 +395,6 @@ CHAINED = (("model", "sft", "sft_steps"), ("teacher", "teacher", "teacher_steps"
 
 def check_start(config) -> None:
     """`--plan` trains nothing: a model the recipe would train first must be there."""
-    from kit.cli import default_out
-
     for field, name, marker in CHAINED:
         if hasattr(config, marker) and getattr(config, field) is None:
             folder = default_out(name, config.seed)

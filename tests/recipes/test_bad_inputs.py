@@ -295,7 +295,7 @@ def test_a_bad_device_memory_is_one_line_before_jax(world, size, message):
 
 
 def test_device_memory_sizes_take_decimal_and_binary_units():
-    from kit.plan import parse_size
+    from kit.config import parse_size
 
     assert parse_size("16GiB") == 16 * 2**30
     assert parse_size("800MB") == 800 * 10**6
