@@ -119,7 +119,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     )
     transfer = [{**r, "completion": a} for r, a in zip(task.train, answers, strict=True) if a]
     task = dataclasses.replace(task, train=transfer)
-    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
 
     def loss_fn(params, batch):
         teacher_model = nnx.merge(teacher.graphdef, teacher.params)

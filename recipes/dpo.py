@@ -79,7 +79,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     tuning = lora.tuning(config, model, placement)
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
-    optimizer = optim.adamw(config, warmup=0.1)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.1)
     pairwise_loss = getattr(losses, f"{config.loss}_loss")
 
     def sequence_logps(params, batch):

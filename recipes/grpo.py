@@ -70,7 +70,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     index, count = placement.shard
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     batches = iter(order.batch(config.batch_size // count)[index::count].to_iter_dataset())
-    optimizer = optim.adamw(config, schedule="constant", warmup=0.1)
+    optimizer = optim.adamw(config.learning_rate, config.steps, schedule="constant", warmup=0.1)
 
     # Rollouts: a group per prompt, scored by the verifier, --reward or --reward-model.
     sample = grpo.Sampler(

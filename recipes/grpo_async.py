@@ -83,7 +83,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     order = order.batch(config.batch_size)
     batches = iter(order.to_iter_dataset())
-    optimizer = optim.adamw(config, schedule="constant", warmup=0.1)
+    optimizer = optim.adamw(config.learning_rate, config.steps, schedule="constant", warmup=0.1)
     sample = grpo.Sampler(
         graphdef, task, placement, sampling, config.group_size,
         format_weight=config.format_weight, reward=config.reward,

@@ -59,7 +59,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     model = models.replicated(model, placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer)
-    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
 
     def loss_fn(params, batch):
         both = pairs.pair_logps(graphdef, params, batch, implementation=config.logprobs)

@@ -83,7 +83,7 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
         )
     head = reward_model.init_head(model.config.hidden_size, config.seed)
     params = {"decoder": model.params, "head": placement.replicate(head)}
-    optimizer = optim.adamw(config, warmup=0.1)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.1)
 
     def loss_fn(params, batch):
         chosen, rejected, real = reward_model.pair_scores(

@@ -67,7 +67,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
     model = models.with_remat(model, config.remat)
     task = data.load_task(config, "sft", model.tokenizer)
     tuning = lora.tuning(config, model, placement)
-    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
     graphdef = model.graphdef
 
     def loss_fn(params, batch):
