@@ -96,7 +96,8 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, goodput, loop, models, optim, parallel
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     teacher_flags = chain.sft_flags(
         config, num_train=config.teacher_demonstrations, steps=config.teacher_steps,
         model_size="base",

@@ -68,7 +68,8 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, loop, lora, models, optim, pairs, parallel
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     folder, sft_seconds = chain.sft_start(config)
     model = models.replicated(models.load_model(folder), placement)
     model = models.with_remat(model, config.remat)
@@ -76,7 +77,10 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":
         task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size, placement)
-    tuning = lora.tuning(config, model, placement)
+    tuning = lora.tuning(
+        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
+        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
+    )  # fmt: skip
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.1)

@@ -54,13 +54,16 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     from kit import chain, data, evaluate, goodput, grpo, loop, lora, models, optim, parallel
 
     # Every device of every process; each process holds its rows of every batch.
-    placement = parallel.placement(config)
+    placement = parallel.placement(config.batch_size, config.devices)
     folder, sft_seconds = chain.sft_start(config)
     model = models.replicated(models.load_model(folder), placement)
     model = models.with_remat(model, config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
-    tuning = lora.tuning(config, model, placement)
+    tuning = lora.tuning(
+        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
+        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
+    )  # fmt: skip
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     sampling = grpo.sampling(

@@ -63,7 +63,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     )
 
     # Each process's own devices: the trainer's and the sampler's meshes are apart.
-    placement = parallel.placement(config, across_processes=False)
+    placement = parallel.placement(config.batch_size, config.devices, across_processes=False)
     if placement.process_count != 2:
         raise UserError(
             f"--max-staleness runs on 2 processes (one trains, one samples), not "
@@ -75,7 +75,10 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     model = models.with_remat(model, config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
-    tuning = lora.tuning(config, model, placement)
+    tuning = lora.tuning(
+        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
+        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
+    )  # fmt: skip
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     sampling = grpo.sampling(
         task, vocab_size, temperature=config.temperature, max_new_tokens=config.max_new_tokens

@@ -53,7 +53,8 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, loop, models, optim, pairs, parallel
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     model = models.start_model(config.model, config.model_size, config.seed)
     model = models.with_remat(model, config.remat)
     model = models.replicated(model, placement)

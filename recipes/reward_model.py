@@ -64,7 +64,8 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, loop, models, optim, pairs, parallel, reward_model
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     folder, sft_seconds = chain.sft_start(config)
     model = models.replicated(models.load_model(folder), placement)
     model = models.with_remat(model, config.remat)

@@ -62,11 +62,15 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import data, evaluate, loop, lora, models, optim, parallel
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     model = models.start_model(config.model, config.model_size, config.seed)
     model = models.with_remat(model, config.remat)
     task = data.load_task(config, "sft", model.tokenizer)
-    tuning = lora.tuning(config, model, placement)
+    tuning = lora.tuning(
+        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
+        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
+    )  # fmt: skip
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
     graphdef = model.graphdef
 

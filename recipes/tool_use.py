@@ -184,7 +184,7 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import data, episodes, goodput, loop, models, parallel
 
-    placement = parallel.placement(config)
+    placement = parallel.placement(config.batch_size, config.devices)
     if placement.process_count > 1:
         raise UserError("tool_use.py runs in one process: start it without tunelib.launch")
     if config.model is not None:

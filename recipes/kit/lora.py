@@ -61,32 +61,39 @@ class Tuning:
         placed.barrier("peft adapter written")
 
 
-def tuning(config, model, placement) -> Tuning:
-    """Full fine-tuning, or fresh adapters on every attention and MLP projection of `model`
-    (a `kit.models.Model`), on every device of `placement` (a `kit.parallel.Placement`).
-    With `--qlora` the frozen projections are NF4, or, for a model loaded from a GGUF file,
-    the file's own Q8_0 / Q4_0 / Q4_1 blocks."""
-    made = _tuning(config, model)
+def tuning(
+    model,
+    placement,
+    *,
+    rank: int,
+    alpha: float | None = None,
+    dropout: float = 0.0,
+    qlora: bool = False,
+    seed: int = 0,
+) -> Tuning:
+    """Full fine-tuning (`rank` 0), or fresh adapters of `rank` (`alpha`, default 2 x rank;
+    `dropout` on their inputs; initialised from `seed`) on every attention and MLP projection
+    of `model` (a `kit.models.Model`), on every device of `placement` (a
+    `kit.parallel.Placement`). With `qlora` the frozen projections are NF4, or, for a model
+    loaded from a GGUF file, the file's own Q8_0 / Q4_0 / Q4_1 blocks."""
+    made = _tuning(model, rank, alpha, dropout, qlora, seed)
     return dataclasses.replace(
         made, trainable=placement.replicate(made.trainable), base=placement.replicate(made.base)
     )
 
 
-def _tuning(config, model) -> Tuning:
+def _tuning(model, rank, alpha, dropout, qlora, seed) -> Tuning:
     from tunelib import peft
     from tunelib.models import PROJECTION_KERNELS
 
     params = model.params
-    if not config.lora_rank:
+    if not rank:
         return Tuning(params, None, "full")
     rule = peft.LoraRule(
-        pattern=PROJECTION_KERNELS,
-        rank=config.lora_rank,
-        alpha=config.lora_alpha or 2.0 * config.lora_rank,
-        dropout=config.lora_dropout,
+        pattern=PROJECTION_KERNELS, rank=rank, alpha=alpha or 2.0 * rank, dropout=dropout
     )
-    adapters = peft.init_lora(params, [rule], key=jax.random.key(config.seed + 1))
-    if not config.qlora:
+    adapters = peft.init_lora(params, [rule], key=jax.random.key(seed + 1))
+    if not qlora:
         return Tuning(adapters, params, "lora")
     if model.folder is not None and model.folder.is_file():  # a GGUF file: keep its blocks
         base = peft.gguf_base(model.folder, scan_layers=model.config.scan_layers).params

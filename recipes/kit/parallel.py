@@ -1,7 +1,7 @@
 """Data parallelism over every device of every process: one mesh, the same parameters on
 each device, each batch split by rows.
 
-    placement = kit.parallel.placement(config)        # joins the run's processes, if any
+    placement = kit.parallel.placement(config.batch_size, config.devices)  # joins processes
     params = placement.replicate(params)
     batch = placement.rows(local_rows)                # this process's rows -> global arrays
 
@@ -126,14 +126,15 @@ class Placement:
             multihost_utils.sync_global_devices(name)
 
 
-def placement(config, *, across_processes: bool = True) -> Placement:
+def placement(
+    batch_size: int, wanted: int | None = None, *, across_processes: bool = True
+) -> Placement:
     """This run's placement: joins the processes of a multi-process run (once), then a mesh
-    over `--devices` devices (default every device of every process; with
+    over `wanted` devices (`--devices`; default every device of every process; with
     `across_processes=False`, every device of this process, for a role of its own). A batch
-    must split evenly over them."""
+    of `batch_size` rows must split evenly over them."""
     runtime = distributed.initialize()
     devices = list(runtime.devices if across_processes else runtime.local_devices)
-    wanted = getattr(config, "devices", None)
     if wanted is not None:
         if runtime.process_count > 1 and across_processes and wanted != len(devices):
             raise UserError(
@@ -143,9 +144,9 @@ def placement(config, *, across_processes: bool = True) -> Placement:
         if wanted > len(devices):
             raise UserError(f"--devices {wanted}: this process has {len(devices)} devices")
         devices = devices[:wanted]
-    if config.batch_size % len(devices):
+    if batch_size % len(devices):
         raise UserError(
-            f"--batch-size {config.batch_size} does not split over {len(devices)} devices: "
+            f"--batch-size {batch_size} does not split over {len(devices)} devices: "
             f"give a multiple of {len(devices)}"
             + ("" if runtime.process_count > 1 else " or fewer --devices")
         )
