@@ -154,14 +154,24 @@ def batch_rewards(mode: str, group_size: int, max_length: int) -> Callable:
     return rewards
 
 
-def objective(token_logps, entropy, ref_logps, batch, config, max_length: int):
+def objective(
+    token_logps,
+    entropy,
+    ref_logps,
+    batch: dict,
+    *,
+    aggregation: str,
+    epsilon_low: float,
+    epsilon_high: float,
+    kl_coef: float,
+    max_length: int,
+):
     """The GRPO loss of a batch and its diagnostics: the clipped surrogate on the batch's
     advantages, plus `kl_coef` times the k3 KL to the reference (`ref_logps`, None without
-    the penalty), aggregated as the mode says."""
-    aggregation = MODES[config.mode]["aggregation"]
+    the penalty), aggregated by `aggregation` (a mode of `tunelib.losses.aggregate`)."""
     where = batch["where"] & batch["keep"][:, None]
     adv = batch["advantages"]
-    clip = {"epsilon_low": config.epsilon_low, "epsilon_high": config.epsilon_high}
+    clip = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high}
     old = batch["old"]  # the sampler's log-probs, or with --is-correction the trainer's
     per_token = losses.policy_gradient_loss(token_logps, old, adv, **clip, where=where)
     if "is_weights" in batch:
@@ -170,7 +180,7 @@ def objective(token_logps, entropy, ref_logps, batch, config, max_length: int):
     if ref_logps is not None:
         # Over every completion (dropped groups included) for the log; `aggregate` masks it.
         kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=batch["where"])
-        per_token = per_token + config.kl_coef * kl
+        per_token = per_token + kl_coef * kl
         logged["kl"] = kl
     norm = max_length if aggregation == "seq_mean_token_sum_norm" else None
     loss = losses.aggregate(per_token, mode=aggregation, norm_constant=norm, where=where)
@@ -212,7 +222,12 @@ class Learner:
         ref_logps = None
         if self.config.kl_coef:  # without the penalty, no forward pass of the reference
             ref_logps, _ = jax.lax.stop_gradient(forward(frozen["reference"], batch))
-        return objective(token_logps, entropy, ref_logps, batch, self.config, self.max_length)
+        config = self.config
+        return objective(
+            token_logps, entropy, ref_logps, batch, aggregation=MODES[config.mode]["aggregation"],
+            epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+            kl_coef=config.kl_coef, max_length=self.max_length,
+        )  # fmt: skip
 
     def _update(self, frozen, state, batch, dropout_key):
         """`(state, metrics)` after one optimizer step on `batch` (jitted as `update`)."""

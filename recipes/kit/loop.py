@@ -130,6 +130,8 @@ def train(
             with clock.phase("train"):  # less the rollouts, log-probs and syncs it marks
                 state, metrics = step_fn(state, batch)
                 record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
+            if step == start + 1 and step < config.steps and main:  # the budget, in time
+                bar.write(estimate(name, step, config.steps, clock.split()), file=sys.stdout)
             if step % config.eval_every == 0 or step == config.steps:
                 with clock.phase("eval"):
                     evaluated = evaluate(state["params"])
@@ -166,6 +168,26 @@ def train(
     if placed is not None:  # the metrics are complete before any process reads them back
         placed.barrier("metrics written")
     return state
+
+
+def estimate(name: str, step: int, steps: int, split: dict[str, float]) -> str:
+    """The line a run prints after its first step: the steps planned and the time they will
+    take at that step's pace (its seconds per `kit.goodput` phase, compilation left out)."""
+    seconds = sum(v for k, v in split.items() if k != "compile")
+    left = steps - step
+    return (
+        f"{name}: {steps} steps planned; step {step} took {seconds:.3g} s after "
+        f"{split.get('compile', 0.0):.3g} s of compilation: about {_duration(left * seconds)} "
+        f"for the {left} left"
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _anyone_stopping(stop: list) -> bool:
