@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kit.errors import UserError
+from kit.models import INSTALLED_MODELS, model_folder
+
+# The settings files of known real models: recipes/<model>/<recipe>.toml.
+SETTINGS = Path(__file__).resolve().parents[1]
 
 # What `--model` may name (see `kit.models`).
 MODELS = (
@@ -229,14 +233,10 @@ class Start(Config):
     def check(self) -> None:
         super().check()
         if self.model is not None:
-            from kit.models import model_folder
-
             model_folder(self.model)
 
     def run_name(self) -> str:
         """The recipe's name, and an installed model's (`sft-smollm2`) when it starts there."""
-        from kit.models import INSTALLED_MODELS
-
         name = super().run_name()
         model = str(self.model)
         return f"{name}-{model}" if model in INSTALLED_MODELS and not Path(model).exists() else name
@@ -432,13 +432,31 @@ def _from_toml(config_type: type, path: Path) -> dict[str, Any]:
     return values
 
 
+def known_model_settings(config_type: type, model: Any) -> Path | None:
+    """The settings file a known real model brings to this recipe (`recipes/smollm2/sft.toml`
+    for `--model smollm2` or its GGUF file), if there is one: the settings its page measured,
+    in place of the defaults made for the recipes' small model."""
+    if model is None:
+        return None
+    for name, (_, file_name, _) in INSTALLED_MODELS.items():
+        if str(model) == name or Path(model).name == file_name:
+            path = SETTINGS / name / f"{config_type.RECIPE}.toml"
+            return path if path.is_file() else None
+    return None
+
+
 def parse(config_type: type, argv: list[str] | None, *, description: str, prog: str):
     """The configuration from defaults, `--config` and `argv`, checked; exits with one line
-    (status 2) on a bad flag or value."""
+    (status 2) on a bad flag or value. Without `--config`, a known real model's settings
+    (`known_model_settings`) replace the defaults, and the flags override them."""
     parser = build_parser(config_type, description, prog)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
     try:
         values = _from_toml(config_type, args.pop("config")) if "config" in args else {}
+        known = None if values else known_model_settings(config_type, args.get("model"))
+        if known is not None:
+            values = {k: v for k, v in _from_toml(config_type, known).items() if k != "model"}
+            print(f"{prog}: {args['model']} takes the settings of {known}", flush=True)
         values.update({k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
         config = config_type(**values)
         config.check()
