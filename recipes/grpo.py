@@ -51,7 +51,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     import grain
     import jax
 
-    from kit import chain, data, evaluate, goodput, grpo, loop, lora, models, optim, parallel
+    from kit import chain, evaluate, goodput, grpo, loop, models, parallel
 
     # Every device of every process; each process holds its rows of every batch.
     placement = parallel.placement(config.batch_size, config.devices)
@@ -59,32 +59,15 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     model = models.replicated(models.load_model(folder), placement)
     model = models.with_remat(model, config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
-    task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
-    tuning = lora.tuning(
-        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
-        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
-    )  # fmt: skip
-    # With LoRA the reference is the frozen base without adapters: the policy's start.
-    frozen = {"base": tuning.base, "reference": tuning.base or model.params}
-    sampling = grpo.sampling(
-        task, vocab_size, temperature=config.temperature, max_new_tokens=config.max_new_tokens
-    )
+    # The prompts, what trains (every weight or adapters), the sampling and the optimizer;
+    # `sample` draws a group per prompt and scores it (the verifier, --reward or
+    # --reward-model); `learner` computes a batch's rewards and advantages once, then takes
+    # --updates-per-batch updates of the clipped surrogate + KL (`kit.grpo.objective`).
+    task, tuning, sampling, optimizer, sample, learner = grpo.setup(config, model, placement)
     # This process's prompts of each step's batch: rows [p * b, (p + 1) * b) of the batch.
     index, count = placement.shard
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     batches = iter(order.batch(config.batch_size // count)[index::count].to_iter_dataset())
-    optimizer = optim.adamw(config.learning_rate, config.steps, schedule="constant", warmup=0.1)
-
-    # Rollouts: a group per prompt, scored by the verifier, --reward or --reward-model.
-    sample = grpo.Sampler(
-        graphdef, task, placement, sampling, config.group_size,
-        format_weight=config.format_weight, reward=config.reward,
-        reward_model=config.reward_model, vocab_size=vocab_size,
-    )  # fmt: skip
-    # Updates: the batch's rewards and advantages once, then the clipped surrogate + KL.
-    learner = grpo.Learner(
-        graphdef, tuning, frozen, optimizer, placement, config, sampling.max_new_tokens
-    )
 
     def train_step(state, indices):
         """Sample and score a group per prompt with the current weights, then update."""
@@ -96,11 +79,8 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         return learner.learn({**state, "rng": rng}, rows, dropout_key)
 
     def evaluate_fn(trainable):
-        return {
-            "accuracy": evaluate.accuracy(
-                graphdef, tuning.dense(trainable), task, vocab_size, placement
-            )
-        }
+        params = tuning.dense(trainable)
+        return {"accuracy": evaluate.accuracy(graphdef, params, task, vocab_size, placement)}
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)
@@ -113,15 +93,8 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     if isinstance(state, Planned):  # --plan: the step compiled, never run
         return state
     tuning.save(run.path, model, state["params"], placement)
-    before, after = loop.first_and_last(run, "accuracy")
-    last = run.records()[-1]
-    return loop.finish(
-        run, config,
-        {"mode": config.mode, **tuning.headline(), "accuracy_before": before,
-         "accuracy_after": after, "final_reward": last["reward"],
-         "final_entropy": last["entropy"]},
-        chained={"sft_seconds": sft_seconds},
-    )  # fmt: skip
+    headline = grpo.headline(run, config, tuning)
+    return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})
 
 
 if __name__ == "__main__":

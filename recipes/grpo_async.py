@@ -48,19 +48,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     import jax
     import numpy as np
 
-    from kit import (
-        chain,
-        data,
-        disaggregated,
-        evaluate,
-        goodput,
-        grpo,
-        loop,
-        lora,
-        models,
-        optim,
-        parallel,
-    )
+    from kit import chain, disaggregated, evaluate, goodput, grpo, loop, models, parallel
 
     # Each process's own devices: the trainer's and the sampler's meshes are apart.
     placement = parallel.placement(config.batch_size, config.devices, across_processes=False)
@@ -74,27 +62,12 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     model = models.replicated(models.load_model(folder), placement)
     model = models.with_remat(model, config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
-    task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
-    tuning = lora.tuning(
-        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
-        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
-    )  # fmt: skip
-    frozen = {"base": tuning.base, "reference": tuning.base or model.params}
-    sampling = grpo.sampling(
-        task, vocab_size, temperature=config.temperature, max_new_tokens=config.max_new_tokens
-    )
+    # What grpo.py samples and trains with: `sample` runs on the sampler, `learner` on the
+    # trainer.
+    task, tuning, sampling, optimizer, sample, learner = grpo.setup(config, model, placement)
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     order = order.batch(config.batch_size)
     batches = iter(order.to_iter_dataset())
-    optimizer = optim.adamw(config.learning_rate, config.steps, schedule="constant", warmup=0.1)
-    sample = grpo.Sampler(
-        graphdef, task, placement, sampling, config.group_size,
-        format_weight=config.format_weight, reward=config.reward,
-        reward_model=config.reward_model, vocab_size=vocab_size,
-    )  # fmt: skip
-    learner = grpo.Learner(
-        graphdef, tuning, frozen, optimizer, placement, config, sampling.max_new_tokens
-    )
     template = grpo.batch_template(
         task, config.batch_size, config.group_size, sampling.max_new_tokens
     )
@@ -157,15 +130,8 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     model, state = models.replicated(model, both), checkpointed[0](state)
     tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))
     tuning.save(run.path, model, state["params"], both)
-    before, after = loop.first_and_last(run, "accuracy")
-    last = run.records()[-1]
-    return loop.finish(
-        run, config,
-        {"mode": config.mode, **tuning.headline(), "accuracy_before": before,
-         "accuracy_after": after, "final_reward": last["reward"],
-         "final_entropy": last["entropy"]},
-        chained={"sft_seconds": sft_seconds},
-    )  # fmt: skip
+    headline = grpo.headline(run, config, tuning)
+    return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})
 
 
 if __name__ == "__main__":

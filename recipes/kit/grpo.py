@@ -11,6 +11,7 @@ advantages. The updates then read the advantages from the batch.
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ import optax
 
 from tunelib import advantages, losses, metrics, peft, rollout
 
-from kit import data, evaluate, goodput, plan, reward_model
+from kit import data, evaluate, goodput, lora, optim, plan, reward_model
 from kit.errors import UserError
 from kit.grpo_config import MODES, load_reward
 
@@ -296,3 +297,53 @@ def _batch_means(rewards, right, lengths, keep):  # over every process's rows
         "length": lengths.mean(),
         "kept_groups": keep.mean(),
     }
+
+
+class Setup(NamedTuple):
+    """What a GRPO run trains and samples with (`setup`)."""
+
+    task: data.Task  # the prompts and their verifier
+    tuning: lora.Tuning  # every weight, or LoRA / QLoRA adapters on a frozen base
+    sampling: object  # the rollouts' `tunelib.rollout.SamplingConfig`
+    optimizer: object
+    sample: Sampler
+    learner: Learner
+
+
+def setup(config, model, placement) -> Setup:
+    """The prompts of `config`'s task, what trains of `model` (`kit.models.Model`, on the
+    devices of `placement`), the sampling, the optimizer (AdamW, constant after a warmup),
+    the sampler and the learner of a GRPO run."""
+    vocab_size = model.config.vocab_size
+    task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
+    tuning = lora.tuning(
+        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
+        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
+    )  # fmt: skip
+    # With LoRA the reference is the frozen base without adapters: the policy's start.
+    frozen = {"base": tuning.base, "reference": tuning.base or model.params}
+    rollouts = sampling(
+        task, vocab_size, temperature=config.temperature, max_new_tokens=config.max_new_tokens
+    )
+    optimizer = optim.adamw(config.learning_rate, config.steps, schedule="constant", warmup=0.1)
+    sample = Sampler(
+        model.graphdef, task, placement, rollouts, config.group_size,
+        format_weight=config.format_weight, reward=config.reward,
+        reward_model=config.reward_model, vocab_size=vocab_size,
+    )  # fmt: skip
+    learner = Learner(
+        model.graphdef, tuning, frozen, optimizer, placement, config, rollouts.max_new_tokens
+    )
+    return Setup(task, tuning, rollouts, optimizer, sample, learner)
+
+
+def headline(run, config, tuning) -> dict:
+    """The result line's figures of a GRPO run: its mode and tuning, the held-out accuracy
+    before and after, the last step's reward and entropy."""
+    records = run.records()
+    accuracy = [r["accuracy"] for r in records if "accuracy" in r]
+    return {
+        "mode": config.mode, **tuning.headline(), "accuracy_before": accuracy[0],
+        "accuracy_after": accuracy[-1], "final_reward": records[-1]["reward"],
+        "final_entropy": records[-1]["entropy"],
+    }  # fmt: skip
