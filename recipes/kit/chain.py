@@ -2,7 +2,11 @@
 the SFT baseline of ORPO.
 
 A chained run is an ordinary run of `recipes/sft.py`, started as its own process with its
-own run folder, so it can be inspected, resumed or reused like any other. It is trained only
+own run folder, so it can be inspected, resumed or reused like any other. It is a process,
+not a function call, on purpose: recipes never import each other (SFT's step lives in
+`recipes/sft.py`, not in the kit), the run is exactly the command a user would type (its
+flags checked, its Ctrl-C, its `--resume`), and its devices, compiled programs and memory are
+released before the recipe that needs it starts its own. It is trained only
 at the default location a recipe owns (`runs/sft-seed<seed>`, ...), never at a path the user
 named: a `--model` that does not exist is an error, not a request to train one.
 """
