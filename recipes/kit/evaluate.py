@@ -6,7 +6,10 @@ process decodes every completion, so all compute the same accuracy.
 
 from collections.abc import Callable
 
+import jax
 import numpy as np
+
+from tunelib import rollout
 
 from kit.data import Task, prompts
 
@@ -14,7 +17,6 @@ from kit.data import Task, prompts
 def greedy_config(task: Task, vocab_size: int):
     """Greedy decoding up to `task.max_new_tokens`, stopping at the tokenizer's stop ids;
     embedding rows past the tokenizer's vocabulary are never sampled."""
-    from tunelib import rollout
 
     tok = task.tokenizer
     return rollout.SamplingConfig(
@@ -32,9 +34,6 @@ def completions(
     """The decoded completions of the records' prompts under `sampling` (greedy by default),
     split over the devices of `placed` (a `kit.parallel.Placement`; None: as they come), in
     batches of at most 512 prompts (few distinct shapes to compile)."""
-    import jax
-
-    from tunelib import rollout
 
     key = jax.random.key(0) if key is None else key
     texts = []

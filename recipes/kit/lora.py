@@ -4,6 +4,11 @@ import dataclasses
 
 import jax
 
+from tunelib import peft
+from tunelib.models import PROJECTION_KERNELS
+
+from kit.models import save_model
+
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
@@ -16,7 +21,6 @@ class Tuning:
 
     def params(self, trainable: dict, dropout_key=None) -> dict:
         """The parameters a forward pass runs with (call the forward through `peft.lora`)."""
-        from tunelib import peft
 
         if self.base is None:
             return trainable
@@ -24,12 +28,10 @@ class Tuning:
 
     def dense(self, trainable: dict) -> dict:
         """Plain weights for evaluation, sampling and saving: adapters merged into the base."""
-        from tunelib import peft
 
         return trainable if self.base is None else peft.merge_lora(self.base, trainable)
 
     def headline(self) -> dict:
-        from tunelib import peft
 
         out = {
             "tuning": self.mode,
@@ -44,9 +46,6 @@ class Tuning:
         and, with LoRA, the adapters alone: Orbax (`adapters/`) and the PEFT format
         (`peft_adapter/`), written once from the arrays of `placed` (the run's
         `kit.parallel.Placement`)."""
-        from tunelib import peft
-
-        from kit.models import save_model
 
         save_model(folder / "model", model, self.dense(trainable))
         if self.base is None:
@@ -83,8 +82,6 @@ def tuning(
 
 
 def _tuning(model, rank, alpha, dropout, qlora, seed) -> Tuning:
-    from tunelib import peft
-    from tunelib.models import PROJECTION_KERNELS
 
     params = model.params
     if not rank:

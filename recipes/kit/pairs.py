@@ -10,7 +10,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from tunelib import logprobs
+
+from kit import evaluate
 from kit.data import Task
 
 
@@ -31,9 +35,6 @@ def pair_logps(
 ) -> PairLogps:
     """`PairLogps` of a padded or packed preference batch under `params` (`max_segments`:
     the packed rows' bound, as the dataset was given)."""
-    from flax import nnx
-
-    from tunelib import logprobs
 
     model = nnx.merge(graphdef, params)
     if "segment_ids" in batch:
@@ -82,9 +83,6 @@ def on_policy_pairs(
     """`task` (the built-in one) with on-policy negatives: where the model answers a training
     prompt wrongly (greedily, or sampled at `temperature` > 0 with `seed`), the pair prefers
     the right answer over exactly that mistake; the other pairs keep their near miss."""
-    import jax
-
-    from kit import evaluate
 
     sampling = evaluate.greedy_config(task, vocab_size)
     sampling = dataclasses.replace(sampling, temperature=temperature)
