@@ -73,7 +73,7 @@ class Sampler:
     def __post_init__(self):
         user = load_reward(self.reward) if self.reward is not None else None
         object.__setattr__(self, "_user", user)
-        scorer = None
+        score = None
         if self.reward_model is not None:
             scorer = reward_model.load(self.reward_model)
             if scorer.model.config.vocab_size != self.vocab_size:
@@ -92,8 +92,7 @@ class Sampler:
                     pooling=scorer.pooling,
                 )  # fmt: skip
 
-            scorer = score
-        object.__setattr__(self, "_score", scorer)
+        object.__setattr__(self, "_score", score)
 
     def _reward(self, text: str, record: dict, truncated: bool) -> float:
         if self._user is not None:
