@@ -111,6 +111,16 @@ def test_bad_flags_paths_and_files_give_one_line_before_jax(world, recipe, flags
     assert not Path("/nonexistent").exists()
 
 
+def test_grpo_with_max_staleness_runs_the_asynchronous_recipe(world):
+    """`grpo.py --max-staleness` is `grpo_async.py`: its flags, checked before JAX."""
+    proc = run_without_jax("grpo", "--max-staleness", "-1", cwd=world)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert lines == ["grpo_async.py: error: --max-staleness must be >= 0, got -1"], lines
+    help_text = run_without_jax("grpo", "--max-staleness", "1", "--help", cwd=world).stdout
+    assert "--max-staleness" in help_text and "--is-cap" in help_text
+
+
 def test_help_answers_without_jax(world):
     for recipe in ("sft", "dpo", "grpo", "grpo_async", "orpo", "distill", "generate"):
         proc = run_without_jax(recipe, "--help", cwd=world)
