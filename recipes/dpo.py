@@ -66,13 +66,11 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import losses, metrics, peft
 
-    from kit import chain, data, evaluate, loop, lora, models, optim, pairs, parallel
+    from kit import chain, data, evaluate, loop, lora, optim, pairs, parallel
 
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
-    folder, sft_seconds = chain.sft_start(config)
-    model = models.replicated(models.load_model(folder), placement)
-    model = models.with_remat(model, config.remat)
+    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":

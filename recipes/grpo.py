@@ -51,13 +51,11 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     import grain
     import jax
 
-    from kit import chain, evaluate, goodput, grpo, loop, models, parallel
+    from kit import chain, evaluate, goodput, grpo, loop, parallel
 
     # Every device of every process; each process holds its rows of every batch.
     placement = parallel.placement(config.batch_size, config.devices)
-    folder, sft_seconds = chain.sft_start(config)
-    model = models.replicated(models.load_model(folder), placement)
-    model = models.with_remat(model, config.remat)
+    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     # The prompts, what trains (every weight or adapters), the sampling and the optimizer;
     # `sample` draws a group per prompt and scores it (the verifier, --reward or

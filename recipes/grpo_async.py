@@ -58,9 +58,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
             f"{placement.process_count}: start it with python -m tunelib.launch -n 2"
         )
     trainer = disaggregated.role() == disaggregated.TRAINER
-    folder, sft_seconds = chain.sft_start(config)
-    model = models.replicated(models.load_model(folder), placement)
-    model = models.with_remat(model, config.remat)
+    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     # What grpo.py samples and trains with: `sample` runs on the sampler, `learner` on the
     # trainer.

@@ -62,13 +62,11 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import losses, metrics
 
-    from kit import chain, data, evaluate, loop, models, optim, pairs, parallel, reward_model
+    from kit import chain, data, evaluate, loop, optim, pairs, parallel, reward_model
 
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
-    folder, sft_seconds = chain.sft_start(config)
-    model = models.replicated(models.load_model(folder), placement)
-    model = models.with_remat(model, config.remat)
+    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected != "near_miss":

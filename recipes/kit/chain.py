@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 
 from kit.errors import UserError
-from kit.models import model_folder
+from kit.models import Model, load_model, model_folder, replicated, with_remat
 from kit.runs import default_out
 
 RECIPES = Path(__file__).resolve().parents[1]
@@ -88,6 +88,15 @@ def sft_start(config) -> tuple[Path, float | None]:
         config.model, default_out("sft", config.seed), sft_flags(config, **steps),
         what="SFT model",
     )  # fmt: skip
+
+
+def sft_model(config, placement) -> tuple[Model, float | None]:
+    """The start model of DPO, the reward model and GRPO (`sft_start`), on every device of
+    `placement`, with `--remat`; and the seconds spent training it first (None if it was
+    there)."""
+    folder, seconds = sft_start(config)
+    model = replicated(load_model(folder), placement)
+    return with_remat(model, config.remat), seconds
 
 
 def baseline(run, config, *, model_size: str) -> tuple[float, dict]:
