@@ -101,7 +101,7 @@ def worker(recipe: str, model: Path | None) -> dict:
     import jax
 
     import kit
-    from kit import parallel, plan
+    from kit import plan
 
     spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", RECIPES / f"{recipe}.py")
     module = importlib.util.module_from_spec(spec)
@@ -115,14 +115,12 @@ def worker(recipe: str, model: Path | None) -> dict:
         argv += ["--model", str(model)] if model is not None else []
         config = kit.config.parse(config_type, argv, description="", prog=f"{recipe}.py")
         started = time.perf_counter()
-        try:
-            module.train(config, plan.PlanFolder(Path(folder) / "run", steps=config.steps))
-        except plan.Planned as planned:
-            step_plan, context = planned.plan, planned.context
-        else:
+        planned = module.train(config, plan.PlanFolder(Path(folder) / "run", steps=config.steps))
+        if not isinstance(planned, plan.Planned):
             raise SystemExit(f"{recipe}: the recipe returned without planning its step")
+        step_plan, context = planned.plan, planned.context
         seconds = time.perf_counter() - started
-    placed = parallel.current()
+    placed = context.placement
 
     def next_batch():
         batch = next(context.batches)
@@ -296,7 +294,7 @@ def main() -> None:
         return
     if args.variants:
         sys.path.insert(0, str(RECIPES))
-        from kit.plan import parse_size
+        from kit.config import parse_size
 
         result = variants(args.rows, args.length, parse_size(args.memory, "--memory"))
         print(result["table"])

@@ -30,6 +30,7 @@ from typing import Literal
 import kit
 from kit.config import Run, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -95,13 +96,14 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, goodput, loop, models, optim, parallel
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     teacher_flags = chain.sft_flags(
         config, num_train=config.teacher_demonstrations, steps=config.teacher_steps,
         model_size="base",
     )  # fmt: skip
     folder, teacher_seconds = chain.ensure_model(
-        config.teacher, kit.cli.default_out("teacher", config.seed), teacher_flags,
+        config.teacher, kit.runs.default_out("teacher", config.seed), teacher_flags,
         what="teacher",
     )  # fmt: skip
     teacher = models.replicated(models.load_model(folder), placement)
@@ -113,10 +115,12 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     # The transfer set: the teacher's own greedy answers to the prompts (where it gives one).
     sampling = evaluate.greedy_config(task, vocab_size)
-    answers = evaluate.completions(teacher.graphdef, teacher.params, task, task.train, sampling)
+    answers = evaluate.completions(
+        teacher.graphdef, teacher.params, task, task.train, sampling, placement
+    )
     transfer = [{**r, "completion": a} for r, a in zip(task.train, answers, strict=True) if a]
     task = dataclasses.replace(task, train=transfer)
-    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
 
     def loss_fn(params, batch):
         teacher_model = nnx.merge(teacher.graphdef, teacher.params)
@@ -168,7 +172,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         return state, {**out, "on_policy": float(sampled)}
 
     def evaluate_fn(params):
-        return {"accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size)}
+        return {
+            "accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size, placement)
+        }
 
     def pieces(state, rows):  # a step's jitted parts, for --plan and --device-memory
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
@@ -178,18 +184,22 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
             out["rollout"] = kit.plan.Piece(student_rows, (state["params"], rows, key), (1,))
         return out
 
-    state = loop.initial_state(student.params, optimizer, config.seed)
+    state = loop.initial_state(student.params, optimizer, config.seed, placement)
     state["step"] = placement.replicate(np.int32(0))  # which steps sample (--on-policy)
     state = loop.train(
-        run, config, state=state,
+        run, config, placement, state=state,
         step_fn=train_step, evaluate=evaluate_fn, pieces=pieces,
         batches=data.batches(task, config, placement, kind="sft"),
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     models.save_model(run.path / "model", student, state["params"])
     before, after = loop.first_and_last(run, "accuracy")
     headline = {
         "divergence": config.divergence,
-        "teacher_accuracy": evaluate.accuracy(teacher.graphdef, teacher.params, task, vocab_size),
+        "teacher_accuracy": evaluate.accuracy(
+            teacher.graphdef, teacher.params, task, vocab_size, placement
+        ),
         "accuracy_before": before,
         "accuracy_after": after,
     }

@@ -23,6 +23,7 @@ from typing import Literal
 import kit
 from kit.config import DataFile, Lora, Run, SFTStart, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 LOSSES = (
     "dpo", "robust_dpo", "ipo", "hinge", "exo", "nca", "bco_pair", "sppo_hard", "apo_zero",
@@ -65,20 +66,22 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import losses, metrics, peft
 
-    from kit import chain, data, evaluate, loop, lora, models, optim, pairs, parallel
+    from kit import chain, data, evaluate, loop, lora, optim, pairs, parallel
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
-    folder, sft_seconds = chain.sft_start(config)
-    model = models.replicated(models.load_model(folder), placement)
-    model = models.with_remat(model, config.remat)
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
+    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":
-        task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size)
-    tuning = lora.tuning(config, model, placement)
+        task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size, placement)
+    tuning = lora.tuning(
+        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
+        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
+    )  # fmt: skip
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
-    optimizer = optim.adamw(config, warmup=0.1)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.1)
     pairwise_loss = getattr(losses, f"{config.loss}_loss")
 
     def sequence_logps(params, batch):
@@ -135,16 +138,21 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
             )
         }
         if task.problems:
-            out["accuracy"] = evaluate.accuracy(graphdef, tuning.dense(trainable), task, vocab_size)
+            out["accuracy"] = evaluate.accuracy(
+                graphdef, tuning.dense(trainable), task, vocab_size, placement
+            )
         return out
 
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=loop.initial_state(tuning.trainable, optimizer, config.seed),
+        run, config, placement, state=state,
         evaluate=evaluate_fn,
         step_fn=lambda state, batch: train_step(frozen, state, batch),
         batches=data.batches(task, config, placement, kind="preference", packing=config.packing),
     )  # fmt: skip
-    tuning.save(run.path, model, state["params"])
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
+    tuning.save(run.path, model, state["params"], placement)
     headline = {
         "loss": config.loss,
         **tuning.headline(),

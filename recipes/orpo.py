@@ -20,6 +20,7 @@ from typing import Literal
 import kit
 from kit.config import MODELS, DataFile, Run, Start, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -52,13 +53,14 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, loop, models, optim, pairs, parallel
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     model = models.start_model(config.model, config.model_size, config.seed)
     model = models.with_remat(model, config.remat)
     model = models.replicated(model, placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer)
-    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
 
     def loss_fn(params, batch):
         both = pairs.pair_logps(graphdef, params, batch, implementation=config.logprobs)
@@ -89,14 +91,17 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
             )
         }
         if task.problems:
-            out["accuracy"] = evaluate.accuracy(graphdef, params, task, vocab_size)
+            out["accuracy"] = evaluate.accuracy(graphdef, params, task, vocab_size, placement)
         return out
 
+    state = loop.initial_state(model.params, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=loop.initial_state(model.params, optimizer, config.seed),
+        run, config, placement, state=state,
         step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, placement, kind="preference"),
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     models.save_model(run.path / "model", model, state["params"])
     headline = loop.before_and_after(run, "accuracy", "heldout_loss")
     chained = {}

@@ -23,6 +23,7 @@ from typing import Literal
 import kit
 from kit.config import DataFile, Run, SFTStart, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -61,22 +62,27 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import losses, metrics
 
-    from kit import chain, data, evaluate, loop, models, optim, pairs, parallel, reward_model
+    from kit import chain, data, evaluate, loop, optim, pairs, parallel, reward_model
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
-    folder, sft_seconds = chain.sft_start(config)
-    model = models.replicated(models.load_model(folder), placement)
-    model = models.with_remat(model, config.remat)
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
+    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected != "near_miss":
         temperature = 1.0 if config.rejected == "sampled" else 0.0
         task = pairs.on_policy_pairs(
-            task, graphdef, model.params, vocab_size, temperature=temperature, seed=config.seed
+            task,
+            graphdef,
+            model.params,
+            vocab_size,
+            placement,
+            temperature=temperature,
+            seed=config.seed,
         )
     head = reward_model.init_head(model.config.hidden_size, config.seed)
     params = {"decoder": model.params, "head": placement.replicate(head)}
-    optimizer = optim.adamw(config, warmup=0.1)
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.1)
 
     def loss_fn(params, batch):
         chosen, rejected, real = reward_model.pair_scores(
@@ -105,11 +111,14 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
             )
         }
 
+    state = loop.initial_state(params, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=loop.initial_state(params, optimizer, config.seed),
+        run, config, placement, state=state,
         evaluate=evaluate_fn, step_fn=optim.update_step(loss_fn, optimizer),
         batches=data.batches(task, config, placement, kind="preference"),
     )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     trained = state["params"]
     reward_model.save(
         run.path / "model", model, trained["decoder"], trained["head"], pooling=config.pooling

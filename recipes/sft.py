@@ -22,6 +22,7 @@ from typing import Literal
 import kit
 from kit.config import MODELS, DataFile, Lora, Run, Start, Task, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -61,12 +62,16 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import data, evaluate, loop, lora, models, optim, parallel
 
-    placement = parallel.placement(config)  # every device of every process, batches by rows
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     model = models.start_model(config.model, config.model_size, config.seed)
     model = models.with_remat(model, config.remat)
     task = data.load_task(config, "sft", model.tokenizer)
-    tuning = lora.tuning(config, model, placement)
-    optimizer = optim.adamw(config, warmup=0.05, weight_decay=0.01)
+    tuning = lora.tuning(
+        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
+        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
+    )  # fmt: skip
+    optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
     graphdef = model.graphdef
 
     def loss_fn(params, batch):
@@ -118,15 +123,20 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
             )
         }
         if task.problems:
-            out["accuracy"] = evaluate.accuracy(graphdef, params, task, model.config.vocab_size)
+            out["accuracy"] = evaluate.accuracy(
+                graphdef, params, task, model.config.vocab_size, placement
+            )
         return out
 
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     state = loop.train(
-        run, config, state=loop.initial_state(tuning.trainable, optimizer, config.seed),
+        run, config, placement, state=state,
         step_fn=train_step, evaluate=evaluate_fn,
         batches=data.batches(task, config, placement, kind="sft", packing=config.packing),
     )  # fmt: skip
-    tuning.save(run.path, model, state["params"])
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
+    tuning.save(run.path, model, state["params"], placement)
     headline = {**tuning.headline(), **loop.before_and_after(run, "accuracy", "heldout_loss")}
     headline["final_loss"] = loop.first_and_last(run, "loss")[1]
     return loop.finish(run, config, headline)

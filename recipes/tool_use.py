@@ -34,6 +34,7 @@ from typing import Literal
 import kit
 from kit.config import Run, Task, at_least, flag
 from kit.errors import UserError
+from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -183,7 +184,7 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import data, episodes, goodput, loop, models, parallel
 
-    placement = parallel.placement(config)
+    placement = parallel.placement(config.batch_size, config.devices)
     if placement.process_count > 1:
         raise UserError("tool_use.py runs in one process: start it without tunelib.launch")
     if config.model is not None:
@@ -288,11 +289,19 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     batches = iter(order.batch(config.batch_size).to_iter_dataset())
     # The SFT optimizer's state; GRPO's replaces it (same structure) at its first step.
-    state = loop.initial_state(model.params, sft_optimizer, config.seed)
+    state = loop.initial_state(model.params, sft_optimizer, config.seed, placement)
     state["step"] = placement.replicate(jnp.zeros((), jnp.int32))
     state = loop.train(
-        run, config, state=state, batches=batches, step_fn=train_step, evaluate=evaluate_fn
+        run,
+        config,
+        placement,
+        state=state,
+        batches=batches,
+        step_fn=train_step,
+        evaluate=evaluate_fn,
     )
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
     models.save_model(run.path / "model", model, state["params"])
     records = run.records()
     at_sft = next((r for r in records if r["step"] == config.sft_steps and "accuracy" in r), {})

@@ -15,11 +15,13 @@
 - `loop`: the train loop (resume, evaluate, log, checkpoint, Ctrl-C) and the result line.
 - `logs`, `plots`, `checkpoints`: metrics writers, the curves, Orbax checkpoints.
 - `goodput`: each step's time split by phase.
+- `grpo_config`, `grpo`: what the two GRPO recipes share: flags, sampler, rewards, updates.
 - `parallel`, `disaggregated`: the mesh over every process's devices; GRPO's two roles.
 - `plan`: `--plan` and `--device-memory`, the step's memory planned before it runs.
 
-Only `config`, `cli`, `runs`, `errors` are imported before the flags are checked; they do not
-import JAX.
+The modules a recipe imports before its flags are checked (`config`, `cli`, `runs`,
+`errors`, and through them `plan`, `models`, `reward_model`, `grpo_config`) do not import JAX
+at their top; the others do, and are imported by the recipes' `train`.
 """
 
 from kit import cli, config, errors, runs

@@ -2,7 +2,11 @@
 the SFT baseline of ORPO.
 
 A chained run is an ordinary run of `recipes/sft.py`, started as its own process with its
-own run folder, so it can be inspected, resumed or reused like any other. It is trained only
+own run folder, so it can be inspected, resumed or reused like any other. It is a process,
+not a function call, on purpose: recipes never import each other (SFT's step lives in
+`recipes/sft.py`, not in the kit), the run is exactly the command a user would type (its
+flags checked, its Ctrl-C, its `--resume`), and its devices, compiled programs and memory are
+released before the recipe that needs it starts its own. It is trained only
 at the default location a recipe owns (`runs/sft-seed<seed>`, ...), never at a path the user
 named: a `--model` that does not exist is an error, not a request to train one.
 """
@@ -13,18 +17,18 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 from kit.errors import UserError
-from kit.models import model_folder
+from kit.models import Model, load_model, model_folder, replicated, with_remat
+from kit.runs import default_out
 
 RECIPES = Path(__file__).resolve().parents[1]
 
 
 def train_sft(out: Path, flags: list[str], *, what: str) -> float:
     """Run `recipes/sft.py --out OUT FLAGS` to the end; its wall time in seconds."""
-    from kit import parallel
-
-    placed = parallel.current()
-    if placed is not None and placed.process_count > 1:
+    if jax.process_count() > 1:
         raise UserError(
             f"{what}: a run of several processes starts no other run; train it first with "
             f"python -m tunelib.launch -n N recipes/sft.py --out {out}"
@@ -79,13 +83,20 @@ def sft_flags(config, **values) -> list[str]:
 def sft_start(config) -> tuple[Path, float | None]:
     """The start model of DPO and GRPO: `--model`, or this seed's SFT run, trained first
     (on this run's task, for `--sft-steps`) when it is not there."""
-    from kit.cli import default_out
-
     steps = {} if config.sft_steps is None else {"steps": config.sft_steps}
     return ensure_model(
         config.model, default_out("sft", config.seed), sft_flags(config, **steps),
         what="SFT model",
     )  # fmt: skip
+
+
+def sft_model(config, placement) -> tuple[Model, float | None]:
+    """The start model of DPO, the reward model and GRPO (`sft_start`), on every device of
+    `placement`, with `--remat`; and the seconds spent training it first (None if it was
+    there)."""
+    folder, seconds = sft_start(config)
+    model = replicated(load_model(folder), placement)
+    return with_remat(model, config.remat), seconds
 
 
 def baseline(run, config, *, model_size: str) -> tuple[float, dict]:

@@ -16,15 +16,12 @@ import shlex
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from kit import plan
 from kit.config import Run, parse
 from kit.errors import UserError
-from kit.runs import RunFolder, checkpoint_steps
-
-RUNS = Path("runs")
+from kit.runs import RunFolder, checkpoint_steps, default_out
 
 
 class Interrupted(Exception):
@@ -33,17 +30,6 @@ class Interrupted(Exception):
     def __init__(self, step: int | None):
         super().__init__(step)
         self.step = step
-
-
-def runs_root() -> Path:
-    """Where runs go by default: `$TUNELIB_RUNS`, else `runs/` in the working folder."""
-    import os
-
-    return Path(os.environ.get("TUNELIB_RUNS", RUNS))
-
-
-def default_out(name: str, seed: int) -> Path:
-    return runs_root() / f"{name}-seed{seed}"
 
 
 def resume_command(argv: list[str]) -> str:
@@ -95,11 +81,10 @@ def main(
 
 
 def _alone() -> bool:
-    """Whether this process runs alone (not one of a multi-process run's)."""
-    from kit import parallel
-
-    placed = parallel.current()
-    return placed is None or placed.process_count == 1
+    """Whether this process runs alone (not one of a multi-process run's: those import JAX
+    and join the others)."""
+    jax = sys.modules.get("jax")
+    return jax is None or jax.process_count() == 1
 
 
 def _exit(code: int) -> None:

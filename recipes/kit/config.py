@@ -14,6 +14,7 @@ Nothing here imports JAX.
 import argparse
 import dataclasses
 import importlib.util
+import re
 import sys
 import tomllib
 import types
@@ -22,6 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kit.errors import UserError
+from kit.models import INSTALLED_MODELS, model_folder
+
+# The settings files of known real models: recipes/<model>/<recipe>.toml.
+SETTINGS = Path(__file__).resolve().parents[1]
 
 # What `--model` may name (see `kit.models`).
 MODELS = (
@@ -113,8 +118,6 @@ class Run(Config):
         if self.devices is not None:
             at_least("devices", self.devices, 1)
         if self.device_memory is not None:
-            from kit.plan import parse_size
-
             parse_size(self.device_memory)
         at_least("batch_size", self.batch_size, 1)
         at_least("eval_every", self.eval_every, 1)
@@ -230,14 +233,10 @@ class Start(Config):
     def check(self) -> None:
         super().check()
         if self.model is not None:
-            from kit.models import model_folder
-
             model_folder(self.model)
 
     def run_name(self) -> str:
         """The recipe's name, and an installed model's (`sft-smollm2`) when it starts there."""
-        from kit.models import INSTALLED_MODELS
-
         name = super().run_name()
         model = str(self.model)
         return f"{name}-{model}" if model in INSTALLED_MODELS and not Path(model).exists() else name
@@ -264,6 +263,28 @@ class SFTStart(Start):
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+# The units `--device-memory` takes: decimal (kB = 1000 bytes) and binary (KiB = 1024).
+UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str, flag: str = "--device-memory") -> int:
+    """`"16GiB"`, `"800MB"`, `"1.5 GB"` -> bytes; a `UserError` in one line otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*", text)
+    if match is None or match.group(2).lower() not in UNITS:
+        raise UserError(
+            f"{flag} {text!r}: give a size with its unit, e.g. 16GiB, 800MB or 1.5GB "
+            "(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    size = int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    if size < 1:
+        raise UserError(f"{flag} {text!r}: the size must be at least 1 byte")
+    return size
 
 
 def at_least(name: str, value: int | float, low: int | float) -> None:
@@ -411,13 +432,31 @@ def _from_toml(config_type: type, path: Path) -> dict[str, Any]:
     return values
 
 
+def known_model_settings(config_type: type, model: Any) -> Path | None:
+    """The settings file a known real model brings to this recipe (`recipes/smollm2/sft.toml`
+    for `--model smollm2` or its GGUF file), if there is one: the settings its page measured,
+    in place of the defaults made for the recipes' small model."""
+    if model is None:
+        return None
+    for name, (_, file_name, _) in INSTALLED_MODELS.items():
+        if str(model) == name or Path(model).name == file_name:
+            path = SETTINGS / name / f"{config_type.RECIPE}.toml"
+            return path if path.is_file() else None
+    return None
+
+
 def parse(config_type: type, argv: list[str] | None, *, description: str, prog: str):
     """The configuration from defaults, `--config` and `argv`, checked; exits with one line
-    (status 2) on a bad flag or value."""
+    (status 2) on a bad flag or value. Without `--config`, a known real model's settings
+    (`known_model_settings`) replace the defaults, and the flags override them."""
     parser = build_parser(config_type, description, prog)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
     try:
         values = _from_toml(config_type, args.pop("config")) if "config" in args else {}
+        known = None if values else known_model_settings(config_type, args.get("model"))
+        if known is not None:
+            values = {k: v for k, v in _from_toml(config_type, known).items() if k != "model"}
+            print(f"{prog}: {args['model']} takes the settings of {known}", flush=True)
         values.update({k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
         config = config_type(**values)
         config.check()

@@ -9,6 +9,20 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import jax.numpy as jnp
+
+from tunelib.data import (
+    RecordError,
+    arithmetic_split,
+    encode_prompts,
+    preference_dataset,
+    preference_pairs,
+    problem_in_words,
+    read_records,
+    sft_dataset,
+    verify_answer,
+)
+
 from kit.errors import UserError
 
 
@@ -51,13 +65,6 @@ def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
     """The built-in task for `tokenizer`: "47+38=" -> "85" for a model without a chat
     template (the recipes' own models); asked in words in the chat template for a chat model
     ("What is 47 + 38?"), whose answer is the last number of its reply."""
-    from tunelib.data import (
-        arithmetic_split,
-        encode_prompts,
-        preference_pairs,
-        problem_in_words,
-        verify_answer,
-    )  # fmt: skip
 
     train, heldout = arithmetic_split(
         seed=config.seed, num_train=num_train, num_heldout=config.num_heldout,
@@ -109,7 +116,6 @@ def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
 
 
 def _file(config, kind: str, tokenizer) -> Task:
-    from tunelib.data import RecordError, read_records
 
     path = config.data
     on_invalid = "skip" if config.skip_invalid else "raise"
@@ -158,7 +164,6 @@ def max_segments(task: Task) -> int:
 def batches(task: Task, config, placement, *, kind: str, packing: bool = False):
     """The endless, shuffled training batches of `task` (a checkpointable Grain iterator):
     this process's rows of each, `placement.rows` makes the global batch of them."""
-    from tunelib.data import RecordError, preference_dataset, sft_dataset
 
     dataset = sft_dataset if kind == "sft" else preference_dataset
     on_invalid = "skip" if getattr(config, "skip_invalid", False) else "raise"
@@ -181,7 +186,6 @@ def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
     """The held-out records in order, once, as batches split over `placement`'s devices
     (every process reads them all and keeps its rows); the last batch is padded with empty
     rows (no completion token) to split evenly."""
-    from tunelib.data import preference_dataset, sft_dataset
 
     if not task.heldout:
         return []
@@ -197,7 +201,6 @@ def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
 
 def prompts(task: Task, records: list[dict]):
     """Left-padded `(tokens, where)` of the records' prompts, `task.prompt_length` wide."""
-    from tunelib.data import encode_prompts
 
     return encode_prompts(
         [r["prompt"] for r in records], task.tokenizer, max_length=task.prompt_length
@@ -208,7 +211,6 @@ def prompts_of_rows(rows: dict, prompt_length: int):
     """The left-padded `(tokens, where)` prompts, `prompt_length` wide, of a batch of SFT rows
     (`tokens`, `where`, as `tunelib.data.sft_dataset` lays them out): each row's tokens up to
     its first completion token, which is the first target `where` counts. Jittable."""
-    import jax.numpy as jnp
 
     tokens, where = rows["tokens"], rows["where"]
     length = jnp.argmax(where, axis=1) + 1  # the prompt's last token predicts the first target
@@ -223,7 +225,6 @@ def sequences_of_completions(prompt_tokens, prompt_where, tokens, where) -> dict
     (left-padded) followed by their completions `[B, N]` (right-padded), as the sampler
     returns them: the model reads the concatenation, and the completion tokens are the
     targets that count. Jittable."""
-    import jax.numpy as jnp
 
     sequence = jnp.concatenate([prompt_tokens, tokens], axis=1)
     real = jnp.concatenate([prompt_where, where], axis=1)

@@ -25,14 +25,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from kit.loop import step_keys
+from kit.parallel import AXIS, Placement
 
 TRAINER, SAMPLER = 0, 1
 
 
 def role() -> int:
     """`TRAINER` (process 0) or `SAMPLER` (process 1)."""
-    import jax
 
     return TRAINER if jax.process_index() == 0 else SAMPLER
 
@@ -42,8 +46,6 @@ def exchange(tree, *, source: int):
     this with a tree of the same shapes and dtypes (its own values are ignored unless it is
     the source). The leaves travel as one buffer of bytes, so the collective runs once, not
     once per leaf. Returns the tree and the seconds the collective took."""
-    import jax
-    from jax.experimental import multihost_utils
 
     leaves, structure = jax.tree.flatten(tree)
     if not leaves:
@@ -116,7 +118,6 @@ class Rollouts:
         return out, size / max(seconds, 1e-9)
 
     def _sampled(self, policy, prompts) -> dict:
-        from kit.loop import step_keys
 
         if role() != SAMPLER:
             return self.template
@@ -130,9 +131,6 @@ class Rollouts:
 def everywhere():
     """A placement over every device of every process (`kit.parallel.Placement`), for what
     both roles hold together: checkpoints and the final model."""
-    import jax
-
-    from kit.parallel import AXIS, Placement
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), (AXIS,))
     index, count = jax.process_index(), jax.process_count()
@@ -142,7 +140,6 @@ def everywhere():
 def shared(tree, placement):
     """The trainer's `tree` (arrays on its own devices) on every device of `placement`
     (`everywhere()`): every process calls this."""
-    import jax
 
     host, _ = exchange(jax.tree.map(np.asarray, tree), source=TRAINER)
     return placement.replicate(host)
@@ -151,12 +148,10 @@ def shared(tree, placement):
 def own(tree, placement):
     """A tree on every device of every process (`shared`, a restored checkpoint) on this
     process's own devices (`placement`)."""
-    import jax
 
     return placement.replicate(jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree))
 
 
 def _leaves(tree) -> list[Any]:
-    import jax
 
     return jax.tree.leaves(tree)

@@ -21,6 +21,9 @@ import string
 
 import numpy as np
 
+from tunelib.data import arithmetic_split, encode_prompts, render_chat_template
+from tunelib.rollout import CALCULATOR, ToolEnvironment, Turn, parse_tool_calls
+
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -86,7 +89,6 @@ class ToolTask:
 def load_task(config, tokenizer, *, tool: bool, max_turns: int) -> ToolTask:
     """`--num-train` and `--num-heldout` problems of `--operations` on up to `--max-digits`
     digits (`tunelib.data.arithmetic_split` of `--seed`), as chat prompts."""
-    from tunelib.data import arithmetic_split, render_chat_template
 
     train, heldout = arithmetic_split(
         seed=config.seed, num_train=config.num_train, num_heldout=config.num_heldout,
@@ -121,7 +123,6 @@ def environments(task: ToolTask, records: list[dict], group_size: int) -> list:
     """A `ToolEnvironment` per episode (`group_size` per record, in order): the calculator
     when the task has the tool, none otherwise; reward 1 for a final answer that is exactly
     the record's, else 0."""
-    from tunelib.rollout import CALCULATOR, ToolEnvironment
 
     def make(answer: str):
         return ToolEnvironment(
@@ -137,8 +138,6 @@ def demonstrations(task: ToolTask, records: list[dict]) -> dict:
     `prompt_tokens`, `prompt_where` `[B, P]` and `tokens`, `where` (model tokens),
     `context_where` (model and observation tokens) `[B, T]`, as `run_episodes` lays out an
     `Episode`."""
-    from tunelib.data import encode_prompts
-    from tunelib.rollout import Turn
 
     tok = task.tokenizer
     width = task.episode_tokens
@@ -175,7 +174,6 @@ def tool_use(environments: list, num_turns) -> dict:
     `tool_call_rate` (the share of episodes with at least one `<tool_call>` block),
     `malformed_rate` (the share of those blocks that do not parse as a call) and `turns`
     (model turns per episode)."""
-    from tunelib.rollout import parse_tool_calls
 
     calls = [
         [

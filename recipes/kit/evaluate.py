@@ -6,16 +6,17 @@ process decodes every completion, so all compute the same accuracy.
 
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
-from kit import parallel
+from tunelib import rollout
+
 from kit.data import Task, prompts
 
 
 def greedy_config(task: Task, vocab_size: int):
     """Greedy decoding up to `task.max_new_tokens`, stopping at the tokenizer's stop ids;
     embedding rows past the tokenizer's vocabulary are never sampled."""
-    from tunelib import rollout
 
     tok = task.tokenizer
     return rollout.SamplingConfig(
@@ -27,15 +28,14 @@ def greedy_config(task: Task, vocab_size: int):
     )
 
 
-def completions(graphdef, params, task: Task, records: list[dict], sampling, key=None) -> list[str]:
+def completions(
+    graphdef, params, task: Task, records: list[dict], sampling, placed, key=None
+) -> list[str]:
     """The decoded completions of the records' prompts under `sampling` (greedy by default),
-    in batches of at most 512 prompts (few distinct shapes to compile)."""
-    import jax
-
-    from tunelib import rollout
+    split over the devices of `placed` (a `kit.parallel.Placement`; None: as they come), in
+    batches of at most 512 prompts (few distinct shapes to compile)."""
 
     key = jax.random.key(0) if key is None else key
-    placed = parallel.current()
     texts = []
     for first in range(0, len(records), 512):
         chunk = records[first : first + 512]
@@ -51,11 +51,13 @@ def completions(graphdef, params, task: Task, records: list[dict], sampling, key
     return texts
 
 
-def accuracy(graphdef, params, task: Task, vocab_size: int) -> float:
-    """The share of held-out problems whose greedy completion the verifier accepts."""
+def accuracy(graphdef, params, task: Task, vocab_size: int, placed) -> float:
+    """The share of held-out problems whose greedy completion the verifier accepts (sampled
+    on the devices of `placed`, see `completions`)."""
     if not task.problems:
         return float("nan")
-    texts = completions(graphdef, params, task, task.problems, greedy_config(task, vocab_size))
+    greedy = greedy_config(task, vocab_size)
+    texts = completions(graphdef, params, task, task.problems, greedy, placed)
     return float(np.mean([task.correct(t, r) for t, r in zip(texts, task.problems, strict=True)]))
 
 

@@ -17,6 +17,8 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import jax
+
 PHASES: tuple[str, ...] = (
     "compile", "data", "rollout", "logprobs", "train", "sync", "checkpoint", "eval", "idle",
 )  # fmt: skip
@@ -35,7 +37,6 @@ class Clock:
     def __init__(self):
         self.compiled = 0.0  # every compile second seen since the clock was made
         self.reset()
-        import jax
 
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 

@@ -1,7 +1,7 @@
 """The train loop every recipe shares: resume, step, evaluate, log, checkpoint, finish.
 
-    state = kit.loop.train(run, config, state=state, batches=batches, step_fn=train_step,
-                           evaluate=evaluate)
+    state = kit.loop.train(run, config, placement, state=state, batches=batches,
+                           step_fn=train_step, evaluate=evaluate)
     return kit.loop.finish(run, config, {"accuracy_after": ...})
 
 `step_fn(state, batch) -> (state, metrics)` is the recipe's step; `evaluate(params) -> metrics`
@@ -26,12 +26,16 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
 from kit import goodput, parallel, plan
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
 from kit.logs import open_writers
+from kit.parallel import Placement
 from kit.plots import plot
 from kit.runs import RunFolder
 
@@ -43,6 +47,7 @@ def _number(value: Any) -> float:
 def train(
     run: RunFolder,
     config,
+    placed: Placement | None,
     *,
     state: dict,
     batches: Iterator,
@@ -50,9 +55,10 @@ def train(
     evaluate: Callable[[Any], dict],
     checkpointed: tuple[Callable, Callable] | None = None,
     pieces: Callable | None = None,
-) -> dict:
+) -> dict | plan.Planned:
     """Run `step_fn` from step 0 (or the last checkpoint, with `--resume`) to `--steps`.
 
+    `placed` is the run's `kit.parallel.Placement` (None: one device, batches as they come);
     `state` is a pytree holding at least `params` (what `evaluate` receives); `batches` a
     Grain iterator of this process's rows of each batch, checkpointed with the state;
     `step_fn` receives the global batch of them, split over the run's devices.
@@ -60,13 +66,15 @@ def train(
     back (every process calls both; `kit.disaggregated`'s roles save the trainer's state).
     With `--plan` or `--device-memory` the step is planned first (`kit.plan.check`): as one
     jitted function of `(state, batch)`, or, for a step that runs several or branches on
-    the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say.
+    the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say; the plan,
+    a `kit.plan.Planned`, is then returned in place of the state, and the recipe returns it.
     """
-    from tqdm import tqdm
-
-    plan.check(config, state=state, batches=batches, step_fn=step_fn, pieces=pieces)
+    planned = plan.check(
+        config, placed, state=state, batches=batches, step_fn=step_fn, pieces=pieces
+    )
+    if planned is not None:  # --plan, or a run that does not fit --device-memory: no step
+        return planned
     name = config.run_name()
-    placed = parallel.current()
     main = parallel.is_main()
     if main:
         run.open(config)
@@ -122,6 +130,8 @@ def train(
             with clock.phase("train"):  # less the rollouts, log-probs and syncs it marks
                 state, metrics = step_fn(state, batch)
                 record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
+            if step == start + 1 and step < config.steps and main:  # the budget, in time
+                bar.write(estimate(name, step, config.steps, clock.split()), file=sys.stdout)
             if step % config.eval_every == 0 or step == config.steps:
                 with clock.phase("eval"):
                     evaluated = evaluate(state["params"])
@@ -160,11 +170,29 @@ def train(
     return state
 
 
+def estimate(name: str, step: int, steps: int, split: dict[str, float]) -> str:
+    """The line a run prints after its first step: the steps planned and the time they will
+    take at that step's pace (its seconds per `kit.goodput` phase, compilation left out)."""
+    seconds = sum(v for k, v in split.items() if k != "compile")
+    left = steps - step
+    return (
+        f"{name}: {steps} steps planned; step {step} took {seconds:.3g} s after "
+        f"{split.get('compile', 0.0):.3g} s of compilation: about {_duration(left * seconds)} "
+        f"for the {left} left"
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def _anyone_stopping(stop: list) -> bool:
     """Whether another process of the run, and not this one, was asked to stop (a
     collective every process calls after each step, so all stop after the same one)."""
-    from jax.experimental import multihost_utils
-
     asked = multihost_utils.process_allgather(np.array(bool(stop)))
     return not stop and bool(asked.any())
 
@@ -176,8 +204,6 @@ def step_keys(rng: Any, *streams: str) -> tuple:
     Every key comes from one `jax.random.split`, so no two streams of a step, nor the next
     step's, ever share randomness.
     """
-    import jax
-
     keys = jax.random.split(jax.random.wrap_key_data(rng), 1 + len(streams))
     return (jax.random.key_data(keys[0]), *keys[1:])
 
@@ -258,17 +284,15 @@ def before_and_after(run: RunFolder, *keys: str) -> dict:
     return out
 
 
-def initial_state(params, optimizer, seed: int) -> dict:
+def initial_state(params, optimizer, seed: int, placed: Placement | None = None) -> dict:
     """The train state at step 0: the trainable parameters, the optimizer's state for them,
-    and the PRNG key data of `seed` (checkpointed like any array)."""
-    import jax
-
+    and the PRNG key data of `seed` (checkpointed like any array), on every device of
+    `placed` (without one, where the parameters are)."""
     state = {
         "params": params,
         "opt_state": optimizer.init(params),
         "rng": jax.random.key_data(jax.random.key(seed)),
     }
-    placed = parallel.current()
     if placed is not None:  # every array on every device of the run's mesh
         return placed.replicate(state)
     # Arrays made without a placement (the optimizer's step count, the key) are committed

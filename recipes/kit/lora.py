@@ -4,6 +4,11 @@ import dataclasses
 
 import jax
 
+from tunelib import peft
+from tunelib.models import PROJECTION_KERNELS
+
+from kit.models import save_model
+
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
@@ -16,7 +21,6 @@ class Tuning:
 
     def params(self, trainable: dict, dropout_key=None) -> dict:
         """The parameters a forward pass runs with (call the forward through `peft.lora`)."""
-        from tunelib import peft
 
         if self.base is None:
             return trainable
@@ -24,12 +28,10 @@ class Tuning:
 
     def dense(self, trainable: dict) -> dict:
         """Plain weights for evaluation, sampling and saving: adapters merged into the base."""
-        from tunelib import peft
 
         return trainable if self.base is None else peft.merge_lora(self.base, trainable)
 
     def headline(self) -> dict:
-        from tunelib import peft
 
         out = {
             "tuning": self.mode,
@@ -39,21 +41,17 @@ class Tuning:
             out["base_bits_per_param"] = round(peft.bits_per_parameter(self.base), 3)
         return out
 
-    def save(self, folder, model, trainable: dict) -> None:
+    def save(self, folder, model, trainable: dict, placed) -> None:
         """The trained model in `folder/model` (adapters merged; see `kit.models.save_model`)
         and, with LoRA, the adapters alone: Orbax (`adapters/`) and the PEFT format
-        (`peft_adapter/`)."""
-        from tunelib import peft
-
-        from kit import parallel
-        from kit.models import save_model
+        (`peft_adapter/`), written once from the arrays of `placed` (the run's
+        `kit.parallel.Placement`)."""
 
         save_model(folder / "model", model, self.dense(trainable))
         if self.base is None:
             return
         peft.save_adapters(folder / "adapters", trainable)
-        placed = parallel.current()
-        if placed is None or placed.process_count == 1:
+        if placed.process_count == 1:
             peft.export_peft(folder / "peft_adapter", trainable, self.base)
             return
         trainable, base = placed.fetch(trainable), placed.fetch(self.base)  # on every host
@@ -62,32 +60,37 @@ class Tuning:
         placed.barrier("peft adapter written")
 
 
-def tuning(config, model, placement) -> Tuning:
-    """Full fine-tuning, or fresh adapters on every attention and MLP projection of `model`
-    (a `kit.models.Model`), on every device of `placement` (a `kit.parallel.Placement`).
-    With `--qlora` the frozen projections are NF4, or, for a model loaded from a GGUF file,
-    the file's own Q8_0 / Q4_0 / Q4_1 blocks."""
-    made = _tuning(config, model)
+def tuning(
+    model,
+    placement,
+    *,
+    rank: int,
+    alpha: float | None = None,
+    dropout: float = 0.0,
+    qlora: bool = False,
+    seed: int = 0,
+) -> Tuning:
+    """Full fine-tuning (`rank` 0), or fresh adapters of `rank` (`alpha`, default 2 x rank;
+    `dropout` on their inputs; initialised from `seed`) on every attention and MLP projection
+    of `model` (a `kit.models.Model`), on every device of `placement` (a
+    `kit.parallel.Placement`). With `qlora` the frozen projections are NF4, or, for a model
+    loaded from a GGUF file, the file's own Q8_0 / Q4_0 / Q4_1 blocks."""
+    made = _tuning(model, rank, alpha, dropout, qlora, seed)
     return dataclasses.replace(
         made, trainable=placement.replicate(made.trainable), base=placement.replicate(made.base)
     )
 
 
-def _tuning(config, model) -> Tuning:
-    from tunelib import peft
-    from tunelib.models import PROJECTION_KERNELS
+def _tuning(model, rank, alpha, dropout, qlora, seed) -> Tuning:
 
     params = model.params
-    if not config.lora_rank:
+    if not rank:
         return Tuning(params, None, "full")
     rule = peft.LoraRule(
-        pattern=PROJECTION_KERNELS,
-        rank=config.lora_rank,
-        alpha=config.lora_alpha or 2.0 * config.lora_rank,
-        dropout=config.lora_dropout,
+        pattern=PROJECTION_KERNELS, rank=rank, alpha=alpha or 2.0 * rank, dropout=dropout
     )
-    adapters = peft.init_lora(params, [rule], key=jax.random.key(config.seed + 1))
-    if not config.qlora:
+    adapters = peft.init_lora(params, [rule], key=jax.random.key(seed + 1))
+    if not qlora:
         return Tuning(adapters, params, "lora")
     if model.folder is not None and model.folder.is_file():  # a GGUF file: keep its blocks
         base = peft.gguf_base(model.folder, scan_layers=model.config.scan_layers).params

@@ -1,22 +1,30 @@
 """The optimizer every recipe uses: AdamW after global-norm clipping, with a warmup."""
 
+import jax
+import optax
 
-def adamw(config, *, schedule: str = "cosine", warmup: float = 0.05, weight_decay: float = 0.0):
-    """`clip_by_global_norm(1) -> adamw` at `config.learning_rate`, warmed up linearly over
-    `warmup` of `config.steps`, then `"cosine"` decay to 0 or `"constant"`."""
-    import optax
 
+def adamw(
+    learning_rate: float,
+    steps: int,
+    *,
+    schedule: str = "cosine",
+    warmup: float = 0.05,
+    weight_decay: float = 0.0,
+):
+    """`clip_by_global_norm(1) -> adamw` at `learning_rate`, warmed up linearly over
+    `warmup` of `steps`, then `"cosine"` decay to 0 or `"constant"`."""
     # At least one warmup step, but never all of them: a 1-step run has no warmup (optax's
     # cosine schedule needs a step to decay over).
-    warmup_steps = min(max(1, int(config.steps * warmup)), max(config.steps - 1, 0))
+    warmup_steps = min(max(1, int(steps * warmup)), max(steps - 1, 0))
     if schedule == "cosine":
         rate = optax.warmup_cosine_decay_schedule(
-            0.0, config.learning_rate, warmup_steps=warmup_steps, decay_steps=config.steps
+            0.0, learning_rate, warmup_steps=warmup_steps, decay_steps=steps
         )
     elif warmup_steps:
-        rate = optax.warmup_constant_schedule(0.0, config.learning_rate, warmup_steps)
+        rate = optax.warmup_constant_schedule(0.0, learning_rate, warmup_steps)
     else:  # optax's warmup over 0 steps stays at its initial value, 0
-        rate = optax.constant_schedule(config.learning_rate)
+        rate = optax.constant_schedule(learning_rate)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=weight_decay))
 
 
@@ -24,8 +32,6 @@ def update_step(loss_fn, optimizer):
     """The jitted step of a recipe that trains every weight with one loss:
     `step(state, batch) -> (state, {"loss": ..., **aux})` for `loss_fn(params, batch) ->
     (loss, aux)`."""
-    import jax
-    import optax
 
     @jax.jit
     def step(state, batch):

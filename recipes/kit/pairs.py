@@ -10,7 +10,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from tunelib import logprobs
+
+from kit import evaluate
 from kit.data import Task
 
 
@@ -31,9 +35,6 @@ def pair_logps(
 ) -> PairLogps:
     """`PairLogps` of a padded or packed preference batch under `params` (`max_segments`:
     the packed rows' bound, as the dataset was given)."""
-    from flax import nnx
-
-    from tunelib import logprobs
 
     model = nnx.merge(graphdef, params)
     if "segment_ids" in batch:
@@ -70,19 +71,23 @@ def answer_of(side: str | list[dict]) -> str:
 
 
 def on_policy_pairs(
-    task: Task, graphdef, params, vocab_size: int, *, temperature: float = 0.0, seed: int = 0
+    task: Task,
+    graphdef,
+    params,
+    vocab_size: int,
+    placed,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Task:
     """`task` (the built-in one) with on-policy negatives: where the model answers a training
     prompt wrongly (greedily, or sampled at `temperature` > 0 with `seed`), the pair prefers
     the right answer over exactly that mistake; the other pairs keep their near miss."""
-    import jax
-
-    from kit import evaluate
 
     sampling = evaluate.greedy_config(task, vocab_size)
     sampling = dataclasses.replace(sampling, temperature=temperature)
     key = jax.random.fold_in(jax.random.key(seed), 0x9A1)
-    answers = evaluate.completions(graphdef, params, task, task.train, sampling, key)
+    answers = evaluate.completions(graphdef, params, task, task.train, sampling, placed, key)
     # A chat model's pairs are assistant messages: its wrong reply becomes one too. A reply
     # may be as long as a sampled completion, so the sequences get room for one.
     chat = isinstance(task.train[0]["chosen"], list)

@@ -1,7 +1,7 @@
 """Data parallelism over every device of every process: one mesh, the same parameters on
 each device, each batch split by rows.
 
-    placement = kit.parallel.placement(config)        # joins the run's processes, if any
+    placement = kit.parallel.placement(config.batch_size, config.devices)  # joins processes
     params = placement.replicate(params)
     batch = placement.rows(local_rows)                # this process's rows -> global arrays
 
@@ -18,7 +18,11 @@ every process (Orbax), each with its own data position (Grain).
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from tunelib import distributed
 
 from kit.errors import UserError
 
@@ -52,19 +56,13 @@ class Placement:
         return self.data_index, self.data_count
 
     def replicated(self):
-        import jax
-
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
     def by_rows(self):
-        import jax
-
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(AXIS))
 
     def replicate(self, tree):
         """`tree` on every device of the mesh (every process must pass the same values)."""
-        import jax
-
         target = self.replicated()
 
         def put(x):
@@ -81,8 +79,6 @@ class Placement:
     def rows(self, local):
         """Global arrays, split by rows over the mesh, from this process's rows of each
         (NumPy or host arrays: `[b, ...]` of a global `[b * process_count, ...]`)."""
-        import jax
-
         sharding = self.by_rows()
 
         def place(x):
@@ -96,8 +92,6 @@ class Placement:
         """Global arrays from the whole batch, which every process holds: each takes its own
         rows. With `pad`, rows of zeros (False in every mask) are added first so the rows
         split evenly; without, they must."""
-        import jax
-
         count = len(jax.tree.leaves(tree)[0])
         extra = -count % self.num_devices
         if extra and not pad:
@@ -111,8 +105,6 @@ class Placement:
     def local(self, x) -> np.ndarray:
         """This process's rows of a global array (the rows `rows` takes from it), on the host;
         an array laid out otherwise is split by rows first (every process must call this)."""
-        import jax
-
         if not x.sharding.is_equivalent_to(self.by_rows(), x.ndim):  # moved on the devices
             x = jax.jit(lambda x: x, out_shardings=self.by_rows())(x)
         shards = sorted(x.addressable_shards, key=lambda s: s.index[0].indices(x.shape[0])[0])
@@ -120,8 +112,6 @@ class Placement:
 
     def fetch(self, tree):
         """The whole value of every array on every process, as NumPy."""
-        import jax
-        from jax.experimental import multihost_utils
 
         def value(x):
             if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
@@ -133,26 +123,18 @@ class Placement:
     def barrier(self, name: str) -> None:
         """Wait until every process gets here (a no-op for one process)."""
         if self.process_count > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(name)
 
 
-_PLACEMENT: dict[str, Placement] = {}
-
-
-def placement(config, *, across_processes: bool = True) -> Placement:
+def placement(
+    batch_size: int, wanted: int | None = None, *, across_processes: bool = True
+) -> Placement:
     """This run's placement: joins the processes of a multi-process run (once), then a mesh
-    over `--devices` devices (default every device of every process; with
+    over `wanted` devices (`--devices`; default every device of every process; with
     `across_processes=False`, every device of this process, for a role of its own). A batch
-    must split evenly over them."""
-    import jax
-
-    from tunelib import distributed
-
+    of `batch_size` rows must split evenly over them."""
     runtime = distributed.initialize()
     devices = list(runtime.devices if across_processes else runtime.local_devices)
-    wanted = getattr(config, "devices", None)
     if wanted is not None:
         if runtime.process_count > 1 and across_processes and wanted != len(devices):
             raise UserError(
@@ -162,25 +144,18 @@ def placement(config, *, across_processes: bool = True) -> Placement:
         if wanted > len(devices):
             raise UserError(f"--devices {wanted}: this process has {len(devices)} devices")
         devices = devices[:wanted]
-    if config.batch_size % len(devices):
+    if batch_size % len(devices):
         raise UserError(
-            f"--batch-size {config.batch_size} does not split over {len(devices)} devices: "
+            f"--batch-size {batch_size} does not split over {len(devices)} devices: "
             f"give a multiple of {len(devices)}"
             + ("" if runtime.process_count > 1 else " or fewer --devices")
         )
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     index, count = (runtime.process_index, runtime.process_count) if across_processes else (0, 1)
-    out = Placement(mesh, runtime.process_index, runtime.process_count, index, count)
-    _PLACEMENT["current"] = out
-    return out
-
-
-def current() -> Placement | None:
-    """The placement the running recipe made, if any (for the kit's shared pieces)."""
-    return _PLACEMENT.get("current")
+    return Placement(mesh, runtime.process_index, runtime.process_count, index, count)
 
 
 def is_main() -> bool:
-    """Whether this process writes the run folder's files (always, in a one-process run)."""
-    placed = current()
-    return placed is None or placed.is_main
+    """Whether this process writes the run folder's files: process 0 (always, in a
+    one-process run)."""
+    return jax.process_index() == 0

@@ -4,46 +4,26 @@ predicted not to fit, in one line that says what to change.
 Every recipe hands its state, its batches and its step to `kit.loop.train`, which calls
 `check` before anything is written: the step is compiled for the first batch's shapes (never
 run; `tunelib.memory.memory_plan`) and its peak memory per device compared with
-`--device-memory`. A step that is one jitted function of `(state, batch)` is planned as it
-is; a recipe whose step runs several (a sampler, then an update) or branches on the host
-gives `loop.train` its parts: `pieces(state, batch) -> {name: Piece}`, each a jittable
-function and its arguments, and the step's peak is the largest part's, plus what the other
-parts keep resident meanwhile (the optimizer state during sampling).
+`--device-memory`. With `--plan`, or when the run does not fit, `check` returns the plan as
+a `Planned`, which `loop.train` and then the recipe return in place of a trained state, and
+the entry point (`guard`) reports. A step that is one jitted function of `(state, batch)` is
+planned as it is; a recipe whose step runs several (a sampler, then an update) or branches
+on the host gives `loop.train` its parts: `pieces(state, batch) -> {name: Piece}`, each a
+jittable function and its arguments, and the step's peak is the largest part's, plus what
+the other parts keep resident meanwhile (the optimizer state during sampling).
 
-Nothing here imports JAX at import time: `parse_size` checks `--device-memory` with the
-other flags.
+Nothing here imports JAX at import time.
 """
 
 import dataclasses
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kit.config import parse_size
 from kit.errors import UserError
-from kit.runs import RunFolder
-
-# The units `--device-memory` takes: decimal (kB = 1000 bytes) and binary (KiB = 1024).
-UNITS = {
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-
-
-def parse_size(text: str, flag: str = "--device-memory") -> int:
-    """`"16GiB"`, `"800MB"`, `"1.5 GB"` -> bytes; a `UserError` in one line otherwise."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*", text)
-    if match is None or match.group(2).lower() not in UNITS:
-        raise UserError(
-            f"{flag} {text!r}: give a size with its unit, e.g. 16GiB, 800MB or 1.5GB "
-            "(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    size = int(float(match.group(1)) * UNITS[match.group(2).lower()])
-    if size < 1:
-        raise UserError(f"{flag} {text!r}: the size must be at least 1 byte")
-    return size
+from kit.runs import RunFolder, default_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,14 +85,14 @@ class StepPlan:
         return self.peak_bytes - self.resident_bytes
 
 
-class Planned(Exception):
-    """Raised by `check` before the first step: the plan is made (`--plan`), or the run
-    does not fit (`--device-memory`). `guard` reports it."""
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """What `check` returns before the first step when the plan is made (`--plan`), or the
+    run does not fit (`--device-memory`): nothing trains, the recipe returns it, and `guard`
+    reports it."""
 
-    def __init__(self, plan: StepPlan, context: "Context"):
-        super().__init__(plan.peak_bytes)
-        self.plan = plan
-        self.context = context
+    plan: StepPlan
+    context: "Context"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +109,7 @@ class Context:
     live_state: Any  # the state, the step and its batches, to run it (benchmarks/)
     step_fn: Callable
     batches: Any
+    placement: Any  # the run's `kit.parallel.Placement`, or None
 
     def plan_at(self, size: int, *, estimate: bool = False) -> StepPlan:
         from tunelib.memory import resize_batch
@@ -162,18 +143,20 @@ def _shapes(tree):
     return jax.tree.map(leaf, tree)
 
 
-def check(config, *, state, batches, step_fn, pieces: Callable | None = None) -> None:
+def check(
+    config, placed, *, state, batches, step_fn, pieces: Callable | None = None
+) -> Planned | None:
     """Before the first step: with `--plan` or `--device-memory`, plan the step on the
-    first batch's shapes and raise `Planned` to print it, or when it does not fit."""
+    first batch's shapes (split over `placed`, a `kit.parallel.Placement`, or None: one
+    device); return the `Planned` run to print it, or when it does not fit (None: train)."""
     if not (getattr(config, "plan", False) or getattr(config, "device_memory", None)):
-        return
+        return None
     import jax
 
     from tunelib.memory import format_bytes
 
     from kit import parallel
 
-    placed = parallel.current()
     saved = batches.get_state()  # peek at the first batch; the loop reads it again
     batch = next(batches)
     batches.set_state(saved)
@@ -183,13 +166,14 @@ def check(config, *, state, batches, step_fn, pieces: Callable | None = None) ->
     devices = placed.num_devices if placed is not None else 1
     platform = jax.devices()[0].platform.upper()
     context = Context(
-        _shapes(state), batch, pieces, devices, devices, platform, state, step_fn, batches
+        _shapes(state), batch, pieces, devices, devices, platform, state, step_fn, batches,
+        placed,
     )  # fmt: skip
     estimate = bool(getattr(config, "plan", False)) and not _variant
     plan = context.plan_at(_rows(batch), estimate=estimate)
     memory = device_memory(config)
     if getattr(config, "plan", False) or (memory is not None and plan.peak_bytes > memory):
-        raise Planned(plan, context)
+        return Planned(plan, context)
     if parallel.is_main():
         print(
             f"{config.run_name()}: predicted peak {format_bytes(plan.peak_bytes)} per device "
@@ -280,14 +264,14 @@ def _plan_with(config, train: Callable, run, changes: dict) -> StepPlan | None:
     changed = dataclasses.replace(config, plan=True, **changes)
     _variant.append(changes)
     try:
-        train(changed, run)
-    except Planned as planned:
-        return planned.plan
+        planned = train(changed, run)
     except UserError:
         return None
     finally:
         _variant.pop()
-    raise AssertionError("a recipe in plan mode returned without planning its step")
+    if not isinstance(planned, Planned):
+        raise AssertionError("a recipe in plan mode returned without planning its step")
+    return planned.plan
 
 
 def conclude(planned: Planned, config, train: Callable, run) -> None:
@@ -411,8 +395,6 @@ CHAINED = (("model", "sft", "sft_steps"), ("teacher", "teacher", "teacher_steps"
 
 def check_start(config) -> None:
     """`--plan` trains nothing: a model the recipe would train first must be there."""
-    from kit.cli import default_out
-
     for field, name, marker in CHAINED:
         if hasattr(config, marker) and getattr(config, field) is None:
             folder = default_out(name, config.seed)
@@ -425,13 +407,13 @@ def check_start(config) -> None:
 
 
 def guard(config, train: Callable, run) -> Any:
-    """`train(config, run)` with `--plan` or `--device-memory`: a `Planned` stop becomes the
+    """`train(config, run)` with `--plan` or `--device-memory`: a `Planned` run becomes the
     printed plan or a refusal in one line."""
     if config.plan:
         check_start(config)
-    try:
-        return train(config, run)
-    except Planned as planned:
-        conclude(planned, config, train, run)
-        sys.stdout.flush()
-        return None
+    result = train(config, run)
+    if not isinstance(result, Planned):
+        return result
+    conclude(result, config, train, run)
+    sys.stdout.flush()
+    return None

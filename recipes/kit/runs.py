@@ -8,6 +8,7 @@ work starts. Nothing here imports JAX.
 """
 
 import json
+import os
 import shutil
 import time
 import tomllib
@@ -15,6 +16,19 @@ from pathlib import Path
 
 from kit.config import to_toml
 from kit.errors import UserError
+
+RUNS = Path("runs")
+
+
+def runs_root() -> Path:
+    """Where runs go by default: `$TUNELIB_RUNS`, else `runs/` in the working folder."""
+    return Path(os.environ.get("TUNELIB_RUNS", RUNS))
+
+
+def default_out(name: str, seed: int) -> Path:
+    """The run folder a recipe writes without `--out`: `<runs>/<name>-seed<seed>`."""
+    return runs_root() / f"{name}-seed{seed}"
+
 
 # What `--resume` may change: the budget, how often it evaluates and saves, where it logs, and
 # how it runs (devices, log-prob implementation, remat). Every other setting picks the model, the

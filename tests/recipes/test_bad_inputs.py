@@ -53,7 +53,8 @@ WITHOUT_JAX = [
     ("sft", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("dpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
     ("grpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
-    ("grpo", ["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
+    ("grpo_async", ["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
+    ("grpo_async", ["--is-cap", "0"], "--is-cap must be > 0, got 0.0"),
     ("grpo", ["--is-cap", "0"], "--is-cap must be > 0, got 0.0"),
     ("sft", ["--batch-size", "0"], "--batch-size must be >= 1"),
     ("sft", ["--learning-rate", "-1"], "--learning-rate must be > 0"),
@@ -110,8 +111,18 @@ def test_bad_flags_paths_and_files_give_one_line_before_jax(world, recipe, flags
     assert not Path("/nonexistent").exists()
 
 
+def test_grpo_with_max_staleness_runs_the_asynchronous_recipe(world):
+    """`grpo.py --max-staleness` is `grpo_async.py`: its flags, checked before JAX."""
+    proc = run_without_jax("grpo", "--max-staleness", "-1", cwd=world)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert lines == ["grpo_async.py: error: --max-staleness must be >= 0, got -1"], lines
+    help_text = run_without_jax("grpo", "--max-staleness", "1", "--help", cwd=world).stdout
+    assert "--max-staleness" in help_text and "--is-cap" in help_text
+
+
 def test_help_answers_without_jax(world):
-    for recipe in ("sft", "dpo", "grpo", "orpo", "distill", "generate"):
+    for recipe in ("sft", "dpo", "grpo", "grpo_async", "orpo", "distill", "generate"):
         proc = run_without_jax(recipe, "--help", cwd=world)
         assert proc.returncode == 0, proc.stderr
         assert "--seed" in proc.stdout and "--config" in proc.stdout
@@ -168,7 +179,7 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
         ("sft", ["--data", "data/pairs.jsonl", "--batch-size", "8"], "larger than the 3 training"),
         ("dpo", ["--data", "data/empty.jsonl"], "data/empty.jsonl holds no record"),
         ("grpo", ["--data", "data/pairs.jsonl"], "field 'answer' is missing"),
-        ("grpo", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
+        ("grpo_async", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
         ("generate", ["--chat"], "has no chat template; use --prompt"),
     ],
 )
@@ -294,7 +305,7 @@ def test_a_bad_device_memory_is_one_line_before_jax(world, size, message):
 
 
 def test_device_memory_sizes_take_decimal_and_binary_units():
-    from kit.plan import parse_size
+    from kit.config import parse_size
 
     assert parse_size("16GiB") == 16 * 2**30
     assert parse_size("800MB") == 800 * 10**6
@@ -348,9 +359,9 @@ def test_a_run_predicted_not_to_fit_is_refused_in_one_line(world, char_model, mo
     assert snapshot(world) == before
 
 
-def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys, monkeypatch):
+def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys):
     """With `--device-memory` the step is planned on the first batch, which the loop then
-    reads again; too little memory stops the run with the plan (`kit.plan.Planned`)."""
+    reads again; too little memory stops the run with the plan (a `kit.plan.Planned`)."""
     import types
 
     import grain
@@ -358,9 +369,7 @@ def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys, monk
     import jax.numpy as jnp
     import numpy as np
 
-    from kit import parallel, plan
-
-    monkeypatch.setattr(parallel, "_PLACEMENT", {})  # no recipe's placement: one device
+    from kit import plan
 
     batches = iter(
         grain.MapDataset.range(64)
@@ -374,12 +383,12 @@ def test_a_run_that_fits_starts_and_its_first_batch_is_not_consumed(capsys, monk
     def config(memory):
         return types.SimpleNamespace(plan=False, device_memory=memory, run_name=lambda: "toy")
 
-    plan.check(config("1GiB"), state=state, batches=batches, step_fn=step)
+    assert plan.check(config("1GiB"), None, state=state, batches=batches, step_fn=step) is None
     assert "toy: predicted peak" in capsys.readouterr().out
     np.testing.assert_array_equal(next(batches)[:, 0], np.arange(8))  # the first batch
-    with pytest.raises(plan.Planned) as stop:
-        plan.check(config("100B"), state=state, batches=batches, step_fn=step)
-    planned = stop.value.plan
+    stop = plan.check(config("100B"), None, state=state, batches=batches, step_fn=step)
+    assert isinstance(stop, plan.Planned)
+    planned = stop.plan
     assert planned.batch_size == 8 and planned.peak_bytes > 100
     assert planned.plans["step"].params_bytes == planned.plans["step"].opt_state_bytes == 36
     np.testing.assert_array_equal(next(batches)[:, 0], np.arange(8, 16))

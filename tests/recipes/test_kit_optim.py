@@ -1,7 +1,5 @@
 """The recipes' optimizer: a warmup that leaves a step to decay over, at any run length."""
 
-from types import SimpleNamespace
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from kit import optim
 @pytest.mark.parametrize("steps", [1, 2, 40])
 def test_every_run_length_takes_a_finite_step(steps, schedule):
     """`--steps 1` once failed: one warmup step left the cosine schedule nothing to decay."""
-    optimizer = optim.adamw(SimpleNamespace(steps=steps, learning_rate=0.1), schedule=schedule)
+    optimizer = optim.adamw(0.1, steps, schedule=schedule)
     params = {"w": jnp.ones(3)}
     state = optimizer.init(params)
     moved = []

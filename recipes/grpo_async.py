@@ -1,0 +1,136 @@
+"""GRPO disaggregated and asynchronous: process 0 trains, process 1 samples.
+
+    python -m tunelib.launch -n 2 recipes/grpo_async.py --max-staleness 1
+    python -m tunelib.launch -n 2 recipes/grpo_async.py --max-staleness 0   # they take turns
+    python -m tunelib.launch -n 2 recipes/grpo.py --max-staleness 1         # the same run
+
+The synchronous recipe, `recipes/grpo.py`, split in two roles on the same kit
+(`kit.grpo`): its flags, data, rewards and updates are that recipe's. Each process holds the
+model on its own devices. Every step they meet through a collective of JAX's own
+(`kit.disaggregated`): the sampler's batch of scored rollouts goes to the trainer, which
+computes its rewards and advantages once and updates on it, then the trainer's new weights
+(LoRA adapters merged) go to the sampler. A batch is sampled at most `--max-staleness` s
+updates before it is trained on; s = 0 is the synchronous recipe's steps on two processes.
+With s > 0 each batch is corrected by default for the weights that sampled it: truncated
+importance weights of the trainer's log-probs before the update over the sampler's
+(`--is-correction`). Checkpoints and the saved model hold the trainer's state, on both
+processes.
+"""
+
+import dataclasses
+
+import kit
+from kit.config import at_least, flag
+from kit.errors import UserError
+from kit.grpo_config import GRPOConfig
+from kit.plan import Planned
+
+
+@dataclasses.dataclass(kw_only=True)
+class GRPOAsyncConfig(GRPOConfig):
+    RECIPE = "grpo_async"
+
+    max_staleness: int = flag(
+        1,
+        "run disaggregated on 2 processes (python -m tunelib.launch -n 2): process 0 trains, "
+        "process 1 samples batches at most this many updates old (0: they take turns)",
+    )
+
+    def stale(self) -> bool:
+        return self.max_staleness > 0
+
+    def check_staleness(self) -> None:
+        at_least("max_staleness", self.max_staleness, 0)
+
+
+def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
+    import grain
+    import jax
+    import numpy as np
+
+    from kit import chain, disaggregated, evaluate, goodput, grpo, loop, models, parallel
+
+    # Each process's own devices: the trainer's and the sampler's meshes are apart.
+    placement = parallel.placement(config.batch_size, config.devices, across_processes=False)
+    if placement.process_count != 2:
+        raise UserError(
+            f"--max-staleness runs on 2 processes (one trains, one samples), not "
+            f"{placement.process_count}: start it with python -m tunelib.launch -n 2"
+        )
+    trainer = disaggregated.role() == disaggregated.TRAINER
+    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
+    graphdef, vocab_size = model.graphdef, model.config.vocab_size
+    # What grpo.py samples and trains with: `sample` runs on the sampler, `learner` on the
+    # trainer.
+    task, tuning, sampling, optimizer, sample, learner = grpo.setup(config, model, placement)
+    order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
+    order = order.batch(config.batch_size)
+    batches = iter(order.to_iter_dataset())
+    template = grpo.batch_template(
+        task, config.batch_size, config.group_size, sampling.max_new_tokens
+    )
+    rollouts = disaggregated.Rollouts(
+        config.max_staleness, sample, template=template,
+        fresh_batches=lambda: iter(order.to_iter_dataset()),
+    )  # fmt: skip
+    sampler_policy = {}
+
+    def train_step(state, indices):
+        """The trainer takes the batch the sampler made (at most s updates old) and updates
+        on it; then the batch the sampler made meanwhile and the new weights change hands."""
+        rng, _, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
+        version = int(np.asarray(state["updates"]))
+        if not sampler_policy:  # the first step of the run, or after a restore: the same state
+            sampler_policy["weights"] = tuning.dense(state["params"])
+        with goodput.phase("rollout"):  # the trainer waits for a batch; the sampler samples
+            rows = rollouts.take(
+                sampler_policy["weights"], placement.local(indices), batches, state["rng"], version
+            )  # fmt: skip
+        state, out = {**state, "rng": rng, "updates": state["updates"] + 1}, {}
+        if trainer:
+            staleness = version - int(rows.pop("version"))
+            state, out = jax.block_until_ready(learner.learn(state, rows, dropout_key))
+            out["staleness"] = staleness
+        with goodput.phase("sync"):  # the next batch to the trainer, the weights to the sampler
+            rollouts.deliver()
+            dense = tuning.dense(state["params"]) if trainer else sampler_policy["weights"]
+            weights, rate = rollouts.push(placement.fetch(dense))
+            if not trainer:
+                sampler_policy["weights"] = placement.replicate(weights)
+        return state, {**out, "weight_push_mb_per_s": rate / 1e6} if trainer else {}
+
+    def evaluate_fn(trainable):
+        if not trainer:  # the sampler's copy of the state is not the trained one
+            return {"accuracy": float("nan")}
+        return {
+            "accuracy": evaluate.accuracy(
+                graphdef, tuning.dense(trainable), task, vocab_size, placement
+            )
+        }
+
+    def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
+        return learner.pieces(state, indices.shape[0], task, sampling)
+
+    # The trainer's state is checkpointed and saved on every device of both processes.
+    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
+    state = {**state, "updates": placement.replicate(np.int32(0))}
+    both = disaggregated.everywhere()
+    checkpointed = (
+        lambda state: disaggregated.shared(state, both),
+        lambda saved: disaggregated.own(saved, placement),
+    )
+    state = loop.train(
+        run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
+        step_fn=train_step, checkpointed=checkpointed, pieces=pieces,
+    )  # fmt: skip
+    if isinstance(state, Planned):  # --plan: the step compiled, never run
+        return state
+    model, state = models.replicated(model, both), checkpointed[0](state)
+    tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))
+    tuning.save(run.path, model, state["params"], both)
+    headline = grpo.headline(run, config, tuning)
+    return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})
+
+
+if __name__ == "__main__":
+    kit.cli.main(GRPOAsyncConfig, train, __doc__)

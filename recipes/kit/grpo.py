@@ -1,0 +1,348 @@
+"""What the two GRPO recipes share: the sampler's side of a step (sample a group per prompt,
+score it), the trainer's side (the batch's rewards and advantages once, then the updates),
+and the objective. `recipes/grpo.py` runs the two sides in turn; `recipes/grpo_async.py`
+runs them on two processes.
+
+The rewards a batch trains on are computed once per batch, in one jitted function
+(`batch_rewards`): the verifier's (or the user's, or the reward model's) score, plus the
+overlong penalty, the dynamic-sampling mask of the groups that carry a signal, and the group
+advantages. The updates then read the advantages from the batch.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from tunelib import advantages, losses, metrics, peft, rollout
+
+from kit import data, evaluate, goodput, lora, optim, plan, reward_model
+from kit.errors import UserError
+from kit.grpo_config import MODES, load_reward
+
+
+def well_formed(text: str, truncated: bool) -> bool:
+    """A built-in task answer of digits (with an optional leading minus), ended by EOS."""
+    return not truncated and text.lstrip("-").isdigit() and text.count("-") <= 1
+
+
+def sampling(task, vocab_size: int, *, temperature: float, max_new_tokens: int):
+    """The rollouts' sampling: the task's greedy decoding at `temperature`, at most
+    `max_new_tokens` (or the task's room, if less)."""
+    greedy = evaluate.greedy_config(task, vocab_size)
+    new_tokens = min(max_new_tokens, greedy.max_new_tokens)
+    return dataclasses.replace(greedy, temperature=temperature, max_new_tokens=new_tokens)
+
+
+def batch_template(task, batch_size: int, group_size: int, max_new_tokens: int) -> dict:
+    """Zeros shaped like this process's rows of a batch of scored rollouts (`Sampler`'s),
+    the trainer's side of the disaggregated exchange."""
+    rows = batch_size * group_size
+    return {
+        "prompt_tokens": np.zeros((batch_size, task.prompt_length), np.int32),
+        "prompt_where": np.zeros((batch_size, task.prompt_length), bool),
+        "tokens": np.zeros((rows, max_new_tokens), np.int32),
+        "where": np.zeros((rows, max_new_tokens), bool),
+        "logps": np.zeros((rows, max_new_tokens), np.float32),
+        "scores": np.zeros(rows, np.float32),
+        "right": np.zeros(rows, bool),
+        "lengths": np.zeros(rows, np.int32),
+        "version": np.int32(0),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Samples `group_size` completions of each prompt and scores them: 1 for the right answer
+    (the task's verifier) plus `format_weight` for a well-formed one, or the user's
+    `reward`, or a reward model's score (`reward_model`, on the devices)."""
+
+    graphdef: object
+    task: object
+    placement: object
+    sampling: object
+    group_size: int
+    format_weight: float = 0.0
+    reward: str | None = None
+    reward_model: object = None  # a path
+    vocab_size: int = 0
+
+    def __post_init__(self):
+        user = load_reward(self.reward) if self.reward is not None else None
+        object.__setattr__(self, "_user", user)
+        score = None
+        if self.reward_model is not None:
+            scorer = reward_model.load(self.reward_model)
+            if scorer.model.config.vocab_size != self.vocab_size:
+                raise UserError(
+                    f"--reward-model {self.reward_model}: its vocabulary of "
+                    f"{scorer.model.config.vocab_size} tokens is not the policy's "
+                    f"{self.vocab_size}; train it from the same SFT model"
+                )
+            params = {"decoder": scorer.model.params, "head": scorer.head}
+            object.__setattr__(self, "_scorer_params", self.placement.replicate(params))
+
+            @jax.jit
+            def score(params, *arrays):
+                return reward_model.completion_scores(
+                    scorer.model.graphdef, params["decoder"], params["head"], *arrays,
+                    pooling=scorer.pooling,
+                )  # fmt: skip
+
+        object.__setattr__(self, "_score", score)
+
+    def _reward(self, text: str, record: dict, truncated: bool) -> float:
+        if self._user is not None:
+            return float(self._user(text, record))
+        weight = self.format_weight if self.task.name == "arithmetic" else 0.0
+        return self.task.correct(text, record) + weight * well_formed(text, truncated)
+
+    def __call__(self, policy, indices, key) -> dict:
+        """A group per prompt of `indices` (this process's) sampled on the devices, scored:
+        this process's rows of the batch, as NumPy arrays."""
+        placement, group, task = self.placement, self.group_size, self.task
+        records = [task.train[i] for i in indices]
+        prompt_tokens, prompt_where = data.prompts(task, records)
+        prompts = placement.rows((prompt_tokens, prompt_where))
+        out = rollout.sample(self.graphdef, policy, *prompts, key, self.sampling, group_size=group)
+        tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
+        texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
+        truncated = placement.local(out.truncated)
+        prompt_of = [records[i // group] for i in range(len(texts))]
+        if self._score is not None:
+            scores = self._score(self._scorer_params, *prompts, out.tokens, out.where)
+            scores = np.asarray(placement.local(scores), np.float32)
+        else:
+            scores = np.array(
+                [self._reward(*row) for row in zip(texts, prompt_of, truncated, strict=True)],
+                np.float32,
+            )
+        right = np.array([task.correct(t, r) for t, r in zip(texts, prompt_of, strict=True)])
+        return {
+            "prompt_tokens": prompt_tokens,  # [B, P]; completion_logps repeats them per group
+            "prompt_where": prompt_where,
+            "tokens": tokens,
+            "where": placement.local(out.where),
+            "logps": placement.local(out.logps),
+            "scores": scores,
+            "right": right,
+            "lengths": placement.local(out.lengths),
+        }
+
+
+def batch_rewards(mode: str, group_size: int, max_length: int) -> Callable:
+    """`rewards(scores, lengths) -> {"rewards", "keep", "advantages"}`, jitted: once per batch,
+    the scores plus the mode's overlong penalty, the dynamic-sampling mask (groups whose
+    rewards all agree carry no signal) and the group advantages."""
+    settings = MODES[mode]
+
+    @jax.jit
+    def rewards(scores, lengths):
+        if settings["overlong_buffer"]:
+            scores = scores + advantages.overlong_penalty(
+                lengths, max_length=max_length, buffer_length=settings["overlong_buffer"]
+            )
+        keep = jax.numpy.ones(scores.shape, bool)
+        if settings["dynamic_sampling"]:
+            keep = advantages.dynamic_sampling_mask(scores, group_size=group_size)
+        adv = advantages.group_advantages(scores, group_size=group_size, scale=settings["scale"])
+        return {"rewards": scores, "keep": keep, "advantages": adv}
+
+    return rewards
+
+
+def objective(
+    token_logps,
+    entropy,
+    ref_logps,
+    batch: dict,
+    *,
+    aggregation: str,
+    epsilon_low: float,
+    epsilon_high: float,
+    kl_coef: float,
+    max_length: int,
+):
+    """The GRPO loss of a batch and its diagnostics: the clipped surrogate on the batch's
+    advantages, plus `kl_coef` times the k3 KL to the reference (`ref_logps`, None without
+    the penalty), aggregated by `aggregation` (a mode of `tunelib.losses.aggregate`)."""
+    where = batch["where"] & batch["keep"][:, None]
+    adv = batch["advantages"]
+    clip = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high}
+    old = batch["old"]  # the sampler's log-probs, or with --is-correction the trainer's
+    per_token = losses.policy_gradient_loss(token_logps, old, adv, **clip, where=where)
+    if "is_weights" in batch:
+        per_token = per_token * batch["is_weights"]
+    logged = {}
+    if ref_logps is not None:
+        # Over every completion (dropped groups included) for the log; `aggregate` masks it.
+        kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=batch["where"])
+        per_token = per_token + kl_coef * kl
+        logged["kl"] = kl
+    norm = max_length if aggregation == "seq_mean_token_sum_norm" else None
+    loss = losses.aggregate(per_token, mode=aggregation, norm_constant=norm, where=where)
+
+    def token_mean(x):
+        return losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()
+
+    fractions = metrics.clip_fractions(token_logps, old, adv, **clip, where=where)
+    return loss.mean(), {
+        "entropy": token_mean(entropy),
+        **{name: token_mean(value) for name, value in logged.items()},
+        "clip_fraction": fractions.region,
+    }
+
+
+class Learner:
+    """The trainer's side of a step: `learn(state, rows, dropout_key)` places this process's
+    rows of a scored batch, computes its rewards and advantages once (`batch_rewards`), then
+    takes `--updates-per-batch` jitted updates on it (`update`)."""
+
+    def __init__(self, graphdef, tuning, frozen, optimizer, placement, config, max_length: int):
+        self.graphdef, self.tuning, self.frozen = graphdef, tuning, frozen
+        self.optimizer, self.placement, self.config = optimizer, placement, config
+        self.max_length = max_length
+        self.rewards = batch_rewards(config.mode, config.group_size, max_length)
+        self.update = jax.jit(self._update)
+        self.prox_logps = jax.jit(self._prox_logps)
+
+    def completion_logps(self, params, batch):
+        return rollout.completion_logps(
+            self.graphdef, params, batch["prompt_tokens"], batch["prompt_where"],
+            batch["tokens"], batch["where"], temperature=self.config.temperature,
+            with_entropy=True, implementation=self.config.logprobs,
+        )  # fmt: skip
+
+    def loss(self, trainable, frozen, batch, dropout_key):
+        forward = peft.lora(self.completion_logps)
+        token_logps, entropy = forward(self.tuning.params(trainable, dropout_key), batch)
+        ref_logps = None
+        if self.config.kl_coef:  # without the penalty, no forward pass of the reference
+            ref_logps, _ = jax.lax.stop_gradient(forward(frozen["reference"], batch))
+        config = self.config
+        return objective(
+            token_logps, entropy, ref_logps, batch, aggregation=MODES[config.mode]["aggregation"],
+            epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+            kl_coef=config.kl_coef, max_length=self.max_length,
+        )  # fmt: skip
+
+    def _update(self, frozen, state, batch, dropout_key):
+        """`(state, metrics)` after one optimizer step on `batch` (jitted as `update`)."""
+        (loss, out), grads = jax.value_and_grad(self.loss, has_aux=True)(
+            state["params"], frozen, batch, dropout_key
+        )
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
+
+    def _prox_logps(self, trainable, batch):
+        return peft.lora(self.completion_logps)(self.tuning.params(trainable), batch)[0]
+
+    def batch(self, rows: dict) -> dict:
+        """The global batch of this process's rows, with its rewards, mask and advantages."""
+        batch = self.placement.rows(rows)
+        batch.update(self.rewards(batch.pop("scores"), batch["lengths"]))
+        batch["old"] = batch["logps"]
+        return batch
+
+    def learn(self, state, rows: dict, dropout_key):
+        """The updates on a batch (this process's rows of it, on the host)."""
+        config = self.config
+        batch = self.batch(rows)
+        if config.is_correction == "tis":  # the trainer's log-probs before the update
+            with goodput.phase("logprobs"):
+                batch["old"] = jax.block_until_ready(self.prox_logps(state["params"], batch))
+            batch["is_weights"] = losses.truncated_importance_weights(
+                batch["old"], batch["logps"], cap=config.is_cap, where=batch["where"]
+            )
+        for i in range(config.updates_per_batch):
+            step_key = jax.random.fold_in(dropout_key, i) if config.lora_dropout else None
+            state, out_metrics = self.update(self.frozen, state, batch, step_key)
+        means = _batch_means(batch["rewards"], batch["right"], batch["lengths"], batch["keep"])
+        return state, {**out_metrics, **means}
+
+    def pieces(self, state, batch_size: int, task, sampling) -> dict:
+        """A step's jitted parts for `--plan` and `--device-memory` (`kit.plan.Piece`): the
+        sampler and an update, on a batch of `batch_size` prompts (shape structs)."""
+        group, by_rows = self.config.group_size, self.placement.by_rows()
+        template = batch_template(task, batch_size, group, sampling.max_new_tokens)
+        rows = {
+            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows)
+            for k, x in template.items() if k != "version"
+        }  # fmt: skip
+        trainable = state["params"]
+        policy = jax.eval_shape(self.tuning.dense, trainable) if self.tuning.base else trainable
+        prompts = rows["prompt_tokens"], rows["prompt_where"]
+        rewards = jax.eval_shape(self.rewards, rows.pop("scores"), rows["lengths"])
+        batch = {**rows, **{k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows)
+                            for k, x in rewards.items()}}  # fmt: skip
+        batch["old"] = rows["logps"]
+        return {
+            "rollout": plan.sampler(self.graphdef, policy, *prompts, sampling, group_size=group),
+            "update": plan.Piece(
+                self.update, (self.frozen, state, batch, None), batch_argnums=(2,)
+            ),
+        }
+
+
+@jax.jit
+def _batch_means(rewards, right, lengths, keep):  # over every process's rows
+    return {
+        "reward": rewards.mean(),
+        "sample_accuracy": right.mean(),
+        "length": lengths.mean(),
+        "kept_groups": keep.mean(),
+    }
+
+
+class Setup(NamedTuple):
+    """What a GRPO run trains and samples with (`setup`)."""
+
+    task: data.Task  # the prompts and their verifier
+    tuning: lora.Tuning  # every weight, or LoRA / QLoRA adapters on a frozen base
+    sampling: object  # the rollouts' `tunelib.rollout.SamplingConfig`
+    optimizer: object
+    sample: Sampler
+    learner: Learner
+
+
+def setup(config, model, placement) -> Setup:
+    """The prompts of `config`'s task, what trains of `model` (`kit.models.Model`, on the
+    devices of `placement`), the sampling, the optimizer (AdamW, constant after a warmup),
+    the sampler and the learner of a GRPO run."""
+    vocab_size = model.config.vocab_size
+    task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
+    tuning = lora.tuning(
+        model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
+        dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
+    )  # fmt: skip
+    # With LoRA the reference is the frozen base without adapters: the policy's start.
+    frozen = {"base": tuning.base, "reference": tuning.base or model.params}
+    rollouts = sampling(
+        task, vocab_size, temperature=config.temperature, max_new_tokens=config.max_new_tokens
+    )
+    optimizer = optim.adamw(config.learning_rate, config.steps, schedule="constant", warmup=0.1)
+    sample = Sampler(
+        model.graphdef, task, placement, rollouts, config.group_size,
+        format_weight=config.format_weight, reward=config.reward,
+        reward_model=config.reward_model, vocab_size=vocab_size,
+    )  # fmt: skip
+    learner = Learner(
+        model.graphdef, tuning, frozen, optimizer, placement, config, rollouts.max_new_tokens
+    )
+    return Setup(task, tuning, rollouts, optimizer, sample, learner)
+
+
+def headline(run, config, tuning) -> dict:
+    """The result line's figures of a GRPO run: its mode and tuning, the held-out accuracy
+    before and after, the last step's reward and entropy."""
+    records = run.records()
+    accuracy = [r["accuracy"] for r in records if "accuracy" in r]
+    return {
+        "mode": config.mode, **tuning.headline(), "accuracy_before": accuracy[0],
+        "accuracy_after": accuracy[-1], "final_reward": records[-1]["reward"],
+        "final_entropy": records[-1]["entropy"],
+    }  # fmt: skip
