@@ -1,5 +1,6 @@
 """Diagnostics to log next to the loss: preference rewards and accuracies, clip fractions,
-KL, ratio, entropy, advantage and reward statistics.
+KL, ratio, entropy, advantage and reward statistics; and the evaluation of sampled
+completions: pass@k and maj@k.
 
 Each is a pure function of the same arrays the losses take, returning float scalars (or `[B]`
 per-pair values) that are never part of the gradient you optimise: wrap them in
@@ -16,6 +17,7 @@ from tunelib.metrics._advantages import (
     zero_std_fraction,
 )
 from tunelib.metrics._entropy import EntropyStatistics, entropy_statistics
+from tunelib.metrics._evaluation import majority_at_k, pass_at_k
 from tunelib.metrics._policy import (
     ApproxKL,
     ClipFractions,
@@ -42,7 +44,9 @@ __all__ = [
     "clip_masks",
     "entropy_statistics",
     "implicit_rewards",
+    "majority_at_k",
     "multi_reward_zero_std_fraction",
+    "pass_at_k",
     "preference_accuracy",
     "ratio_statistics",
     "reward_margins",
