@@ -1,6 +1,6 @@
 """Diagnostics to log next to the loss: preference rewards and accuracies, clip fractions,
 KL, ratio, entropy, advantage and reward statistics; and the evaluation of sampled
-completions: pass@k and maj@k.
+completions: pass@k, maj@k and the diversity of a group.
 
 Each is a pure function of the same arrays the losses take, returning float scalars (or `[B]`
 per-pair values) that are never part of the gradient you optimise: wrap them in
@@ -16,6 +16,7 @@ from tunelib.metrics._advantages import (
     reward_statistics,
     zero_std_fraction,
 )
+from tunelib.metrics._diversity import distinct_completions, distinct_ngrams
 from tunelib.metrics._entropy import EntropyStatistics, entropy_statistics
 from tunelib.metrics._evaluation import majority_at_k, pass_at_k
 from tunelib.metrics._policy import (
@@ -42,6 +43,8 @@ __all__ = [
     "approx_kl",
     "clip_fractions",
     "clip_masks",
+    "distinct_completions",
+    "distinct_ngrams",
     "entropy_statistics",
     "implicit_rewards",
     "majority_at_k",
