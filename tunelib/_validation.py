@@ -432,3 +432,24 @@ def segment_ids_array(
                 "(1, 2, ... per sequence of a row, 0 on padding)."
             )
     return segment_ids
+
+
+def sample_count(k: object, where: jax.Array, *, per_row: bool) -> None:
+    """Accept `k`, the static number of samples a statistic of `[B, n]` samples draws on.
+
+    `k` must be a Python int in `[1, n]`. With `per_row`, a concrete `where` must also keep at
+    least `k` samples in every row that keeps any (a row that keeps none is padding); a traced
+    `where` cannot be inspected.
+    """
+    n = where.shape[-1]
+    static_int(k, "k", what="a Python int >= 1 (a static value)")
+    number_in(k, "k", low=1, high=n, explain=f"the samples per prompt, n = {n}")
+    if per_row and _concrete(where):
+        counts = np.asarray(where).sum(axis=-1)
+        short = np.flatnonzero((counts > 0) & (counts < k))
+        if short.size:
+            row = short[0]
+            raise ValueError(
+                f"k = {k} is larger than the {counts[row]} samples `where` keeps in row {row}; "
+                "draw at least k samples per prompt or lower k."
+            )
