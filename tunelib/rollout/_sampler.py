@@ -11,6 +11,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
+from tunelib.rollout._compiled import program
 from tunelib.rollout._decoding import as_key, checked_prompts, decode, prefill, pure_params
 from tunelib.rollout._processors import check_sampling_values
 
@@ -223,7 +224,7 @@ def sample(
     return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
 
 
-@jax.jit(static_argnums=(0, 5, 6))
+@program(static_argnums=(0, 5, 6))
 def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size):
     """`sample` after its checks: a prefill and one decode loop, in one program."""
     params = pure_params(params)
