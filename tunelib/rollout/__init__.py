@@ -29,7 +29,7 @@ from tunelib.rollout._processors import (
     top_k_filter,
     top_p_filter,
 )
-from tunelib.rollout._sampler import Rollout, SamplingConfig, sample
+from tunelib.rollout._sampler import NoStopTokenWarning, Rollout, SamplingConfig, sample
 from tunelib.rollout._sync import sync_weights
 from tunelib.rollout._tool_calls import (
     CALCULATOR,
@@ -47,6 +47,7 @@ __all__ = [
     "Environment",
     "Episode",
     "EpisodeConfig",
+    "NoStopTokenWarning",
     "Role",
     "Rollout",
     "SamplingConfig",
