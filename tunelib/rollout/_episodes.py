@@ -223,7 +223,10 @@ def run_episodes(
 
     Args:
       graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` (static).
-      params: its parameters (an `nnx.State` or the pure dict of one).
+      params: its parameters (an `nnx.State` or the pure dict of one), or a base with LoRA
+        adapters (`tunelib.peft.apply_lora`, as `sample` takes them): the jitted turns then
+        run through `peft.lora`. (`peft.lora(run_episodes)` cannot work: the environments
+        step on the host between turns, on concrete arrays.)
       prompt_tokens: `[B, P]` prompt token ids, concrete (the turns run from the host).
       prompt_where: `[B, P]` True on real prompt tokens; each prompt needs one at least.
       key: a PRNG key.

@@ -261,7 +261,11 @@ def sample(
 
     Args:
       graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` (static).
-      params: its parameters (an `nnx.State` or the pure dict of one), possibly sharded.
+      params: its parameters (an `nnx.State` or the pure dict of one), possibly sharded; or
+        a base with LoRA adapters, `tunelib.peft.apply_lora(base, adapters)`, the base float
+        or quantised (`peft.quantize_params`, `peft.gguf_base`): the program then runs
+        through `peft.lora`, products compute $xW + s\,(xA)B$ and no dense copy of a weight
+        is formed.
       prompt_tokens: `[B, P]` prompt token ids.
       prompt_where: `[B, P]` True on real prompt tokens.
       key: a PRNG key (new-style `jax.random.key` or legacy uint32).
