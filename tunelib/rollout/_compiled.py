@@ -55,6 +55,7 @@ def program(
         def call(*args):
             return adapted(*args) if holds_peft_values(args[1]) else run(*args)
 
+        call._cache_size = keyed._cache_size  # compilations so far, plain and adapted
         return call
 
     return wrap
