@@ -4,7 +4,10 @@ environments, and weight sync.
 `sample(graphdef, params, prompt_tokens, prompt_where, key, config)` generates completions
 with the reference decoder's KV cache (`tunelib.models.Decoder.extend`) and returns a
 `Rollout`: tokens, completion mask (stop token included), behaviour log-probs, lengths and
-truncation flags. `completion_logps` scores completions under (possibly other) parameters, with
+truncation flags. `SamplingConfig.from_tokenizer` takes a tokenizer's stop and pad ids, and
+`Rollout.decode` gives the completions' texts. Both `sample` and `run_episodes` take a base
+with LoRA adapters (`tunelib.peft.apply_lora`, the base float or quantised) and sample on it
+without merging. `completion_logps` scores completions under (possibly other) parameters, with
 the shift from prompt to completion done once. `sync_weights` moves trained parameters onto a
 rollout mesh.
 
@@ -29,7 +32,7 @@ from tunelib.rollout._processors import (
     top_k_filter,
     top_p_filter,
 )
-from tunelib.rollout._sampler import Rollout, SamplingConfig, sample
+from tunelib.rollout._sampler import NoStopTokenWarning, Rollout, SamplingConfig, sample
 from tunelib.rollout._sync import sync_weights
 from tunelib.rollout._tool_calls import (
     CALCULATOR,
@@ -47,6 +50,7 @@ __all__ = [
     "Environment",
     "Episode",
     "EpisodeConfig",
+    "NoStopTokenWarning",
     "Role",
     "Rollout",
     "SamplingConfig",

@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
 from tunelib.data import Tokenizer
+from tunelib.rollout._compiled import program
 from tunelib.rollout._decoding import (
     as_key,
     checked_prompts,
@@ -222,7 +223,10 @@ def run_episodes(
 
     Args:
       graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` (static).
-      params: its parameters (an `nnx.State` or the pure dict of one).
+      params: its parameters (an `nnx.State` or the pure dict of one), or a base with LoRA
+        adapters (`tunelib.peft.apply_lora`, as `sample` takes them): the jitted turns then
+        run through `peft.lora`. (`peft.lora(run_episodes)` cannot work: the environments
+        step on the host between turns, on concrete arrays.)
       prompt_tokens: `[B, P]` prompt token ids, concrete (the turns run from the host).
       prompt_where: `[B, P]` True on real prompt tokens; each prompt needs one at least.
       key: a PRNG key.
@@ -356,18 +360,18 @@ def _row_prompts(prompt_tokens: jax.Array, prompt_where: jax.Array, group_size: 
             for _ in range(group_size)]  # fmt: skip
 
 
-@jax.jit(static_argnums=(0, 4, 5))
+@program(static_argnums=(0, 4, 5))
 def _start(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size):
     return prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)
 
 
-@jax.jit(static_argnums=(0, 5, 6), donate_argnums=3)
+@program(static_argnums=(0, 5, 6), donate_argnums=(3,))
 def _turn(graphdef, params, logits, cache, key, config, end_sequences, done, limit):
     return decode(graphdef, params, logits, cache, key, config, done=done, limit=limit,
                   end_sequences=end_sequences)  # fmt: skip
 
 
-@jax.jit(static_argnums=0, donate_argnums=3)
+@program(static_argnums=(0,), donate_argnums=(3,))
 def _observe(graphdef, params, logits, cache, tokens, where):
     """The `[R, O]` observation block (each row's tokens first, then padding) written into the
     cache, and the next-token logits after each row's last observation token (unchanged for a

@@ -2,19 +2,28 @@
 (`tunelib.rollout._decoding`)."""
 
 import dataclasses
-from typing import Literal, NamedTuple
+import warnings
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
+from tunelib.data import Tokenizer
+from tunelib.rollout._compiled import program
 from tunelib.rollout._decoding import as_key, checked_prompts, decode, prefill, pure_params
 from tunelib.rollout._processors import check_sampling_values
 
 LogpsOf = Literal["tempered", "processed"]
+
+
+class NoStopTokenWarning(UserWarning):
+    """A `SamplingConfig` made for a tokenizer that has stop tokens was told to use none, so
+    every completion runs to `max_new_tokens`, past the end of the model's turn."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,6 +108,63 @@ class SamplingConfig:
         for name, value in normalized.items():
             object.__setattr__(self, name, value)
 
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: Tokenizer, *, max_new_tokens: int, **overrides: Any
+    ) -> "SamplingConfig":
+        """A config that stops where `tokenizer`'s model ends a turn and pads with its pad id.
+
+        `stop_tokens` is `tokenizer.stop_ids` (EOS first; for a chat model such as SmolLM2
+        also `<|im_end|>`) and `pad_token` is `tokenizer.pad_id`; any other field, or these
+        two, may be given as keywords. The plain constructor's defaults (no stop token, pad
+        id 0) know nothing of the vocabulary: with them a chat model's completion runs past
+        the end of its turn into whatever it writes next.
+
+        Overriding `stop_tokens` with `()` for a tokenizer that has stop ids warns with a
+        `NoStopTokenWarning` (once per call site, Python's default for warnings): fixed-length
+        completions are sometimes wanted (benchmarks), but mostly this is a mistake. `sample`
+        cannot warn about a config without stop tokens itself: it never sees the tokenizer,
+        and a config without them is right for a model or a task that has none.
+
+        Args:
+          tokenizer: any `tunelib.data.Tokenizer` (`CharTokenizer`, `HFTokenizer`, a GGUF
+            file's tokenizer).
+          max_new_tokens: the most tokens generated per completion, stop token included.
+          **overrides: other `SamplingConfig` fields (`temperature`, `top_p`, ...).
+
+        Returns:
+          A `SamplingConfig`, checked as the constructor checks it.
+
+        Raises:
+          TypeError: if `tokenizer` has no `stop_ids` or `pad_id`, or a keyword is not a
+            field.
+
+        Examples:
+          >>> from tunelib.data import CharTokenizer
+          >>> from tunelib.rollout import SamplingConfig
+          >>> tok = CharTokenizer()
+          >>> config = SamplingConfig.from_tokenizer(tok, max_new_tokens=8, temperature=0.7)
+          >>> config.stop_tokens, config.pad_token, config.temperature
+          ((2,), 0, 0.7)
+        """
+        missing = [name for name in ("stop_ids", "pad_id") if not hasattr(tokenizer, name)]
+        if missing:
+            raise TypeError(
+                f"tokenizer must be a tunelib.data.Tokenizer; {type(tokenizer).__name__} has "
+                f"no {' or '.join(missing)}."
+            )
+        fields = {"stop_tokens": tuple(tokenizer.stop_ids), "pad_token": tokenizer.pad_id}
+        config = cls(max_new_tokens=max_new_tokens, **(fields | overrides))
+        if fields["stop_tokens"] and not config.stop_tokens:
+            warnings.warn(
+                f"stop_tokens=() overrides the tokenizer's stop ids {fields['stop_tokens']}: "
+                f"every completion runs to max_new_tokens={config.max_new_tokens}, past the "
+                "end of the model's turn.",
+                NoStopTokenWarning,
+                stacklevel=2,
+            )
+        return config
+
 
 class Rollout(NamedTuple):
     """Completions from `sample`, one row per completion: a pytree of arrays, so it passes
@@ -126,6 +192,35 @@ class Rollout(NamedTuple):
     lengths: Int[Array, " B"]
     truncated: Bool[Array, " B"]
     temperature: Float[Array, ""]
+
+    def decode(self, tokenizer: Tokenizer) -> list[str]:
+        """The text of each completion: its tokens inside `where`, decoded by `tokenizer`.
+
+        Only real tokens are decoded (the padding after a completion is not), and the
+        tokenizer skips its special tokens, the stop token among them. Runs on the host
+        (not under `jax.jit`); row `b * G + g` of the result is completion g of prompt b, as
+        in the rollout.
+
+        Args:
+          tokenizer: the `tunelib.data.Tokenizer` the prompts were encoded with.
+
+        Returns:
+          `B` strings, one per completion.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from tunelib.data import CharTokenizer
+          >>> from tunelib.rollout import Rollout
+          >>> tok = CharTokenizer()
+          >>> tokens = jnp.array([tok.encode("42") + [tok.eos_id, 0], tok.encode("7+1=")])
+          >>> where = jnp.array([[True, True, True, False], [True] * 4])
+          >>> out = Rollout(tokens, where, jnp.zeros((2, 4)), where.sum(-1),
+          ...               jnp.array([False, True]), jnp.float32(1.0))
+          >>> out.decode(tok)
+          ['42', '7+1=']
+        """
+        tokens, where = np.asarray(self.tokens), np.asarray(self.where, bool)
+        return [tokenizer.decode(row[keep]) for row, keep in zip(tokens, where, strict=True)]
 
 
 def sample(
@@ -166,7 +261,11 @@ def sample(
 
     Args:
       graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` (static).
-      params: its parameters (an `nnx.State` or the pure dict of one), possibly sharded.
+      params: its parameters (an `nnx.State` or the pure dict of one), possibly sharded; or
+        a base with LoRA adapters, `tunelib.peft.apply_lora(base, adapters)`, the base float
+        or quantised (`peft.quantize_params`, `peft.gguf_base`): the program then runs
+        through `peft.lora`, products compute $xW + s\,(xA)B$ and no dense copy of a weight
+        is formed.
       prompt_tokens: `[B, P]` prompt token ids.
       prompt_where: `[B, P]` True on real prompt tokens.
       key: a PRNG key (new-style `jax.random.key` or legacy uint32).
@@ -223,7 +322,7 @@ def sample(
     return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
 
 
-@jax.jit(static_argnums=(0, 5, 6))
+@program(static_argnums=(0, 5, 6))
 def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size):
     """`sample` after its checks: a prefill and one decode loop, in one program."""
     params = pure_params(params)
