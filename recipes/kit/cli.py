@@ -14,6 +14,7 @@ and flag errors never wait for it. Exit status: 0 done, 2 a bad flag, path or da
 import os
 import shlex
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,9 @@ from kit import plan
 from kit.config import Run, parse
 from kit.errors import UserError
 from kit.runs import RunFolder, checkpoint_steps, default_out
+
+# How long a process that hit a bad setting waits at exit for the others to hit it too.
+PEER_WAIT_SECONDS = 30.0
 
 
 class Interrupted(Exception):
@@ -67,7 +71,7 @@ def main(
         return train(config, run)
     except UserError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
-        _exit(2)
+        _exit(2, wait_for_peers=True)
     except Interrupted as stop:
         _interrupted(prog, stop.step, argv)
     except KeyboardInterrupt:  # outside the loop: before its first step or after its last
@@ -87,14 +91,23 @@ def _alone() -> bool:
     return jax is None or jax.process_count() == 1
 
 
-def _exit(code: int) -> None:
+def _exit(code: int, *, wait_for_peers: bool = False) -> None:
     """Exit with `code`. One process of several leaves at once: a normal exit would wait in
     JAX's shutdown barrier (5 minutes) for processes that wait in a collective for it; the
-    launcher (or the cluster) sees the exit and stops them."""
+    launcher (or the cluster) sees the exit and stops them.
+
+    With `wait_for_peers` (a bad setting or file: every process meets the same check), the
+    normal exit's barrier lets the others reach the check and say so too, one line each; a
+    process that left alone goes after `PEER_WAIT_SECONDS` all the same."""
     if _alone():
         sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
+    if wait_for_peers:
+        timer = threading.Timer(PEER_WAIT_SECONDS, os._exit, (code,))
+        timer.daemon = True  # the exit does not wait for it; it ends a barrier that lasts
+        timer.start()
+        sys.exit(code)
     os._exit(code)
 
 
