@@ -71,7 +71,12 @@ def test_every_subpackage_is_packaged():
 # ---- the import rules of docs/architecture.md -------------------------------------------------
 
 # The private modules every package may import.
-SHARED_PRIVATE = {"tunelib._validation", "tunelib._typing", "tunelib._deprecation", "tunelib._products"}
+SHARED_PRIVATE = {
+    "tunelib._validation",
+    "tunelib._typing",
+    "tunelib._deprecation",
+    "tunelib._products",
+}
 
 
 def project_modules() -> dict[str, tuple[Path, bool]]:

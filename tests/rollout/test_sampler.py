@@ -148,7 +148,7 @@ def test_greedy_sampling_with_the_cache_runs_under_x64():
     index, a float64 decoder samples through its KV cache: the greedy tokens are the argmax of
     one uncached float64 pass and the log-probs its log-softmax (which the sampler takes in
     float32)."""
-    graphdef, params = make_model()
+    _, params = make_model()
     model64 = float64_twin(params)
     with jax.enable_x64(True):
         out = sample(*model64, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY, group_size=2)
