@@ -81,7 +81,9 @@ _clock: list[Clock] = []
 
 
 def clock() -> Clock:
-    """The process's clock (made on first use)."""
+    """The process's clock (made on first use). One per process, by design: its compile-time
+    listener is registered with `jax.monitoring`, which is process-wide and has no way to
+    remove a listener, so a clock per run would leave every earlier run's listener counting."""
     if not _clock:
         _clock.append(Clock())
     return _clock[0]
