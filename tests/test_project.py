@@ -76,6 +76,7 @@ SHARED_PRIVATE = {
     "tunelib._typing",
     "tunelib._deprecation",
     "tunelib._products",
+    "tunelib._numerics",
 }
 
 

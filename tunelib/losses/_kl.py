@@ -34,30 +34,12 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from tunelib import _validation as v
+from tunelib._numerics import exp_minus_one_minus
 from tunelib._typing import Mask, Scalar
 from tunelib.losses._policy_gradient import RATIO_LEVELS, RatioLevel, ratio_from_logps
 
 KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = KLEstimator.__args__
-
-# Below this |x| the k3 term e^x - 1 - x comes from its Taylor series: the direct difference
-# loses digits to cancellation near 0, where the estimate is ~x^2 / 2.
-_SERIES_RADIUS = 0.5
-
-
-def _exp_minus_one_minus(x: jax.Array) -> jax.Array:
-    r"""$e^x - 1 - x$, from $x^2 \sum_{k \ge 2} x^{k-2} / k!$ for $|x| < 0.5$ (10 terms in
-    float32, 16 in float64: truncation below the unit roundoff) and directly elsewhere."""
-    small = jnp.abs(x) < _SERIES_RADIUS
-    xs = jnp.where(small, x, 0.0)
-    n_terms = 16 if x.dtype == jnp.float64 else 10
-    factorials = [1.0]
-    for k in range(1, n_terms + 2):
-        factorials.append(factorials[-1] * k)
-    acc = jnp.full_like(xs, 1.0 / factorials[n_terms + 1])
-    for k in range(n_terms, 1, -1):
-        acc = 1.0 / factorials[k] + xs * acc
-    return jnp.where(small, xs * xs * acc, jnp.expm1(x) - x)
 
 
 def _estimate(log_ratio: jax.Array, estimator: str) -> jax.Array:
@@ -65,7 +47,7 @@ def _estimate(log_ratio: jax.Array, estimator: str) -> jax.Array:
         return -log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
-    return _exp_minus_one_minus(log_ratio)
+    return exp_minus_one_minus(log_ratio)
 
 
 def kl_penalty(

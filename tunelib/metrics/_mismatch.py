@@ -6,7 +6,6 @@ routing make them differ, and importance weights then correct an update that is 
 off-policy. These diagnostics say by how much.
 """
 
-import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -15,15 +14,12 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from tunelib import _validation as v
+from tunelib._numerics import exp_minus_one_minus
 from tunelib._typing import Mask, Scalar
 from tunelib.metrics._summary import masked_extremes, masked_mean
 
 Estimator = Literal["k1", "k3"]
 ESTIMATORS: tuple[str, ...] = Estimator.__args__
-
-# 1/j! for j = 16, ..., 2: e^x - 1 - x as a polynomial in x, exact to float64 for |x| <= 1/2.
-_SERIES = tuple(1.0 / math.factorial(j) for j in range(16, 1, -1))
-_SERIES_BOUND = 0.5
 
 
 class MismatchKL(NamedTuple):
@@ -39,15 +35,6 @@ class MismatchKL(NamedTuple):
     per_token: jax.Array
     mean: jax.Array
     max: jax.Array
-
-
-def _exp_minus_one_minus(x: jax.Array) -> jax.Array:
-    """$e^x - 1 - x$ without cancellation: a series for small $|x|$, `expm1(x) - x` beyond."""
-    series = jnp.zeros_like(x)
-    for coefficient in _SERIES:
-        series = (series + coefficient) * x
-    series = series * x
-    return jnp.where(jnp.abs(x) <= _SERIES_BOUND, series, jnp.expm1(x) - x)
 
 
 def mismatch_kl(
@@ -73,7 +60,7 @@ def mismatch_kl(
     negative and has low variance; $k_1$ can be negative on a token. $r_t$ is the importance
     weight that truncated importance sampling (`losses.truncated_importance_weights`) caps.
 
-    $k_3$ is computed without cancellation ($e^x - 1 - x$ by its series for $|x| \le 1/2$), so
+    $k_3$ is computed without cancellation ($e^x - 1 - x$ by its series for $|x| < 1/2$), so
     it is accurate to the dtype's precision at the log-ratios of $10^{-6}$ that a sampler and
     a trainer in float32 reach; there `expm1(x) - x` would be all rounding error. The
     log-ratio is clamped to $\pm$`log_ratio_clamp` inside $k_3$ so that $r_t$ is finite.
@@ -117,7 +104,7 @@ def mismatch_kl(
         per_token = -log_ratio
     else:
         clamp = jnp.asarray(log_ratio_clamp, log_ratio.dtype)
-        per_token = _exp_minus_one_minus(jnp.clip(log_ratio, -clamp, clamp))
+        per_token = exp_minus_one_minus(jnp.clip(log_ratio, -clamp, clamp))
     per_token = jnp.where(where, per_token, 0.0)
     _, high = masked_extremes(per_token, where)
     return MismatchKL(per_token=per_token, mean=masked_mean(per_token, where), max=high)

@@ -14,6 +14,7 @@ from jaxtyping import Float
 
 from tunelib import _validation as v
 from tunelib import logprobs, losses
+from tunelib._numerics import exp_minus_one_minus
 from tunelib._typing import Mask, Scalar
 from tunelib.metrics._summary import masked_extremes, masked_mean
 
@@ -390,7 +391,7 @@ def approx_kl(
     return ApproxKL(
         k1=masked_mean(-log_ratio, where),
         k2=masked_mean(0.5 * log_ratio**2, where),
-        k3=masked_mean(jnp.expm1(clamped) - clamped, where),
+        k3=masked_mean(exp_minus_one_minus(clamped), where),
     )
 
 
