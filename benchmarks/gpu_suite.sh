@@ -12,7 +12,7 @@
 #   python benchmarks/grpo_parity.py --out .gpu/grpo_cpu.npz
 # Parts run in order of importance, each with a time limit inside SECONDS (default 500) in
 # all; a part that fails or runs out of time is logged and the next one starts. PARTS (names,
-# space-separated) runs only those parts.
+# space-separated) runs only those parts; PART_LIMIT (seconds) replaces each part's own limit.
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash benchmarks/gpu_suite.sh OUT_DIR [SECONDS]}")
 budget=${2:-500}
@@ -52,6 +52,7 @@ part() {
         return
     fi
     ((limit > left)) && limit=$left
+    [[ -n "${PART_LIMIT:-}" ]] && limit=$((PART_LIMIT < left ? PART_LIMIT : left))
     echo "== $name (limit $limit s, at $SECONDS s)" | tee -a "$log"
     timeout --signal=KILL "$limit" "$@" 2>&1 | tail -60 | tee -a "$log"
     echo "== $name: exit ${PIPESTATUS[0]} at $SECONDS s" | tee -a "$log"
@@ -61,7 +62,7 @@ bench="$repo/benchmarks"
 part logprobs-gemma2 150 python3 "$bench/logprobs.py" --size gemma2-2b \
     --json-out "$out/logprobs_gemma2.json"
 part sampler 170 python3 "$bench/sampler_roofline.py" --json-out "$out/sampler.json"
-part nf4 80 python3 "$bench/nf4_matmul.py" --json-out "$out/nf4.json"
+part nf4 150 python3 "$bench/nf4_matmul.py" --json-out "$out/nf4.json"
 
 cpu="$repo/.gpu/grpo_cpu.npz"
 parity() {  # parity LABEL FLAGS...: a GPU run, then its comparison with the CPU run
@@ -77,9 +78,9 @@ export bench cpu out
 part parity-free 60 bash -c 'parity gpu_free'
 part parity-replay-highest 60 bash -c \
     'parity gpu_replay_highest --replay "$cpu" --matmul-precision highest'
-part logprobs-llama3 130 python3 "$bench/logprobs.py" --size llama3-8b --n 8192 \
+part sampler-unrolled 120 python3 "$bench/sampler_roofline.py" --unrolled --batches 1,8 \
+    --json-out "$out/sampler_unrolled.json"
+part logprobs-llama3 220 python3 "$bench/logprobs.py" --size llama3-8b --n 8192 \
     --json-out "$out/logprobs_llama3.json"
 part parity-replay 60 bash -c 'parity gpu_replay --replay "$cpu"'
-part sampler-unrolled 90 python3 "$bench/sampler_roofline.py" --unrolled --batches 1,8 \
-    --json-out "$out/sampler_unrolled.json"
 echo "suite done at $SECONDS s" | tee -a "$log"

@@ -117,6 +117,23 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[name].append((time.perf_counter() - start) / inner)
         return {name: 1e3 * statistics.median(runs) for name, runs in seconds.items()}
 
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        """A line on stderr as each stage ends, so a run cut off by a time limit says where."""
+        print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+    def write(results: list, correct: bool) -> str:
+        line = json.dumps({
+            "benchmark": "nf4_matmul", "size": args.size, "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "repeats": args.repeats, "inner": args.inner, "tolerance": TOLERANCE,
+            "correct": correct, "cases": results,
+        })  # fmt: skip
+        if args.json_out is not None:  # after every case: a cut-off run keeps what it measured
+            args.json_out.write_text(line + "\n")
+        return line
+
     results, correct = [], True
     key = jax.random.key(0)
     for case in SIZES[args.size]:
@@ -124,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         kernel = 0.02 * jax.random.normal(kw, (case.n_in, case.n_out), jnp.float32)
         kernel = kernel.astype(jnp.bfloat16)  # dequantised to bfloat16, as a bf16 model's
         by_variant = paths(kernel)
+        progress(f"{case.n_in} x {case.n_out}: quantised")
         dense = by_variant["xla"][2].dequantize(jnp.float32)
         codes_bytes = sum(
             x.nbytes for x in jax.tree.leaves(by_variant["pallas"][2]) if hasattr(x, "nbytes")
@@ -145,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # a path that does not compile here is reported
                     record["failed"] = f"{type(e).__name__}: {str(e)[:500]}"
                     correct = False
+                    progress(f"M={m} {variant}: failed ({type(e).__name__})")
                     continue
+                progress(f"M={m} {variant}: forward compiled and checked, error {error:.2e}")
                 record["relative_error"] = error
                 record["passed"] = error <= TOLERANCE
                 correct &= record["passed"]
@@ -153,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     calls[f"{variant}/forward"] = (forward, (x, weight))
                     calls[f"{variant}/forward+backward"] = (backward, (x, weight, cotangent))
             times = time_calls(calls, args.repeats, args.inner) if calls else {}
+            progress(f"M={m}: timed")
             dense_bytes = case.n_in * case.n_out * 2
             for variant, record in row["variants"].items():
                 record["weight_bytes_read"] = codes_bytes + (
@@ -168,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"pallas_speedup_{part}"] = xla_ms / pallas_ms
                     row[f"faster_{part}"] = "pallas" if pallas_ms < xla_ms else "xla"
             results.append(row)
+            write(results, correct)
 
     header = f"{'K x N':>13} {'M':>6} {'path':>7} {'rel err':>9} {'fwd ms':>9} {'fwd+bwd ms':>11}"
     print(f"{jax.default_backend()} ({jax.devices()[0].device_kind}), bfloat16 x, NF4 weight")
@@ -181,15 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'-' if fwd is None else f'{fwd:.3f}':>9} "
                 f"{'-' if both is None else f'{both:.3f}':>11}"
             )
-    line = json.dumps({
-        "benchmark": "nf4_matmul", "size": args.size, "backend": jax.default_backend(),
-        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-        "repeats": args.repeats, "inner": args.inner, "tolerance": TOLERANCE,
-        "correct": correct, "cases": results,
-    })  # fmt: skip
-    print(line)
-    if args.json_out is not None:
-        args.json_out.write_text(line + "\n")
+    print(write(results, correct))
     return 0 if correct else 1
 
 

@@ -154,15 +154,24 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingConfig(max_new_tokens=size.new_tokens, temperature=0.0, stop_tokens=())
     p, n = size.prompt_len, size.new_tokens
     rows = []
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        """A line on stderr as each stage ends, so a run cut off by a time limit says where."""
+        print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+
     for batch in batches:
         tokens = jax.random.randint(jax.random.key(batch), (batch, p), 0, config.vocab_size)
         where = jnp.ones((batch, p), jnp.bool_)
         prefill_s = median_seconds(args.repeats, prefill, params, tokens, where)
         one_s = median_seconds(args.repeats, prefill, params, tokens[:, :1], where[:, :1])
+        progress(f"batch {batch}: prefill and one-token forward timed")
         call = (graphdef, params, tokens, where, jax.random.key(0), sampling)
         if not np.asarray(sample(*call).where).all():
             raise SystemExit("a greedy completion stopped before --new-tokens: not timed.")
+        progress(f"batch {batch}: sampler compiled")
         total_s = median_seconds(args.repeats, sample, *call)
+        progress(f"batch {batch}: sampler timed")
         step_s = max(total_s - prefill_s, 0.0) / n
         kv_per_position = 2 * config.num_hidden_layers * batch * config.num_key_value_heads
         kv_bytes = kv_per_position * config.head_dim * (p + (n + 1) / 2) * value_bytes
