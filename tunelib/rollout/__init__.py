@@ -11,6 +11,11 @@ without merging. `completion_logps` scores completions under (possibly other) pa
 the shift from prompt to completion done once. `sync_weights` moves trained parameters onto a
 rollout mesh.
 
+Which policy sampled a rollout: given `policy_version=`, `sample` and `run_episodes` stamp their
+output with it and with `fingerprint(params)` of the parameters they ran; a trainer's
+`PolicyLedger` records the fingerprint of each version it hands out and checks a rollout's
+stamp before training on it (`StalePolicyError` when the sampler ran something else).
+
 Multi-turn episodes: `run_episodes` alternates model turns and the observations of host-side
 `Environment`s in one KV cache and returns an `Episode` (tokens as sampled and observed,
 roles, behaviour log-probs, turn boundaries and rewards); `episode_advantages` and
@@ -32,6 +37,7 @@ from tunelib.rollout._processors import (
     top_k_filter,
     top_p_filter,
 )
+from tunelib.rollout._policy import PolicyLedger, StalePolicyError, fingerprint
 from tunelib.rollout._sampler import NoStopTokenWarning, Rollout, SamplingConfig, sample
 from tunelib.rollout._sync import sync_weights
 from tunelib.rollout._tool_calls import (
@@ -51,9 +57,11 @@ __all__ = [
     "Episode",
     "EpisodeConfig",
     "NoStopTokenWarning",
+    "PolicyLedger",
     "Role",
     "Rollout",
     "SamplingConfig",
+    "StalePolicyError",
     "Step",
     "Tool",
     "ToolCall",
@@ -63,6 +71,7 @@ __all__ = [
     "check_sampling_args",
     "completion_logps",
     "episode_advantages",
+    "fingerprint",
     "forbid_tokens",
     "min_p_filter",
     "parse_tool_calls",

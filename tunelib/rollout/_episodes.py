@@ -27,6 +27,7 @@ from tunelib.rollout._decoding import (
     pure_params,
 )
 from tunelib.rollout._environments import Environment, Turn, call_all
+from tunelib.rollout._policy import check_version, stamp
 from tunelib.rollout._sampler import Rollout, SamplingConfig
 
 _logger = logging.getLogger(__name__)
@@ -114,12 +115,13 @@ class EpisodeConfig:
             object.__setattr__(self, name, value)
 
 
-# An Episode has a Rollout's fields, over the episode's T positions (N = T in their
-# annotations), then its own.
+# An Episode has a Rollout's arrays, over the episode's T positions (N = T in their
+# annotations), then its own, then a Rollout's policy stamp.
+_STAMP = ("policy_version", "fingerprint")
 _EpisodeFields = NamedTuple(
     "_EpisodeFields",
     [
-        *Rollout.__annotations__.items(),
+        *((k, t) for k, t in Rollout.__annotations__.items() if k not in _STAMP),
         ("roles", Int[Array, "B T"]),
         ("context_where", Bool[Array, "B T"]),
         ("turn_ids", Int[Array, "B T"]),
@@ -129,6 +131,7 @@ _EpisodeFields = NamedTuple(
         ("rewards", Float[Array, " B"]),
         ("num_turns", Int[Array, " B"]),
         ("failed", Bool[Array, " B"]),
+        *((k, Rollout.__annotations__[k]) for k in _STAMP),
     ],
 )
 
@@ -139,8 +142,9 @@ class Episode(_EpisodeFields):
     then padding. A pytree of arrays (every field but the scalar `temperature` has a row per
     episode).
 
-    It has the six fields of a `Rollout`, meaning what they mean there for the model's
-    tokens (with observations in `tokens` and `lengths` too), then seven of its own.
+    It has the six arrays of a `Rollout`, meaning what they mean there for the model's
+    tokens (with observations in `tokens` and `lengths` too), then nine of its own, then a
+    `Rollout`'s policy stamp.
 
     Attributes:
       tokens: `[B, T]` token ids, exactly as sampled (model turns) and as observed
@@ -169,6 +173,9 @@ class Episode(_EpisodeFields):
       num_turns: `[B]` int32 model turns taken.
       failed: `[B]` True where the environment raised, timed out or answered an invalid
         `Step`: the episode ended there and its rewards are 0.
+      policy_version: int32 scalar, `run_episodes`'s `policy_version=` (None without it).
+      fingerprint: uint32 scalar, `tunelib.rollout.fingerprint` of the parameters the
+        episodes ran, with `policy_version` (None without it).
     """
 
     __slots__ = ()
@@ -185,6 +192,7 @@ def run_episodes(
     *,
     group_size: int = 1,
     tokenizer: Tokenizer | None = None,
+    policy_version: int | ArrayLike | None = None,
 ) -> Episode:
     r"""Run multi-turn episodes: model turns and environment observations in one KV cache.
 
@@ -235,6 +243,8 @@ def run_episodes(
         prompt `b`); each is `reset` with its row's real prompt ids.
       group_size: episodes per prompt, G >= 1.
       tokenizer: optional; decodes each `Turn.text` and encodes text observations.
+      policy_version: the version of the policy `params` are, or None; given, the `Episode`
+        is stamped with it and the fingerprint of `params`, as `sample` stamps a `Rollout`.
 
     Returns:
       An `Episode` of `B * G` rows, `config.max_tokens` positions and `config.max_turns`
@@ -290,7 +300,8 @@ def run_episodes(
     environments = list(environments)
     _check_rows(prompt_tokens, prompt_where, len(environments), group_size)
     slots = _cache_slots(config, prompt_tokens.shape[1], model_config)
-    params, key = pure_params(params), as_key(key)
+    check_version(policy_version)
+    given, params, key = params, pure_params(params), as_key(key)
 
     logits, cache = _start(graphdef, params, prompt_tokens, prompt_where, slots, group_size)
     run = _Run(environments, config, model_config.vocab_size, tokenizer)
@@ -307,7 +318,8 @@ def run_episodes(
         block = run.observe(turn, observations, room=slots - int(cache.index))
         if block is not None:
             logits, cache = _observe(graphdef, params, logits, cache, *block)
-    return run.episode()
+    episode = run.episode()
+    return episode if policy_version is None else episode._replace(**stamp(given, policy_version))
 
 
 def _check_rows(
@@ -473,7 +485,8 @@ class _Run:
             truncated=self.truncated, failed=self.failed,
             temperature=np.float32(self.config.sampling.temperature or 1.0),
         )  # fmt: skip
-        return Episode(**{name: jnp.asarray(x) for name, x in arrays.items()})
+        stamp = dict.fromkeys(_STAMP)  # run_episodes stamps it when given a version
+        return Episode(**{name: jnp.asarray(x) for name, x in arrays.items()}, **stamp)
 
     def end(self, r: int, *, truncated: bool = False) -> None:
         self.active[r] = False

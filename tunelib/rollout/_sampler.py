@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Int, PyTree
+from jaxtyping import Array, Bool, Float, Int, PyTree, UInt32
 
 from tunelib import _validation as v
 from tunelib.data import Tokenizer
 from tunelib.rollout._compiled import program
 from tunelib.rollout._decoding import as_key, checked_prompts, decode, prefill, pure_params
+from tunelib.rollout._policy import check_version, stamp
 from tunelib.rollout._processors import check_sampling_values
 
 LogpsOf = Literal["tempered", "processed"]
@@ -184,6 +185,11 @@ class Rollout(NamedTuple):
         (`tunelib.logprobs.token_logps`) without carrying the `SamplingConfig` around: the
         config's temperature, or 1.0 for greedy decoding (temperature 0), whose log-probs are
         those of the untempered distribution.
+      policy_version: int32 scalar, the policy version `sample` was given
+        (`policy_version=`), or None when it was given none.
+      fingerprint: uint32 scalar, `tunelib.rollout.fingerprint` of the parameters the
+        sampler ran, with `policy_version` (None without it). A trainer checks the pair with
+        `tunelib.rollout.PolicyLedger.check`.
     """
 
     tokens: Int[Array, "B N"]
@@ -192,6 +198,8 @@ class Rollout(NamedTuple):
     lengths: Int[Array, " B"]
     truncated: Bool[Array, " B"]
     temperature: Float[Array, ""]
+    policy_version: Int[Array, ""] | None = None
+    fingerprint: UInt32[Array, ""] | None = None
 
     def decode(self, tokenizer: Tokenizer) -> list[str]:
         """The text of each completion: its tokens inside `where`, decoded by `tokenizer`.
@@ -232,6 +240,7 @@ def sample(
     config: SamplingConfig,
     *,
     group_size: int = 1,
+    policy_version: int | ArrayLike | None = None,
 ) -> Rollout:
     r"""Sample completions of prompts with a KV cache: prefill once, then decode a token a step.
 
@@ -271,6 +280,10 @@ def sample(
       key: a PRNG key (new-style `jax.random.key` or legacy uint32).
       config: a `SamplingConfig` (static).
       group_size: completions per prompt, G >= 1.
+      policy_version: the version of the policy `params` are (an int >= 0, such as the
+        number of updates behind them), or None. Given, the `Rollout` is stamped with it and
+        with `tunelib.rollout.fingerprint(params)`, the fingerprint of the parameters the
+        sampler actually ran (one more read of them), for a trainer's `PolicyLedger.check`.
 
     Returns:
       A `Rollout` of `B * G` completions of `config.max_new_tokens` slots.
@@ -309,6 +322,7 @@ def sample(
     """
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}.")
+    check_version(policy_version)
     prompt_tokens, prompt_where, _ = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config, group_size
     )
@@ -319,7 +333,8 @@ def sample(
             f"prompts of {prompt_len} positions plus max_new_tokens={config.max_new_tokens} "
             f"need {needed} cache slots, but cache_length is {config.cache_length}."
         )
-    return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
+    out = _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
+    return out if policy_version is None else out._replace(**stamp(params, policy_version))
 
 
 @program(static_argnums=(0, 5, 6))
