@@ -28,6 +28,7 @@ from tunelib.rollout._completion import completion_logps
 from tunelib.rollout._environments import Environment, Step, Turn
 from tunelib.rollout._episode_advantages import CREDITS, episode_advantages, turn_advantages
 from tunelib.rollout._episodes import Episode, EpisodeConfig, Role, run_episodes
+from tunelib.rollout._policy import PolicyLedger, StalePolicyError, fingerprint
 from tunelib.rollout._processors import (
     check_sampling_args,
     forbid_tokens,
@@ -37,7 +38,6 @@ from tunelib.rollout._processors import (
     top_k_filter,
     top_p_filter,
 )
-from tunelib.rollout._policy import PolicyLedger, StalePolicyError, fingerprint
 from tunelib.rollout._sampler import NoStopTokenWarning, Rollout, SamplingConfig, sample
 from tunelib.rollout._sync import sync_weights
 from tunelib.rollout._tool_calls import (
