@@ -139,7 +139,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         }
         if task.problems:
             out["accuracy"] = evaluate.accuracy(
-                graphdef, tuning.dense(trainable), task, vocab_size, placement
+                graphdef, tuning.policy(trainable), task, vocab_size, placement
             )
         return out
 

@@ -21,8 +21,15 @@ surrogate of `tunelib.losses` on group-relative advantages of `tunelib.advantage
 sampler's log-probs as the behaviour policy and a k3 KL penalty to the SFT model, frozen. The
 step: the batch's rewards, overlong penalty, dynamic-sampling mask and group advantages
 once, in one jitted function, then `--updates-per-batch` Optax updates on it; with
-`--lora-rank` only adapters train, the reference is the frozen base, and the sampler gets the
-adapters merged before each batch. Held-out: greedy accuracy.
+`--lora-rank` only adapters train, the reference is the frozen base, and the sampler runs the
+base with the adapters beside it, never merged (a QLoRA base stays quantised). Every batch is
+stamped with the policy version and the fingerprint of the weights that sampled it, and the
+trainer checks them (`tunelib.rollout.PolicyLedger`): a sampler that ran anything else stops
+the run in one line. Each step logs the trainer/sampler mismatch (`mismatch_kl`, the
+importance weights' `is_ess`). Held-out, every `--eval-every` steps: greedy accuracy, and
+with `--eval-samples k` (default 8) pass@1, pass@k and maj@k of k samples per prompt, their
+entropy and diversity; a warning line when they show entropy collapse, and `--keep-best
+METRIC` keeps the best model in OUT/best.
 
 Disaggregated and asynchronous, on two processes (process 0 trains, process 1 samples, a
 batch at most `--max-staleness` updates old): `recipes/grpo_async.py`, on the same kit;
@@ -49,9 +56,8 @@ from kit.plan import Planned
 
 def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     import grain
-    import jax
 
-    from kit import chain, evaluate, goodput, grpo, loop, parallel
+    from kit import chain, evaluate, goodput, grpo, loop, optim, parallel, watch
 
     # Every device of every process; each process holds its rows of every batch.
     placement = parallel.placement(config.batch_size, config.devices)
@@ -70,28 +76,35 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     def train_step(state, indices):
         """Sample and score a group per prompt with the current weights, then update."""
         rng, sample_key, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
-        with goodput.phase("sync"):  # the sampler's weights: LoRA adapters merged
-            policy = jax.block_until_ready(tuning.dense(state["params"]))
+        # The sampler runs the trained weights, or the base with the adapters beside it
+        # (never merged); the learner records their fingerprint and checks the rollouts'.
+        version = optim.updates_made(state["opt_state"]) // config.updates_per_batch
+        policy = tuning.policy(state["params"])
+        with goodput.phase("sync"):
+            learner.hand_out(version, policy)
         with goodput.phase("rollout"):
-            rows = sample(policy, placement.local(indices), sample_key)
-        return learner.learn({**state, "rng": rng}, rows, dropout_key)
+            rows = sample(policy, placement.local(indices), sample_key, version=version)
+        return learner.learn({**state, "rng": rng}, rows, dropout_key, version=version)
 
-    def evaluate_fn(trainable):
-        params = tuning.dense(trainable)
-        return {"accuracy": evaluate.accuracy(graphdef, params, task, vocab_size, placement)}
+    evaluate_fn = evaluate.for_rl(config, graphdef, vocab_size, tuning, task, sampling, placement)
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)
 
+    # A warning line at the signs of entropy collapse; with --keep-best, the best model kept.
+    watcher, best = watch.watcher(
+        config, run, lambda folder, trainable: tuning.save(folder, model, trainable, placement),
+        placement,
+    )  # fmt: skip
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     state = loop.train(
         run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
-        step_fn=train_step, pieces=pieces,
+        step_fn=train_step, pieces=pieces, watch=watcher,
     )  # fmt: skip
     if isinstance(state, Planned):  # --plan: the step compiled, never run
         return state
     tuning.save(run.path, model, state["params"], placement)
-    headline = grpo.headline(run, config, tuning)
+    headline = {**grpo.headline(run, config, tuning), **(best.headline() if best else {})}
     return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})
 
 

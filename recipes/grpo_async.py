@@ -41,6 +41,11 @@ class GRPOAsyncConfig(GRPOConfig):
 
     def check_staleness(self) -> None:
         at_least("max_staleness", self.max_staleness, 0)
+        if self.keep_best is not None:
+            raise UserError(
+                "--keep-best runs with recipes/grpo.py; with --max-staleness the trained "
+                "weights live on the trainer alone: keep the final model, or its checkpoints"
+            )
 
 
 def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
@@ -48,7 +53,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     import jax
     import numpy as np
 
-    from kit import chain, disaggregated, evaluate, goodput, grpo, loop, models, parallel
+    from kit import chain, disaggregated, evaluate, goodput, grpo, loop, models, parallel, watch
 
     # Each process's own devices: the trainer's and the sampler's meshes are apart.
     placement = parallel.placement(config.batch_size, config.devices, across_processes=False)
@@ -81,32 +86,37 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         rng, _, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
         version = int(np.asarray(state["updates"]))
         if not sampler_policy:  # the first step of the run, or after a restore: the same state
-            sampler_policy["weights"] = tuning.dense(state["params"])
+            sampler_policy["trainable"] = state["params"]
+            if trainer:
+                learner.hand_out(version, tuning.policy(state["params"]))
+        policy = tuning.policy(sampler_policy["trainable"])  # adapters beside the base
         with goodput.phase("rollout"):  # the trainer waits for a batch; the sampler samples
             rows = rollouts.take(
-                sampler_policy["weights"], placement.local(indices), batches, state["rng"], version
+                policy, placement.local(indices), batches, state["rng"], version
             )  # fmt: skip
         state, out = {**state, "rng": rng, "updates": state["updates"] + 1}, {}
         if trainer:
-            staleness = version - int(rows.pop("version"))
-            state, out = jax.block_until_ready(learner.learn(state, rows, dropout_key))
+            staleness = version - int(rows["version"])
+            state, out = jax.block_until_ready(
+                learner.learn(state, rows, dropout_key, version=version)
+            )
             out["staleness"] = staleness
-        with goodput.phase("sync"):  # the next batch to the trainer, the weights to the sampler
-            rollouts.deliver()
-            dense = tuning.dense(state["params"]) if trainer else sampler_policy["weights"]
-            weights, rate = rollouts.push(placement.fetch(dense))
+        with goodput.phase("sync"):  # the next batch to the trainer, the trained part (all
+            rollouts.deliver()  # the weights, or only the adapters) to the sampler
+            trained = state["params"] if trainer else sampler_policy["trainable"]
+            if trainer:
+                learner.hand_out(version + 1, tuning.policy(trained))
+            weights, rate = rollouts.push(placement.fetch(trained))
             if not trainer:
-                sampler_policy["weights"] = placement.replicate(weights)
+                sampler_policy["trainable"] = placement.replicate(weights)
         return state, {**out, "weight_push_mb_per_s": rate / 1e6} if trainer else {}
+
+    rl_evaluate = evaluate.for_rl(config, graphdef, vocab_size, tuning, task, sampling, placement)
 
     def evaluate_fn(trainable):
         if not trainer:  # the sampler's copy of the state is not the trained one
-            return {"accuracy": float("nan")}
-        return {
-            "accuracy": evaluate.accuracy(
-                graphdef, tuning.dense(trainable), task, vocab_size, placement
-            )
-        }
+            return dict.fromkeys(evaluate.rl_metric_names(config), float("nan"))
+        return rl_evaluate(trainable)
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)
@@ -119,9 +129,10 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         lambda state: disaggregated.shared(state, both),
         lambda saved: disaggregated.own(saved, placement),
     )
+    watcher, _ = watch.watcher(config, run, None, placement)  # the collapse guard
     state = loop.train(
         run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
-        step_fn=train_step, checkpointed=checkpointed, pieces=pieces,
+        step_fn=train_step, checkpointed=checkpointed, pieces=pieces, watch=watcher,
     )  # fmt: skip
     if isinstance(state, Planned):  # --plan: the step compiled, never run
         return state

@@ -219,6 +219,49 @@ class Lora(Config):
             raise UserError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
 
 
+# The evaluation metrics `--keep-best` may name (higher is better for each).
+KEEPABLE = ("accuracy", "pass_at_1", "pass_at_k", "maj_at_k")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RLEvaluation(Config):
+    """Held-out evaluation of an RL run: sampled metrics, the collapse guard, the best model."""
+
+    GROUP: typing.ClassVar[str] = "evaluation"
+
+    eval_samples: int = flag(
+        8,
+        "completions sampled per held-out prompt at each evaluation, k: pass@1, pass@k, "
+        "maj@k, their entropy and diversity (0: greedy accuracy only)",
+    )
+    collapse_entropy: float = flag(
+        0.01, "warn when the samples' entropy (nats/token) falls below this (0: never)"
+    )
+    collapse_patience: int = flag(
+        2, "warn when pass@k fell at this many evaluations in a row while pass@1 rose"
+    )
+    keep_best: str | None = flag(
+        None, f"keep the model with the best value of this metric in OUT/best: {KEEPABLE}"
+    )
+
+    def check(self) -> None:
+        super().check()
+        at_least("eval_samples", self.eval_samples, 0)
+        at_least("collapse_patience", self.collapse_patience, 1)
+        if not (self.collapse_entropy >= 0 and self.collapse_entropy < float("inf")):
+            raise UserError(f"--collapse-entropy must be >= 0, got {self.collapse_entropy}")
+        if self.keep_best is not None and self.keep_best not in KEEPABLE:
+            raise UserError(
+                f"--keep-best {self.keep_best}: not an evaluation metric; one of "
+                f"{', '.join(KEEPABLE)}"
+            )
+        if self.keep_best not in (None, "accuracy") and not self.eval_samples:
+            raise UserError(
+                f"--keep-best {self.keep_best} is measured on sampled completions: give "
+                "--eval-samples k > 0 (or keep the best greedy accuracy)"
+            )
+
+
 @dataclasses.dataclass(kw_only=True)
 class Start(Config):
     """The model to start from."""

@@ -15,9 +15,12 @@ batch of step j was sampled with the weights of step j - s - 1 or later (never m
 updates old; the first s batches are sampled before the first update).
 
 Every batch carries the policy version that sampled it (the number of updates behind its
-weights); the trainer logs each batch's staleness. The sampler's PRNG keys follow the same
-chain as the synchronous recipe's (`kit.loop.step_keys`), so batch j is sampled with the
-key step j would use.
+weights) and the fingerprint of the weights the sampler ran (`tunelib.rollout.fingerprint`);
+the trainer checks both against what it pushed (`tunelib.rollout.PolicyLedger`, within the
+staleness bound) and logs each batch's staleness. With LoRA only the adapters are pushed:
+the sampler holds the frozen base and samples on base and adapters, never merged. The
+sampler's PRNG keys follow the same chain as the synchronous recipe's (`kit.loop.step_keys`),
+so batch j is sampled with the key step j would use.
 """
 
 import collections
@@ -64,14 +67,14 @@ def exchange(tree, *, source: int):
 class Rollouts:
     """The batches between the two processes, one train step at a time.
 
-    `sample(policy, prompts, key) -> dict` makes a scored batch of NumPy arrays on the
-    sampler; `template` is a batch of the same shapes (zeros), the trainer's side of the
-    collective; `fresh_batches()` a new iterator of the run's prompts (the sampler reads s
-    steps ahead with one). At every train step both processes call `take`, the trainer
-    trains on what it returns, then both call `deliver` and `push`. The first `take` (of a
-    run, or of a process resumed from a checkpoint) fills the pipeline from the state it is
-    given: after a restore the batches that were in flight are sampled again, with the
-    restored weights.
+    `sample(policy, prompts, key, version=...) -> dict` makes a scored batch of NumPy arrays on
+    the sampler, stamped with its policy version and fingerprint; `template` is a batch of the
+    same shapes (zeros), the trainer's side of the collective; `fresh_batches()` a new iterator
+    of the run's prompts (the sampler reads s steps ahead with one). At every train step both
+    processes call `take`, the trainer trains on what it returns, then both call `deliver` and
+    `push`. The first `take` (of a run, or of a process resumed from a checkpoint) fills the
+    pipeline from the state it is given: after a restore the batches that were in flight are
+    sampled again, with the restored weights.
     """
 
     def __init__(self, staleness: int, sample: Callable, template: dict, fresh_batches):
@@ -122,7 +125,7 @@ class Rollouts:
         if role() != SAMPLER:
             return self.template
         self.rng, key, _ = step_keys(self.rng, "rollouts", "dropout")  # the recipe's chain
-        return {**self.sample(policy, prompts, key), "version": np.int32(self.version)}
+        return self.sample(policy, prompts, key, version=self.version)
 
     def _exchanged(self, batch: dict) -> dict:
         return exchange(batch, source=SAMPLER)[0]

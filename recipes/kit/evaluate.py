@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from tunelib import rollout
+from tunelib import metrics, rollout
 
 from kit.data import Task, prompts
 
@@ -34,9 +34,17 @@ def completions(
     """The decoded completions of the records' prompts under `sampling` (greedy by default),
     split over the devices of `placed` (a `kit.parallel.Placement`; None: as they come), in
     batches of at most 512 prompts (few distinct shapes to compile)."""
+    return [
+        task.tokenizer.decode(row)
+        for tokens, _, _ in _sampled(graphdef, params, task, records, sampling, placed, key, 1)
+        for row in tokens.tolist()
+    ]
 
+
+def _sampled(graphdef, params, task: Task, records, sampling, placed, key, group_size: int):
+    """`(tokens, where, logps)` NumPy rows of `group_size` completions of each record's prompt
+    (row `r * G + g`), chunk by chunk of at most 512 prompts."""
     key = jax.random.key(0) if key is None else key
-    texts = []
     for first in range(0, len(records), 512):
         chunk = records[first : first + 512]
         tokens, where = prompts(task, chunk)
@@ -45,10 +53,83 @@ def completions(
             filled = [np.concatenate([x, np.repeat(x[:1], extra, 0)]) for x in (tokens, where)]
             tokens, where = placed.global_rows(tuple(filled))
         chunk_key = jax.random.fold_in(key, first)  # each chunk samples afresh
-        out = rollout.sample(graphdef, params, tokens, where, chunk_key, sampling)
-        rows = placed.fetch(out.tokens) if placed is not None else np.asarray(out.tokens)
-        texts += [task.tokenizer.decode(row) for row in rows[: len(chunk)].tolist()]
-    return texts
+        out = rollout.sample(
+            graphdef, params, tokens, where, chunk_key, sampling, group_size=group_size
+        )
+        fetch = placed.fetch if placed is not None else np.asarray
+        rows = len(chunk) * group_size
+        yield tuple(fetch(x)[:rows] for x in (out.tokens, out.where, out.logps))
+
+
+# The metrics of `samples` below, in the order they are logged.
+SAMPLED = (
+    "pass_at_1", "pass_at_k", "maj_at_k", "sample_entropy", "distinct_completions",
+    "distinct_2grams",
+)  # fmt: skip
+
+
+def samples(graphdef, params, task: Task, sampling, placed, *, k: int) -> dict:
+    r"""Held-out metrics of `k` completions of each problem drawn with `sampling` (the
+    rollouts' temperature and filters), the first signs of entropy collapse:
+
+    - `pass_at_1`: the share of correct samples; `pass_at_k` (Chen et al. 2021's unbiased
+      estimator at n = k: some sample correct) and `maj_at_k` (the most frequent answer
+      correct), averaged over problems (`tunelib.metrics`);
+    - `sample_entropy`: the mean over sampled tokens of $-\log \pi(y_t)$ under the sampled
+      (tempered) distribution, a Monte Carlo estimate of its per-token entropy;
+    - `distinct_completions` and `distinct_2grams`: the share of distinct completions and of
+      distinct token bigrams in each problem's k samples, averaged.
+    """
+    if not task.problems:
+        return dict.fromkeys(SAMPLED, float("nan"))
+    key = jax.random.key(1)  # the same draws at every evaluation: curves without key noise
+    parts = list(_sampled(graphdef, params, task, task.problems, sampling, placed, key, k))
+    tokens, where, logps = (np.concatenate(x) for x in zip(*parts, strict=True))
+    texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
+    records = [r for r in task.problems for _ in range(k)]
+    correct = np.array([task.correct(t, r) for t, r in zip(texts, records, strict=True)], bool)
+    answers = np.empty(len(texts), np.int32)  # each problem's distinct texts, numbered
+    for start in range(0, len(texts), k):
+        seen: dict[str, int] = {}
+        for i in range(start, start + k):
+            answers[i] = seen.setdefault(texts[i].strip(), len(seen))
+    grid = (len(task.problems), k)
+    return {
+        "pass_at_1": float(correct.mean()),
+        "pass_at_k": float(metrics.pass_at_k(correct.reshape(grid), k=k).mean()),
+        "maj_at_k": float(
+            metrics.majority_at_k(answers.reshape(grid), correct.reshape(grid), k=k).mean()
+        ),
+        "sample_entropy": float(-logps[where].mean()) if where.any() else float("nan"),
+        "distinct_completions": float(
+            metrics.distinct_completions(tokens, group_size=k, where=where).mean()
+        ),
+        "distinct_2grams": float(
+            np.nanmean(metrics.distinct_ngrams(tokens, n=2, group_size=k, where=where))
+        ),
+    }
+
+
+def rl_metric_names(config) -> list[str]:
+    """The names `for_rl`'s evaluation logs under `config`."""
+    return ["accuracy", *(SAMPLED if config.eval_samples else ())]
+
+
+def for_rl(
+    config, graphdef, vocab_size: int, tuning, task: Task, sampling, placed
+) -> Callable[[dict], dict]:
+    """The held-out evaluation of an RL recipe, `evaluate(trainable) -> metrics`: greedy
+    `accuracy`, and with `--eval-samples k` the metrics of `samples`, on the policy the
+    sampler runs (`tuning.policy`: adapters beside the base, never merged)."""
+
+    def evaluate(trainable) -> dict:
+        policy = tuning.policy(trainable)
+        out = {"accuracy": accuracy(graphdef, policy, task, vocab_size, placed)}
+        if config.eval_samples:
+            out.update(samples(graphdef, policy, task, sampling, placed, k=config.eval_samples))
+        return out
+
+    return evaluate
 
 
 def accuracy(graphdef, params, task: Task, vocab_size: int, placed) -> float:

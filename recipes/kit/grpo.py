@@ -51,6 +51,7 @@ def batch_template(task, batch_size: int, group_size: int, max_new_tokens: int) 
         "right": np.zeros(rows, bool),
         "lengths": np.zeros(rows, np.int32),
         "version": np.int32(0),
+        "fingerprint": np.uint32(0),
     }
 
 
@@ -100,14 +101,18 @@ class Sampler:
         weight = self.format_weight if self.task.name == "arithmetic" else 0.0
         return self.task.correct(text, record) + weight * well_formed(text, truncated)
 
-    def __call__(self, policy, indices, key) -> dict:
-        """A group per prompt of `indices` (this process's) sampled on the devices, scored:
-        this process's rows of the batch, as NumPy arrays."""
+    def __call__(self, policy, indices, key, *, version: int) -> dict:
+        """A group per prompt of `indices` (this process's) sampled on the devices with
+        `policy` (policy version `version`), scored: this process's rows of the batch, as
+        NumPy arrays, with the rollout's stamp (`version`, `fingerprint`)."""
         placement, group, task = self.placement, self.group_size, self.task
         records = [task.train[i] for i in indices]
         prompt_tokens, prompt_where = data.prompts(task, records)
         prompts = placement.rows((prompt_tokens, prompt_where))
-        out = rollout.sample(self.graphdef, policy, *prompts, key, self.sampling, group_size=group)
+        out = rollout.sample(
+            self.graphdef, policy, *prompts, key, self.sampling, group_size=group,
+            policy_version=version,
+        )  # fmt: skip
         tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
         truncated = placement.local(out.truncated)
@@ -130,6 +135,8 @@ class Sampler:
             "scores": scores,
             "right": right,
             "lengths": placement.local(out.lengths),
+            "version": np.int32(out.policy_version),
+            "fingerprint": np.uint32(out.fingerprint),
         }
 
 
@@ -189,10 +196,17 @@ def objective(
         return losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()
 
     fractions = metrics.clip_fractions(token_logps, old, adv, **clip, where=where)
+    # The trainer's log-probs against the sampler's, on the same weights at the first update
+    # of a synchronous batch: the rollout/trainer mismatch (kit.grpo.Learner logs it there).
+    current = jax.lax.stop_gradient(token_logps)
+    mismatch = metrics.mismatch_kl(current, batch["logps"], where=batch["where"])
     return loss.mean(), {
         "entropy": token_mean(entropy),
         **{name: token_mean(value) for name, value in logged.items()},
         "clip_fraction": fractions.region,
+        "mismatch_kl": mismatch.mean,
+        "mismatch_kl_max": mismatch.max,
+        "is_ess": metrics.effective_sample_size(current - batch["logps"], where=batch["where"]),
     }
 
 
@@ -205,6 +219,9 @@ class Learner:
         self.graphdef, self.tuning, self.frozen = graphdef, tuning, frozen
         self.optimizer, self.placement, self.config = optimizer, placement, config
         self.max_length = max_length
+        # The fingerprints of the policies handed to the sampler: a batch sampled by anything
+        # else (weights or adapters that never reached it) stops the run in one line.
+        self.ledger = rollout.PolicyLedger(max_staleness=getattr(config, "max_staleness", 0))
         self.rewards = batch_rewards(config.mode, config.group_size, max_length)
         self.update = jax.jit(self._update)
         self.prox_logps = jax.jit(self._prox_logps)
@@ -248,9 +265,21 @@ class Learner:
         batch["old"] = batch["logps"]
         return batch
 
-    def learn(self, state, rows: dict, dropout_key):
-        """The updates on a batch (this process's rows of it, on the host)."""
-        config = self.config
+    def hand_out(self, version: int, policy) -> None:
+        """Record `policy` (`tuning.policy` of the trained parameters) as policy version
+        `version`, the one the sampler is given next."""
+        self.ledger.record(version, policy)
+
+    def learn(self, state, rows: dict, dropout_key, *, version: int):
+        """The updates on a batch (this process's rows of it, on the host), once its stamp
+        says the sampler ran a policy handed out within the staleness bound of `version`
+        (the trainer's)."""
+        config, rows = self.config, dict(rows)
+        stamped, fingerprint = rows.pop("version"), rows.pop("fingerprint")
+        try:
+            self.ledger.check(stamped, fingerprint, version=version)
+        except rollout.StalePolicyError as error:
+            raise UserError(f"step {version + 1}: {error}") from None
         batch = self.batch(rows)
         if config.is_correction == "tis":  # the trainer's log-probs before the update
             with goodput.phase("logprobs"):
@@ -261,8 +290,10 @@ class Learner:
         for i in range(config.updates_per_batch):
             step_key = jax.random.fold_in(dropout_key, i) if config.lora_dropout else None
             state, out_metrics = self.update(self.frozen, state, batch, step_key)
+            if i == 0:  # the mismatch on the weights that sampled (synchronously), not after
+                first = {k: out_metrics[k] for k in MISMATCH}
         means = _batch_means(batch["rewards"], batch["right"], batch["lengths"], batch["keep"])
-        return state, {**out_metrics, **means}
+        return state, {**out_metrics, **first, **means}
 
     def pieces(self, state, batch_size: int, task, sampling) -> dict:
         """A step's jitted parts for `--plan` and `--device-memory` (`kit.plan.Piece`): the
@@ -271,10 +302,9 @@ class Learner:
         template = batch_template(task, batch_size, group, sampling.max_new_tokens)
         rows = {
             k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows)
-            for k, x in template.items() if k != "version"
+            for k, x in template.items() if k not in ("version", "fingerprint")
         }  # fmt: skip
-        trainable = state["params"]
-        policy = jax.eval_shape(self.tuning.dense, trainable) if self.tuning.base else trainable
+        policy = self.tuning.policy(state["params"])
         prompts = rows["prompt_tokens"], rows["prompt_where"]
         rewards = jax.eval_shape(self.rewards, rows.pop("scores"), rows["lengths"])
         batch = {**rows, **{k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows)
@@ -286,6 +316,12 @@ class Learner:
                 self.update, (self.frozen, state, batch, None), batch_argnums=(2,)
             ),
         }
+
+
+# The update's metrics taken from a batch's first update: the trainer's log-probs against the
+# sampler's (`tunelib.metrics.mismatch_kl`, k3, mean and max over tokens) and the effective
+# sample size of the token importance weights, as a fraction.
+MISMATCH = ("mismatch_kl", "mismatch_kl_max", "is_ess")
 
 
 @jax.jit

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from kit.config import DataFile, Lora, Run, SFTStart, Task, at_least, flag
+from kit.config import DataFile, Lora, RLEvaluation, Run, SFTStart, Task, at_least, flag
 from kit.errors import UserError
 from kit.reward_model import check_folder
 
@@ -74,7 +74,7 @@ def _load_reward(spec: str) -> Callable[[str, dict], float]:
 
 
 @dataclasses.dataclass(kw_only=True)
-class GRPOConfig(Run, Task, DataFile, SFTStart, Lora):
+class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation):
     RECIPE = "grpo"
     LEARNING_RATE = 1e-4
     LORA_LEARNING_RATE = 1e-3

@@ -55,6 +55,7 @@ def train(
     evaluate: Callable[[Any], dict],
     checkpointed: tuple[Callable, Callable] | None = None,
     pieces: Callable | None = None,
+    watch: Callable[[int, dict, dict], None] | None = None,
 ) -> dict | plan.Planned:
     """Run `step_fn` from step 0 (or the last checkpoint, with `--resume`) to `--steps`.
 
@@ -68,6 +69,8 @@ def train(
     jitted function of `(state, batch)`, or, for a step that runs several or branches on
     the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say; the plan,
     a `kit.plan.Planned`, is then returned in place of the state, and the recipe returns it.
+    `watch(step, evaluated, state)`, if given, is called in every process after each
+    evaluation (step 0's included) with its metrics (`kit.watch`).
     """
     planned = plan.check(
         config, placed, state=state, batches=batches, step_fn=step_fn, pieces=pieces
@@ -104,6 +107,8 @@ def train(
         clock.reset()
         with clock.phase("eval"):
             before = {k: _number(v) for k, v in evaluate(state["params"]).items()}
+            if watch is not None:
+                watch(0, before, state)
         split = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
         log({"step": 0, **before, **split})
     bar = tqdm(
@@ -134,8 +139,10 @@ def train(
                 bar.write(estimate(name, step, config.steps, clock.split()), file=sys.stdout)
             if step % config.eval_every == 0 or step == config.steps:
                 with clock.phase("eval"):
-                    evaluated = evaluate(state["params"])
-                    record.update({k: _number(v) for k, v in evaluated.items()})
+                    evaluated = {k: _number(v) for k, v in evaluate(state["params"]).items()}
+                    record.update(evaluated)
+                    if watch is not None:
+                        watch(step, evaluated, state)
             bar.update(1)
             bar.set_postfix(
                 {k: f"{v:.3g}" for k, v in record.items() if k != "step"}, refresh=False

@@ -26,8 +26,15 @@ class Tuning:
             return trainable
         return peft.apply_lora(self.base, trainable, dropout_key=dropout_key)
 
+    def policy(self, trainable: dict) -> dict:
+        """The parameters the sampler and evaluation run: the weights, or the base with the
+        adapters beside it, never merged (`tunelib.rollout.sample` runs them through
+        `peft.lora`; a quantised base stays quantised)."""
+
+        return trainable if self.base is None else peft.apply_lora(self.base, trainable)
+
     def dense(self, trainable: dict) -> dict:
-        """Plain weights for evaluation, sampling and saving: adapters merged into the base."""
+        """Plain weights for saving: adapters merged into the base."""
 
         return trainable if self.base is None else peft.merge_lora(self.base, trainable)
 

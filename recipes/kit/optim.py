@@ -1,6 +1,7 @@
 """The optimizer every recipe uses: AdamW after global-norm clipping, with a warmup."""
 
 import jax
+import numpy as np
 import optax
 
 
@@ -26,6 +27,16 @@ def adamw(
     else:  # optax's warmup over 0 steps stays at its initial value, 0
         rate = optax.constant_schedule(learning_rate)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(rate, weight_decay=weight_decay))
+
+
+def updates_made(opt_state) -> int:
+    """The optimizer steps taken so far: the step count of `adamw`'s Adam state (restored
+    with the state, so it counts on across `--resume`)."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    counts = [x.count for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
+    if len(counts) != 1:
+        raise ValueError(f"expected one Adam state in the optimizer's state, found {len(counts)}")
+    return int(np.asarray(counts[0]))
 
 
 def update_step(loss_fn, optimizer):

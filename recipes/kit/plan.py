@@ -41,6 +41,7 @@ class Piece:
 def sampler(graphdef, policy, prompt_tokens, prompt_where, sampling, *, group_size: int = 1):
     """The `Piece` of `tunelib.rollout.sample` on these prompts, with its KV cache's shape."""
     import jax
+    import quax
     from flax import nnx
 
     from tunelib import rollout
@@ -52,7 +53,12 @@ def sampler(graphdef, policy, prompt_tokens, prompt_where, sampling, *, group_si
 
     rows, length = prompt_tokens.shape[0] * group_size, prompt_tokens.shape[1]
     length = sampling.cache_length or length + sampling.max_new_tokens
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy)
+    # The weights' shapes as the model sees them: an adapted or quantised weight
+    # (`peft.apply_lora`, NF4, GGUF blocks) has its dense weight's shape and dtype.
+    is_value = lambda x: isinstance(x, quax.ArrayValue)  # noqa: E731
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy, is_leaf=is_value
+    )
     cache = jax.eval_shape(lambda: nnx.merge(graphdef, shapes).init_cache(rows, length))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     return Piece(sample, (policy, prompt_tokens, prompt_where, key), (1, 2), cache)

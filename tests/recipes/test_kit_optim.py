@@ -22,3 +22,16 @@ def test_every_run_length_takes_a_finite_step(steps, schedule):
         assert np.all(np.isfinite(updates["w"]))
         moved.append(bool(np.all(updates["w"] < 0)))
     assert moved[-1]  # the last step moves the weights (a 1-step run learns too)
+
+
+def test_updates_made_counts_the_optimizer_steps():
+    """The GRPO recipe's policy version: the Adam state's count, which checkpoints keep."""
+    optimizer = optim.adamw(0.1, 10)
+    params = {"w": jnp.ones(3)}
+    state = optimizer.init(params)
+    assert optim.updates_made(state) == 0
+    for _ in range(3):
+        _, state = optimizer.update({"w": jnp.ones(3)}, state, params)
+    assert optim.updates_made(state) == 3
+    with pytest.raises(ValueError, match="one Adam state"):
+        optim.updates_made(())

@@ -23,6 +23,8 @@ from flax import nnx
 from tests._helpers import user_env
 from tests.recipes._scripts import RECIPES, recipe_main, recipe_module, run_recipe_process
 
+from kit.evaluate import SAMPLED
+
 # A small, fast slice of the task; the model is the recipes' own. One device, as a user's
 # process has, not the test session's eight (tests/distributed runs the recipes on several).
 SMALL = [
@@ -259,8 +261,8 @@ def score(completion, record):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["grpo", "dapo", "dr_grpo"])
 def test_grpo_modes(tmp_path, sft_start, mode):
-    """Each mode end to end from a shared SFT start; Dr. GRPO with LoRA adapters (merged for
-    the sampler each step); GRPO with a reward function of the user's own."""
+    """Each mode end to end from a shared SFT start; Dr. GRPO with LoRA adapters (the sampler
+    runs them beside the base, un-merged); GRPO with a reward function of the user's own."""
     lora = ["--lora-rank", "4"] if mode == "dr_grpo" else []
     reward = []
     if mode == "grpo":
@@ -279,6 +281,13 @@ def test_grpo_modes(tmp_path, sft_start, mode):
     # On-policy first step: the ratio is 1 (nothing clipped); with GRPO's KL penalty the
     # policy is the reference (DAPO and Dr. GRPO have none, and skip the reference's pass).
     assert records[1]["clip_fraction"] == 0.0
+    # The first update's log-probs are the sampler's, to float32 rounding: no mismatch.
+    assert records[1]["mismatch_kl"] < 1e-6 and records[1]["is_ess"] > 0.9999
+    # Held-out at steps 0 and 2: greedy accuracy, and pass@1/pass@k/maj@k of 8 samples,
+    # their entropy and diversity.
+    for r in (records[0], records[2]):
+        assert set(SAMPLED) | {"accuracy"} <= set(r)
+        assert 0 <= r["pass_at_1"] <= r["pass_at_k"] <= 1 and r["sample_entropy"] > 0
     if mode == "grpo":
         assert abs(records[1]["kl"]) < 1e-5
     else:
