@@ -96,7 +96,9 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         config, run, lambda folder, trainable: tuning.save(folder, model, trainable, placement),
         placement,
     )  # fmt: skip
-    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
+    state = learner.initial_state(
+        loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
+    )
     state = loop.train(
         run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
         step_fn=train_step, pieces=pieces, watch=watcher,

@@ -122,7 +122,9 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         return learner.pieces(state, indices.shape[0], task, sampling)
 
     # The trainer's state is checkpointed and saved on every device of both processes.
-    state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
+    state = learner.initial_state(
+        loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
+    )
     state = {**state, "updates": placement.replicate(np.int32(0))}
     both = disaggregated.everywhere()
     checkpointed = (

@@ -189,6 +189,9 @@ def objective(
         kl = losses.kl_penalty(token_logps, ref_logps, estimator="k3", where=batch["where"])
         per_token = per_token + kl_coef * kl
         logged["kl"] = kl
+    if "entropy_weight" in batch:  # --target-entropy: the controller's current weight
+        bonus = losses.entropy_bonus(entropy, entropy_weight=batch["entropy_weight"], where=where)
+        per_token = per_token + bonus
     norm = max_length if aggregation == "seq_mean_token_sum_norm" else None
     loss = losses.aggregate(per_token, mode=aggregation, norm_constant=norm, where=where)
 
@@ -222,9 +225,23 @@ class Learner:
         # The fingerprints of the policies handed to the sampler: a batch sampled by anything
         # else (weights or adapters that never reached it) stops the run in one line.
         self.ledger = rollout.PolicyLedger(max_staleness=getattr(config, "max_staleness", 0))
+        self.entropy_control = None
+        if config.target_entropy is not None:  # Skywork-OR1's additive rule
+            self.entropy_control = advantages.adaptive_entropy_controller(
+                target_entropy=config.target_entropy, step_size=config.entropy_step,
+                max_entropy_weight=config.max_entropy_weight,
+            )  # fmt: skip
         self.rewards = batch_rewards(config.mode, config.group_size, max_length)
         self.update = jax.jit(self._update)
         self.prox_logps = jax.jit(self._prox_logps)
+
+    def initial_state(self, state: dict) -> dict:
+        """`state` (`kit.loop.initial_state`'s) with what the learner keeps across steps: with
+        `--target-entropy`, the entropy controller's state (checkpointed with the rest)."""
+        if self.entropy_control is None:
+            return state
+        control = self.placement.replicate(self.entropy_control.init())
+        return {**state, "entropy_control": control}
 
     def completion_logps(self, params, batch):
         return rollout.completion_logps(
@@ -281,6 +298,8 @@ class Learner:
         except rollout.StalePolicyError as error:
             raise UserError(f"step {version + 1}: {error}") from None
         batch = self.batch(rows)
+        if self.entropy_control is not None:
+            batch["entropy_weight"] = state["entropy_control"].entropy_weight
         if config.is_correction == "tis":  # the trainer's log-probs before the update
             with goodput.phase("logprobs"):
                 batch["old"] = jax.block_until_ready(self.prox_logps(state["params"], batch))
@@ -293,7 +312,12 @@ class Learner:
             if i == 0:  # the mismatch on the weights that sampled (synchronously), not after
                 first = {k: out_metrics[k] for k in MISMATCH}
         means = _batch_means(batch["rewards"], batch["right"], batch["lengths"], batch["keep"])
-        return state, {**out_metrics, **first, **means}
+        extra = {}
+        if self.entropy_control is not None:  # the weight for the next batch, from this one's
+            extra["entropy_weight"] = batch["entropy_weight"]
+            control = self.entropy_control.update(out_metrics["entropy"], state["entropy_control"])
+            state = {**state, "entropy_control": control}
+        return state, {**out_metrics, **first, **means, **extra}
 
     def pieces(self, state, batch_size: int, task, sampling) -> dict:
         """A step's jitted parts for `--plan` and `--device-memory` (`kit.plan.Piece`): the
@@ -310,6 +334,8 @@ class Learner:
         batch = {**rows, **{k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows)
                             for k, x in rewards.items()}}  # fmt: skip
         batch["old"] = rows["logps"]
+        if self.entropy_control is not None:
+            batch["entropy_weight"] = jax.ShapeDtypeStruct((), np.float32)
         return {
             "rollout": plan.sampler(self.graphdef, policy, *prompts, sampling, group_size=group),
             "update": plan.Piece(

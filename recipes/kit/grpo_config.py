@@ -111,6 +111,13 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation):
         "when --max-staleness > 0 (recipes/grpo_async.py)",
     )
     is_cap: float = flag(2.0, "the cap C of the truncated importance weights")
+    target_entropy: float | None = flag(
+        None,
+        "steer the policy's entropy (nats/token) toward this with an entropy bonus whose "
+        "weight adapts each step (Skywork-OR1's adaptive entropy control); default: no bonus",
+    )
+    entropy_step: float = flag(1e-4, "with --target-entropy: the weight's step per update")
+    max_entropy_weight: float = flag(0.005, "with --target-entropy: the weight's upper bound")
 
     def run_name(self) -> str:
         return "grpo" if self.mode == "grpo" else f"grpo-{self.mode}"
@@ -128,6 +135,12 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation):
         self.check_staleness()
         if not self.is_cap > 0:
             raise UserError(f"--is-cap must be > 0, got {self.is_cap}")
+        if self.target_entropy is not None and not 0 < self.target_entropy < float("inf"):
+            raise UserError(f"--target-entropy must be > 0, got {self.target_entropy}")
+        if not 0 < self.entropy_step < float("inf"):
+            raise UserError(f"--entropy-step must be > 0, got {self.entropy_step}")
+        if not 0 <= self.max_entropy_weight < float("inf"):
+            raise UserError(f"--max-entropy-weight must be >= 0, got {self.max_entropy_weight}")
         if self.is_correction == "auto":
             self.is_correction = "tis" if self.stale() else "none"
         if not self.temperature > 0:

@@ -64,6 +64,7 @@ WITHOUT_JAX = [
     ),
     ("grpo", ["--eval-samples", "-1"], "--eval-samples must be >= 0, got -1"),
     ("grpo", ["--collapse-entropy", "nan"], "--collapse-entropy must be >= 0, got nan"),
+    ("grpo", ["--target-entropy", "0"], "--target-entropy must be > 0, got 0.0"),
     ("grpo_async", ["--keep-best", "accuracy"], "--keep-best runs with recipes/grpo.py"),
     ("sft", ["--batch-size", "0"], "--batch-size must be >= 1"),
     ("sft", ["--learning-rate", "-1"], "--learning-rate must be > 0"),

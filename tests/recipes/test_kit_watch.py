@@ -78,7 +78,9 @@ def test_keep_best_saves_only_improvements_and_resumes_from_its_record(tmp_path)
 
 
 def _learner(max_staleness: int = 0) -> Learner:
-    config = types.SimpleNamespace(mode="grpo", group_size=2, max_staleness=max_staleness)
+    config = types.SimpleNamespace(
+        mode="grpo", group_size=2, max_staleness=max_staleness, target_entropy=None
+    )
     return Learner(None, None, None, None, None, config, max_length=4)
 
 
