@@ -82,7 +82,8 @@ def accuracy(args, tmp: Path) -> dict:
                 sys.executable, "-m", "tunelib.launch", "-n", "2", "--devices-per-process", "1",
                 str(ROOT / "recipes/grpo.py"), "--model", str(sft / "model"), "--no-progress",
                 "--seed", str(seed), "--steps", str(args.accuracy_steps), "--batch-size", "32",
-                "--eval-every", "1000", "--max-staleness", str(staleness), "--out", str(run),
+                "--eval-every", "1000", "--eval-samples", "0", "--max-staleness", str(staleness),
+                "--out", str(run),
             ])  # fmt: skip
             result = json.loads((run / "result.json").read_text())
             out[f"seed_{seed}_staleness_{staleness}"] = {
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                 "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                 "--group-size", str(args.group_size), "--max-new-tokens",
                 str(args.max_new_tokens), "--eval-every", "1000", "--checkpoint-every", "1000",
-                "--max-staleness", str(staleness), "--is-correction", correction,
+                "--eval-samples", "0", "--max-staleness", str(staleness),
+                "--is-correction", correction,
                 "--out", str(out),
             ])  # fmt: skip
             results[name] = step_times(out, skip=args.warmup_steps)
