@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Literal
 
 import kit
-from kit.config import Run, Task, flag
+from kit.config import RLEvaluation, Run, Task, flag
 from kit.errors import UserError
 from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
-class DistillConfig(Run, Task):
+class DistillConfig(Run, Task, RLEvaluation):
     RECIPE = "distill"
     LEARNING_RATE = 3e-3
 
@@ -94,7 +94,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     from tunelib import logprobs, losses, rollout
     from tunelib.data import CharTokenizer
 
-    from kit import chain, data, evaluate, goodput, loop, models, optim, parallel
+    from kit import chain, data, evaluate, goodput, loop, models, optim, parallel, watch
 
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
@@ -171,10 +171,16 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         state, out = update(state, {**rows, "sampled": jnp.asarray(sampled)})
         return state, {**out, "on_policy": float(sampled)}
 
-    def evaluate_fn(params):
-        return {
-            "accuracy": evaluate.accuracy(student.graphdef, params, task, vocab_size, placement)
-        }
+    # Greedy accuracy, and with --eval-samples k the student's k samples at
+    # --sample-temperature: pass@1, pass@k, maj@k, entropy and diversity (kit.evaluate).
+    evaluate_fn = evaluate.for_rl(
+        config, student.graphdef, vocab_size, lambda params: params, task, sampling, placement
+    )
+    # A warning line at the signs of entropy collapse; with --keep-best, the best model kept.
+    watcher, best = watch.watcher(
+        config, run, lambda folder, params: models.save_model(folder / "model", student, params),
+        placement,
+    )  # fmt: skip
 
     def pieces(state, rows):  # a step's jitted parts, for --plan and --device-memory
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
@@ -188,7 +194,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     state["step"] = placement.replicate(np.int32(0))  # which steps sample (--on-policy)
     state = loop.train(
         run, config, placement, state=state,
-        step_fn=train_step, evaluate=evaluate_fn, pieces=pieces,
+        step_fn=train_step, evaluate=evaluate_fn, pieces=pieces, watch=watcher,
         batches=data.batches(task, config, placement, kind="sft"),
     )  # fmt: skip
     if isinstance(state, Planned):  # --plan: the step compiled, never run
@@ -202,6 +208,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         ),
         "accuracy_before": before,
         "accuracy_after": after,
+        **(best.headline() if best else {}),
     }
     chained = {"teacher_seconds": teacher_seconds}
     if not config.no_baseline:

@@ -86,7 +86,9 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
             rows = sample(policy, placement.local(indices), sample_key, version=version)
         return learner.learn({**state, "rng": rng}, rows, dropout_key, version=version)
 
-    evaluate_fn = evaluate.for_rl(config, graphdef, vocab_size, tuning, task, sampling, placement)
+    evaluate_fn = evaluate.for_rl(
+        config, graphdef, vocab_size, tuning.policy, task, sampling, placement
+    )
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)

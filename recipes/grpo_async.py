@@ -111,7 +111,9 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
                 sampler_policy["trainable"] = placement.replicate(weights)
         return state, {**out, "weight_push_mb_per_s": rate / 1e6} if trainer else {}
 
-    rl_evaluate = evaluate.for_rl(config, graphdef, vocab_size, tuning, task, sampling, placement)
+    rl_evaluate = evaluate.for_rl(
+        config, graphdef, vocab_size, tuning.policy, task, sampling, placement
+    )
 
     def evaluate_fn(trainable):
         if not trainer:  # the sampler's copy of the state is not the trained one

@@ -116,14 +116,15 @@ def rl_metric_names(config) -> list[str]:
 
 
 def for_rl(
-    config, graphdef, vocab_size: int, tuning, task: Task, sampling, placed
+    config, graphdef, vocab_size: int, policy_of: Callable, task: Task, sampling, placed
 ) -> Callable[[dict], dict]:
     """The held-out evaluation of an RL recipe, `evaluate(trainable) -> metrics`: greedy
-    `accuracy`, and with `--eval-samples k` the metrics of `samples`, on the policy the
-    sampler runs (`tuning.policy`: adapters beside the base, never merged)."""
+    `accuracy`, and with `--eval-samples k` the metrics of `samples` drawn with `sampling`,
+    on the policy the sampler runs, `policy_of(trainable)` (`kit.lora.Tuning.policy`:
+    adapters beside the base, never merged)."""
 
     def evaluate(trainable) -> dict:
-        policy = tuning.policy(trainable)
+        policy = policy_of(trainable)
         out = {"accuracy": accuracy(graphdef, policy, task, vocab_size, placed)}
         if config.eval_samples:
             out.update(samples(graphdef, policy, task, sampling, placed, k=config.eval_samples))
