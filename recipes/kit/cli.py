@@ -11,6 +11,7 @@ and flag errors never wait for it. Exit status: 0 done, 2 a bad flag, path or da
 130 interrupted (after saving a checkpoint when there was a step to save).
 """
 
+import json
 import os
 import shlex
 import sys
@@ -38,7 +39,11 @@ class Interrupted(Exception):
 
 def resume_command(argv: list[str]) -> str:
     """The command line that continues this run: the same flags, `--resume`, no `--overwrite`."""
-    kept = [a for a in argv if a not in ("--overwrite", "--resume")]
+    kept = [
+        arg
+        for before, arg in zip(["", *argv], argv, strict=False)
+        if arg not in ("--overwrite", "--resume") and (before, arg) != ("--resume", "auto")
+    ]
     return shlex.join(["python", sys.argv[0] or "recipe.py", *kept, "--resume"])
 
 
@@ -66,22 +71,38 @@ def main(
                 out, resume=config.resume, overwrite=config.overwrite, steps=config.steps
             )
             run.check_resume(config)
+            if run.finished:  # `--resume auto` of a run that is done: its result again
+                print(f"{prog}: {out} finished its {config.steps} steps already", flush=True)
+                return json.loads((run.path / "result.json").read_text())
         if config.plan or config.device_memory:
             return plan.guard(config, train, run)
         return train(config, run)
     except UserError as error:
+        _release(run)
         sys.stderr.write(f"{prog}: error: {error}\n")
         _exit(2, wait_for_peers=True)
     except Interrupted as stop:
+        _release(run)
         _interrupted(prog, stop.step, argv)
     except KeyboardInterrupt:  # outside the loop: before its first step or after its last
+        _release(run)
         saved = checkpoint_steps(run.path) if run is not None else []
         _interrupted(prog, saved[-1] if saved else None, argv)
     except Exception:
+        _release(run)
         if not _alone():  # the others wait in a collective for this one: leave at once
             traceback.print_exc()
             _exit(1)
         raise
+    finally:
+        _release(run)
+
+
+def _release(run: RunFolder | None) -> None:
+    """Release the run folder's lock (on every exit: done, an error, Ctrl-C); `_exit` may
+    leave without running `finally` blocks."""
+    if run is not None:
+        run.release()
 
 
 def _alone() -> bool:
