@@ -3,8 +3,10 @@
 A run folder holds what a recipe writes: its configuration, metrics, checkpoints, plots,
 models and result. A folder that already holds a run is never replaced or added to unless
 the user says which: `--resume` continues it from its last checkpoint, `--overwrite` removes
-the run's own files (nothing else in the folder) and starts again. Both are decided before any
-work starts. Nothing here imports JAX.
+the run's own files (nothing else in the folder) and starts again; `--resume auto` resumes
+when there is a checkpoint and starts otherwise. All are decided before any work starts, and
+checked again under the folder's lock (`kit.lock`) when the run opens it. Nothing here
+imports JAX.
 """
 
 import json
@@ -186,10 +188,7 @@ class RunFolder:
                     f"{self.named} holds a run already: pass --resume to continue it, "
                     "--overwrite to replace it, or --out to start elsewhere"
                 )
-            raise UserError(
-                f"--resume: {self.named} has no config.toml, so the settings it was trained "
-                "with are unknown; put its config.toml back to resume it"
-            )
+            raise _no_config(self.named)
         saved = _read_toml(saved_file)
         now = tomllib.loads(to_toml(config))
         for name in sorted((saved.keys() | now.keys()) - RESUMABLE_CHANGES):
@@ -262,9 +261,13 @@ def _check_run_files(folder: Path, named: Path) -> None:
     """Refuse, before anything is written, to resume a run whose `config.toml` is missing or
     damaged, or whose `metrics.jsonl` is."""
     if not (folder / "config.toml").is_file():
-        raise UserError(
-            f"--resume: {named} has no config.toml, so the settings it was trained with are "
-            "unknown; put its config.toml back to resume it"
-        )
+        raise _no_config(named)
     _read_toml(folder / "config.toml")
     read_metrics(folder / "metrics.jsonl")
+
+
+def _no_config(named: Path) -> UserError:
+    return UserError(
+        f"--resume: {named} has no config.toml, so the settings it was trained with are "
+        "unknown; put its config.toml back to resume it"
+    )
