@@ -241,6 +241,34 @@ def test_bad_data_files_give_one_line(
     assert snapshot(world) == before
 
 
+@pytest.mark.slow
+def test_a_reward_that_returns_nan_names_the_prompt_and_the_command_can_run_again(
+    tmp_path, char_model, monkeypatch, capsys
+):
+    """A NaN reward stops GRPO in one line naming the prompt; the folder that failed start
+    leaves (no checkpoint) does not block the same command, nor holds the lock."""
+    (tmp_path / "nan_reward.py").write_text(
+        "def score(completion, record):\n    return float('nan')\n"
+    )
+    flags = [
+        "--model", str(char_model), "--reward", "nan_reward.py:score", "--out", "runs/nan",
+        "--steps", "2", "--batch-size", "2", "--group-size", "2", "--num-heldout", "4",
+        "--max-new-tokens", "4", "--no-progress", "--devices", "1",
+    ]  # fmt: skip
+    for _ in range(2):
+        status, lines = run_here("grpo", flags, tmp_path, monkeypatch, capsys)
+        assert status == 2, lines
+        assert (
+            len(lines) == 1
+            and "--reward nan_reward.py:score returned nan for the prompt '" in lines[0]
+        ), lines
+        assert sorted(p.name for p in (tmp_path / "runs" / "nan").iterdir()) == [
+            "checkpoints",
+            "config.toml",
+            "metrics.jsonl",
+        ]
+
+
 def test_a_damaged_gguf_file_is_one_line_and_writes_nothing(world, monkeypatch, capsys):
     before = snapshot(world)
     flags = ["--model", "broken.gguf", "--out", "runs/broken", "--lora-rank", "4"]
