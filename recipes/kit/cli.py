@@ -8,14 +8,15 @@ where `SFTConfig.RECIPE = "sft"` names the script and the default run folder.
 
 `train(config, run)` is the recipe's own function; it imports JAX itself, so that `--help`
 and flag errors never wait for it. The run folder's lock (taken when the loop opens the
-folder) is released on every exit: done, an error, Ctrl-C. Exit status: 0 done, 2 a bad
-flag, path or data file, 130 interrupted (after saving a checkpoint when there was a step to
-save).
+folder) is released on every exit: done, an error, Ctrl-C, SIGTERM. Exit status: 0 done, 2
+a bad flag, path or data file, 130 interrupted (after saving a checkpoint when there was a
+step to save), 143 terminated (SIGTERM: the last checkpoint is what remains).
 """
 
 import json
 import os
 import shlex
+import signal
 import sys
 import threading
 import traceback
@@ -62,6 +63,8 @@ def main(
     description = doc.strip().splitlines()[0]
     config = parse(config_type, argv, description=description, prog=prog)
     run = None
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         if not isinstance(config, Run):  # a script without a run folder (generate.py)
             return train(config, None)
@@ -98,6 +101,14 @@ def main(
         raise
     finally:
         _release(run)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM (a scheduler stopping or preempting the job): exit with 128 + 15 through the
+    `finally` blocks, which release the run folder's lock."""
+    raise SystemExit(128 + signum)
 
 
 def _release(run: RunFolder | None) -> None:

@@ -3,19 +3,22 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.recipes._scripts import recipe_module
 
+from kit import lock
 from kit.cli import resume_command
 from kit.config import to_toml
 from kit.errors import UserError
-from kit.lock import LOCK_FILE, Lock
+from kit.lock import LOCK_FILE, STALE_SECONDS, Lock
 from kit.runs import RunFolder, read_metrics
 
 
@@ -66,11 +69,33 @@ def test_a_live_process_of_another_start_time_is_a_reused_pid(tmp_path, capsys):
     assert "taking over the lock" in capsys.readouterr().err
 
 
-def test_a_lock_held_on_another_host_is_refused(tmp_path):
+def test_a_lock_of_another_host_is_refused_while_renewed_and_taken_over_after(tmp_path, capsys):
     write_lock(tmp_path, pid=1, host="elsewhere", started="1")
-    with pytest.raises(UserError, match="process 1 on host elsewhere, which this host cannot"):
+    with pytest.raises(UserError, match="process 1 on host elsewhere, its lock renewed 0 s ago"):
         Lock(tmp_path)
     assert (tmp_path / LOCK_FILE).exists()
+    long_ago = time.time() - STALE_SECONDS - 1
+    os.utime(tmp_path / LOCK_FILE, (long_ago, long_ago))
+    Lock(tmp_path).release()
+    assert "taking over the lock of process 1 on host elsewhere" in capsys.readouterr().err
+
+
+def test_a_held_lock_is_renewed_until_released(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock, "RENEW_SECONDS", 0.01)
+    held = Lock(tmp_path)
+    os.utime(tmp_path / LOCK_FILE, (0, 0))
+    deadline = time.monotonic() + 10
+    while (tmp_path / LOCK_FILE).stat().st_mtime == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held.release()
+    assert held._renewing.is_set() and not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_damaged_lock_file_is_taken_over(tmp_path, capsys):
+    (tmp_path / LOCK_FILE).write_text('{"pid": 1')
+    Lock(tmp_path).release()
+    assert "taking over the lock of a run (its lock file is damaged)" in capsys.readouterr().err
 
 
 def test_a_run_into_a_folder_another_run_writes_writes_nothing(tmp_path):
@@ -228,3 +253,46 @@ def test_with_no_intact_checkpoint_resume_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"no checkpoint in .* is intact \(step 4: .*; step 2: "):
         checkpoints_type(folder).restore_latest(template, data())
     assert sorted(os.listdir(folder)) == ["2", "4"]
+
+
+def _opens_then(outcome: str):
+    """A recipe's `train` that opens its run folder, then ends as `outcome` says."""
+
+    def train(config, run):
+        run.open(config)
+        assert (run.path / LOCK_FILE).exists()
+        if outcome == "done":
+            return {"recipe": "sft"}
+        if outcome == "bad input":
+            raise UserError("a bad data file")
+        if outcome == "crash":
+            raise RuntimeError("a bug")
+        os.kill(os.getpid(), signal.SIGTERM if outcome == "SIGTERM" else signal.SIGINT)
+        time.sleep(10)
+        raise AssertionError("the signal did not stop the run")
+
+    return train
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status"),
+    [("done", None), ("bad input", 2), ("crash", RuntimeError), ("SIGTERM", 143), ("Ctrl-C", 130)],
+)
+def test_the_lock_is_released_on_every_exit(tmp_path, outcome, status):
+    import kit
+
+    sft = recipe_module("sft")
+    argv = ["--out", str(tmp_path / "run"), "--steps", "4"]
+    handler = signal.getsignal(signal.SIGTERM)
+    if status is None:
+        kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+    elif status is RuntimeError:
+        with pytest.raises(RuntimeError):
+            kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+    else:
+        with pytest.raises(SystemExit) as stop:
+            kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+        assert stop.value.code == status
+    assert (tmp_path / "run" / "config.toml").exists()
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+    assert signal.getsignal(signal.SIGTERM) is handler
