@@ -13,7 +13,6 @@ a bad flag, path or data file, 130 interrupted (after saving a checkpoint when t
 step to save), 143 terminated (SIGTERM: the last checkpoint is what remains).
 """
 
-import json
 import os
 import shlex
 import signal
@@ -76,9 +75,9 @@ def main(
                 out, resume=config.resume, overwrite=config.overwrite, steps=config.steps
             )
             run.check_resume(config)
-            if run.finished:  # `--resume auto` of a run that is done: its result again
+            if run.finished is not None:  # `--resume auto` of a run that is done
                 print(f"{prog}: {out} finished its {config.steps} steps already", flush=True)
-                return json.loads((run.path / "result.json").read_text())
+                return run.finished
         if config.plan or config.device_memory:
             return plan.guard(config, train, run)
         return train(config, run)

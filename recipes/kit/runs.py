@@ -89,7 +89,8 @@ class RunFolder:
 
     `resume` is True (`--resume`), False, or "auto" (`--resume auto`: resume if the folder
     has a checkpoint, else start). After the checks, `resume` says which, and `finished`
-    whether `--resume auto` found the run finished already (nothing to do).
+    the result of a run that `--resume auto` found finished already (nothing to do), else
+    None.
 
     A start that failed before its first checkpoint (a reward that raised, out of memory at
     the first evaluation) leaves a folder with its `config.toml` and no checkpoint nor model:
@@ -102,7 +103,7 @@ class RunFolder:
         self.named = path
         self.steps = steps
         self.lock = None
-        self.finished = False
+        self.finished = None
         self._decide(resume, overwrite)
         self.started = time.perf_counter()
 
@@ -116,8 +117,8 @@ class RunFolder:
         saved = checkpoint_steps(self.path)
         work = bool(saved) or any(name in held for name in WORK_ENTRIES)
         if resume == "auto":
-            if saved and saved[-1] >= steps and (self.path / "result.json").is_file():
-                self.finished = True
+            if saved and saved[-1] >= steps:
+                self.finished = _result(self.path)
             resume = bool(saved)
             if not saved and work:
                 raise UserError(
@@ -130,8 +131,8 @@ class RunFolder:
                 raise UserError(f"--resume: {path} has {what} to resume from")
             # At `--steps` already: a run killed before its model was saved resumes to save
             # it; a finished one (its result written) has nothing left to do at these steps.
-            done = (self.path / "result.json").exists()
-            if not self.finished and (saved[-1] > steps or (saved[-1] == steps and done)):
+            done = _result(self.path) is not None
+            if self.finished is None and (saved[-1] > steps or (saved[-1] == steps and done)):
                 raise UserError(
                     f"--resume: {path} is at step {saved[-1]} already; give --steps above "
                     f"{saved[-1]} to train it further"
@@ -271,3 +272,13 @@ def _no_config(named: Path) -> UserError:
         f"--resume: {named} has no config.toml, so the settings it was trained with are "
         "unknown; put its config.toml back to resume it"
     )
+
+
+def _result(folder: Path) -> dict | None:
+    """The `result.json` a finished run wrote, or None (none, or one cut short: the run did
+    not finish writing it)."""
+    try:
+        result = json.loads((folder / "result.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return result if isinstance(result, dict) else None

@@ -158,20 +158,22 @@ def saved_run(folder: Path, step: int, *, finished: bool) -> Path:
 
 def test_resume_auto_resumes_starts_or_finds_the_run_finished(tmp_path):
     fresh = RunFolder(tmp_path / "new", resume="auto", overwrite=False, steps=4)
-    assert (fresh.resume, fresh.finished) == (False, False)
+    assert (fresh.resume, fresh.finished) == (False, None)
     unfinished = RunFolder(saved_run(tmp_path / "a", 2, finished=False), resume="auto",
                            overwrite=False, steps=4)  # fmt: skip
-    assert (unfinished.resume, unfinished.finished) == (True, False)
+    assert (unfinished.resume, unfinished.finished) == (True, None)
     done = RunFolder(saved_run(tmp_path / "b", 4, finished=True), resume="auto",
                      overwrite=False, steps=4)  # fmt: skip
-    assert (done.resume, done.finished) == (True, True)
+    assert (done.resume, done.finished) == (True, {"recipe": "sft", "steps": 4})
     longer = RunFolder(tmp_path / "b", resume="auto", overwrite=False, steps=6)
-    assert (longer.resume, longer.finished) == (True, False)
+    assert (longer.resume, longer.finished) == (True, None)
 
 
 def test_resume_at_the_last_step_finishes_a_run_killed_before_its_model_was_saved(tmp_path):
     out = saved_run(tmp_path / "run", 4, finished=False)
     assert RunFolder(out, resume=True, overwrite=False, steps=4).resume
+    (out / "result.json").write_text('{"recipe": "sf')  # cut short: the run did not finish
+    assert RunFolder(out, resume="auto", overwrite=False, steps=4).finished is None
     (out / "result.json").write_text("{}")
     with pytest.raises(UserError, match="is at step 4 already; give --steps above 4"):
         RunFolder(out, resume=True, overwrite=False, steps=4)
