@@ -103,6 +103,8 @@ class Checkpoints:
         except UserError:  # the data positions of another count of processes
             raise
         except Exception as error:  # a file Orbax, TensorStore or JSON cannot read
+            if "RESOURCE_EXHAUSTED" in str(error):  # out of memory: the files may be fine
+                raise
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             return None, reason.split(" Truncating/padding")[0][:300]
         return out, ""

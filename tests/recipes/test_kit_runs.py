@@ -202,6 +202,25 @@ def test_metrics_cut_short_by_a_kill_lose_their_last_line_and_damaged_ones_are_r
         read_metrics(path)
 
 
+RECIPES_WITH_RUNS = ["sft", "dpo", "grpo", "grpo_async", "orpo", "reward_model", "distill",
+                     "tool_use"]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", RECIPES_WITH_RUNS)
+def test_every_recipe_takes_resume_auto_and_plain_resume(recipe):
+    from kit.config import Run, parse
+
+    module = recipe_module(recipe)
+    config_type = next(
+        v for v in vars(module).values()
+        if isinstance(v, type) and issubclass(v, Run) and getattr(v, "RECIPE", None) == recipe
+    )  # fmt: skip
+    for argv, resume in ((["--resume", "auto"], "auto"), (["--resume"], True), ([], False)):
+        config = parse(config_type, argv, description="", prog=f"{recipe}.py")
+        assert config.resume == resume
+        assert "resume" not in to_toml(config)
+
+
 def test_the_resume_command_of_resume_auto():
     command = resume_command(["--resume", "auto", "--steps", "4", "--overwrite"])
     assert command.endswith("--steps 4 --resume") and "auto" not in command
