@@ -117,7 +117,7 @@ class RunFolder:
         saved = checkpoint_steps(self.path)
         work = bool(saved) or any(name in held for name in WORK_ENTRIES)
         if resume == "auto":
-            if saved and saved[-1] >= steps:
+            if saved and saved[-1] == steps:
                 self.finished = _result(self.path)
             resume = bool(saved)
             if not saved and work:

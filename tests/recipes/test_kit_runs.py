@@ -167,6 +167,8 @@ def test_resume_auto_resumes_starts_or_finds_the_run_finished(tmp_path):
     assert (done.resume, done.finished) == (True, {"recipe": "sft", "steps": 4})
     longer = RunFolder(tmp_path / "b", resume="auto", overwrite=False, steps=6)
     assert (longer.resume, longer.finished) == (True, None)
+    with pytest.raises(UserError, match="is at step 4 already; give --steps above 4"):
+        RunFolder(tmp_path / "b", resume="auto", overwrite=False, steps=3)
 
 
 def test_resume_at_the_last_step_finishes_a_run_killed_before_its_model_was_saved(tmp_path):
