@@ -3,7 +3,9 @@
 - `config`: one dataclass per recipe is its flags, `--help`, `--config file.toml` and the
   `config.toml` of its run; flag groups (`Run`, `Task`, `DataFile`, `Start`, `Lora`).
 - `cli`: the entry point: parse and check before JAX is imported, one-line errors, Ctrl-C.
-- `runs`: run folders that are never replaced without `--overwrite` or `--resume`.
+- `runs`: run folders that are never replaced without `--overwrite` or `--resume`, and
+  `--resume auto`.
+- `lock`: a run folder's lock: one run writes it at a time.
 - `chain`: the SFT runs a recipe trains first (its start, a teacher, a baseline).
 - `models`: the start model (new, a recipe's `model/`, a Hugging Face checkpoint) and saving.
 - `data`: the built-in task or a data file, as records and batches.
@@ -19,9 +21,9 @@
 - `parallel`, `disaggregated`: the mesh over every process's devices; GRPO's two roles.
 - `plan`: `--plan` and `--device-memory`, the step's memory planned before it runs.
 
-The modules a recipe imports before its flags are checked (`config`, `cli`, `runs`,
-`errors`, and through them `plan`, `models`, `reward_model`, `grpo_config`) do not import JAX
-at their top; the others do, and are imported by the recipes' `train`.
+The modules a recipe imports before its flags are checked (`config`, `cli`, `runs`, `lock`,
+`errors`, and through them `plan`, `models`, `reward_model`, `grpo_config`) do not import
+JAX at their top; the others do, and are imported by the recipes' `train`.
 """
 
 from kit import cli, config, errors, runs

@@ -11,11 +11,13 @@ the line reached `metrics.jsonl` loses nothing.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from kit.errors import UserError
 
@@ -25,7 +27,8 @@ class Checkpoints:
     step's record.
 
     Orbax writes each step into a temporary folder and renames it into place once complete,
-    so a process killed mid-write leaves the last complete checkpoint as the latest.
+    so a process killed mid-write leaves the last complete checkpoint as the latest; a
+    complete one damaged later (a file cut short) is skipped on restore.
     """
 
     def __init__(self, folder: Path):
@@ -59,10 +62,36 @@ class Checkpoints:
         )
 
     def restore_latest(self, template, batches) -> tuple[int, object, dict]:
-        """`(step, state, record)` of the latest checkpoint, the state placed like `template`;
-        `batches` (a fresh Grain iterator of the run's data) is moved to its position."""
-        step = self.manager.latest_step()
+        """`(step, state, record)` of the latest intact checkpoint, the state placed like
+        `template`; `batches` (a fresh Grain iterator of the run's data) is moved to its
+        position.
+
+        A checkpoint that cannot be read (a file cut short or damaged) is skipped for the
+        one before it, with one line saying which and why, and moved aside to
+        `damaged-<step>/` so the run can save that step again; with none intact, or one
+        of other shapes (another model behind the same settings), a `UserError`."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        damaged = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            restored, reason = self._restore(step, abstract, batches)
+            if restored is not None:
+                self._set_aside(damaged, step)
+                return step, restored["state"], restored["record"]
+            if _other_shapes(reason):
+                raise UserError(
+                    f"--resume: the checkpoint of step {step} in {self.folder} does not fit "
+                    f"this run's model: {reason}"
+                )
+            damaged.append((step, reason))
+        found = "; ".join(f"step {step}: {reason}" for step, reason in damaged)
+        raise UserError(
+            f"--resume: no checkpoint in {self.folder} is intact ({found or 'none saved'}); "
+            "start the run again with --overwrite"
+        )
+
+    def _restore(self, step: int, abstract, batches) -> tuple[dict | None, str]:
+        """The state and record of `step` with `batches` at its position, and "", or None and
+        the first line of why it cannot be read."""
         try:
             out = self.manager.restore(
                 step,
@@ -70,18 +99,46 @@ class Checkpoints:
                     state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()
                 ),
             )
-        except ValueError as error:  # another model: Orbax names the first mismatch
-            reason = str(error).splitlines()[0].split(" Truncating/padding")[0]
-            raise UserError(
-                f"--resume: the checkpoint of step {step} in {self.folder} does not fit this "
-                f"run's model: {reason}"
-            ) from None
-        batches.set_state(data_position(self.folder / str(step) / "data"))
-        return step, out["state"], out["record"]
+            batches.set_state(data_position(self.folder / str(step) / "data"))
+        except UserError:  # the data positions of another count of processes
+            raise
+        except Exception as error:  # a file Orbax, TensorStore or JSON cannot read
+            if "RESOURCE_EXHAUSTED" in str(error):  # out of memory: the files may be fine
+                raise
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            return None, reason.split(" Truncating/padding")[0][:300]
+        return out, ""
+
+    def _set_aside(self, damaged: list[tuple[int, str]], restored: int) -> None:
+        """Say which checkpoints were skipped for `restored`, and move them aside (process 0,
+        once every process has restored)."""
+        if not damaged:
+            return
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("checkpoint restored")
+        if jax.process_index() == 0:
+            for step, reason in damaged:
+                aside = self.folder / f"damaged-{step}"
+                (self.folder / str(step)).rename(aside)
+                print(
+                    f"--resume: the checkpoint of step {step} is damaged ({reason}), moved "
+                    f"to {aside}; resuming from step {restored}, the latest intact one",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("damaged checkpoints set aside")
+        self.manager.reload()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _other_shapes(reason: str) -> bool:
+    """Whether Orbax's reason for not restoring is a state of other shapes or structure (a
+    checkpoint of another model), not a damaged file."""
+    return "not compatible with the stored shape" in reason or "tree structure" in reason
 
 
 def data_position(folder: Path) -> dict:

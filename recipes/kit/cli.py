@@ -7,12 +7,15 @@ failure the user can cause into one line.
 where `SFTConfig.RECIPE = "sft"` names the script and the default run folder.
 
 `train(config, run)` is the recipe's own function; it imports JAX itself, so that `--help`
-and flag errors never wait for it. Exit status: 0 done, 2 a bad flag, path or data file,
-130 interrupted (after saving a checkpoint when there was a step to save).
+and flag errors never wait for it. The run folder's lock (taken when the loop opens the
+folder) is released on every exit: done, an error, Ctrl-C, SIGTERM. Exit status: 0 done, 2
+a bad flag, path or data file, 130 interrupted (after saving a checkpoint when there was a
+step to save), 143 terminated (SIGTERM: the last checkpoint is what remains).
 """
 
 import os
 import shlex
+import signal
 import sys
 import threading
 import traceback
@@ -38,7 +41,11 @@ class Interrupted(Exception):
 
 def resume_command(argv: list[str]) -> str:
     """The command line that continues this run: the same flags, `--resume`, no `--overwrite`."""
-    kept = [a for a in argv if a not in ("--overwrite", "--resume")]
+    kept = [
+        arg
+        for before, arg in zip(["", *argv], argv, strict=False)
+        if arg not in ("--overwrite", "--resume") and (before, arg) != ("--resume", "auto")
+    ]
     return shlex.join(["python", sys.argv[0] or "recipe.py", *kept, "--resume"])
 
 
@@ -55,6 +62,8 @@ def main(
     description = doc.strip().splitlines()[0]
     config = parse(config_type, argv, description=description, prog=prog)
     run = None
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         if not isinstance(config, Run):  # a script without a run folder (generate.py)
             return train(config, None)
@@ -66,22 +75,46 @@ def main(
                 out, resume=config.resume, overwrite=config.overwrite, steps=config.steps
             )
             run.check_resume(config)
+            if run.finished is not None:  # `--resume auto` of a run that is done
+                print(f"{prog}: {out} finished its {config.steps} steps already", flush=True)
+                return run.finished
         if config.plan or config.device_memory:
             return plan.guard(config, train, run)
         return train(config, run)
     except UserError as error:
+        _release(run)
         sys.stderr.write(f"{prog}: error: {error}\n")
         _exit(2, wait_for_peers=True)
     except Interrupted as stop:
+        _release(run)
         _interrupted(prog, stop.step, argv)
     except KeyboardInterrupt:  # outside the loop: before its first step or after its last
+        _release(run)
         saved = checkpoint_steps(run.path) if run is not None else []
         _interrupted(prog, saved[-1] if saved else None, argv)
     except Exception:
+        _release(run)
         if not _alone():  # the others wait in a collective for this one: leave at once
             traceback.print_exc()
             _exit(1)
         raise
+    finally:
+        _release(run)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM (a scheduler stopping or preempting the job): exit with 128 + 15 through the
+    `finally` blocks, which release the run folder's lock."""
+    raise SystemExit(128 + signum)
+
+
+def _release(run: RunFolder | None) -> None:
+    """Release the run folder's lock (on every exit: done, an error, Ctrl-C); `_exit` may
+    leave without running `finally` blocks."""
+    if run is not None:
+        run.release()
 
 
 def _alone() -> bool:

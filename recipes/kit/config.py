@@ -14,6 +14,7 @@ Nothing here imports JAX.
 import argparse
 import dataclasses
 import importlib.util
+import math
 import re
 import sys
 import tomllib
@@ -70,8 +71,12 @@ class Run(Config):
     batch_size: int = flag(64, "rows (examples, pairs or prompts) per step")
     learning_rate: float | None = flag(None, "peak learning rate")
     out: Path | None = flag(None, "run folder (default runs/<recipe>-seed<seed>)")
-    resume: bool = flag(
-        False, "continue the run in --out from its last checkpoint", command_line_only=True
+    resume: bool | Literal["auto"] = flag(
+        False,
+        "continue the run in --out from its last checkpoint; --resume auto: continue it if it "
+        "has one, else start it (a command safe to rerun, as a cluster's restart policy does)",
+        command_line_only=True,
+        value="auto",
     )
     overwrite: bool = flag(
         False, "replace the run in --out (its files only) with a new one", command_line_only=True
@@ -330,6 +335,16 @@ def parse_size(text: str, flag: str = "--device-memory") -> int:
     return size
 
 
+def finite(config: Any) -> None:
+    """Refuse a setting that is NaN or infinite (`--learning-rate inf`, `kl_coef = nan` in a
+    TOML file): every number a recipe takes is a finite one."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            name = field.name.replace("_", "-")
+            raise UserError(f"--{name} must be a finite number, got {value}")
+
+
 def at_least(name: str, value: int | float, low: int | float) -> None:
     if value < low:
         raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -356,6 +371,8 @@ def _unwrap(annotation: Any) -> tuple[Any, bool]:
 def _convert(kind: Any, text: str) -> Any:
     if typing.get_origin(kind) is Literal:
         return text
+    if kind is Path and not text:  # Path("") is the working folder
+        raise argparse.ArgumentTypeError("an empty path: give a file or folder")
     return kind(text)
 
 
@@ -420,6 +437,12 @@ def build_parser(config_type: type, description: str, prog: str) -> argparse.Arg
             help_text += f" (default {config_type.LEARNING_RATE}" + (
                 f"; {config_type.LORA_LEARNING_RATE} with LoRA)" if lora else ")"
             )
+        if kind is bool and "value" in field.metadata:  # `--resume` or `--resume auto`
+            group.add_argument(
+                *names, action=_Flag, nargs="?", const=True, choices=(field.metadata["value"],),
+                help=help_text,
+            )  # fmt: skip
+            continue
         if kind is bool:
             group.add_argument(*names, action=_Flag, nargs=0, help=help_text)
             continue
@@ -458,6 +481,8 @@ def _from_toml(config_type: type, path: Path) -> dict[str, Any]:
         if name in command_line_only:
             raise UserError(f"--config {path}: {key} is a command-line flag only (--{key})")
         kind, _ = _unwrap(hints[name])
+        if kind is Path and value == "":
+            raise UserError(f"--config {path}: {key} is an empty path: give a file or folder")
         if kind is Path and isinstance(value, str):
             value = Path(value)
         elif kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -502,6 +527,7 @@ def parse(config_type: type, argv: list[str] | None, *, description: str, prog: 
             print(f"{prog}: {args['model']} takes the settings of {known}", flush=True)
         values.update({k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
         config = config_type(**values)
+        finite(config)
         config.check()
     except UserError as error:
         parser.exit(2, f"{prog}: error: {error}\n")

@@ -10,6 +10,7 @@ advantages. The updates then read the advantages from the batch.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -97,7 +98,13 @@ class Sampler:
 
     def _reward(self, text: str, record: dict, truncated: bool) -> float:
         if self._user is not None:
-            return float(self._user(text, record))
+            score = float(self._user(text, record))
+            if not math.isfinite(score):  # would train on NaN advantages, silently
+                raise UserError(
+                    f"--reward {self.reward} returned {score} for the prompt "
+                    f"{record.get('prompt', record)!r}: a reward must be a finite number"
+                )
+            return score
         weight = self.format_weight if self.task.name == "arithmetic" else 0.0
         return self.task.correct(text, record) + weight * well_formed(text, truncated)
 

@@ -8,9 +8,11 @@
 its held-out evaluation, run before the first step (logged as step 0), every `--eval-every`
 steps and after the last. A checkpoint of the state and of the data iterator's position is
 saved every `--checkpoint-every` steps and after the last step, so `--resume --steps N` can
-extend a finished run. Ctrl-C lets the current step finish, saves a checkpoint of it and
-raises `Interrupted`, which the entry point turns into one line saying how to resume; a
-second Ctrl-C stops at once, and the last periodic checkpoint is what remains.
+extend a finished run, and a run killed after its last checkpoint, before its model was
+saved, resumes at its last step to save it. Ctrl-C lets the current step finish, saves a
+checkpoint of it and raises `Interrupted`, which the entry point turns into one line saying
+how to resume; a second Ctrl-C stops at once, and the last periodic checkpoint is what
+remains.
 
 In a run of several processes (`kit.parallel`) every process runs the loop: the steps,
 evaluations and checkpoints are collective, and the processes agree after each step whether
@@ -80,7 +82,7 @@ def train(
     name = config.run_name()
     main = parallel.is_main()
     if main:
-        run.open(config)
+        run.open(config)  # locks the folder; a resumed run saves its config.toml once restored
     if placed is not None:
         placed.barrier("run folder open")
     checkpoints = Checkpoints(run.path / "checkpoints")
@@ -91,6 +93,7 @@ def train(
         state = from_saved(state)
         if main:
             print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
+            run.save_config(config)
             records = run.records()
             kept = [r for r in records if r["step"] < start]
             kept.append(next((r for r in records if r["step"] == start), saved))

@@ -86,6 +86,11 @@ def model_folder(path: Path, flag: str = "--model") -> Path:
     if (path / "config.json").is_file() and (path / "params").is_dir():
         return path
     if _is_hf_checkpoint(path) and any(path.glob("*.safetensors")):
+        if not any((path / name).is_file() for name in ("tokenizer.json", "char_tokenizer.json")):
+            raise UserError(
+                f"{flag} {path}: a Hugging Face checkpoint without its tokenizer.json: copy the "
+                "model's tokenizer.json (and tokenizer_config.json) into it"
+            )
         return path
     raise UserError(
         f"{flag} {path} is not a model: give a run folder, its model/ folder (config.json and "

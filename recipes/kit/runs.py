@@ -3,8 +3,10 @@
 A run folder holds what a recipe writes: its configuration, metrics, checkpoints, plots,
 models and result. A folder that already holds a run is never replaced or added to unless
 the user says which: `--resume` continues it from its last checkpoint, `--overwrite` removes
-the run's own files (nothing else in the folder) and starts again. Both are decided before any
-work starts. Nothing here imports JAX.
+the run's own files (nothing else in the folder) and starts again; `--resume auto` resumes
+when there is a checkpoint and starts otherwise. All are decided before any work starts, and
+checked again under the folder's lock (`kit.lock`) when the run opens it. Nothing here
+imports JAX.
 """
 
 import json
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from kit.config import to_toml
 from kit.errors import UserError
+from kit.lock import Lock
 
 RUNS = Path("runs")
 
@@ -61,6 +64,8 @@ RUN_ENTRIES = (
     "tensorboard",
     "wandb",
     "baseline",
+    "badput.json",
+    "goodput.png",
 )
 
 
@@ -72,65 +77,137 @@ def checkpoint_steps(folder: Path) -> list[int]:
     return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
 
 
+# What a run folder holds once a run has trained: a checkpoint aside, these are work that
+# only `--overwrite` may remove. A folder with the other entries alone (`config.toml`, the
+# first evaluation's metrics, ...) is a start that failed before its first checkpoint.
+WORK_ENTRIES = ("result.json", "model", "hf_model", "adapters", "peft_adapter", "baseline")
+
+
 class RunFolder:
     """The folder of one run, checked against `--resume` / `--overwrite` / `--steps` when
-    opened, before any work."""
+    opened, before any work.
 
-    def __init__(self, path: Path, *, resume: bool, overwrite: bool, steps: int):
+    `resume` is True (`--resume`), False, or "auto" (`--resume auto`: resume if the folder
+    has a checkpoint, else start). After the checks, `resume` says which, and `finished`
+    the result of a run that `--resume auto` found finished already (nothing to do), else
+    None.
+
+    A start that failed before its first checkpoint (a reward that raised, out of memory at
+    the first evaluation) leaves a folder with its `config.toml` and no checkpoint nor model:
+    the same command (the same settings, `check_resume`) starts there again without
+    `--overwrite`, replacing those files; other settings are refused as for any run.
+    """
+
+    def __init__(self, path: Path, *, resume: bool | str, overwrite: bool, steps: int):
         self.path = path.resolve()
+        self.named = path
+        self.steps = steps
+        self.lock = None
+        self.finished = None
+        self._decide(resume, overwrite)
+        self.started = time.perf_counter()
+
+    def _decide(self, resume: bool | str, overwrite: bool) -> None:
+        """Whether the run resumes, starts or starts again, from what the folder holds now;
+        a `UserError` when it can do none."""
+        path, steps = self.named, self.steps
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"--out {path} is a file, not a folder")
         held = [name for name in RUN_ENTRIES if (self.path / name).exists()]
+        saved = checkpoint_steps(self.path)
+        work = bool(saved) or any(name in held for name in WORK_ENTRIES)
+        if resume == "auto":
+            if saved and saved[-1] == steps:
+                self.finished = _result(self.path)
+            resume = bool(saved)
+            if not saved and work:
+                raise UserError(
+                    f"--resume auto: {path} holds a run without a checkpoint to resume from: "
+                    "pass --overwrite to replace it, or --out to start elsewhere"
+                )
         if resume:
-            saved = checkpoint_steps(self.path)
             if not saved:
                 what = "no run" if not held else "no checkpoint"
                 raise UserError(f"--resume: {path} has {what} to resume from")
-            if saved[-1] >= steps:
+            # At `--steps` already: a run killed before its model was saved resumes to save
+            # it; a finished one (its result written) has nothing left to do at these steps.
+            done = _result(self.path) is not None
+            if self.finished is None and (saved[-1] > steps or (saved[-1] == steps and done)):
                 raise UserError(
                     f"--resume: {path} is at step {saved[-1]} already; give --steps above "
                     f"{saved[-1]} to train it further"
                 )
-        elif held and not overwrite:
+            _check_run_files(self.path, path)
+        elif held and not overwrite and work:
             raise UserError(
                 f"{path} holds a run already: pass --resume to continue it, --overwrite to "
                 "replace it, or --out to start elsewhere"
             )
         self.resume = resume
-        self.overwrite = overwrite and bool(held)
+        self.restart = bool(held) and not resume and not overwrite  # a failed start's files
+        self.overwrite = (overwrite or self.restart) and bool(held)
         self.held = held
-        self.started = time.perf_counter()
 
     def open(self, config) -> None:
-        """Make the folder (replacing an earlier run's files with `--overwrite`) and save
-        the configuration. Call once every check has passed, before the work starts."""
-        if self.overwrite:
-            for name in self.held:
-                entry = self.path / name
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
+        """Lock the folder (`kit.lock`), check it again under the lock, and, for a run that
+        starts, make it (replacing an earlier run's files with `--overwrite`, or a failed
+        start's) and save the configuration. Call once every check has passed, before the
+        work starts; a resumed run saves its configuration once restored (`save_config`)."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self.lock = Lock(self.path)
+        self._decide(self.resume, self.overwrite and not self.restart)  # another run's work?
+        self.check_resume(config)
+        if self.resume:
+            return
+        for name in self.held if self.overwrite else ():
+            entry = self.path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        self.save_config(config)
+
+    def save_config(self, config) -> None:
+        """Write the configuration to `config.toml`."""
         (self.path / "config.toml").write_text(to_toml(config))
+
+    def release(self) -> None:
+        """Release the folder's lock, if `open` took it."""
+        if self.lock is not None:
+            self.lock.release()
 
     def check_resume(self, config) -> None:
         """With `--resume`, refuse a configuration that differs from the saved `config.toml`
-        in anything but `RESUMABLE_CHANGES`: another model, data or objective."""
+        in anything but `RESUMABLE_CHANGES`: another model, data or objective. The same for
+        a failed start's folder that the run would start again in."""
         saved_file = self.path / "config.toml"
-        if not self.resume or not saved_file.is_file():
+        if not (self.resume or self.restart):
             return
-        saved = tomllib.loads(saved_file.read_text())
+        if not saved_file.is_file():
+            if self.restart:
+                raise UserError(
+                    f"{self.named} holds a run already: pass --resume to continue it, "
+                    "--overwrite to replace it, or --out to start elsewhere"
+                )
+            raise _no_config(self.named)
+        saved = _read_toml(saved_file)
         now = tomllib.loads(to_toml(config))
         for name in sorted((saved.keys() | now.keys()) - RESUMABLE_CHANGES):
-            if saved.get(name) != now.get(name):
-                flag = "--" + name.replace("_", "-")
+            if saved.get(name) == now.get(name):
+                continue
+            flag = "--" + name.replace("_", "-")
+            if self.restart:
                 raise UserError(
-                    f"--resume: {self.path} was trained with {flag} {saved.get(name)} (its "
-                    f"config.toml), not {now.get(name)}; a run resumes with the settings it "
-                    "started with, except --steps, --eval-every, --checkpoint-every, --log-to, "
-                    "--no-progress, --devices and --logprobs"
+                    f"{self.named} holds a run that stopped before its first checkpoint, "
+                    f"with {flag} {saved.get(name)}, not {now.get(name)}: pass --overwrite "
+                    "to replace it, or --out to start elsewhere"
                 )
+            raise UserError(
+                f"--resume: {self.path} was trained with {flag} {saved.get(name)} (its "
+                f"config.toml), not {now.get(name)}; a run resumes with the settings it "
+                "started with, except --steps, --eval-every, --checkpoint-every, --log-to, "
+                "--no-progress, --devices and --logprobs"
+            )
 
     @property
     def metrics_path(self) -> Path:
@@ -138,10 +215,70 @@ class RunFolder:
 
     def records(self) -> list[dict]:
         """The metrics logged so far, one dict per line of `metrics.jsonl`."""
-        if not self.metrics_path.exists():
-            return []
-        lines = self.metrics_path.read_text().splitlines()
-        return [json.loads(line) for line in lines if line]
+        return read_metrics(self.metrics_path)
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a `metrics.jsonl`, one dict per line. A last line without its newline
+    that does not parse is a write cut short (the run was killed while logging that step,
+    whose checkpoint holds the record): it is left out. Any other line that does not parse
+    is a `UserError` naming it."""
+    if not path.exists():
+        return []
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif number < len(lines):  # a complete line (the text goes on after it)
+            raise UserError(
+                f"{path} is damaged at line {number} (not a JSON record with its step): "
+                "remove that line, or replace the run with --overwrite"
+            )
+    return records
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise UserError(
+            f"{path} is damaged ({error}): put the run's settings back in it, or replace the "
+            "run with --overwrite"
+        ) from None
+
+
+def _check_run_files(folder: Path, named: Path) -> None:
+    """Refuse, before anything is written, to resume a run whose `config.toml` is missing or
+    damaged, or whose `metrics.jsonl` is."""
+    if not (folder / "config.toml").is_file():
+        raise _no_config(named)
+    _read_toml(folder / "config.toml")
+    read_metrics(folder / "metrics.jsonl")
+
+
+def _no_config(named: Path) -> UserError:
+    return UserError(
+        f"--resume: {named} has no config.toml, so the settings it was trained with are "
+        "unknown; put its config.toml back to resume it"
+    )
+
+
+def _result(folder: Path) -> dict | None:
+    """The `result.json` a finished run wrote, or None (none, or one cut short: the run did
+    not finish writing it)."""
+    try:
+        result = json.loads((folder / "result.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return result if isinstance(result, dict) else None

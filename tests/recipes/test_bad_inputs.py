@@ -27,7 +27,28 @@ def world(tmp_path_factory) -> Path:
     (run / "model" / "config.json").write_text("{}")
     (run / "config.toml").write_text("steps = 10\n")
     (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0}) + "\n")
+    (run / "result.json").write_text(json.dumps({"recipe": "sft", "steps": 10}))
     (root / "runs" / "empty").mkdir()
+    damaged = {  # runs with a checkpoint and a damaged file
+        "no-config": {"metrics.jsonl": "", "result.json": None, "config.toml": None},
+        "bad-config": {"config.toml": "steps = = 10\n"},
+        "bad-metrics": {"metrics.jsonl": '{"step": 0}\n{"step": 1, "loss": \n{"step": 10}\n'},
+    }
+    for name, files in damaged.items():
+        (root / "runs" / name / "checkpoints" / "10").mkdir(parents=True)
+        for file in ("config.toml", "metrics.jsonl"):
+            text = files.get(file, (run / file).read_text())
+            if text is not None:
+                (root / "runs" / name / file).write_text(text)
+    stub = root / "runs" / "stub"  # a start that failed before its first checkpoint
+    (stub / "checkpoints").mkdir(parents=True)
+    (stub / "config.toml").write_text("steps = 10\n")
+    (stub / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    (root / "runs" / "model-only" / "model").mkdir(parents=True)
+    hf = root / "hf-without-tokenizer"  # a Hugging Face checkpoint without tokenizer.json
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (hf / "model.safetensors").write_bytes(b"")
     data = root / "data"
     data.mkdir()
     chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
@@ -39,6 +60,7 @@ def world(tmp_path_factory) -> Path:
         "wrong_type.toml": 'steps = "ten"\n',
         "overwrite.toml": "overwrite = true\n",
         "broken.toml": "steps = = 3\n",
+        "nan.toml": "label_smoothing = nan\n",
     }
     for name, text in configs.items():
         (root / name).write_text(text)
@@ -104,6 +126,23 @@ WITHOUT_JAX = [
     ("generate", ["--prompt", "1+1="], "--model is required"),
     ("generate", ["--model", FINISHED, "--prompt", "1+1=", "--chat"], "not both"),
     ("generate", ["--model", FINISHED, "--prompt", "x", "--top-p", "0"], "--top-p must lie"),
+    # Settings that must be finite, in flags and TOML.
+    ("sft", ["--learning-rate", "inf"], "--learning-rate must be a finite number, got inf"),
+    ("grpo", ["--kl-coef", "nan"], "--kl-coef must be a finite number, got nan"),
+    ("dpo", ["--beta=-inf"], "--beta must be a finite number, got -inf"),
+    ("sft", ["--config", "nan.toml"], "--label-smoothing must be a finite number, got nan"),
+    ("sft", ["--out", ""], "argument --out: an empty path: give a file or folder"),
+    ("sft", ["--model", "hf-without-tokenizer"], "checkpoint without its tokenizer.json"),
+    # Damaged or missing run files: refused before anything is rewritten.
+    ("sft", ["--out", "runs/no-config", "--resume", "--steps", "20"], "has no config.toml"),
+    ("sft", ["--out", "runs/bad-config", "--resume", "--steps", "20"], "config.toml is damaged"),
+    ("sft", ["--out", "runs/bad-metrics", "--resume", "--steps", "20"], "damaged at line 2"),
+    # A start that failed, with other settings; --resume auto.
+    ("sft", ["--out", "runs/stub"], "holds a run that stopped before its first checkpoint"),
+    ("sft", ["--out", "runs/stub", "--resume", "auto"], "stopped before its first checkpoint"),
+    ("sft", ["--resume", "auto", "--steps", "20"], "was trained with --batch-size None"),
+    ("sft", ["--out", "runs/model-only", "--resume", "auto"], "without a checkpoint to resume"),
+    ("sft", ["--resume", "later"], "argument --resume: invalid choice: 'later'"),
 ]
 
 
@@ -210,6 +249,34 @@ def test_bad_data_files_give_one_line(
     assert status == 2, lines
     assert len(lines) == 1 and message in lines[-1], lines
     assert snapshot(world) == before
+
+
+@pytest.mark.slow
+def test_a_reward_that_returns_nan_names_the_prompt_and_the_command_can_run_again(
+    tmp_path, char_model, monkeypatch, capsys
+):
+    """A NaN reward stops GRPO in one line naming the prompt; the folder that failed start
+    leaves (no checkpoint) does not block the same command, nor holds the lock."""
+    (tmp_path / "nan_reward.py").write_text(
+        "def score(completion, record):\n    return float('nan')\n"
+    )
+    flags = [
+        "--model", str(char_model), "--reward", "nan_reward.py:score", "--out", "runs/nan",
+        "--steps", "2", "--batch-size", "2", "--group-size", "2", "--num-heldout", "4",
+        "--max-new-tokens", "4", "--no-progress", "--devices", "1",
+    ]  # fmt: skip
+    for _ in range(2):
+        status, lines = run_here("grpo", flags, tmp_path, monkeypatch, capsys)
+        assert status == 2, lines
+        assert (
+            len(lines) == 1
+            and "--reward nan_reward.py:score returned nan for the prompt '" in lines[0]
+        ), lines
+        assert sorted(p.name for p in (tmp_path / "runs" / "nan").iterdir()) == [
+            "checkpoints",
+            "config.toml",
+            "metrics.jsonl",
+        ]
 
 
 def test_a_damaged_gguf_file_is_one_line_and_writes_nothing(world, monkeypatch, capsys):

@@ -9,6 +9,7 @@ what only a process shows (its output and exit status, Ctrl-C, a logger's own se
 import contextlib
 import io
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,13 @@ import pytest
 from flax import nnx
 
 from tests._helpers import user_env
-from tests.recipes._scripts import RECIPES, recipe_main, recipe_module, run_recipe_process
+from tests.recipes._scripts import (
+    RECIPES,
+    recipe_main,
+    recipe_module,
+    run_recipe_process,
+    snapshot,
+)
 
 from kit.evaluate import SAMPLED
 
@@ -204,6 +211,33 @@ def test_interrupt_then_resume_equals_an_uninterrupted_run(tmp_path, capsys):
     longer = ["--steps", "22", "--checkpoint-every", "5", "--eval-every", "1000"]
     run_recipe("sft", *longer, "--out", str(stopped), "--resume")
     assert [r["step"] for r in records_of(stopped)][-3:] == [20, 21, 22]
+
+
+@pytest.mark.slow
+def test_resume_auto_starts_finishes_a_run_killed_before_its_model_and_reruns_as_done(
+    tmp_path, capsys
+):
+    """`--resume auto` starts a run in an empty folder; a run killed after its last
+    checkpoint, before its model was saved, is finished by it from that checkpoint; the
+    command rerun on a finished run prints its result again and writes nothing."""
+    out = tmp_path / "run"
+    command = [*STEPS, "--out", str(out), "--resume", "auto"]
+    first = run_recipe("sft", *command)
+    params = leaves(load_params(out))
+    shutil.rmtree(out / "model")  # killed after the final checkpoint, before the model
+    (out / "result.json").unlink()
+    capsys.readouterr()
+    finished = run_recipe("sft", *command)
+    assert "sft: resuming from the checkpoint of step 4" in capsys.readouterr().out
+    for a, b in zip(params, leaves(load_params(out)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert finished["restarts"] == 1 and finished["final_loss"] == first["final_loss"]
+    assert [r["step"] for r in records_of(out)] == [0, 1, 2, 3, 4]
+    before = snapshot(out)
+    again = run_recipe("sft", *command)
+    assert f"sft.py: {out} finished its 4 steps already" in capsys.readouterr().out
+    assert again == finished and snapshot(out) == before
+    assert not (out / ".lock").exists()
 
 
 def losses_of(folder: Path) -> list[float]:

@@ -1,0 +1,321 @@
+"""Run folders that never lose work: the lock, failed starts, damaged files and checkpoints,
+`--resume auto`, and a run killed before its model was saved."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.recipes._scripts import recipe_module
+
+from kit import lock
+from kit.cli import resume_command
+from kit.config import to_toml
+from kit.errors import UserError
+from kit.lock import LOCK_FILE, STALE_SECONDS, Lock
+from kit.runs import RunFolder, read_metrics
+
+
+def config(**values):
+    return recipe_module("sft").SFTConfig(**{"steps": 4, **values})
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return int(proc.stdout)
+
+
+def write_lock(folder: Path, **holder) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LOCK_FILE).write_text(json.dumps(holder))
+
+
+def test_a_locked_folder_is_refused_naming_the_holder_until_it_is_released(tmp_path):
+    held = Lock(tmp_path)
+    host = socket.gethostname()
+    with pytest.raises(UserError, match=f"process {os.getpid()} on host {host}"):
+        Lock(tmp_path)
+    held.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    Lock(tmp_path).release()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_in_one_line(tmp_path, capsys):
+    pid = dead_pid()
+    write_lock(tmp_path, pid=pid, host=socket.gethostname(), started="1")
+    lock = Lock(tmp_path)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"{tmp_path}: taking over the lock of process {pid} on host {socket.gethostname()}, "
+        "which ended without releasing it"
+    ]
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_live_process_of_another_start_time_is_a_reused_pid(tmp_path, capsys):
+    write_lock(tmp_path, pid=os.getpid(), host=socket.gethostname(), started="-1")
+    Lock(tmp_path).release()
+    assert "taking over the lock" in capsys.readouterr().err
+
+
+def test_a_lock_of_another_host_is_refused_while_renewed_and_taken_over_after(tmp_path, capsys):
+    write_lock(tmp_path, pid=1, host="elsewhere", started="1")
+    with pytest.raises(UserError, match="process 1 on host elsewhere, its lock renewed 0 s ago"):
+        Lock(tmp_path)
+    assert (tmp_path / LOCK_FILE).exists()
+    long_ago = time.time() - STALE_SECONDS - 1
+    os.utime(tmp_path / LOCK_FILE, (long_ago, long_ago))
+    Lock(tmp_path).release()
+    assert "taking over the lock of process 1 on host elsewhere" in capsys.readouterr().err
+
+
+def test_a_held_lock_is_renewed_until_released(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock, "RENEW_SECONDS", 0.01)
+    held = Lock(tmp_path)
+    os.utime(tmp_path / LOCK_FILE, (0, 0))
+    deadline = time.monotonic() + 10
+    while (tmp_path / LOCK_FILE).stat().st_mtime == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held.release()
+    assert held._renewing.is_set() and not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_damaged_lock_file_is_taken_over(tmp_path, capsys):
+    (tmp_path / LOCK_FILE).write_text('{"pid": 1')
+    Lock(tmp_path).release()
+    assert "taking over the lock of a run (its lock file is damaged)" in capsys.readouterr().err
+
+
+def test_a_run_into_a_folder_another_run_writes_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    write_lock(out, pid=os.getpid(), host=socket.gethostname())
+    run = RunFolder(out, resume=False, overwrite=False, steps=4)
+    with pytest.raises(UserError, match="being written by another run"):
+        run.open(config())
+    assert sorted(os.listdir(out)) == [LOCK_FILE]
+
+
+def test_open_locks_the_folder_and_release_frees_it(tmp_path):
+    run = RunFolder(tmp_path / "run", resume=False, overwrite=False, steps=4)
+    run.open(config())
+    assert (tmp_path / "run" / LOCK_FILE).exists() and (tmp_path / "run" / "config.toml").exists()
+    run.release()
+    run.release()  # every exit path releases: twice is harmless
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+def failed_start(folder: Path, settings) -> Path:
+    """What a start that failed before its first checkpoint leaves."""
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "config.toml").write_text(to_toml(settings))
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize("resume", [False, "auto"])
+def test_a_failed_start_is_started_again_by_the_same_command(tmp_path, resume):
+    out = failed_start(tmp_path / "run", config())
+    run = RunFolder(out, resume=resume, overwrite=False, steps=4)
+    run.check_resume(config())
+    run.open(config())
+    assert not run.resume
+    assert sorted(os.listdir(out)) == [LOCK_FILE, "config.toml"]
+    run.release()
+
+
+def test_a_failed_start_with_other_settings_or_a_model_is_kept(tmp_path):
+    out = failed_start(tmp_path / "run", config(seed=1))
+    run = RunFolder(out, resume=False, overwrite=False, steps=4)
+    with pytest.raises(UserError, match="stopped before its first checkpoint, with --seed 1"):
+        run.check_resume(config())
+    (out / "model").mkdir()
+    with pytest.raises(UserError, match="holds a run already"):
+        RunFolder(out, resume=False, overwrite=False, steps=4)
+    with pytest.raises(UserError, match="holds a run without a checkpoint to resume from"):
+        RunFolder(out, resume="auto", overwrite=False, steps=4)
+
+
+def saved_run(folder: Path, step: int, *, finished: bool) -> Path:
+    (folder / "checkpoints" / str(step)).mkdir(parents=True)
+    (folder / "config.toml").write_text(to_toml(config()))
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": step}) + "\n")
+    if finished:
+        (folder / "result.json").write_text(json.dumps({"recipe": "sft", "steps": step}))
+    return folder
+
+
+def test_resume_auto_resumes_starts_or_finds_the_run_finished(tmp_path):
+    fresh = RunFolder(tmp_path / "new", resume="auto", overwrite=False, steps=4)
+    assert (fresh.resume, fresh.finished) == (False, None)
+    unfinished = RunFolder(saved_run(tmp_path / "a", 2, finished=False), resume="auto",
+                           overwrite=False, steps=4)  # fmt: skip
+    assert (unfinished.resume, unfinished.finished) == (True, None)
+    done = RunFolder(saved_run(tmp_path / "b", 4, finished=True), resume="auto",
+                     overwrite=False, steps=4)  # fmt: skip
+    assert (done.resume, done.finished) == (True, {"recipe": "sft", "steps": 4})
+    longer = RunFolder(tmp_path / "b", resume="auto", overwrite=False, steps=6)
+    assert (longer.resume, longer.finished) == (True, None)
+    with pytest.raises(UserError, match="is at step 4 already; give --steps above 4"):
+        RunFolder(tmp_path / "b", resume="auto", overwrite=False, steps=3)
+
+
+def test_resume_at_the_last_step_finishes_a_run_killed_before_its_model_was_saved(tmp_path):
+    out = saved_run(tmp_path / "run", 4, finished=False)
+    assert RunFolder(out, resume=True, overwrite=False, steps=4).resume
+    (out / "result.json").write_text('{"recipe": "sf')  # cut short: the run did not finish
+    assert RunFolder(out, resume="auto", overwrite=False, steps=4).finished is None
+    (out / "result.json").write_text("{}")
+    with pytest.raises(UserError, match="is at step 4 already; give --steps above 4"):
+        RunFolder(out, resume=True, overwrite=False, steps=4)
+
+
+def test_a_resumed_run_keeps_its_config_toml_until_restored(tmp_path):
+    out = saved_run(tmp_path / "run", 2, finished=False)
+    before = (out / "config.toml").read_text()
+    run = RunFolder(out, resume=True, overwrite=False, steps=8)
+    run.open(config(steps=8))
+    assert (out / "config.toml").read_text() == before
+    run.save_config(config(steps=8))
+    assert "steps = 8" in (out / "config.toml").read_text()
+    run.release()
+
+
+def test_metrics_cut_short_by_a_kill_lose_their_last_line_and_damaged_ones_are_refused(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "lo')
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}]
+    path.write_text('{"step": 0}\n{"step": 1, "lo\n{"step": 2}\n')
+    with pytest.raises(UserError, match=r"metrics\.jsonl is damaged at line 2"):
+        read_metrics(path)
+    path.write_text('{"step": 0}\nnot json\n')
+    with pytest.raises(UserError, match="damaged at line 2"):
+        read_metrics(path)
+
+
+RECIPES_WITH_RUNS = ["sft", "dpo", "grpo", "grpo_async", "orpo", "reward_model", "distill",
+                     "tool_use"]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", RECIPES_WITH_RUNS)
+def test_every_recipe_takes_resume_auto_and_plain_resume(recipe):
+    from kit.config import Run, parse
+
+    module = recipe_module(recipe)
+    config_type = next(
+        v for v in vars(module).values()
+        if isinstance(v, type) and issubclass(v, Run) and getattr(v, "RECIPE", None) == recipe
+    )  # fmt: skip
+    for argv, resume in ((["--resume", "auto"], "auto"), (["--resume"], True), ([], False)):
+        config = parse(config_type, argv, description="", prog=f"{recipe}.py")
+        assert config.resume == resume
+        assert "resume" not in to_toml(config)
+
+
+def test_the_resume_command_of_resume_auto():
+    command = resume_command(["--resume", "auto", "--steps", "4", "--overwrite"])
+    assert command.endswith("--steps 4 --resume") and "auto" not in command
+
+
+def checkpoints_of(folder: Path):
+    import grain
+    import jax.numpy as jnp
+
+    from kit.checkpoints import Checkpoints
+
+    def data():
+        return iter(grain.MapDataset.range(8).batch(2).to_iter_dataset())
+
+    saved = Checkpoints(folder)
+    for step in (2, 4):
+        saved.save(step, {"w": jnp.full((4, 2), float(step))}, data(), {"step": step})
+    saved.close()
+    return Checkpoints, data, {"w": jnp.zeros((4, 2))}
+
+
+def cut_short(step_folder: Path) -> None:
+    """Truncate the state's data file of a checkpoint to half its size."""
+    data = sorted((step_folder / "state" / "d").iterdir())[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_latest_intact_one(tmp_path, capsys):
+    import numpy as np
+
+    folder = tmp_path / "checkpoints"
+    checkpoints_type, data, template = checkpoints_of(folder)
+    cut_short(folder / "4")
+    checkpoints = checkpoints_type(folder)
+    step, state, record = checkpoints.restore_latest(template, data())
+    assert (step, record["step"], float(np.asarray(state["w"])[0, 0])) == (2, 2, 2.0)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "the checkpoint of step 4 is damaged (" in lines[0], lines
+    assert lines[0].endswith("resuming from step 2, the latest intact one")
+    assert (folder / "damaged-4").is_dir()  # kept aside, never deleted
+    checkpoints.save(4, state, data(), {"step": 4})  # the run saves that step again
+    checkpoints.close()
+    assert checkpoints_type(folder).restore_latest(template, data())[0] == 4
+
+
+def test_with_no_intact_checkpoint_resume_is_one_line(tmp_path):
+    folder = tmp_path / "checkpoints"
+    checkpoints_type, data, template = checkpoints_of(folder)
+    cut_short(folder / "4")
+    (folder / "2" / "data" / "process_0-of-1.json").write_text('{"next')
+    with pytest.raises(UserError, match=r"no checkpoint in .* is intact \(step 4: .*; step 2: "):
+        checkpoints_type(folder).restore_latest(template, data())
+    assert sorted(os.listdir(folder)) == ["2", "4"]
+
+
+def _opens_then(outcome: str):
+    """A recipe's `train` that opens its run folder, then ends as `outcome` says."""
+
+    def train(config, run):
+        run.open(config)
+        assert (run.path / LOCK_FILE).exists()
+        if outcome == "done":
+            return {"recipe": "sft"}
+        if outcome == "bad input":
+            raise UserError("a bad data file")
+        if outcome == "crash":
+            raise RuntimeError("a bug")
+        os.kill(os.getpid(), signal.SIGTERM if outcome == "SIGTERM" else signal.SIGINT)
+        time.sleep(10)
+        raise AssertionError("the signal did not stop the run")
+
+    return train
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status"),
+    [("done", None), ("bad input", 2), ("crash", RuntimeError), ("SIGTERM", 143), ("Ctrl-C", 130)],
+)
+def test_the_lock_is_released_on_every_exit(tmp_path, outcome, status):
+    import kit
+
+    sft = recipe_module("sft")
+    argv = ["--out", str(tmp_path / "run"), "--steps", "4"]
+    handler = signal.getsignal(signal.SIGTERM)
+    if status is None:
+        kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+    elif status is RuntimeError:
+        with pytest.raises(RuntimeError):
+            kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+    else:
+        with pytest.raises(SystemExit) as stop:
+            kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+        assert stop.value.code == status
+    assert (tmp_path / "run" / "config.toml").exists()
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+    assert signal.getsignal(signal.SIGTERM) is handler
