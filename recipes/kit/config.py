@@ -253,7 +253,7 @@ class RLEvaluation(Config):
         super().check()
         at_least("eval_samples", self.eval_samples, 0)
         at_least("collapse_patience", self.collapse_patience, 1)
-        if not (self.collapse_entropy >= 0 and self.collapse_entropy < float("inf")):
+        if not self.collapse_entropy >= 0:  # finite: every float setting is (`finite`)
             raise UserError(f"--collapse-entropy must be >= 0, got {self.collapse_entropy}")
         if self.keep_best is not None and self.keep_best not in KEEPABLE:
             raise UserError(

@@ -135,11 +135,11 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation):
         self.check_staleness()
         if not self.is_cap > 0:
             raise UserError(f"--is-cap must be > 0, got {self.is_cap}")
-        if self.target_entropy is not None and not 0 < self.target_entropy < float("inf"):
+        if self.target_entropy is not None and not self.target_entropy > 0:
             raise UserError(f"--target-entropy must be > 0, got {self.target_entropy}")
-        if not 0 < self.entropy_step < float("inf"):
+        if not self.entropy_step > 0:
             raise UserError(f"--entropy-step must be > 0, got {self.entropy_step}")
-        if not 0 <= self.max_entropy_weight < float("inf"):
+        if not self.max_entropy_weight >= 0:
             raise UserError(f"--max-entropy-weight must be >= 0, got {self.max_entropy_weight}")
         if self.is_correction == "auto":
             self.is_correction = "tis" if self.stale() else "none"
