@@ -49,10 +49,11 @@ def numpy_fingerprint(leaves: list[np.ndarray]) -> int:
     return digest
 
 
+# Fixed shapes: each new shape would compile the fingerprint again; the values vary.
 @settings(max_examples=25, deadline=None)
 @given(
-    hnp.arrays(np.float32, hnp.array_shapes(max_dims=3, max_side=5)),
-    hnp.arrays(np.int8, hnp.array_shapes(max_dims=2, max_side=7)),
+    hnp.arrays(np.float32, (3, 5)),
+    hnp.arrays(np.int8, (7,)),
     st.booleans(),
 )
 def test_fingerprint_is_the_documented_hash(floats, ints, flag):
