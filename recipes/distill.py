@@ -208,6 +208,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         ),
         "accuracy_before": before,
         "accuracy_after": after,
+        **loop.before_and_after(run, *evaluate.SAMPLED),  # with --eval-samples
         **(best.headline() if best else {}),
     }
     chained = {"teacher_seconds": teacher_seconds}

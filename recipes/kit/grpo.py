@@ -20,7 +20,7 @@ import optax
 
 from tunelib import advantages, losses, metrics, peft, rollout
 
-from kit import data, evaluate, goodput, lora, optim, plan, reward_model
+from kit import data, evaluate, goodput, loop, lora, optim, plan, reward_model
 from kit.errors import UserError
 from kit.grpo_config import MODES, load_reward
 
@@ -407,11 +407,12 @@ def setup(config, model, placement) -> Setup:
 
 def headline(run, config, tuning) -> dict:
     """The result line's figures of a GRPO run: its mode and tuning, the held-out accuracy
-    before and after, the last step's reward and entropy."""
+    (and sampled metrics) before and after, the last step's reward and entropy."""
     records = run.records()
     accuracy = [r["accuracy"] for r in records if "accuracy" in r]
     return {
         "mode": config.mode, **tuning.headline(), "accuracy_before": accuracy[0],
         "accuracy_after": accuracy[-1], "final_reward": records[-1]["reward"],
         "final_entropy": records[-1]["entropy"],
+        **loop.before_and_after(run, *evaluate.SAMPLED),  # with --eval-samples
     }  # fmt: skip
