@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Literal
 
 import kit
-from kit.config import Run, Task, at_least, flag
+from kit.config import RLEvaluation, Run, Task, at_least, flag
 from kit.errors import UserError
 from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
-class ToolUseConfig(Run, Task):
+class ToolUseConfig(Run, Task, RLEvaluation):
     RECIPE = "tool_use"
     LEARNING_RATE = 3e-4
 
@@ -182,7 +182,7 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import rollout
 
-    from kit import data, episodes, goodput, loop, models, parallel
+    from kit import data, episodes, evaluate, goodput, loop, models, parallel, watch
 
     placement = parallel.placement(config.batch_size, config.devices)
     if placement.process_count > 1:
@@ -253,13 +253,30 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
     )
 
     def evaluate_fn(params):
-        """Greedy episodes of every held-out problem: accuracy and tool use."""
+        """Greedy episodes of every held-out problem: accuracy and tool use; with
+        --eval-samples k, k sampled episodes of each: pass@1, pass@k, maj@k (the model's
+        tokens as the answer), the entropy and diversity of its tokens."""
         episode, envs = episodes_of(params, task.heldout, jax.random.key(0), greedy, 1)
         rewards = np.asarray(episode.rewards)
-        return {
+        out = {
             "accuracy": float((rewards == 1.0).mean()),
             **episodes.tool_use(envs, np.asarray(episode.num_turns)),
         }
+        if k := config.eval_samples:
+            drawn, _ = episodes_of(params, task.heldout, jax.random.key(1), sampling, k)
+            tokens, where = np.asarray(drawn.tokens), np.asarray(drawn.where)
+            answers = [tuple(row[mask]) for row, mask in zip(tokens, where, strict=True)]
+            out.update(evaluate.sample_metrics(
+                tokens, where, np.asarray(drawn.logps), np.asarray(drawn.rewards) == 1.0,
+                answers, k=k,
+            ))  # fmt: skip
+        return out
+
+    # A warning line at the signs of entropy collapse; with --keep-best, the best model kept.
+    watcher, best = watch.watcher(
+        config, run, lambda folder, params: models.save_model(folder / "model", model, params),
+        placement,
+    )  # fmt: skip
 
     def train_step(state, indices):
         step = int(state["step"]) + 1
@@ -299,6 +316,7 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
         batches=batches,
         step_fn=train_step,
         evaluate=evaluate_fn,
+        watch=watcher,
     )
     if isinstance(state, Planned):  # --plan: the step compiled, never run
         return state
@@ -311,7 +329,8 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
         headline[f"{key}_before"] = values[0]
         headline[f"{key}_sft"] = at_sft.get(key, float("nan"))
         headline[f"{key}_after"] = values[-1]
-    return loop.finish(run, config, headline)
+    headline.update(loop.before_and_after(run, *evaluate.SAMPLED))  # with --eval-samples
+    return loop.finish(run, config, headline | (best.headline() if best else {}))
 
 
 if __name__ == "__main__":

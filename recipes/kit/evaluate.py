@@ -88,17 +88,25 @@ def samples(graphdef, params, task: Task, sampling, placed, *, k: int) -> dict:
     texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
     records = [r for r in task.problems for _ in range(k)]
     correct = np.array([task.correct(t, r) for t, r in zip(texts, records, strict=True)], bool)
-    answers = np.empty(len(texts), np.int32)  # each problem's distinct texts, numbered
-    for start in range(0, len(texts), k):
-        seen: dict[str, int] = {}
+    return sample_metrics(tokens, where, logps, correct, [t.strip() for t in texts], k=k)
+
+
+def sample_metrics(tokens, where, logps, correct, answers: list, *, k: int) -> dict:
+    """The metrics of `samples` from `[P * k, T]` sampled `tokens` (row `p * k + j` is sample
+    j of problem p), their mask and behaviour log-probs, whether each is `correct`, and each
+    one's answer (anything hashable: equal answers count as one vote for maj@k)."""
+    numbered = np.empty(len(answers), np.int32)  # each problem's distinct answers, numbered
+    for start in range(0, len(answers), k):
+        seen: dict = {}
         for i in range(start, start + k):
-            answers[i] = seen.setdefault(texts[i].strip(), len(seen))
-    grid = (len(task.problems), k)
+            numbered[i] = seen.setdefault(answers[i], len(seen))
+    grid = (len(answers) // k, k)
+    correct = np.asarray(correct, bool)
     return {
         "pass_at_1": float(correct.mean()),
         "pass_at_k": float(metrics.pass_at_k(correct.reshape(grid), k=k).mean()),
         "maj_at_k": float(
-            metrics.majority_at_k(answers.reshape(grid), correct.reshape(grid), k=k).mean()
+            metrics.majority_at_k(numbered.reshape(grid), correct.reshape(grid), k=k).mean()
         ),
         "sample_entropy": float(-logps[where].mean()) if where.any() else float("nan"),
         "distinct_completions": float(

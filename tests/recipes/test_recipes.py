@@ -68,7 +68,7 @@ def _shared_compilation_cache():
         yield
 
 
-RL = ("grpo", "grpo_async", "distill")  # the recipes with sampled held-out metrics
+RL = ("grpo", "grpo_async", "distill", "tool_use")  # the recipes with sampled held-out metrics
 
 
 def quick_evaluation(name: str, args: tuple[str, ...]) -> list[str]:

@@ -200,7 +200,7 @@ def test_recipe_trains_end_to_end(tmp_path):
             "--num-heldout", "8", "--batch-size", "4", "--group-size", "2",
             "--num-demonstrations", "8", "--model-size", "student", "--max-digits", "2",
             "--sft-learning-rate", "1e-2", "--no-progress", "--devices", "1",
-            "--out", str(out),
+            "--eval-samples", "2", "--out", str(out),
         ],
     )  # fmt: skip
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -212,5 +212,9 @@ def test_recipe_trains_end_to_end(tmp_path):
     for key in ("accuracy", "tool_call_rate", "malformed_rate", "turns"):
         assert f"{key}_before" in result and f"{key}_after" in result
     assert 1.0 <= result["turns_after"] <= 3.0
+    # Two sampled episodes of each held-out problem at every evaluation: pass@1 <= pass@2.
+    for when in ("before", "after"):
+        assert 0 <= result[f"pass_at_1_{when}"] <= result[f"pass_at_k_{when}"] <= 1
+        assert result[f"sample_entropy_{when}"] > 0
     assert (out / "model" / "config.json").is_file()
     assert (out / "model" / "tokenizer.json").is_file()
