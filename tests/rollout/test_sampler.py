@@ -350,7 +350,8 @@ def test_rollout_is_a_pytree_of_arrays_with_its_temperature():
         logps=jnp.zeros((2, 3)), lengths=jnp.full(2, 3), truncated=jnp.zeros(2, bool),
         temperature=jnp.float32(0.7),
     )  # fmt: skip
-    assert len(jax.tree.leaves(rollout)) == len(Rollout._fields) == 6
+    assert len(jax.tree.leaves(rollout)) == 6  # routing, None unless recorded, has no leaf
+    assert rollout.routing is None and Rollout._fields.index("routing") == 6
     out = jax.jit(lambda r: r._replace(logps=r.logps - 1 / r.temperature))(rollout)
     assert isinstance(out, Rollout) and out.temperature == np.float32(0.7)
     assert_close(out.logps, np.full((2, 3), -1 / np.float32(0.7)))

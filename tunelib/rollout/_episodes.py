@@ -115,11 +115,11 @@ class EpisodeConfig:
 
 
 # An Episode has a Rollout's fields, over the episode's T positions (N = T in their
-# annotations), then its own.
+# annotations), then its own; `run_episodes` records no MoE routing, so not `routing`.
 _EpisodeFields = NamedTuple(
     "_EpisodeFields",
     [
-        *Rollout.__annotations__.items(),
+        *((name, kind) for name, kind in Rollout.__annotations__.items() if name != "routing"),
         ("roles", Int[Array, "B T"]),
         ("context_where", Bool[Array, "B T"]),
         ("turn_ids", Int[Array, "B T"]),
