@@ -38,6 +38,11 @@ def split(config: DecoderConfig, seed: int = 0):
     return nnx.split(Decoder(config, rngs=nnx.Rngs(seed)))
 
 
+def layer_first(routing):
+    """A `Rollout.routing` `[R, T, M, k]` in the decoder's layout `[M, R, T, k]`."""
+    return np.transpose(np.asarray(routing), (2, 0, 1, 3))
+
+
 def sequences(prompts, out, group: int):
     """Each completion after its prompt, `[R, P + N]` tokens and mask, as the record's columns."""
     prompts = np.repeat(prompts, group, axis=0)
@@ -67,18 +72,19 @@ def test_the_sampler_records_the_forward_pass_routing_and_replay_uses_it(fields,
                  group_size=group, record_routing=True)  # fmt: skip
     moe = sum(config.moe_layers)
     rows, length = PROMPTS.shape[0] * group, PROMPTS.shape[1] + SAMPLING.max_new_tokens
-    assert out.routing.shape == (moe, rows, length, 2) and out.routing.dtype == jnp.int32
+    assert out.routing.shape == (rows, length, moe, 2) and out.routing.dtype == jnp.int32
     tokens, where = sequences(PROMPTS, out, group)
     model = nnx.merge(graphdef, params)
     _, logits, own = model(tokens, where=where, return_router_logits=True, return_routing=True)
     ranked = -np.sort(-np.asarray(logits), axis=-1)
     clear = np.asarray(where)[None] & (ranked[..., 1] - ranked[..., 2] > 1e-4)
     assert clear.mean() > 0.8
-    recorded, own = np.sort(np.asarray(out.routing), -1), np.sort(np.asarray(own), -1)
+    recorded, own = np.sort(layer_first(out.routing), -1), np.sort(np.asarray(own), -1)
     np.testing.assert_array_equal(recorded[clear], own[clear])
 
-    _, replayed = model(tokens, where=where, routing=out.routing, return_routing=True)
-    np.testing.assert_array_equal(replayed, out.routing)
+    record = layer_first(out.routing)
+    _, replayed = model(tokens, where=where, routing=record, return_routing=True)
+    np.testing.assert_array_equal(replayed, record)
     for share in (True, False):
         logps = score(graphdef, params, PROMPTS, PROMPT_WHERE, out.tokens, out.where,
                       routing=out.routing, share_prompts=share)  # fmt: skip
@@ -190,7 +196,7 @@ def test_near_ties_that_flip_change_the_log_probs_and_replay_restores_them(scan)
     tokens = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
     model = nnx.merge(graphdef, trainer)
     _, own = model(tokens, return_routing=True)
-    flipped = np.any(np.sort(np.asarray(own), -1) != np.sort(np.asarray(out.routing), -1), -1)
+    flipped = np.any(np.sort(np.asarray(own), -1) != np.sort(layer_first(out.routing), -1), -1)
     assert flipped.sum() >= 3  # tokens whose experts the trainer would choose otherwise
 
     plain = score(graphdef, trainer, prompts, where, out.tokens, out.where)
@@ -222,11 +228,12 @@ def test_gemma4_moe_records_and_replays():
     prompts = PROMPTS % config.vocab_size
     out = sample(graphdef, params, prompts, PROMPT_WHERE, jax.random.key(3), SAMPLING,
                  group_size=2, record_routing=True)  # fmt: skip
-    assert out.routing.shape == (sum(config.moe_layers), 4, 11, 2)
+    assert out.routing.shape == (4, 11, sum(config.moe_layers), 2)
     tokens, where = sequences(prompts, out, 2)
-    _, used = nnx.merge(graphdef, params)(tokens, where=where, routing=out.routing,
+    record = layer_first(out.routing)
+    _, used = nnx.merge(graphdef, params)(tokens, where=where, routing=record,
                                           return_routing=True)  # fmt: skip
-    np.testing.assert_array_equal(used, out.routing)
+    np.testing.assert_array_equal(used, record)
     logps = score(graphdef, params, prompts, PROMPT_WHERE, out.tokens, out.where,
                   routing=out.routing)  # fmt: skip
     assert_close(logps, out.logps, rtol=1e-5, atol=2e-5)
@@ -249,7 +256,7 @@ def test_bad_routing_is_refused_with_one_line_naming_it():
                 model(tokens, routing=bad)
         with raises_naming("routing", "[0, 4)"):
             model(tokens, routing=good + 4)  # recorded for a model with more experts
-        with raises_naming("routing", "[M, 2, 7, k]"):
+        with raises_naming("routing", "[2, 7, M, k]"):
             completion_logps(graphdef, params, PROMPTS, PROMPT_WHERE, tokens[:, :2] + 3,
                              np.ones((2, 4), bool)[:, :2], routing=good)  # fmt: skip
         dense_graphdef, dense = split(DecoderConfig(**{**CONFIG, "num_experts": 0}))

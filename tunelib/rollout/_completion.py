@@ -2,7 +2,7 @@
 
 import jax
 import jax.numpy as jnp
-from einops import repeat
+from einops import rearrange, repeat
 from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int, PyTree
@@ -24,7 +24,7 @@ def completion_logps(
     with_entropy: bool = False,
     implementation: str = "auto",
     share_prompts: bool = True,
-    routing: Int[ArrayLike, "M R T k"] | None = None,
+    routing: Int[ArrayLike, "R T M k"] | None = None,
 ) -> Float[Array, "R N"] | tuple[Float[Array, "R N"], Float[Array, "R N"]]:
     r"""Log-probs (and entropy) of completion tokens after their prompts, under `params`.
 
@@ -91,9 +91,9 @@ def completion_logps(
       share_prompts: with groups, run each prompt once and its completions over its KV
         cache (static; default True); False: one forward pass over each prompt and
         completion concatenated.
-      routing: `[M, R, P + N, k]` int32 experts to route each prompt and completion token
-        to in the model's M mixture-of-experts layers (`Rollout.routing`); None (the
-        default) routes by the router's own top-k.
+      routing: `[R, P + N, M, k]` int32 experts to route each prompt and completion token
+        to in the model's M mixture-of-experts layers (`Rollout.routing`, rows first);
+        None (the default) routes by the router's own top-k.
 
     Returns:
       `[R, N]` float32 log-probs; with `with_entropy`, the pair `(logps, entropy)`.
@@ -149,13 +149,14 @@ def completion_logps(
     length = prompt_len + tokens.shape[1]
     if routing is not None:
         routing = v.int_array(routing, "routing")
-        if routing.ndim != 4 or routing.shape[1:3] != (rows, length):
+        if routing.ndim != 4 or routing.shape[:2] != (rows, length):
             raise ValueError(
-                f"routing has shape {routing.shape} but must have shape [M, {rows}, "
-                f"{length}, k]: [M, R, P + N, k] for the {rows} completions of tokens "
+                f"routing has shape {routing.shape} but must have shape [{rows}, {length}, "
+                f"M, k]: [R, P + N, M, k] for the {rows} completions of tokens "
                 f"{tokens.shape} after prompts of prompt_tokens {prompt_tokens.shape} "
                 "(Rollout.routing as sample(..., record_routing=True) records it)."
             )
+        routing = rearrange(routing, "r t m k -> m r t k")  # the decoder's layout
     model = nnx.merge(graphdef, params)
     group = rows // batch
     if group > 1 and share_prompts:

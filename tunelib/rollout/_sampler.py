@@ -8,6 +8,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PyTree
@@ -184,14 +185,16 @@ class Rollout(NamedTuple):
         (`tunelib.logprobs.token_logps`) without carrying the `SamplingConfig` around: the
         config's temperature, or 1.0 for greedy decoding (temperature 0), whose log-probs are
         those of the untempered distribution.
-      routing: with `sample(..., record_routing=True)`, the `[M, B, P + N, k]` int32 experts
+      routing: with `sample(..., record_routing=True)`, the `[B, P + N, M, k]` int32 experts
         each token was routed to in each of the model's M mixture-of-experts layers, over
         the prompt and the completion concatenated: columns `[0, P)` are the prompt (its
         prefill, the same for the G completions of a prompt), column `P + j` is completion
-        token j (as the decode step that fed it back chose). Padded positions hold valid
-        ids that no real token depends on. `tunelib.rollout.completion_logps(...,
-        routing=rollout.routing)` routes the trainer's forward pass by it (routing replay,
-        R3). None (the default) when not recorded.
+        token j (as the decode step that fed it back chose). Rows first, as every other
+        field, so it is sliced and sharded by row alike; the decoder's own layout,
+        `Decoder(..., routing=)`, is layer-first `[M, B, T, k]`, as its router logits.
+        Padded positions hold valid ids that no real token depends on.
+        `tunelib.rollout.completion_logps(..., routing=rollout.routing)` routes the trainer's
+        forward pass by it (routing replay, R3). None (the default) when not recorded.
     """
 
     tokens: Int[Array, "B N"]
@@ -200,7 +203,7 @@ class Rollout(NamedTuple):
     lengths: Int[Array, " B"]
     truncated: Bool[Array, " B"]
     temperature: Float[Array, ""]
-    routing: Int[Array, "M B T k"] | None = None
+    routing: Int[Array, "B T M k"] | None = None
 
     def decode(self, tokenizer: Tokenizer) -> list[str]:
         """The text of each completion: its tokens inside `where`, decoded by `tokenizer`.
@@ -368,6 +371,10 @@ def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_si
     )
     temperature = jnp.asarray(config.temperature or 1.0, jnp.float32)
     lengths = out.where.sum(-1, dtype=jnp.int32)
-    # The prompt's columns, then the completion's.
-    routing = jnp.concatenate([routing[0], out.routing], axis=2) if record_routing else None
+    if record_routing:  # the prompt's columns, then the completion's; rows first
+        routing = rearrange(
+            jnp.concatenate([routing[0], out.routing], axis=2), "m r t k -> r t m k"
+        )
+    else:
+        routing = None
     return Rollout(out.tokens, out.where, out.logps, lengths, ~out.done, temperature, routing)
