@@ -12,7 +12,7 @@ from tests._helpers import assert_close, own_checks, raises_naming
 from tests.losses.test_router import softmax64
 from tests.models.test_gemma4 import MOE as GEMMA4_MOE
 from tests.models.test_moe import CONFIG as MOE_CONFIG
-from tunelib.models import Decoder, DecoderConfig, MoE
+from tunelib.models import EXPERT_PARALLEL_RULES, Decoder, DecoderConfig, MoE, param_shardings
 from tunelib.rollout import SamplingConfig, completion_logps, sample
 
 CONFIG = {**MOE_CONFIG, "norm_topk_prob": True}  # 2 layers, 4 experts, top-2
@@ -231,6 +231,35 @@ def test_gemma4_moe_records_and_replays():
     logps = score(graphdef, params, prompts, PROMPT_WHERE, out.tokens, out.where,
                   routing=out.routing)  # fmt: skip
     assert_close(logps, out.logps, rtol=1e-5, atol=2e-5)
+
+
+def test_replay_under_expert_parallel_sharding_equals_one_device():
+    """In float64, as `tests/models/test_moe.py`'s: a replayed forward pass's loss and
+    gradients with the experts over "expert" (4) and widths over "model" (2) equal one
+    device's, the router's gradient nonzero."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 40, size=(4, 6))
+    # Two distinct experts per token, whatever top-k would choose.
+    routing = np.argsort(rng.random((2, 4, 6, 8)), axis=-1)[..., :2].astype(np.int32)
+    with jax.enable_x64(True):
+        config = DecoderConfig(**{**CONFIG, "num_experts": 8, "num_attention_heads": 4},
+                               dtype="float64", param_dtype="float64")  # fmt: skip
+        graphdef, params = split(config)
+
+        def loss(params, routing):
+            model = nnx.merge(graphdef, params)
+            return jnp.mean(model.unembed(model(tokens, routing=routing)) ** 2)
+
+        step = jax.jit(jax.value_and_grad(loss))
+        single = step(params, routing)
+        auto = (jax.sharding.AxisType.Auto,) * 3
+        mesh = jax.make_mesh((1, 4, 2), ("data", "expert", "model"), axis_types=auto)
+        shardings = param_shardings(graphdef, params, mesh, EXPERT_PARALLEL_RULES)
+        sharded = step(jax.device_put(params, shardings), routing)
+    for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+        assert_close(got, want, rtol=1e-10, atol=1e-12)
+    router = np.asarray(single[1]["layers"][0]["mlp"]["gate"]["kernel"])
+    assert np.all(np.isfinite(router)) and np.abs(router).max() > 1e-6
 
 
 def test_bad_routing_is_refused_with_one_line_naming_it():
