@@ -72,29 +72,41 @@ class DecoderLayer(nnx.Module):
         cache: LayerCache | None = None,
         shared: tuple[jax.Array, jax.Array] | None = None,
         per_layer_input: jax.Array | None = None,
-    ) -> tuple[jax.Array, LayerCache | None, jax.Array | None, tuple[jax.Array, jax.Array]]:
+        routing: jax.Array | None = None,
+    ) -> tuple[
+        jax.Array,
+        LayerCache | None,
+        tuple[jax.Array, jax.Array] | None,
+        tuple[jax.Array, jax.Array],
+    ]:
         """The layer's output, its updated cache, (for a mixture of experts) its router logits
-        `[B, T, E]`, else None, and the keys and values it attended over (see `Attention`)."""
+        `[B, T, E]` and the `[B, T, k]` experts each token went to, else None, and the keys
+        and values it attended over (see `Attention`). `routing` `[B, T, k]` replays recorded
+        experts in a mixture-of-experts layer (`tunelib.models.route`'s `experts`); a dense
+        layer ignores it."""
         attended, cache, kv = self.self_attn(
             self.input_layernorm(x), cos, sin, allowed, fill, cache, shared
         )
-        router_logits = None
+        routed_to = None
+        mlp = (lambda h: self.mlp(h, routing, return_routing=True)) if self.moe else self.mlp
         if self.sandwich:
             x = x + self.post_attention_layernorm(attended)
-            mixed = self.mlp(self.pre_feedforward_layernorm(x))
+            mixed = mlp(self.pre_feedforward_layernorm(x))
         else:
             x = x + attended
-            mixed = self.mlp(self.post_attention_layernorm(x))
+            mixed = mlp(self.post_attention_layernorm(x))
         if self.moe:
-            mixed, router_logits = mixed
+            mixed, *routed_to = mixed
         if self.parallel_moe:
             flat = x.reshape(-1, x.shape[-1])
-            weights, chosen, logits = self.router(flat)
+            replayed = None if routing is None else routing.reshape(flat.shape[0], -1)
+            weights, chosen, logits = self.router(flat, replayed)
             routed = self.experts(self.pre_feedforward_layernorm_2(flat), weights, chosen)
             routed = self.post_feedforward_layernorm_2(routed.reshape(x.shape))
             mixed = self.post_feedforward_layernorm_1(mixed) + routed
             high = v.compute_dtype(logits.dtype)  # float32, float64 for a float64 model
-            router_logits = logits.astype(high).reshape(*x.shape[:-1], -1)
+            lead = x.shape[:-1]
+            routed_to = (logits.astype(high).reshape(*lead, -1), chosen.reshape(*lead, -1))
         if self.sandwich:
             mixed = self.post_feedforward_layernorm(mixed)
         x = x + mixed
@@ -104,4 +116,4 @@ class DecoderLayer(nnx.Module):
         if self.layer_scalar is not None:
             # A Hugging Face buffer, not a trained weight: no gradient reaches it.
             x = x * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x.dtype)
-        return x, cache, router_logits, kv
+        return x, cache, None if routed_to is None else tuple(routed_to), kv

@@ -16,6 +16,7 @@ from tunelib.models._block import DecoderLayer
 from tunelib.models._config import DecoderConfig
 from tunelib.models._layers import Dense, Embedding, RMSNorm
 from tunelib.models._rope import rope_angles, rope_frequencies
+from tunelib.models._routing import checked_routing
 
 
 class Decoder(nnx.Module):
@@ -130,8 +131,10 @@ class Decoder(nnx.Module):
         segment_ids: Int[ArrayLike, "B T"] | None = None,
         *,
         return_router_logits: bool = False,
-    ) -> Float[Array, "B T H"] | tuple[Float[Array, "B T H"], Float[Array, "M B T E"]]:
-        """Final-norm hidden states of every position (and the router logits).
+        routing: Int[ArrayLike, "M B T k"] | None = None,
+        return_routing: bool = False,
+    ) -> Float[Array, "B T H"] | tuple[Array, ...]:
+        """Final-norm hidden states of every position (and the router logits, the routing).
 
         Args:
           tokens: `[B, T]` integer token ids in `[0, V)`; ids at padded positions are
@@ -153,11 +156,27 @@ class Decoder(nnx.Module):
           return_router_logits: also return the router logits of the $M$
             mixture-of-experts layers (`config.moe_layers`), for the auxiliary losses
             (`tunelib.losses.load_balancing_loss`, `tunelib.losses.router_z_loss`).
+          routing: `[M, B, T, k]` integer expert ids to route each token to in each of the
+            $M$ mixture-of-experts layers (routing replay, R3): a record from
+            `tunelib.rollout.sample(..., record_routing=True)` or `return_routing`. The
+            experts are taken from it; their gate weights are still computed, and
+            differentiated, from this model's router logits (`tunelib.models.route` with
+            `experts`). Dense layers ignore it. None (the default) routes by top-k.
+          return_routing: also return the `[M, B, T, k]` int32 experts each token was routed
+            to (under `routing`, those given).
 
         Returns:
           `[B, T, H]` hidden states in the compute dtype `config.dtype`; with
           `return_router_logits`, the pair of them and the `[M, B, T, E]` router logits
-          (float32, float64 for a float64 model; $M = 0$ for a dense model).
+          (float32, float64 for a float64 model; $M = 0$ for a dense model); with
+          `return_routing`, the `[M, B, T, k]` routing after them (k = 1 for a dense
+          model).
+
+        Raises:
+          ValueError: when tracing, for a `routing` given to a model without
+            mixture-of-experts layers, or of another shape than `[M, B, T, k]`; for a
+            concrete one, an expert id outside `[0, E)` (a traced one gives NaN hidden
+            states at that token: `route`).
         """
         c = self.config
         tokens = v.int_array(tokens, "tokens")
@@ -173,17 +192,23 @@ class Decoder(nnx.Module):
         else:
             positions = v.int_array(positions, "positions")
             v.check_shape(positions, "positions", tokens.shape, f"tokens {tokens.shape}")
+        if routing is not None:
+            routing = checked_routing(routing, c, tokens.shape)
 
         high = v.compute_dtype(c.compute_dtype)
         allowed, fill = _attention_mask(where, segment_ids, high)
         t = jnp.arange(tokens.shape[1])
         masks = self._masks(allowed, t, t)
-        x, _, router_logits = self._run_layers(tokens, where, positions, masks, fill)
-        if not return_router_logits:
+        x, _, routed = self._run_layers(tokens, where, positions, masks, fill, routing=routing)
+        if not (return_router_logits or return_routing):
             return self.norm(x)
-        if router_logits is None:
-            router_logits = jnp.zeros((0, *tokens.shape, max(c.num_experts, 1)), high)
-        return self.norm(x), router_logits
+        if routed is None:
+            routed = (
+                jnp.zeros((0, *tokens.shape, max(c.num_experts, 1)), high),
+                jnp.zeros((0, *tokens.shape, c.num_experts_per_tok), jnp.int32),
+            )
+        kept = (return_router_logits, return_routing)
+        return (self.norm(x), *(out for out, keep in zip(routed, kept, strict=True) if keep))
 
     def init_cache(self, batch_size: int, length: int) -> "KVCache":
         """An empty `KVCache` of `length` slots for `batch_size` rows, in the compute dtype.
@@ -216,7 +241,10 @@ class Decoder(nnx.Module):
         tokens: Int[ArrayLike, "B T"],
         where: Mask[ArrayLike, "B T"] | None,
         cache: "KVCache",
-    ) -> tuple[Float[Array, "B T H"], "KVCache"]:
+        *,
+        routing: Int[ArrayLike, "M B T k"] | None = None,
+        return_routing: bool = False,
+    ) -> tuple[Float[Array, "B T H"], "KVCache"] | tuple[Array, "KVCache", Array]:
         """Hidden states of `T` new tokens per row, attending to the cache and each other.
 
         The new tokens' keys and values are written into slots `cache.index` to
@@ -236,9 +264,14 @@ class Decoder(nnx.Module):
           cache: the `KVCache` from `init_cache` or a previous `extend`. Its index is
             traced, so writing past its last slot cannot be caught here: the caller sizes
             the cache (`tunelib.rollout.sample` checks it before compiling).
+          routing: `[M, B, T, k]` experts to route the new tokens to (replay; see
+            calling the model); None routes by top-k.
+          return_routing: also return the `[M, B, T, k]` int32 experts the new tokens were
+            routed to: what `tunelib.rollout.sample` records.
 
         Returns:
-          The `[B, T, H]` final-norm hidden states of the new tokens and the updated cache.
+          The `[B, T, H]` final-norm hidden states of the new tokens and the updated cache;
+          with `return_routing`, the routing after them.
         """
         c = self.config
         tokens = v.int_array(tokens, "tokens")
@@ -251,6 +284,8 @@ class Decoder(nnx.Module):
             raise ValueError(f"tokens has {b} rows but the cache has {cache.where.shape[0]}.")
         if t > slots:
             raise ValueError(f"tokens has {t} positions but the cache only {slots} slots.")
+        if routing is not None:
+            routing = checked_routing(routing, c, tokens.shape)
         counts = jnp.cumsum(where, axis=-1, dtype=jnp.int32)
         positions = cache.lengths[:, None] + jnp.maximum(counts - 1, 0)
         key_where = jax.lax.dynamic_update_slice_in_dim(cache.where, where, cache.index, 1)
@@ -260,11 +295,15 @@ class Decoder(nnx.Module):
         masks = self._masks(allowed, query_slots, jnp.arange(slots))
         lowest = jnp.finfo(v.compute_dtype(c.compute_dtype)).min
         fill = jnp.where(causal, 0.5 * lowest, lowest).astype(v.compute_dtype(c.compute_dtype))
-        x, (keys, values), _ = self._run_layers(
-            tokens, where, positions, masks, fill, (cache.keys, cache.values, cache.index)
+        x, (keys, values), routed = self._run_layers(
+            tokens, where, positions, masks, fill, (cache.keys, cache.values, cache.index), routing
         )
         cache = KVCache(keys, values, key_where, cache.lengths + counts[:, -1], cache.index + t)
-        return self.norm(x), cache
+        if not return_routing:
+            return self.norm(x), cache
+        if routed is None:
+            routed = (None, jnp.zeros((0, b, t, c.num_experts_per_tok), jnp.int32))
+        return self.norm(x), cache, routed[1]
 
     def _masks(self, allowed, query_slots, key_slots) -> dict[bool, jax.Array]:
         """`allowed` `[B, 1, 1, T, S]` for the layer kinds present: `True` (sliding, within
@@ -276,9 +315,11 @@ class Decoder(nnx.Module):
             masks[sliding] = allowed & window
         return masks
 
-    def _run_layers(self, tokens, where, positions, masks, fill, cache=None):
+    def _run_layers(self, tokens, where, positions, masks, fill, cache=None, routing=None):
         """The embedded tokens through every layer; with a cache `(keys, values, index)`,
-        also the new keys and values of each cache group.
+        also the new keys and values of each cache group; and the mixture-of-experts layers'
+        `([M, B, T, E] router logits, [M, B, T, k] experts)`, or None. `routing`
+        `[M, B, T, k]` replays experts in those layers.
 
         `masks` maps each layer kind (sliding or not) to its `allowed`; each kind rotates by
         its own RoPE (`rope_local_base_freq` for sliding layers, when set) at its own head
@@ -303,13 +344,13 @@ class Decoder(nnx.Module):
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
         keys, values, index = (None, None, None) if cache is None else cache
 
-        def run(layer, x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input):
-            return layer(x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input)
+        def run(layer, x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input, routing):
+            return layer(x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input, routing)
 
         if c.remat:
             run = nnx.remat(run)
         if not c.scan_layers:
-            return self._loop(run, x, inputs, fill, per_layer, keys, values, index)
+            return self._loop(run, x, inputs, fill, per_layer, keys, values, index, routing)
 
         # Stacked layers (one shape, one cache group) of both kinds pick their inputs by a
         # per-layer index into a stack; with one kind every layer takes the same inputs.
@@ -327,28 +368,28 @@ class Decoder(nnx.Module):
                 return jax.tree.map(lambda x: x[kind], table)
 
         @nnx.scan(
-            in_axes=(nnx.Carry, 0, None, None, 0, 0, None),
+            in_axes=(nnx.Carry, 0, None, None, 0, 0, None, 0),
             out_axes=(nnx.Carry, 0),
             transform_metadata={nnx.PARTITION_NAME: "layers"},
         )
-        def scan(carry, layer, table, fill, i, kind, index):
+        def scan(carry, layer, table, fill, i, kind, index, routing):
             x, keys, values = carry
             cos, sin, allowed = pick(table, kind)
             layer_cache = None if keys is None else (keys, values, i, index)
-            x, layer_cache, router_logits, _ = run(
-                layer, x, cos, sin, allowed, fill, layer_cache, None, None
+            x, layer_cache, routed, _ = run(
+                layer, x, cos, sin, allowed, fill, layer_cache, None, None, routing
             )
             carry = (x, None, None) if layer_cache is None else (x, *layer_cache[:2])
-            return carry, router_logits
+            return carry, routed
 
         layer_ids = jnp.arange(c.num_hidden_layers)
         carry = (x, None, None) if keys is None else (x, keys[0], values[0])
-        carry, router_logits = scan(carry, self.layers, table, fill, layer_ids, kind_ids, index)
+        carry, routed = scan(carry, self.layers, table, fill, layer_ids, kind_ids, index, routing)
         x, keys, values = carry
         new = None if keys is None else ((keys,), (values,))
-        return x, new, router_logits
+        return x, new, routed
 
-    def _loop(self, run, x, inputs, fill, per_layer, keys, values, index):
+    def _loop(self, run, x, inputs, fill, per_layer, keys, values, index, routing):
         """The layers one after another, each reading and writing its cache group's slot and
         handing its keys and values to the layers that share them."""
         c = self.config
@@ -359,7 +400,7 @@ class Decoder(nnx.Module):
             for j, layer in enumerate(members)
         }
         consumers = {source for i, source in enumerate(c.kv_sources) if source != i}
-        attended, router_logits = {}, []
+        attended, routed = {}, []
         for i, (layer, sliding) in enumerate(zip(self.layers, c.sliding_layers, strict=True)):
             source = c.kv_sources[i]
             layer_cache = None
@@ -368,15 +409,16 @@ class Decoder(nnx.Module):
                 layer_cache = (keys[g], values[g], j, index)
             shared = attended.get(source) if source != i else None
             per_layer_input = None if per_layer is None else per_layer[:, :, i]
-            x, layer_cache, logits, kv = run(
-                layer, x, *inputs[sliding], fill, layer_cache, shared, per_layer_input
+            replayed = None if routing is None or not c.moe_layers[i] else routing[len(routed)]
+            x, layer_cache, layer_routed, kv = run(
+                layer, x, *inputs[sliding], fill, layer_cache, shared, per_layer_input, replayed
             )
             if layer_cache is not None:
                 keys[g], values[g] = layer_cache[:2]
             if i in consumers:
                 attended[i] = kv
-            router_logits += [] if logits is None else [logits]
-        stacked = jnp.stack(router_logits) if router_logits else None
+            routed += [] if layer_routed is None else [layer_routed]
+        stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *routed) if routed else None
         new = None if keys is None else (tuple(keys), tuple(values))
         return x, new, stacked
 

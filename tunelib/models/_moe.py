@@ -18,22 +18,42 @@ def route(
     *,
     top_k: int,
     norm_topk_prob: bool = False,
+    experts: Int[ArrayLike, "*N k"] | None = None,
 ) -> tuple[Float[Array, "*N k"], Int[Array, "*N k"]]:
     r"""Softmax top-k routing: each token's `top_k` experts and their weights.
 
     $p = \mathrm{softmax}(z)$ over the $E$ experts (in at least float32); the chosen experts
-    are the $k$ largest $p_e$, in decreasing order, and their weights are those $p_e$, divided
-    by their sum when `norm_topk_prob` (Qwen3-MoE's flag; Mixtral always renormalises).
+    $\mathcal{K}$ are the $k$ largest $p_e$, in decreasing order, and their weights are those
+    $p_e$, divided by their sum when `norm_topk_prob` (Qwen3-MoE's flag; Mixtral always
+    renormalises):
+
+    $$ w_e = p_e \quad\text{or}\quad w_e = \frac{p_e}{\sum_{j \in \mathcal{K}} p_j}
+    = \frac{e^{z_e}}{\sum_{j \in \mathcal{K}} e^{z_j}}, \qquad e \in \mathcal{K}. $$
+
+    Routing replay (R3): with `experts` given, $\mathcal{K}$ is read from it instead of
+    chosen by top-k, and the weights are the same formula over that set, from these logits
+    $z$: they stay functions of $z$ (and differentiable), only the choice is fixed. With
+    `norm_topk_prob` this is the R3 paper's replayed gate, a softmax of the logits masked to
+    the recorded experts; without, it is the family's own unnormalised top-k probability at
+    the recorded experts, as Megatron-LM's router replay gathers the scores of the replayed
+    indices. Ids outside `[0, E)` give NaN weights (a concrete out-of-range id is caught
+    earlier, by `tunelib.models.Decoder`).
 
     Args:
       router_logits: `[..., E]` router logits $z$ (`tunelib.models.Decoder` returns them
         with `return_router_logits=True`).
       top_k: $k$, static, in `[1, E]`.
       norm_topk_prob: renormalise the chosen weights to sum to 1.
+      experts: `[..., k]` integer expert ids to route to (a recorded routing, see
+        `tunelib.models.Decoder`'s `routing`); None (the default) chooses by top-k.
 
     Returns:
       `(weights, experts)`: `[..., k]` float weights (float32, float64 for float64 logits)
       and `[..., k]` int32 expert indices.
+
+    References:
+      Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference
+      Routers" (R3, routing replay), 2025, https://arxiv.org/abs/2510.11370.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -43,16 +63,30 @@ def route(
       [1 2] [0.6 0.3]
       >>> print(route(jnp.log(jnp.array([0.1, 0.6, 0.3])), top_k=2, norm_topk_prob=True)[0])
       [0.6666667 0.3333333]
+
+      Replayed: expert 0 is kept although expert 2 now scores higher.
+
+      >>> weights, experts = route(jnp.log(jnp.array([0.1, 0.6, 0.3])), top_k=2,
+      ...                          norm_topk_prob=True, experts=jnp.array([1, 0]))
+      >>> print(experts, weights.round(4))
+      [1 0] [0.8571 0.1429]
     """
     logits = v.float_array(router_logits, "router_logits")
-    experts = logits.shape[-1] if logits.ndim else 0
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+    num_experts = logits.shape[-1] if logits.ndim else 0
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(
-            f"top_k must be an int in [1, {experts}] (the experts in router_logits "
+            f"top_k must be an int in [1, {num_experts}] (the experts in router_logits "
             f"{logits.shape}), got {top_k!r}."
         )
     probs = jax.nn.softmax(logits.astype(v.compute_dtype(logits.dtype)), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, top_k)
+    if experts is None:
+        weights, chosen = jax.lax.top_k(probs, top_k)
+    else:
+        chosen = v.int_array(experts, "experts")
+        v.check_shape(chosen, "experts", (*logits.shape[:-1], top_k), f"top_k={top_k}")
+        inside = (chosen >= 0) & (chosen < num_experts)
+        weights = jnp.take_along_axis(probs, jnp.where(inside, chosen, 0), axis=-1)
+        weights = jnp.where(inside, weights, jnp.nan)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, chosen.astype(jnp.int32)
@@ -125,13 +159,20 @@ class MoE(nnx.Module):
             down_proj=ExpertDense(f, h, ("mlp", "embed"), c, rngs=rngs),
         )
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, routing: jax.Array | None = None, *, return_routing: bool = False
+    ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array]:
         """The layer's output for `x [B, T, H]` and its router logits `[B, T, E]` (float32,
-        float64 for a float64 model)."""
+        float64 for a float64 model); with `return_routing`, also the `[B, T, k]` int32
+        experts each token went to. `routing` `[B, T, k]` replays recorded experts (`route`'s
+        `experts`): the weights still come from this layer's router logits."""
         *lead, h = x.shape
         flat = x.reshape(-1, h)
         logits = self.gate(flat)
-        weights, chosen = route(logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+        replayed = None if routing is None else routing.reshape(-1, self.top_k)
+        weights, chosen = route(
+            logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, experts=replayed
+        )
         e = self.experts
 
         def experts(rows, sizes):
@@ -141,7 +182,8 @@ class MoE(nnx.Module):
 
         out = dispatch(flat, weights.astype(self.dtype), chosen, self.num_experts, experts)
         high = v.compute_dtype(self.dtype)
-        return out.reshape(*lead, h), logits.astype(high).reshape(*lead, self.num_experts)
+        out, logits = out.reshape(*lead, h), logits.astype(high).reshape(*lead, self.num_experts)
+        return (out, logits, chosen.reshape(*lead, self.top_k)) if return_routing else (out, logits)
 
 
 def dispatch(flat: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int, experts):
@@ -175,13 +217,19 @@ class Router(nnx.Module):
         self.scale = param(rngs, ones, (c.hidden_size,), ("embed",), c.storage_dtype)
         self.per_expert_scale = param(rngs, ones, (c.num_experts,), ("experts",), c.storage_dtype)
 
-    def __call__(self, flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(
+        self, flat: jax.Array, routing: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """`(weights, experts, logits)` for the rows of `flat [N, H]`: `[N, k]` float32
-        weights, `[N, k]` expert indices and the `[N, E]` router logits."""
+        weights, `[N, k]` expert indices and the `[N, E]` router logits. `routing` `[N, k]`
+        replays recorded experts (`route`'s `experts`); their weights still come from these
+        logits, times the replayed experts' `per_expert_scale`."""
         dtype = self.proj.dtype
         scale = self.scale[...].astype(dtype) * jnp.asarray(self.root, dtype)
         logits = self.proj(self.norm(flat) * scale)
-        weights, chosen = route(logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+        weights, chosen = route(
+            logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, experts=routing
+        )
         weights = weights * self.per_expert_scale[...].astype(weights.dtype)[chosen]
         return weights, chosen, logits
 

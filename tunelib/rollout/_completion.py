@@ -2,7 +2,7 @@
 
 import jax
 import jax.numpy as jnp
-from einops import repeat
+from einops import rearrange, repeat
 from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int, PyTree
@@ -24,6 +24,7 @@ def completion_logps(
     with_entropy: bool = False,
     implementation: str = "auto",
     share_prompts: bool = True,
+    routing: Int[ArrayLike, "R T M k"] | None = None,
 ) -> Float[Array, "R N"] | tuple[Float[Array, "R N"], Float[Array, "R N"]]:
     r"""Log-probs (and entropy) of completion tokens after their prompts, under `params`.
 
@@ -58,6 +59,18 @@ def completion_logps(
     another order); `share_prompts=False` runs that pass, each prompt once per completion,
     as TRL and Tunix do.
 
+    Routing replay (R3): for a mixture-of-experts model, `routing=rollout.routing` from
+    `sample(..., record_routing=True)` routes every prompt and completion token to the
+    experts the sampler chose, in every MoE layer, while the gate weights over them are
+    computed (and differentiated) from this forward pass's own router logits
+    (`tunelib.models.route` with `experts`). The sampler's cached decode and this full
+    forward pass round differently, and in bfloat16 two experts near a tie can swap between
+    them: a token then goes through other experts here than it did at rollout, and its
+    log-prob differs by far more than rounding. Replayed, the experts are the same, and
+    what is left is the rounding of the dense computation. With shared prompts, each
+    prompt's columns of `routing` are read from the first completion of its group (the
+    sampler records one prefill for the group).
+
     Note:
       TRL and Tunix slice the logits of left-padded prompts at `[P - 1, P + N - 1)` and
       divide them by the temperature; this is the same computation, for prompts padded on
@@ -78,9 +91,17 @@ def completion_logps(
       share_prompts: with groups, run each prompt once and its completions over its KV
         cache (static; default True); False: one forward pass over each prompt and
         completion concatenated.
+      routing: `[R, P + N, M, k]` int32 experts to route each prompt and completion token
+        to in the model's M mixture-of-experts layers (`Rollout.routing`, rows first);
+        None (the default) routes by the router's own top-k.
 
     Returns:
       `[R, N]` float32 log-probs; with `with_entropy`, the pair `(logps, entropy)`.
+
+    Raises:
+      ValueError: for `routing` whose rows and columns are not `[R, P + N]`; the model
+        refuses one with another layer count or k, with expert ids outside `[0, E)`, or
+        given to a model without mixture-of-experts layers (`tunelib.models.Decoder`).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -107,6 +128,8 @@ def completion_logps(
       Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
       Language Models" (GRPO, which scores its samples this way), 2024,
       https://arxiv.org/abs/2402.03300.
+      Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference
+      Routers" (R3, `routing`), 2025, https://arxiv.org/abs/2510.11370.
     """
     prompt_tokens = v.int_array(prompt_tokens, "prompt_tokens")
     if prompt_tokens.ndim != 2:
@@ -123,15 +146,33 @@ def completion_logps(
             f"tokens has {rows} rows, which is not a multiple of the {batch} prompts of "
             f"prompt_tokens {prompt_tokens.shape}: row b * G + g must continue prompt b."
         )
+    length = prompt_len + tokens.shape[1]
+    if routing is not None:
+        routing = v.int_array(routing, "routing")
+        if routing.ndim != 4 or routing.shape[:2] != (rows, length):
+            raise ValueError(
+                f"routing has shape {routing.shape} but must have shape [{rows}, {length}, "
+                f"M, k]: [R, P + N, M, k] for the {rows} completions of tokens "
+                f"{tokens.shape} after prompts of prompt_tokens {prompt_tokens.shape} "
+                "(Rollout.routing as sample(..., record_routing=True) records it)."
+            )
+        routing = rearrange(routing, "r t m k -> m r t k")  # the decoder's layout
     model = nnx.merge(graphdef, params)
     group = rows // batch
     if group > 1 and share_prompts:
         # Each prompt once into a KV cache, the cache repeated over its group, then every
         # completion on top of it: the hidden states of the concatenation, as `sample` has them.
-        cache = model.init_cache(batch, prompt_len + tokens.shape[1])
-        prompt_hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
+        cache = model.init_cache(batch, length)
+        prompt_routing, completion_routing = (
+            (None, None)
+            if routing is None
+            else (routing[:, ::group, :prompt_len], routing[:, :, prompt_len:])
+        )
+        prompt_hidden, cache = model.extend(
+            prompt_tokens, prompt_where, cache, routing=prompt_routing
+        )
         cache = cache.repeat_rows(group)
-        completion_hidden, _ = model.extend(tokens, where, cache)
+        completion_hidden, _ = model.extend(tokens, where, cache, routing=completion_routing)
         prompt_hidden = repeat(prompt_hidden, "b p h -> (b g) p h", g=group)
         hidden = jnp.concatenate([prompt_hidden, completion_hidden], axis=1)
         prompt_where = repeat(prompt_where, "b p -> (b g) p", g=group)
@@ -141,7 +182,9 @@ def completion_logps(
             prompt_tokens = repeat(prompt_tokens, "b p -> (b g) p", g=group)
             prompt_where = repeat(prompt_where, "b p -> (b g) p", g=group)
         all_where = jnp.concatenate([prompt_where, where], axis=1)
-        hidden = model(jnp.concatenate([prompt_tokens, tokens], axis=1), where=all_where)
+        hidden = model(
+            jnp.concatenate([prompt_tokens, tokens], axis=1), where=all_where, routing=routing
+        )
     # Completion token j sits at column P + j and is predicted by the last real column
     # before it: a running max of the real columns' indices, read at P - 1 + j.
     columns = jnp.arange(all_where.shape[1] - 1)

@@ -7,15 +7,15 @@ built from it, each in its own jitted functions):
   prompts as arrays and the model's config, after every check that needs no cache length.
 - `pure_params(params)`, `as_key(key)`: the parameters as plain arrays and the key as a
   new-style PRNG key, as the functions below take them.
-- `prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)`: the
-  next-token logits after each prompt and the KV cache holding the prompts, forked
-  `group_size` ways.
+- `prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, *,
+  record_routing)`: the next-token logits after each prompt and the KV cache holding the
+  prompts, forked `group_size` ways (and, recording, the prompts' MoE routing).
 - `last_logits(model, hidden, where)`: the next-token logits after each row's last real
   token of a block that `Decoder.extend` ran (prefill and an episode's observations).
-- `decode(graphdef, params, logits, cache, key, config, *, done, limit, end_sequences)`: the
-  decode loop, a `lax.while_loop` of one token per row a step from next-token logits and a
-  cache; it returns a `Decoded`, the drawn tokens and where the cache and logits stand after
-  them, so that a caller can continue the same cache.
+- `decode(graphdef, params, logits, cache, key, config, *, done, limit, end_sequences,
+  record_routing)`: the decode loop, a `lax.while_loop` of one token per row a step from
+  next-token logits and a cache; it returns a `Decoded`, the drawn tokens and where the cache
+  and logits stand after them, so that a caller can continue the same cache.
 
 `config` is a `SamplingConfig` (`tunelib.rollout.sample` checks that it is one). Nothing here
 is jitted: the callers jit whole programs of these steps.
@@ -122,18 +122,24 @@ def prefill(
     prompt_where: jax.Array,
     cache_length: int,
     group_size: int,
-) -> tuple[jax.Array, KVCache]:
+    *,
+    record_routing: bool = False,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """Next-token logits `[B * G, V]` after each prompt's last real token, and the KV cache of
     `cache_length` slots holding the prompts, each row repeated `group_size` times (a fork of
-    one prefill)."""
+    one prefill); with `record_routing`, also the `[M, B * G, P, k]` experts each prompt
+    token was routed to (`Decoder.extend`'s `return_routing`), repeated as the cache is."""
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(prompt_tokens.shape[0], cache_length)
-    hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
+    hidden, cache, *routing = model.extend(
+        prompt_tokens, prompt_where, cache, return_routing=record_routing
+    )
     logits = last_logits(model, hidden, prompt_where)
     if group_size > 1:  # fork the prefilled cache: row b * G + g continues prompt b
         cache = cache.repeat_rows(group_size)
         logits = jnp.repeat(logits, group_size, axis=0)
-    return logits, cache
+        routing = [jnp.repeat(r, group_size, axis=1) for r in routing]
+    return logits, cache, *routing
 
 
 def last_logits(model: nnx.Module, hidden: jax.Array, where: jax.Array) -> jax.Array:
@@ -147,7 +153,8 @@ def last_logits(model: nnx.Module, hidden: jax.Array, where: jax.Array) -> jax.A
 class Decoded(NamedTuple):
     """What `decode` returns: the `[R, N]` tokens, mask and log-probs it drew, `[R]` flags
     (`done`: the row stopped drawing, for any reason; `ended`: by a stop token or an end
-    sequence), the next-token logits after each row's last token and the cache."""
+    sequence), the next-token logits after each row's last token and the cache; recording,
+    the `[M, R, N, k]` experts each drawn token was routed to, else None."""
 
     tokens: jax.Array
     where: jax.Array
@@ -156,6 +163,7 @@ class Decoded(NamedTuple):
     ended: jax.Array
     logits: jax.Array
     cache: KVCache
+    routing: jax.Array | None = None
 
 
 def decode(
@@ -169,6 +177,7 @@ def decode(
     done: jax.Array | None = None,
     limit: jax.Array | None = None,
     end_sequences: tuple[tuple[int, ...], ...] = (),
+    record_routing: bool = False,
 ) -> Decoded:
     """The decode loop: up to `config.max_new_tokens` steps of one token per row, from `[R, V]`
     next-token logits and a cache, inside a `lax.while_loop` that ends once every row is done.
@@ -177,7 +186,8 @@ def decode(
     row is done after a stop token, after a token that completes one of `end_sequences`
     (static tuples of token ids, drawn in this call), or, with `limit` (`[R]` ints), after
     `limit` tokens. Step `t` draws with `fold_in(key, t)`. Every step writes one cache slot
-    for every row.
+    for every row. With `record_routing`, step `t` also writes the experts its token went to
+    in each MoE layer into column `t` of `Decoded.routing`.
     """
     rows, new = logits.shape[0], config.max_new_tokens
     stop = jnp.asarray(
@@ -188,11 +198,11 @@ def decode(
     width = max((len(s) for s in longer), default=1) - 1
 
     def running(state):
-        step, *_, done, _, _, _, _ = state
+        step, *_, done, _, _, _, _, _ = state
         return (step < new) & ~jnp.all(done)
 
     def step_fn(state):
-        step, tokens, where, logps, done, ended, tail, logits, cache = state
+        step, tokens, where, logps, done, ended, tail, logits, cache, routing = state
         token, all_logps = _draw(logits, jax.random.fold_in(key, step), config)
         live = ~done
         logp = jnp.take_along_axis(all_logps, token[:, None], axis=-1)[:, 0]
@@ -213,10 +223,14 @@ def decode(
         done = done | (live & stopped)
         # Merged inside the loop body: NNX modules do not cross into an inner trace.
         step_model = nnx.merge(graphdef, params)
-        hidden, cache = step_model.extend(token[:, None], live[:, None], cache)
+        hidden, cache, *routed = step_model.extend(
+            token[:, None], live[:, None], cache, return_routing=record_routing
+        )
+        if record_routing:
+            routing = jax.lax.dynamic_update_slice_in_dim(routing, routed[0], step, 2)
         # A row that drew nothing keeps the logits after its last real token.
         logits = jnp.where(live[:, None], step_model.unembed(hidden[:, 0]), logits)
-        return step + 1, tokens, where, logps, done, ended, tail, logits, cache
+        return step + 1, tokens, where, logps, done, ended, tail, logits, cache, routing
 
     state = (
         jnp.zeros((), jnp.int32),
@@ -228,11 +242,20 @@ def decode(
         jnp.full((rows, width), -1, jnp.int32),
         logits,
         cache,
+        _routing_buffer(graphdef, params, rows, new) if record_routing else None,
     )
-    _, tokens, where, logps, done, ended, _, logits, cache = jax.lax.while_loop(
+    _, tokens, where, logps, done, ended, _, logits, cache, routing = jax.lax.while_loop(
         running, step_fn, state
     )
-    return Decoded(tokens, where, logps, done, ended, logits, cache)
+    return Decoded(tokens, where, logps, done, ended, logits, cache, routing)
+
+
+def _routing_buffer(graphdef: nnx.GraphDef, params: PyTree, rows: int, new: int) -> jax.Array:
+    """Zeros `[M, rows, new, k]` int32 for the experts of `new` tokens in each of the model's
+    M mixture-of-experts layers (a valid expert id in slots no token reaches)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    c = nnx.merge(graphdef, shapes).config
+    return jnp.zeros((sum(c.moe_layers), rows, new, c.num_experts_per_tok), jnp.int32)
 
 
 def _draw(logits: jax.Array, key: jax.Array, config) -> tuple[jax.Array, jax.Array]:

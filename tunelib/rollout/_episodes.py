@@ -116,12 +116,13 @@ class EpisodeConfig:
 
 
 # An Episode has a Rollout's arrays, over the episode's T positions (N = T in their
-# annotations), then its own, then a Rollout's policy stamp.
+# annotations), then its own, then a Rollout's policy stamp; `run_episodes` records no MoE
+# routing, so not `routing`.
 _STAMP = ("policy_version", "fingerprint")
 _EpisodeFields = NamedTuple(
     "_EpisodeFields",
     [
-        *((k, t) for k, t in Rollout.__annotations__.items() if k not in _STAMP),
+        *((k, t) for k, t in Rollout.__annotations__.items() if k not in (*_STAMP, "routing")),
         ("roles", Int[Array, "B T"]),
         ("context_where", Bool[Array, "B T"]),
         ("turn_ids", Int[Array, "B T"]),

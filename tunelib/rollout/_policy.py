@@ -51,47 +51,48 @@ def _fingerprint(leaves: list) -> jax.Array:
 
 def fingerprint(params: PyTree) -> UInt32[Array, ""]:
     r"""A 32-bit fingerprint of a tree of arrays: cheap, exact, and the same wherever it is
-        computed.
+    computed.
 
-        Each leaf $\ell$ is read as 32-bit words $w_{\ell,i}$ (its elements' bits; bfloat16 and
-        int8 widened, 8-byte types as two words) and summed with an odd weight per position,
-        modulo $2^{32}$; the leaves' word counts and sums are folded in tree order (FNV-1a's
+    Each leaf $\ell$ is read as 32-bit words $w_{\ell,i}$ (its elements' bits; bfloat16 and
+    int8 widened, 8-byte types as two words) and summed with an odd weight per position,
+    modulo $2^{32}$; the leaves' word counts and sums are folded in tree order (FNV-1a's
     multiply-xor):
 
-        $$
-        d_\ell = \sum_i w_{\ell,i}\,\big((\phi\, i + 2\ell) \lor 1\big) \bmod 2^{32},
-        \qquad h \leftarrow (h \oplus d_\ell)\, p \bmod 2^{32},
-        $$
+    $$
+    d_\ell = \sum_i w_{\ell,i}\,\big((\phi\, i + 2\ell) \lor 1\big) \bmod 2^{32},
+    \qquad h \leftarrow (h \oplus d_\ell)\, p \bmod 2^{32},
+    $$
 
-        with $\phi$ = 0x9E3779B1 and $p$ the FNV prime. Integer sums are associative, so the
-        result does not depend on the order of the reduction: the same parameters give the same
-        fingerprint on any device count, sharding or process, bit for bit. An odd weight is
-        invertible modulo $2^{32}$, so changing any one element (any bit of it) always changes
-        the fingerprint; several changes collide with probability about $2^{-32}$. It reads the
-        parameters once, as one decode step does.
+    with $\phi$ = 0x9E3779B1 and $p$ the FNV prime. Integer sums are associative, so the
+    result does not depend on the order of the reduction: the same parameters give the same
+    fingerprint on any device count, sharding or process, bit for bit. An odd weight is
+    invertible modulo $2^{32}$, so changing any one element (any bit of it) always changes
+    the fingerprint; several changes collide with probability about $2^{-32}$. It reads the
+    parameters once, as one decode step does.
 
-        Use it to tell which parameters produced a rollout: `tunelib.rollout.sample` and
-        `run_episodes` stamp their output with the fingerprint of the parameters they ran when
-        given a `policy_version`, and `PolicyLedger` checks the stamp against what the trainer
-        handed out. For a base with LoRA adapters (`tunelib.peft.apply_lora`) the base's arrays
-        (float or quantised) and the adapters are all read.
+    Use it to tell which parameters produced a rollout: `tunelib.rollout.sample` and
+    `run_episodes` stamp their output with the fingerprint of the parameters they ran when
+    given a `policy_version`, and `PolicyLedger` checks the stamp against what the trainer
+    handed out. For a base with LoRA adapters (`tunelib.peft.apply_lora`) the base's arrays
+    (float or quantised) and the adapters are all read.
 
-        Args:
-          params: a pytree of arrays (parameters, adapters, an `nnx.State`, LoRA-wrapped
-            weights); any dtype, sharded or not.
+    Args:
+      params: a pytree of arrays (parameters, adapters, an `nnx.State`, LoRA-wrapped
+        weights); any dtype, sharded or not.
 
-        Returns:
-          A uint32 scalar.
+    Returns:
+      A uint32 scalar.
 
-        Examples:
-          >>> import jax.numpy as jnp
-          >>> from tunelib.rollout import fingerprint
-          >>> params = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4, jnp.bfloat16)}
-          >>> bool(fingerprint(params) == fingerprint({"w": jnp.ones((3, 4)),
-          ...                                           "b": jnp.zeros(4, jnp.bfloat16)}))
-          True
-          >>> bool(fingerprint(params) == fingerprint({**params, "w": params["w"].at[2, 1].add(1e-7)}))
-          False
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.rollout import fingerprint
+      >>> params = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4, jnp.bfloat16)}
+      >>> bool(fingerprint(params) == fingerprint({"w": jnp.ones((3, 4)),
+      ...                                           "b": jnp.zeros(4, jnp.bfloat16)}))
+      True
+      >>> nudged = {**params, "w": params["w"].at[2, 1].add(1e-6)}  # one element
+      >>> bool(fingerprint(params) == fingerprint(nudged))
+      False
     """
     leaves = jax.tree.leaves(params)
     if not leaves:

@@ -8,6 +8,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int, PyTree, UInt32
@@ -185,6 +186,16 @@ class Rollout(NamedTuple):
         (`tunelib.logprobs.token_logps`) without carrying the `SamplingConfig` around: the
         config's temperature, or 1.0 for greedy decoding (temperature 0), whose log-probs are
         those of the untempered distribution.
+      routing: with `sample(..., record_routing=True)`, the `[B, P + N, M, k]` int32 experts
+        each token was routed to in each of the model's M mixture-of-experts layers, over
+        the prompt and the completion concatenated: columns `[0, P)` are the prompt (its
+        prefill, the same for the G completions of a prompt), column `P + j` is completion
+        token j (as the decode step that fed it back chose). Rows first, as every other
+        field, so it is sliced and sharded by row alike; the decoder's own layout,
+        `Decoder(..., routing=)`, is layer-first `[M, B, T, k]`, as its router logits.
+        Padded positions hold valid ids that no real token depends on.
+        `tunelib.rollout.completion_logps(..., routing=rollout.routing)` routes the trainer's
+        forward pass by it (routing replay, R3). None (the default) when not recorded.
       policy_version: int32 scalar, the policy version `sample` was given
         (`policy_version=`), or None when it was given none.
       fingerprint: uint32 scalar, `tunelib.rollout.fingerprint` of the parameters the
@@ -198,6 +209,7 @@ class Rollout(NamedTuple):
     lengths: Int[Array, " B"]
     truncated: Bool[Array, " B"]
     temperature: Float[Array, ""]
+    routing: Int[Array, "B T M k"] | None = None
     policy_version: Int[Array, ""] | None = None
     fingerprint: UInt32[Array, ""] | None = None
 
@@ -240,6 +252,7 @@ def sample(
     config: SamplingConfig,
     *,
     group_size: int = 1,
+    record_routing: bool = False,
     policy_version: int | ArrayLike | None = None,
 ) -> Rollout:
     r"""Sample completions of prompts with a KV cache: prefill once, then decode a token a step.
@@ -280,6 +293,11 @@ def sample(
       key: a PRNG key (new-style `jax.random.key` or legacy uint32).
       config: a `SamplingConfig` (static).
       group_size: completions per prompt, G >= 1.
+      record_routing: record the experts every prompt and completion token was routed to
+        in each mixture-of-experts layer, as `Rollout.routing` (static; default False), for
+        routing replay (R3) in the trainer's recomputation: in bfloat16 the cached decode
+        step and the trainer's full forward pass round differently and can choose different
+        experts where two are near a tie, which makes their log-probs differ.
       policy_version: the version of the policy `params` are (an int >= 0, such as the
         number of updates behind them), or None. Given, the `Rollout` is stamped with it and
         with `tunelib.rollout.fingerprint(params)`, the fingerprint of the parameters the
@@ -293,7 +311,8 @@ def sample(
         forbidden or pad ids out of range, every token forbidden; the rest of the config is
         checked when it is made), a prompt longer than the cache, an empty prompt or a prompt
         token id outside the vocabulary (both checked when the prompts are concrete, not
-        traced), or a bad `group_size`.
+        traced), a bad `group_size`, or `record_routing` for a model without
+        mixture-of-experts layers.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -319,13 +338,22 @@ def sample(
       https://arxiv.org/abs/1904.09751.
       Pope et al., "Efficiently Scaling Transformer Inference" (KV caching), 2022,
       https://arxiv.org/abs/2211.05102.
+      Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference
+      Routers" (R3, `record_routing`), 2025, https://arxiv.org/abs/2510.11370.
     """
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}.")
     check_version(policy_version)
-    prompt_tokens, prompt_where, _ = checked_prompts(
+    prompt_tokens, prompt_where, model_config = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config, group_size
     )
+    if not isinstance(record_routing, bool):
+        raise TypeError(f"record_routing must be a bool, got {record_routing!r}.")
+    if record_routing and not any(model_config.moe_layers):
+        raise ValueError(
+            "record_routing=True, but this model has no mixture-of-experts layers "
+            f"(num_experts={model_config.num_experts}): there is no routing to record."
+        )
     prompt_len = prompt_tokens.shape[1]
     needed = prompt_len + config.max_new_tokens
     if config.cache_length is not None and config.cache_length < needed:
@@ -333,17 +361,35 @@ def sample(
             f"prompts of {prompt_len} positions plus max_new_tokens={config.max_new_tokens} "
             f"need {needed} cache slots, but cache_length is {config.cache_length}."
         )
-    out = _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
+    out = _sample(
+        graphdef, params, prompt_tokens, prompt_where, key, config, group_size, record_routing
+    )
     return out if policy_version is None else out._replace(**stamp(params, policy_version))
 
 
-@program(static_argnums=(0, 5, 6))
-def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size):
+@program(static_argnums=(0, 5, 6, 7))
+def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size, record_routing):
     """`sample` after its checks: a prefill and one decode loop, in one program."""
     params = pure_params(params)
     cache_length = config.cache_length or prompt_tokens.shape[1] + config.max_new_tokens
-    logits, cache = prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)
-    out = decode(graphdef, params, logits, cache, as_key(key), config)
+    logits, cache, *routing = prefill(
+        graphdef,
+        params,
+        prompt_tokens,
+        prompt_where,
+        cache_length,
+        group_size,
+        record_routing=record_routing,
+    )
+    out = decode(
+        graphdef, params, logits, cache, as_key(key), config, record_routing=record_routing
+    )
     temperature = jnp.asarray(config.temperature or 1.0, jnp.float32)
     lengths = out.where.sum(-1, dtype=jnp.int32)
-    return Rollout(out.tokens, out.where, out.logps, lengths, ~out.done, temperature)
+    if record_routing:  # the prompt's columns, then the completion's; rows first
+        routing = rearrange(
+            jnp.concatenate([routing[0], out.routing], axis=2), "m r t k -> r t m k"
+        )
+    else:
+        routing = None
+    return Rollout(out.tokens, out.where, out.logps, lengths, ~out.done, temperature, routing)
