@@ -72,7 +72,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     order = order.batch(config.batch_size)
     batches = iter(order.to_iter_dataset())
     template = grpo.batch_template(
-        task, config.batch_size, config.group_size, sampling.max_new_tokens
+        task, config.batch_size, config.group_size, sampling.max_new_tokens, learner.routing
     )
     rollouts = disaggregated.Rollouts(
         config.max_staleness, sample, template=template,

@@ -38,11 +38,19 @@ def sampling(task, vocab_size: int, *, temperature: float, max_new_tokens: int):
     return dataclasses.replace(greedy, temperature=temperature, max_new_tokens=new_tokens)
 
 
-def batch_template(task, batch_size: int, group_size: int, max_new_tokens: int) -> dict:
+def batch_template(
+    task, batch_size: int, group_size: int, max_new_tokens: int, routing=None
+) -> dict:
     """Zeros shaped like this process's rows of a batch of scored rollouts (`Sampler`'s),
-    the trainer's side of the disaggregated exchange."""
+    the trainer's side of the disaggregated exchange; with `routing` = `(M, k)` (MoE layers,
+    experts per token), the batch's recorded routing too (`--replay-routing`)."""
     rows = batch_size * group_size
+    recorded = {}
+    if routing is not None:
+        width = task.prompt_length + max_new_tokens
+        recorded["routing"] = np.zeros((rows, width, *routing), np.int32)
     return {
+        **recorded,
         "prompt_tokens": np.zeros((batch_size, task.prompt_length), np.int32),
         "prompt_where": np.zeros((batch_size, task.prompt_length), bool),
         "tokens": np.zeros((rows, max_new_tokens), np.int32),
@@ -71,6 +79,7 @@ class Sampler:
     reward: str | None = None
     reward_model: object = None  # a path
     vocab_size: int = 0
+    record_routing: bool = False  # --replay-routing: each token's experts, for the trainer
 
     def __post_init__(self):
         user = load_reward(self.reward) if self.reward is not None else None
@@ -118,7 +127,7 @@ class Sampler:
         prompts = placement.rows((prompt_tokens, prompt_where))
         out = rollout.sample(
             self.graphdef, policy, *prompts, key, self.sampling, group_size=group,
-            policy_version=version,
+            policy_version=version, record_routing=self.record_routing,
         )  # fmt: skip
         tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
@@ -133,7 +142,9 @@ class Sampler:
                 np.float32,
             )
         right = np.array([task.correct(t, r) for t, r in zip(texts, prompt_of, strict=True)])
+        recorded = {} if out.routing is None else {"routing": placement.local(out.routing)}
         return {
+            **recorded,  # [B G, P + N, M, k]: the experts each token was routed to
             "prompt_tokens": prompt_tokens,  # [B, P]; completion_logps repeats them per group
             "prompt_where": prompt_where,
             "tokens": tokens,
@@ -225,10 +236,14 @@ class Learner:
     rows of a scored batch, computes its rewards and advantages once (`batch_rewards`), then
     takes `--updates-per-batch` jitted updates on it (`update`)."""
 
-    def __init__(self, graphdef, tuning, frozen, optimizer, placement, config, max_length: int):
+    def __init__(
+        self, graphdef, tuning, frozen, optimizer, placement, config, max_length: int,
+        routing: tuple[int, int] | None = None,
+    ):  # fmt: skip
         self.graphdef, self.tuning, self.frozen = graphdef, tuning, frozen
         self.optimizer, self.placement, self.config = optimizer, placement, config
         self.max_length = max_length
+        self.routing = routing  # (M, k) of the recorded routing with --replay-routing
         # The fingerprints of the policies handed to the sampler: a batch sampled by anything
         # else (weights or adapters that never reached it) stops the run in one line.
         self.ledger = rollout.PolicyLedger(max_staleness=getattr(config, "max_staleness", 0))
@@ -250,18 +265,22 @@ class Learner:
         control = self.placement.replicate(self.entropy_control.init())
         return {**state, "entropy_control": control}
 
-    def completion_logps(self, params, batch):
+    def completion_logps(self, params, batch, routing=None):
+        """The batch's token log-probs and entropies under `params`; with `routing` (the
+        sampler's record, `--replay-routing`) every MoE layer routes by it (R3)."""
         return rollout.completion_logps(
             self.graphdef, params, batch["prompt_tokens"], batch["prompt_where"],
             batch["tokens"], batch["where"], temperature=self.config.temperature,
-            with_entropy=True, implementation=self.config.logprobs,
+            with_entropy=True, implementation=self.config.logprobs, routing=routing,
         )  # fmt: skip
 
     def loss(self, trainable, frozen, batch, dropout_key):
         forward = peft.lora(self.completion_logps)
-        token_logps, entropy = forward(self.tuning.params(trainable, dropout_key), batch)
+        params = self.tuning.params(trainable, dropout_key)
+        token_logps, entropy = forward(params, batch, batch.get("routing"))
         ref_logps = None
         if self.config.kl_coef:  # without the penalty, no forward pass of the reference
+            # The reference routes by its own router: it is another model, not the sampler's.
             ref_logps, _ = jax.lax.stop_gradient(forward(frozen["reference"], batch))
         config = self.config
         return objective(
@@ -280,7 +299,8 @@ class Learner:
         return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
 
     def _prox_logps(self, trainable, batch):
-        return peft.lora(self.completion_logps)(self.tuning.params(trainable), batch)[0]
+        forward = peft.lora(self.completion_logps)
+        return forward(self.tuning.params(trainable), batch, batch.get("routing"))[0]
 
     def batch(self, rows: dict) -> dict:
         """The global batch of this process's rows, with its rewards, mask and advantages."""
@@ -330,7 +350,7 @@ class Learner:
         """A step's jitted parts for `--plan` and `--device-memory` (`kit.plan.Piece`): the
         sampler and an update, on a batch of `batch_size` prompts (shape structs)."""
         group, by_rows = self.config.group_size, self.placement.by_rows()
-        template = batch_template(task, batch_size, group, sampling.max_new_tokens)
+        template = batch_template(task, batch_size, group, sampling.max_new_tokens, self.routing)
         rows = {
             k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows)
             for k, x in template.items() if k not in ("version", "fingerprint")
@@ -367,6 +387,12 @@ def _batch_means(rewards, right, lengths, keep):  # over every process's rows
     }
 
 
+def routing_shape(model_config) -> tuple[int, int]:
+    """`(M, k)`: the decoder's MoE layers and the experts each token is routed to, the last
+    two dimensions of a recorded routing (`--replay-routing`)."""
+    return sum(model_config.moe_layers), model_config.num_experts_per_tok
+
+
 class Setup(NamedTuple):
     """What a GRPO run trains and samples with (`setup`)."""
 
@@ -383,6 +409,14 @@ def setup(config, model, placement) -> Setup:
     devices of `placement`), the sampling, the optimizer (AdamW, constant after a warmup),
     the sampler and the learner of a GRPO run."""
     vocab_size = model.config.vocab_size
+    routing = None
+    if config.replay_routing:
+        if not any(model.config.moe_layers):
+            raise UserError(
+                "--replay-routing replays the experts of mixture-of-experts layers; this "
+                "model has none"
+            )
+        routing = routing_shape(model.config)
     task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
     tuning = lora.tuning(
         model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
@@ -398,10 +432,12 @@ def setup(config, model, placement) -> Setup:
         model.graphdef, task, placement, rollouts, config.group_size,
         format_weight=config.format_weight, reward=config.reward,
         reward_model=config.reward_model, vocab_size=vocab_size,
+        record_routing=config.replay_routing,
     )  # fmt: skip
     learner = Learner(
-        model.graphdef, tuning, frozen, optimizer, placement, config, rollouts.max_new_tokens
-    )
+        model.graphdef, tuning, frozen, optimizer, placement, config, rollouts.max_new_tokens,
+        routing,
+    )  # fmt: skip
     return Setup(task, tuning, rollouts, optimizer, sample, learner)
 
 

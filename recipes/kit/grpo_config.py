@@ -111,6 +111,11 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation):
         "when --max-staleness > 0 (recipes/grpo_async.py)",
     )
     is_cap: float = flag(2.0, "the cap C of the truncated importance weights")
+    replay_routing: bool = flag(
+        False,
+        "MoE models: record each token's experts as the sampler routes it, and route the "
+        "trainer's forward pass by them (routing replay, R3)",
+    )
     target_entropy: float | None = flag(
         None,
         "steer the policy's entropy (nats/token) toward this with an entropy bonus whose "

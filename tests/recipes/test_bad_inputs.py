@@ -229,6 +229,7 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
         ("sft", ["--data", "data/pairs.jsonl", "--batch-size", "8"], "larger than the 3 training"),
         ("dpo", ["--data", "data/empty.jsonl"], "data/empty.jsonl holds no record"),
         ("grpo", ["--data", "data/pairs.jsonl"], "field 'answer' is missing"),
+        ("grpo", ["--replay-routing"], "--replay-routing replays the experts of mixture-of"),
         ("grpo_async", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
         ("generate", ["--chat"], "has no chat template; use --prompt"),
     ],

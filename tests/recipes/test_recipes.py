@@ -502,8 +502,8 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     """SFT (LoRA on the projections: attention, MLP or experts) from a transformers
     Qwen3-MoE, Gemma 2 (soft-capped logits in every head), Gemma 3 or Gemma 4 (two widths of
     layer, per-layer inputs) checkpoint, the SFT model, merged, loading in transformers with
-    equal logits; then DPO (Qwen3-MoE, Gemma 2) or GRPO (Gemma 3, Gemma 4) from it: each of
-    the two recipes on a soft-capped and on an uncapped family, each family in two recipes."""
+    equal logits; then DPO (Gemma 2, Gemma 3) or GRPO (Qwen3-MoE with routing replay, Gemma
+    4) from it, each family in two recipes."""
     from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
     from tunelib.formats import load_hf_checkpoint
 
@@ -525,16 +525,20 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     logits = np.asarray(model.unembed(model(tokens, where=where)))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "hf_model")
     np.testing.assert_allclose(hf_logits(theirs.eval(), tokens, where), logits, atol=1e-4)
-    if family in ("qwen3_moe", "gemma2"):
+    if family in ("gemma2", "gemma3_text"):
         # Pairs from 16 prompts: the model's own wrong replies (chat messages) as rejected.
         dpo = run_recipe("dpo", *flags, "--num-prompts", "16", "--out", str(tmp_path / "dpo"))
         assert 0.0 <= dpo["heldout_reward_accuracy_after"] <= 1.0
         return
+    # Qwen3-MoE: the sampler records each token's experts and the trainer routes by them.
+    replay = ["--replay-routing"] if family == "qwen3_moe" else []
     grpo = run_recipe(
-        "grpo", *flags, "--group-size", "2", "--max-new-tokens", "4", "--out",
+        "grpo", *flags, *replay, "--group-size", "2", "--max-new-tokens", "4", "--out",
         str(tmp_path / "grpo"),
     )  # fmt: skip
     assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()
+    first = records_of(tmp_path / "grpo")[1]
+    assert first["mismatch_kl"] < 1e-6 and first["is_ess"] > 0.9999  # float32, one program
 
 
 @pytest.mark.slow
