@@ -1,7 +1,8 @@
 """The recipe kit: what every recipe shares, each part in its own module.
 
 - `config`: one dataclass per recipe is its flags, `--help`, `--config file.toml` and the
-  `config.toml` of its run; flag groups (`Run`, `Task`, `DataFile`, `Start`, `Lora`).
+  `config.toml` of its run; flag groups (`Run`, `Task`, `DataFile`, `Start`, `Lora`,
+  `RLEvaluation`).
 - `cli`: the entry point: parse and check before JAX is imported, one-line errors, Ctrl-C.
 - `runs`: run folders that are never replaced without `--overwrite` or `--resume`, and
   `--resume auto`.
@@ -11,7 +12,9 @@
 - `data`: the built-in task or a data file, as records and batches.
 - `lora`: full fine-tuning or LoRA / QLoRA adapters.
 - `optim`: the optimizer.
-- `evaluate`: greedy accuracy and held-out means.
+- `evaluate`: greedy accuracy, held-out means, and an RL recipe's sampled metrics (pass@k,
+  maj@k, entropy, diversity).
+- `watch`: after each evaluation, the entropy-collapse guard and `--keep-best`.
 - `pairs`: preference pairs: both sides' log-probs, on-policy negatives.
 - `reward_model`: a decoder with a score head: its rewards, saving and loading.
 - `loop`: the train loop (resume, evaluate, log, checkpoint, Ctrl-C) and the result line.
