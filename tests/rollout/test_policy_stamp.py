@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -50,7 +50,6 @@ def numpy_fingerprint(leaves: list[np.ndarray]) -> int:
 
 
 # Fixed shapes: each new shape would compile the fingerprint again; the values vary.
-@settings(max_examples=25, deadline=None)
 @given(
     hnp.arrays(np.float32, (3, 5)),
     hnp.arrays(np.int8, (7,)),
@@ -70,7 +69,6 @@ def test_fingerprint_of_bfloat16_and_float64_words():
         assert int(fingerprint([jnp.asarray(doubles)])) == numpy_fingerprint([doubles])
 
 
-@settings(max_examples=30, deadline=None)
 @given(st.integers(0, 59), st.integers(0, 31), st.sampled_from(["float32", "bfloat16", "int8"]))
 def test_changing_any_one_element_changes_the_fingerprint(position, bit, dtype):
     """An odd weight is invertible modulo 2^32: no single change can cancel."""
