@@ -20,7 +20,6 @@ from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
 from tunelib.logprobs._tiles import (
     cap_slope,
-    capped,
     default_chunk_size,
     tile_logits,
     tile_loop,
@@ -34,16 +33,16 @@ Implementation = Literal["auto", "chunked", "pallas", "naive"]
 IMPLEMENTATIONS: tuple[str, ...] = Implementation.__args__
 
 
-def _target_logits(h, w, b, targets, tau, dtype, offset, softcap=None):
-    """z at each target id, from the target's column alone; 0 where the target is elsewhere."""
-    local = targets - offset
-    inside = (local >= 0) & (local < w.shape[1])
-    local = jnp.where(inside, local, 0)
-    columns = jnp.take(w, local, axis=1).T  # [N, H]
-    z = jnp.sum(h.astype(dtype) * columns.astype(dtype), axis=-1)
-    if b is not None:
-        z = z + jnp.take(b, local).astype(dtype)
-    return jnp.where(inside, capped(z, softcap) / tau, 0.0), inside, local
+def _target_logit(z, hit):
+    r"""The logit of each row's target from a tile of `[N, chunk]` logits `z`, where `hit` is
+    True at the target's column (if the tile holds it; 0 where it does not).
+
+    Read out of the very logits the log-sum-exp sums, so that $\log \pi(y) = z_y -
+    \mathrm{lse}$ holds with one rounding of $z_y$: a target logit from a second, differently
+    ordered product differs from the one inside the log-sum-exp by the float32 rounding of an
+    `H`-term sum, which a likely token's log-prob would carry whole.
+    """
+    return jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
 
 
 def _vocab_offset(vocab_local: int, axis: str | None) -> int | jax.Array:
@@ -76,8 +75,10 @@ def _finish(stats, target_z, axis):
         rescale = jnp.exp(m - m_all)
         m, s, a = m_all, lax.psum(s * rescale, axis), lax.psum(a * rescale, axis)
         target_z = lax.psum(target_z, axis)
-    lse = m + jnp.log(s)
-    return target_z - lse, lse, a / s
+    log_s = jnp.log(s)
+    # The max off first, as `jax.nn.log_softmax` does: a likely token's log-prob stays exact
+    # to the rounding of log s instead of that of the logit's size.
+    return (target_z - m) - log_s, m + log_s, a / s
 
 
 def _forward(h, w, b, targets, tau, chunk, with_entropy, axis, softcap):
@@ -87,19 +88,21 @@ def _forward(h, w, b, targets, tau, chunk, with_entropy, axis, softcap):
     tau = tau.astype(dtype)
     chunk, n_tiles = tiles(vocab, chunk)
 
+    local = targets - _vocab_offset(vocab, axis)  # the targets' columns in this shard
+
     def stats(index, w):
-        _, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
+        start, w_tile, b_tile, owned = vocab_tile(w, b, index, chunk)
         z = tile_logits(h, w_tile, b_tile, tau, dtype, softcap)
-        return _tile_stats(z, owned, with_entropy)
+        hit = owned & (start + jnp.arange(chunk) == local[:, None])
+        return _tile_stats(z, owned, with_entropy), _target_logit(z, hit)
 
     def add_tile(index, acc, w):
-        return _merge_stats(acc, stats(index, w))
+        tile_stats, tile_target = stats(index, w)
+        return _merge_stats(acc[0], tile_stats), acc[1] + tile_target
 
     # The first tile seeds the loop, so the carry has the type (and, under shard_map, the
     # device variance) of the tiles.
-    total = tile_loop(1, n_tiles, add_tile, stats(0, w), (w,))
-    offset = _vocab_offset(vocab, axis)
-    target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, offset, softcap)
+    total, target_z = tile_loop(1, n_tiles, add_tile, stats(0, w), (w,))
     return _finish(total, target_z, axis)
 
 
@@ -196,11 +199,12 @@ def _naive(h, w, b, targets, tau, with_entropy, axis, softcap):
     dtype = v.compute_dtype(h.dtype, w.dtype)
     tau = tau.astype(dtype)
     z = tile_logits(h, w, b, tau, dtype, softcap)
-    offset = _vocab_offset(w.shape[1], axis)
-    target_z, _, _ = _target_logits(h, w, b, targets, tau, dtype, offset, softcap)
-    if axis is None and not with_entropy:  # the plain path: log-sum-exp and a gather
-        lse = jax.nn.logsumexp(z, axis=-1)
-        return target_z - lse, jnp.zeros_like(lse)
+    local = targets - _vocab_offset(w.shape[1], axis)
+    hit = jnp.arange(w.shape[1]) == local[:, None]
+    if axis is None and not with_entropy:  # the plain path: log-softmax and a gather
+        logps = _target_logit(jax.nn.log_softmax(z, axis=-1), hit)
+        return logps, jnp.zeros_like(logps)
+    target_z = _target_logit(z, hit)
     stats = _tile_stats(z, jnp.ones(z.shape[-1], bool), with_entropy)
     logps, lse, expected_z = _finish(stats, target_z, axis)
     return logps, lse - expected_z
