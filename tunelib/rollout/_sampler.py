@@ -15,7 +15,14 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 from tunelib import _validation as v
 from tunelib.data import Tokenizer
 from tunelib.rollout._compiled import program
-from tunelib.rollout._decoding import as_key, checked_prompts, decode, prefill, pure_params
+from tunelib.rollout._decoding import (
+    as_key,
+    checked_prompts,
+    decode,
+    decoding_params,
+    prefill,
+    pure_params,
+)
 from tunelib.rollout._processors import check_sampling_values
 
 LogpsOf = Literal["tempered", "processed"]
@@ -319,6 +326,7 @@ def sample(
             f"prompts of {prompt_len} positions plus max_new_tokens={config.max_new_tokens} "
             f"need {needed} cache slots, but cache_length is {config.cache_length}."
         )
+    params = decoding_params(graphdef, params)  # stacked layers read in place, not copied
     return _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size)
 
 
