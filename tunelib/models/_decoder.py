@@ -280,8 +280,9 @@ class Decoder(nnx.Module):
         copy, made here; the layers' other weights stay stacked), and a model merged from
         them runs its layers in a loop whose products pick their layer's array with
         `lax.switch`, so they read it where it lies. That model computes exactly what this
-        one computes, and compiles about as fast; the dense layer weights are held twice
-        while both sets of parameters live. `tunelib.rollout` samples with it. Only the
+        one computes, and compiles one layer's body as the scan does, plus one product per
+        layer in each switch (not the $L$ layers of `scan_layers=False`); the dense layer
+        weights are held twice while both sets of parameters live. `tunelib.rollout` samples with it. Only the
         structure of this model is read (it may be abstract). Under `tunelib.peft.lora`
         (adapted or quantised weights) `params` are returned as they are.
 
