@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from tests._helpers import assert_close, assert_within_float32_rounding, own_checks, raises_naming
+from tests.models.test_per_layer import FAMILIES, family_model
 from tunelib.models import TENSOR_PARALLEL_RULES, Decoder, DecoderConfig, param_shardings
 from tunelib.rollout import Rollout, SamplingConfig, completion_logps, process_logits, sample
 from tunelib.rollout import _sampler as sampler_module
@@ -412,6 +413,29 @@ def test_state_params_and_scanned_layers_give_the_same_completions():
     unstacked = sample(loop[0], unstacked_pure, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY)
     np.testing.assert_array_equal(stacked.tokens, unstacked.tokens)
     assert_no_near_ties(graphdef, pure, stacked)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decoding_per_layer_equals_the_scan_over_the_stacks(family, monkeypatch):
+    """`sample` runs `Decoder.decoding_layout`'s parameters: greedy and sampled tokens, stop
+    tokens and behaviour log-probs equal, bit for bit, those of the scan over the stacks."""
+    graphdef, params = nnx.split(family_model(family))
+    prompts = np.array([[0, 3, 4, 9, 11], [5, 6, 7, 8, 1]])
+    where = np.array([[False, True, True, True, True], [True] * 5])
+    configs = [SamplingConfig(max_new_tokens=10, temperature=t, stop_tokens=(7,), pad_token=0)
+               for t in (0.0, 0.9)]  # fmt: skip
+
+    def rollouts():
+        jax.clear_caches()  # `sample`'s program is traced again
+        return [sample(graphdef, params, prompts, where, jax.random.key(3), c, group_size=2)
+                for c in configs]  # fmt: skip
+
+    per_layer = rollouts()
+    monkeypatch.setattr(Decoder, "decoding_layout", lambda self, params: params)
+    stacked = rollouts()
+    for a, b in zip(per_layer, stacked, strict=True):
+        for name in ("tokens", "where", "logps", "lengths", "truncated"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
 
 def test_sample_keeps_no_reference_to_the_weights_it_was_given():

@@ -7,14 +7,16 @@ import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
 from jax.typing import ArrayLike
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from tunelib import _validation as v
 from tunelib._deprecation import renamed_arguments
+from tunelib._products import products_must_be_plain
 from tunelib._typing import Mask
 from tunelib.models._block import DecoderLayer
 from tunelib.models._config import DecoderConfig
 from tunelib.models._layers import Dense, Embedding, RMSNorm
+from tunelib.models._per_layer import PerLayer, is_per_layer, layer_at
 from tunelib.models._rope import rope_angles, rope_frequencies
 from tunelib.models._routing import checked_routing
 
@@ -305,6 +307,62 @@ class Decoder(nnx.Module):
             routed = (None, jnp.zeros((0, b, t, c.num_experts_per_tok), jnp.int32))
         return self.norm(x), cache, routed[1]
 
+    def decoding_layout(self, params: PyTree) -> PyTree:
+        """The pure-dict `params` of this model with the dense weights of its stacked layers
+        held one array per layer, for a decode loop; `params` themselves when the layers are
+        not stacked.
+
+        With `config.scan_layers`, a product by one layer's slice of a stacked `[L, ...]`
+        weight inside the loop over layers makes XLA copy the slice out of the stack first,
+        every time the layers run: at every token of a decode loop, a copy of all the layer
+        weights. In the parameters returned each stacked `Dense` kernel is `L` arrays (one
+        copy, made here; the layers' other weights stay stacked), and a model merged from
+        them runs its layers in a loop whose products pick their layer's array with
+        `lax.switch`, so they read it where it lies. That model computes exactly what this
+        one computes, and compiles one layer's body as the scan does, plus one product per
+        layer in each switch (not the $L$ layers of `scan_layers=False`); the dense layer
+        weights are held twice while both sets of parameters live. `tunelib.rollout` samples
+        with it. Only the structure of this model is read (it may be abstract). Under
+        `tunelib.peft.lora` (adapted or quantised weights) `params` are returned as they are.
+
+        Args:
+          params: the model's parameters as a pure dict (`nnx.to_pure_dict`).
+
+        Returns:
+          The parameters to merge with this model's graphdef.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from flax import nnx
+          >>> from tunelib.models import Decoder, DecoderConfig
+          >>> cfg = DecoderConfig(
+          ...     vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+          ...     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+          ...     scan_layers=True,
+          ... )
+          >>> graphdef, state = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+          >>> model = nnx.merge(graphdef, state)
+          >>> decoding = nnx.merge(graphdef, model.decoding_layout(nnx.to_pure_dict(state)))
+          >>> cache = model.init_cache(1, 8)
+          >>> _, cache = model.extend(jnp.array([[3, 5, 7]]), None, cache)
+          >>> scanned, _ = model.extend(jnp.array([[9]]), None, cache)
+          >>> per_layer, _ = decoding.extend(jnp.array([[9]]), None, cache)
+          >>> print(bool((scanned == per_layer).all()))
+          True
+        """
+        if not self.config.scan_layers or products_must_be_plain():
+            return params
+        params = jax.tree.map(lambda x: x, params)  # new dicts, the same arrays
+        for path, module in nnx.iter_modules(self.layers):
+            if not isinstance(module, Dense):
+                continue
+            node = params["layers"]
+            for key in path:
+                node = node[key]
+            if isinstance(node["kernel"], jax.Array):
+                node["kernel"] = PerLayer.unstack(node["kernel"])
+        return params
+
     def _masks(self, allowed, query_slots, key_slots) -> dict[bool, jax.Array]:
         """`allowed` `[B, 1, 1, T, S]` for the layer kinds present: `True` (sliding, within
         the window) and `False` (full)."""
@@ -367,12 +425,7 @@ class Decoder(nnx.Module):
             def pick(table, kind):
                 return jax.tree.map(lambda x: x[kind], table)
 
-        @nnx.scan(
-            in_axes=(nnx.Carry, 0, None, None, 0, 0, None, 0),
-            out_axes=(nnx.Carry, 0),
-            transform_metadata={nnx.PARTITION_NAME: "layers"},
-        )
-        def scan(carry, layer, table, fill, i, kind, index, routing):
+        def through(carry, layer, table, fill, i, kind, index, routing):
             x, keys, values = carry
             cos, sin, allowed = pick(table, kind)
             layer_cache = None if keys is None else (keys, values, i, index)
@@ -384,7 +437,26 @@ class Decoder(nnx.Module):
 
         layer_ids = jnp.arange(c.num_hidden_layers)
         carry = (x, None, None) if keys is None else (x, keys[0], values[0])
-        carry, routed = scan(carry, self.layers, table, fill, layer_ids, kind_ids, index, routing)
+        graphdef, state = nnx.split(self.layers)
+        if any(map(is_per_layer, jax.tree.leaves(state, is_leaf=is_per_layer))):
+            # Parameters of `decoding_layout`: each step builds its layer from `state`, reading
+            # the per-layer weights in place (`_per_layer`).
+            def select(carry, xs):
+                i, kind, layer_routing = xs
+                layer = nnx.merge(graphdef, layer_at(state, i))
+                return through(carry, layer, table, fill, i, kind, index, layer_routing)
+
+            carry, routed = jax.lax.scan(select, carry, (layer_ids, kind_ids, routing))
+        else:
+            scan = nnx.scan(
+                through,
+                in_axes=(nnx.Carry, 0, None, None, 0, 0, None, 0),
+                out_axes=(nnx.Carry, 0),
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )
+            carry, routed = scan(
+                carry, self.layers, table, fill, layer_ids, kind_ids, index, routing
+            )
         x, keys, values = carry
         new = None if keys is None else ((keys,), (values,))
         return x, new, routed

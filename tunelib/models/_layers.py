@@ -18,6 +18,7 @@ from jax.custom_derivatives import SymbolicZero
 from tunelib import _validation as v
 from tunelib._products import products_must_be_plain
 from tunelib.models._config import DecoderConfig
+from tunelib.models._per_layer import LayerWeight
 from tunelib.models._rope import apply_rope
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -129,7 +130,7 @@ class Dense(nnx.Module):
         return y
 
 
-def _matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+def _matmul(x: jax.Array, kernel: jax.Array | LayerWeight) -> jax.Array:
     """`x @ kernel`, blocked over the contraction in float32 on CPU (see `Dense`).
 
     The backend is JAX's default one, read at trace time: `jax.lax.platform_dependent` would
@@ -140,7 +141,10 @@ def _matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     # A JAX array or tracer; a Quax tracer (an adapted or quantised weight) reshaped would be
     # materialised, so it keeps the one product its own rule knows. Inside a scan over stacked
     # layers such a weight is traced as a plain array: `peft.lora` says so (tunelib._products).
-    plain = type(kernel).__module__.startswith(("jax.", "jaxlib."))
+    # A `LayerWeight` (one layer's among per-layer arrays) runs only the products in its
+    # per-layer branches: everything else is traced once.
+    per_layer = isinstance(kernel, LayerWeight)
+    plain = per_layer or type(kernel).__module__.startswith(("jax.", "jaxlib."))
     if (
         blocks == 1
         or not plain
@@ -149,7 +153,9 @@ def _matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
         or kernel.dtype != jnp.float32
         or jax.default_backend() != "cpu"
     ):
-        return x @ kernel
+        return kernel.product(jnp.matmul, x) if per_layer else x @ kernel
+    if per_layer:
+        return _pairwise_sum(kernel.product(_block_products, _x_blocks(x, blocks)))
     return _blocked_matmul(x, kernel, blocks)
 
 
@@ -170,11 +176,23 @@ def _blocked_matmul(x: jax.Array, kernel: jax.Array, blocks: int) -> jax.Array:
     The kernel's blocks are a reshape of it (no copy); `x`'s are one transposed copy. Only the
     value is blocked: its derivatives are the plain products, as fast as without blocking.
     """
-    parts = jnp.einsum(
-        "c...k,ckn->c...n",
-        rearrange(x, "... (c k) -> c ... k", c=blocks),
-        rearrange(kernel, "(c k) n -> c k n", c=blocks),
-    )
+    return _pairwise_sum(_block_products(_x_blocks(x, blocks), kernel))
+
+
+def _x_blocks(x: jax.Array, blocks: int) -> jax.Array:
+    """`x [..., K]` as `[C, ..., K / C]`, its `blocks` blocks of input features."""
+    return rearrange(x, "... (c k) -> c ... k", c=blocks)
+
+
+def _block_products(x_blocks: jax.Array, kernel: jax.Array) -> jax.Array:
+    """The `[C, ..., N]` partial products of `x_blocks [C, ..., K / C]` by the kernel's blocks
+    of rows (a reshape of it, no copy): one batched matmul."""
+    c = x_blocks.shape[0]
+    return jnp.einsum("c...k,ckn->c...n", x_blocks, rearrange(kernel, "(c k) n -> c k n", c=c))
+
+
+def _pairwise_sum(parts: jax.Array) -> jax.Array:
+    """The sum over the leading axis of `parts`, added pairwise."""
     parts = list(parts)
     while len(parts) > 1:
         pairs = [a + b for a, b in zip(parts[::2], parts[1::2], strict=False)]

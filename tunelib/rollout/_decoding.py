@@ -6,7 +6,9 @@ built from it, each in its own jitted functions):
 - `checked_prompts(graphdef, params, prompt_tokens, prompt_where, config, group_size)`: the
   prompts as arrays and the model's config, after every check that needs no cache length.
 - `pure_params(params)`, `as_key(key)`: the parameters as plain arrays and the key as a
-  new-style PRNG key, as the functions below take them.
+  new-style PRNG key, as the functions below take them; `decoding_params(graphdef, params)`:
+  the plain parameters in the layout a decode loop reads without copying, which `sample` and
+  `run_episodes` hand their programs.
 - `prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, *,
   record_routing)`: the next-token logits after each prompt and the KV cache holding the
   prompts, forked `group_size` ways (and, recording, the prompts' MoE routing).
@@ -32,6 +34,7 @@ from jaxtyping import PyTree
 
 from tunelib import _validation as v
 from tunelib.models import KVCache
+from tunelib.rollout._compiled import holds_peft_values
 from tunelib.rollout._processors import check_sampling_args, forbid_tokens, process_logits
 
 
@@ -106,6 +109,18 @@ def _rows_held_here(x: jax.Array) -> list[tuple[int, np.ndarray]]:
 def pure_params(params: PyTree) -> PyTree:
     """Plain arrays: loop bodies merge them into a module again."""
     return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def decoding_params(graphdef: nnx.GraphDef, params: PyTree) -> PyTree:
+    """The plain `params` (`pure_params`) in the layout a decode loop reads without copying
+    (`Decoder.decoding_layout`: stacked layers' dense weights one array per layer), found
+    from a module merged from their shapes alone (see `checked_prompts`). Parameters
+    holding `tunelib.peft` values are returned as they are: `peft.lora` runs them."""
+    params = pure_params(params)
+    if holds_peft_values(params):
+        return params
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    return nnx.merge(graphdef, shapes).decoding_layout(params)
 
 
 def as_key(key: jax.Array) -> jax.Array:

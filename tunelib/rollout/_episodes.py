@@ -22,9 +22,9 @@ from tunelib.rollout._decoding import (
     as_key,
     checked_prompts,
     decode,
+    decoding_params,
     last_logits,
     prefill,
-    pure_params,
 )
 from tunelib.rollout._environments import Environment, Turn, call_all
 from tunelib.rollout._policy import check_version, stamp
@@ -302,7 +302,7 @@ def run_episodes(
     _check_rows(prompt_tokens, prompt_where, len(environments), group_size)
     slots = _cache_slots(config, prompt_tokens.shape[1], model_config)
     check_version(policy_version)
-    given, params, key = params, pure_params(params), as_key(key)
+    given, params, key = params, decoding_params(graphdef, params), as_key(key)
 
     logits, cache = _start(graphdef, params, prompt_tokens, prompt_where, slots, group_size)
     run = _Run(environments, config, model_config.vocab_size, tokenizer)

@@ -16,7 +16,14 @@ from jaxtyping import Array, Bool, Float, Int, PyTree, UInt32
 from tunelib import _validation as v
 from tunelib.data import Tokenizer
 from tunelib.rollout._compiled import program
-from tunelib.rollout._decoding import as_key, checked_prompts, decode, prefill, pure_params
+from tunelib.rollout._decoding import (
+    as_key,
+    checked_prompts,
+    decode,
+    decoding_params,
+    prefill,
+    pure_params,
+)
 from tunelib.rollout._policy import check_version, stamp
 from tunelib.rollout._processors import check_sampling_values
 
@@ -361,10 +368,11 @@ def sample(
             f"prompts of {prompt_len} positions plus max_new_tokens={config.max_new_tokens} "
             f"need {needed} cache slots, but cache_length is {config.cache_length}."
         )
+    given, params = params, decoding_params(graphdef, params)  # layers read in place
     out = _sample(
         graphdef, params, prompt_tokens, prompt_where, key, config, group_size, record_routing
     )
-    return out if policy_version is None else out._replace(**stamp(params, policy_version))
+    return out if policy_version is None else out._replace(**stamp(given, policy_version))
 
 
 @program(static_argnums=(0, 5, 6, 7))

