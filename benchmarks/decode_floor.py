@@ -1,6 +1,6 @@
 r"""The sampler's decode step on SmolLM2-135M against its floor, with stacked layers read in
-place (`Decoder.decoding_layout`, what `tunelib.rollout` runs) and copied out of their stacks
-(the scan as it ran before), on CPU.
+place (`sample(..., layout="per_layer")`, `Decoder.decoding_layout`) and copied out of their
+stacks (`layout="stacked"`, the default scan), on CPU.
 
     python benchmarks/decode_floor.py                           # batches 1, 8, 32; N = 32
     python benchmarks/decode_floor.py --batches 1 --new-tokens 3 --repeats 1   # a smoke run
@@ -16,12 +16,12 @@ with no stop token, so every row draws N (`--new-tokens`) tokens.
 Three things are timed, each in its own worker process, in interleaved rounds (the order of
 the two samplers reversed every other round; medians of `--repeats` rounds):
 
-- `per_layer`: `tunelib.rollout.sample`, which hands its program the parameters in
-  `Decoder.decoding_layout`: each stacked dense weight held as one array per layer (one copy
-  a call), each product choosing its layer's array with `lax.switch`;
-- `stacked`: the same sampler with `Decoder.decoding_layout` returning the parameters as they
-  are in its worker, so the loop over layers is the `nnx.scan` over the stacks, which copies every
-  layer's weights out of them at every step (the sampler before `decoding_layout`);
+- `per_layer`: `tunelib.rollout.sample(..., layout="per_layer")`, which hands its program
+  the parameters in `Decoder.decoding_layout`: each stacked dense weight held as one array
+  per layer (one copy a call), each product choosing its layer's array with `lax.switch`;
+- `stacked`: the same sampler with `layout="stacked"` (the default): the loop over layers
+  is the `nnx.scan` over the stacks, which copies every layer's weights out of them at every
+  step;
 - `floor`: the decode step's weight products alone, as plain dense dots of the same shapes
   on the model's own weights (each layer's q, k, v, o, gate, up and down projections and
   the unembedding), chained so none can be skipped, in one jitted call. The bytes those
@@ -95,11 +95,8 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
 
     from tunelib.formats import load_gguf
-    from tunelib.models import Decoder
     from tunelib.rollout import SamplingConfig, sample
 
-    if args.worker == "stacked":
-        Decoder.decoding_layout = lambda self, params: params  # the scan over the stacks
     loaded = load_gguf(args.model, scan_layers=True)
     graphdef, params, config = loaded.graphdef, loaded.params, loaded.config
     seconds = {"compile": 0.0}
@@ -120,6 +117,7 @@ def worker(args: argparse.Namespace) -> None:
         return sample(
             graphdef, params, tokens, where, jax.random.key(0),
             SamplingConfig(max_new_tokens=n, temperature=0.0, pad_token=0),
+            layout=args.worker,  # "per_layer" or "stacked": the worker's variant
         ).tokens  # fmt: skip
 
     print(json.dumps({"ready": True}), flush=True)

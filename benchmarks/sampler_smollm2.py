@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="load tunelib's decoder with its layers under one lax.scan",
     )
     p.add_argument(
+        "--layout",
+        choices=("stacked", "per_layer"),
+        default="per_layer",
+        help="how tunelib's sampler reads stacked layers (tunelib.rollout.sample's layout)",
+    )
+    p.add_argument(
         "--allow-mismatch",
         action="store_true",
         help="time even where the greedy tokens differ (reported, exit status 0)",
@@ -212,7 +218,9 @@ def prompts(tokenizer, batch: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, where
 
 
-def tunelib_generator(models: Models, tokens, where, new_tokens: int) -> Callable:
+def tunelib_generator(
+    models: Models, tokens, where, new_tokens: int, layout: str = "per_layer"
+) -> Callable:
     """A function of no arguments: tunelib's `[B, N]` greedy tokens, as a NumPy array."""
     import jax
 
@@ -221,7 +229,9 @@ def tunelib_generator(models: Models, tokens, where, new_tokens: int) -> Callabl
     config = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, pad_token=PAD)
     graphdef, params = models.checkpoint.graphdef, models.checkpoint.params
     tokens, where, key = jax.numpy.asarray(tokens), jax.numpy.asarray(where), jax.random.key(0)
-    return lambda: np.asarray(sample(graphdef, params, tokens, where, key, config).tokens)
+    return lambda: np.asarray(
+        sample(graphdef, params, tokens, where, key, config, layout=layout).tokens
+    )
 
 
 def transformers_generator(models: Models, tokens, where, new_tokens: int) -> Callable:
@@ -324,7 +334,10 @@ def measure(args: argparse.Namespace, models: Models) -> dict:
 
     new_tokens = args.new_tokens
     lengths = (new_tokens, 1) if new_tokens > 1 else (new_tokens,)
-    makers = {"tunelib": tunelib_generator, "transformers": transformers_generator}
+    makers = {
+        "tunelib": lambda *a: tunelib_generator(*a, layout=args.layout),
+        "transformers": transformers_generator,
+    }
     calls, first, checks, prompt_lens = {}, {}, {}, {}
     clock = CompileClock()
     jax.monitoring.register_event_duration_secs_listener(clock)
@@ -443,6 +456,7 @@ def summarise(args: argparse.Namespace, path: Path, models: Models, measured: di
             "vocab": config.vocab_size,
             "dtype": "float32",
             "scan_layers": args.scan_layers,
+            "layout": args.layout,
             "decoding": "greedy",
             "new_tokens": args.new_tokens,
             "batches": list(args.batches),

@@ -209,7 +209,7 @@ def test_dpo_and_grpo_on_two_processes_equal_one_process_of_four_devices(sft_run
     its 2) as well."""
     model = ["--model", str(sft_runs["1x4"] / "model")]
     grpo = ["--num-prompts", "64", "--steps", "3", "--eval-every", "3", "--group-size", "4",
-            "--max-new-tokens", "6", "--updates-per-batch", "2", "--eval-samples", "2"]  # fmt: skip
+            "--max-new-tokens", "6", "--updates-per-batch", "2", "--eval-samples", "0"]  # fmt: skip
     runs = {
         "dpo-2x2": ("dpo", ["--num-prompts", "64", "--steps", "4", "--eval-every", "4"]),
         "grpo-2x2": ("grpo", grpo),

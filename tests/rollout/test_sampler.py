@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from tests._helpers import assert_close, assert_within_float32_rounding, own_checks, raises_naming
-from tests.models.test_per_layer import FAMILIES, family_model
+from tests.models.test_per_layer import family_model
 from tunelib.models import TENSOR_PARALLEL_RULES, Decoder, DecoderConfig, param_shardings
 from tunelib.rollout import Rollout, SamplingConfig, completion_logps, process_logits, sample
 from tunelib.rollout import _sampler as sampler_module
@@ -415,27 +415,34 @@ def test_state_params_and_scanned_layers_give_the_same_completions():
     assert_no_near_ties(graphdef, pure, stacked)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_decoding_per_layer_equals_the_scan_over_the_stacks(family, monkeypatch):
-    """`sample` runs `Decoder.decoding_layout`'s parameters: greedy and sampled tokens, stop
-    tokens and behaviour log-probs equal, bit for bit, those of the scan over the stacks."""
+# Two families here (sliding windows, soft-capping and layers of two kinds; experts): every
+# family's layers are checked bit for bit in tests/models/test_per_layer.py.
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+def test_decoding_per_layer_equals_the_scan_over_the_stacks(family):
+    """`sample(..., layout="per_layer")` runs `Decoder.decoding_layout`'s parameters: greedy
+    and sampled tokens, stop tokens and behaviour log-probs equal, bit for bit, those of the
+    scan over the stacks."""
     graphdef, params = nnx.split(family_model(family))
     prompts = np.array([[0, 3, 4, 9, 11], [5, 6, 7, 8, 1]])
     where = np.array([[False, True, True, True, True], [True] * 5])
     configs = [SamplingConfig(max_new_tokens=10, temperature=t, stop_tokens=(7,), pad_token=0)
                for t in (0.0, 0.9)]  # fmt: skip
 
-    def rollouts():
-        jax.clear_caches()  # `sample`'s program is traced again
-        return [sample(graphdef, params, prompts, where, jax.random.key(3), c, group_size=2)
-                for c in configs]  # fmt: skip
+    def rollouts(layout):
+        return [sample(graphdef, params, prompts, where, jax.random.key(3), c, group_size=2,
+                       layout=layout) for c in configs]  # fmt: skip
 
-    per_layer = rollouts()
-    monkeypatch.setattr(Decoder, "decoding_layout", lambda self, params: params)
-    stacked = rollouts()
-    for a, b in zip(per_layer, stacked, strict=True):
+    for a, b in zip(rollouts("per_layer"), rollouts("stacked"), strict=True):
         for name in ("tokens", "where", "logps", "lengths", "truncated"):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+def test_a_layout_not_known_is_refused():
+    graphdef, params = make_model()
+    config = SamplingConfig(max_new_tokens=2)
+    with own_checks(), pytest.raises(ValueError, match='layout must be "stacked" or "per_layer"'):
+        sample(graphdef, params, jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3), bool),
+               jax.random.key(0), config, layout="unrolled")  # fmt: skip
 
 
 def test_sample_keeps_no_reference_to_the_weights_it_was_given():

@@ -6,9 +6,9 @@ built from it, each in its own jitted functions):
 - `checked_prompts(graphdef, params, prompt_tokens, prompt_where, config, group_size)`: the
   prompts as arrays and the model's config, after every check that needs no cache length.
 - `pure_params(params)`, `as_key(key)`: the parameters as plain arrays and the key as a
-  new-style PRNG key, as the functions below take them; `decoding_params(graphdef, params)`:
-  the plain parameters in the layout a decode loop reads without copying, which `sample` and
-  `run_episodes` hand their programs.
+  new-style PRNG key, as the functions below take them; `decoding_params(graphdef, params,
+  layout)`: the plain parameters, with `layout="per_layer"` in the layout a decode loop reads
+  without copying, as `sample` and `run_episodes` hand them to their programs.
 - `prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, *,
   record_routing)`: the next-token logits after each prompt and the KV cache holding the
   prompts, forked `group_size` ways (and, recording, the prompts' MoE routing).
@@ -23,7 +23,7 @@ built from it, each in its own jitted functions):
 is jitted: the callers jit whole programs of these steps.
 """
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -111,13 +111,23 @@ def pure_params(params: PyTree) -> PyTree:
     return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
 
 
-def decoding_params(graphdef: nnx.GraphDef, params: PyTree) -> PyTree:
-    """The plain `params` (`pure_params`) in the layout a decode loop reads without copying
-    (`Decoder.decoding_layout`: stacked layers' dense weights one array per layer), found
-    from a module merged from their shapes alone (see `checked_prompts`). Parameters
-    holding `tunelib.peft` values are returned as they are: `peft.lora` runs them."""
+# How a program reads a stacked model's layers (`sample`'s `layout`).
+Layout = Literal["stacked", "per_layer"]
+
+
+def check_layout(layout: object) -> None:
+    if layout not in ("stacked", "per_layer"):
+        raise ValueError(f'layout must be "stacked" or "per_layer", got {layout!r}.')
+
+
+def decoding_params(graphdef: nnx.GraphDef, params: PyTree, layout: Layout) -> PyTree:
+    """The plain `params` (`pure_params`), with `layout="per_layer"` in the layout a decode
+    loop reads without copying (`Decoder.decoding_layout`: stacked layers' dense weights one
+    array per layer), found from a module merged from their shapes alone (see
+    `checked_prompts`). Parameters holding `tunelib.peft` values are returned as they are:
+    `peft.lora` runs them."""
     params = pure_params(params)
-    if holds_peft_values(params):
+    if layout == "stacked" or holds_peft_values(params):
         return params
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
     return nnx.merge(graphdef, shapes).decoding_layout(params)

@@ -19,7 +19,9 @@ from tunelib import _validation as v
 from tunelib.data import Tokenizer
 from tunelib.rollout._compiled import program
 from tunelib.rollout._decoding import (
+    Layout,
     as_key,
+    check_layout,
     checked_prompts,
     decode,
     decoding_params,
@@ -135,6 +137,8 @@ _EpisodeFields = NamedTuple(
         *((k, Rollout.__annotations__[k]) for k in _STAMP),
     ],
 )
+# The stamp is None unless `run_episodes` was given a policy version, as a Rollout's.
+_EpisodeFields.__new__.__defaults__ = (None,) * len(_STAMP)
 
 
 class Episode(_EpisodeFields):
@@ -194,6 +198,7 @@ def run_episodes(
     group_size: int = 1,
     tokenizer: Tokenizer | None = None,
     policy_version: int | ArrayLike | None = None,
+    layout: Layout = "stacked",
 ) -> Episode:
     r"""Run multi-turn episodes: model turns and environment observations in one KV cache.
 
@@ -246,6 +251,7 @@ def run_episodes(
       tokenizer: optional; decodes each `Turn.text` and encodes text observations.
       policy_version: the version of the policy `params` are, or None; given, the `Episode`
         is stamped with it and the fingerprint of `params`, as `sample` stamps a `Rollout`.
+      layout: ``"stacked"`` (default) or ``"per_layer"``, as for `sample`.
 
     Returns:
       An `Episode` of `B * G` rows, `config.max_tokens` positions and `config.max_turns`
@@ -302,7 +308,8 @@ def run_episodes(
     _check_rows(prompt_tokens, prompt_where, len(environments), group_size)
     slots = _cache_slots(config, prompt_tokens.shape[1], model_config)
     check_version(policy_version)
-    given, params, key = params, decoding_params(graphdef, params), as_key(key)
+    check_layout(layout)
+    given, params, key = params, decoding_params(graphdef, params, layout), as_key(key)
 
     logits, cache = _start(graphdef, params, prompt_tokens, prompt_where, slots, group_size)
     run = _Run(environments, config, model_config.vocab_size, tokenizer)
