@@ -440,7 +440,10 @@ def test_decoding_per_layer_equals_the_scan_over_the_stacks(family):
 def test_a_layout_not_known_is_refused():
     graphdef, params = make_model()
     config = SamplingConfig(max_new_tokens=2)
-    with own_checks(), pytest.raises(ValueError, match='layout must be "stacked" or "per_layer"'):
+    with (
+        own_checks(),
+        pytest.raises(ValueError, match=r"layout must be one of \('stacked', 'per_layer'\)"),
+    ):
         sample(graphdef, params, jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3), bool),
                jax.random.key(0), config, layout="unrolled")  # fmt: skip
 

@@ -113,11 +113,7 @@ def pure_params(params: PyTree) -> PyTree:
 
 # How a program reads a stacked model's layers (`sample`'s `layout`).
 Layout = Literal["stacked", "per_layer"]
-
-
-def check_layout(layout: object) -> None:
-    if layout not in ("stacked", "per_layer"):
-        raise ValueError(f'layout must be "stacked" or "per_layer", got {layout!r}.')
+LAYOUTS = ("stacked", "per_layer")
 
 
 def decoding_params(graphdef: nnx.GraphDef, params: PyTree, layout: Layout) -> PyTree:

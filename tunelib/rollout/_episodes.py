@@ -19,9 +19,9 @@ from tunelib import _validation as v
 from tunelib.data import Tokenizer
 from tunelib.rollout._compiled import program
 from tunelib.rollout._decoding import (
+    LAYOUTS,
     Layout,
     as_key,
-    check_layout,
     checked_prompts,
     decode,
     decoding_params,
@@ -308,7 +308,7 @@ def run_episodes(
     _check_rows(prompt_tokens, prompt_where, len(environments), group_size)
     slots = _cache_slots(config, prompt_tokens.shape[1], model_config)
     check_version(policy_version)
-    check_layout(layout)
+    v.one_of(layout, "layout", LAYOUTS)
     given, params, key = params, decoding_params(graphdef, params, layout), as_key(key)
 
     logits, cache = _start(graphdef, params, prompt_tokens, prompt_where, slots, group_size)

@@ -17,9 +17,9 @@ from tunelib import _validation as v
 from tunelib.data import Tokenizer
 from tunelib.rollout._compiled import program
 from tunelib.rollout._decoding import (
+    LAYOUTS,
     Layout,
     as_key,
-    check_layout,
     checked_prompts,
     decode,
     decoding_params,
@@ -364,7 +364,7 @@ def sample(
     if not isinstance(config, SamplingConfig):
         raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}.")
     check_version(policy_version)
-    check_layout(layout)
+    v.one_of(layout, "layout", LAYOUTS)
     prompt_tokens, prompt_where, model_config = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config, group_size
     )
