@@ -36,6 +36,17 @@ def grouped_reference(x, w, sizes):
     return out
 
 
+@jax.jit(static_argnames=("implementation", "block"))
+def _grouped_value_and_grads(x, w, sizes, ct, implementation, block):
+    """One compiled program per shape and setting: the examples' value and both gradients."""
+
+    def f(x, w):
+        out = grouped_matmul(x, w, sizes, implementation=implementation, block_size=block)
+        return jnp.sum(out * ct), out
+
+    return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w)
+
+
 @given(
     st.lists(st.integers(0, 12), min_size=1, max_size=5),
     st.integers(0, 4),
@@ -51,12 +62,7 @@ def test_grouped_matmul_equals_the_float64_reference(sizes, spare, implementatio
     ct = rng.normal(size=(max(m, 1), n))
     sizes = np.array(sizes, np.int32)
     with jax.enable_x64(True):
-
-        def f(x, w):
-            out = grouped_matmul(x, w, sizes, implementation=implementation, block_size=block)
-            return jnp.sum(out * ct), out
-
-        (_, out), (dx, dw) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w)
+        (_, out), (dx, dw) = _grouped_value_and_grads(x, w, sizes, ct, implementation, block)
     assert_close(out, grouped_reference(x, w, sizes), rtol=1e-12, atol=1e-12)
     expected_dx, expected_dw, start = np.zeros_like(x), np.zeros_like(w), 0
     for g, count in enumerate(sizes):
