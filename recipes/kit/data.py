@@ -76,6 +76,9 @@ def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
             [{**r, "prompt": problem_in_words(r)} for r in records] for records in (train, heldout)
         )
     problems = heldout
+    # The answers a completion must hold: the held-out ones, or the training ones without any
+    # (read before the records take the recipe's form).
+    answers = [r["answer"] for r in problems or train]
 
     def completion(answer):
         return [{"role": "assistant", "content": answer}] if chat else answer
@@ -99,7 +102,7 @@ def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
     records = train + problems
     _, where = encode_prompts([r["prompt"] for r in records], tokenizer, max_length=4096)
     prompt_length = max(2 * digits + 4, int(where.sum(axis=1).max()))
-    longest_answer = max(len(tokenizer.encode(r["answer"])) for r in problems)
+    longest_answer = max(len(tokenizer.encode(answer)) for answer in answers)
     max_new_tokens = max(2 * digits + 4, longest_answer + 1) + (16 if chat else 0)
     read = "last_number" if chat else "exact"
 

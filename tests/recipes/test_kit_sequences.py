@@ -50,3 +50,18 @@ def test_prompts_and_completions_become_the_rows_of_their_sequences():
             np.asarray(rows["targets"][i])[np.asarray(rows["where"][i])],
             expected["targets"][i][expected["where"][i]],
         )
+
+
+def test_the_built_in_task_without_held_out_problems_sizes_completions_by_its_training_ones():
+    """`--num-heldout 0`: no held-out problems, and completions long enough for the longest
+    training answer (the held-out answers set it when there are some)."""
+    from kit.grpo_config import GRPOConfig
+
+    tokenizer = CharTokenizer()
+    none_held = data.load_task(GRPOConfig(num_heldout=0, num_train=64), "rl", tokenizer)
+    assert none_held.problems == [] and len(none_held.train) == 64
+    longest = max(len(tokenizer.encode(r["answer"])) for r in none_held.train)
+    assert none_held.max_new_tokens > longest
+    held = data.load_task(GRPOConfig(num_heldout=20, num_train=64), "rl", tokenizer)
+    longest = max(len(tokenizer.encode(r["answer"])) for r in held.problems)
+    assert len(held.problems) == 20 and held.max_new_tokens > longest
