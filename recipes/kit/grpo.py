@@ -11,6 +11,7 @@ advantages. The updates then read the advantages from the batch.
 
 import dataclasses
 import math
+import traceback
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -107,11 +108,19 @@ class Sampler:
 
     def _reward(self, text: str, record: dict, truncated: bool) -> float:
         if self._user is not None:
-            score = float(self._user(text, record))
+            prompt = record.get("prompt", record)
+            try:
+                score = float(self._user(text, record))
+            except Exception as error:  # the user's code: where it failed, in one line
+                where = traceback.extract_tb(error.__traceback__)[-1]
+                raise UserError(
+                    f"--reward {self.reward} raised {error!r} at {where.filename}:"
+                    f"{where.lineno} for the prompt {prompt!r}"
+                ) from None
             if not math.isfinite(score):  # would train on NaN advantages, silently
                 raise UserError(
                     f"--reward {self.reward} returned {score} for the prompt "
-                    f"{record.get('prompt', record)!r}: a reward must be a finite number"
+                    f"{prompt!r}: a reward must be a finite number"
                 )
             return score
         weight = self.format_weight if self.task.name == "arithmetic" else 0.0

@@ -281,6 +281,25 @@ def test_a_reward_that_returns_nan_names_the_prompt_and_the_command_can_run_agai
         ]
 
 
+def test_a_reward_that_raises_is_one_line_naming_the_error_its_line_and_the_prompt(
+    tmp_path, char_model, monkeypatch, capsys
+):
+    (tmp_path / "bad_reward.py").write_text(
+        "def score(completion, record):\n    return record['no such key']\n"
+    )
+    flags = [
+        "--model", str(char_model), "--reward", "bad_reward.py:score", "--out", "runs/raise",
+        "--steps", "2", "--batch-size", "2", "--group-size", "2", "--num-heldout", "4",
+        "--max-new-tokens", "4", "--no-progress", "--devices", "1",
+    ]  # fmt: skip
+    status, lines = run_here("grpo", flags, tmp_path, monkeypatch, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(
+        "grpo.py: error: --reward bad_reward.py:score raised KeyError('no such key') at "
+    ), lines
+    assert "bad_reward.py:2 for the prompt '" in lines[0], lines
+
+
 def test_a_damaged_gguf_file_is_one_line_and_writes_nothing(world, monkeypatch, capsys):
     before = snapshot(world)
     flags = ["--model", "broken.gguf", "--out", "runs/broken", "--lora-rank", "4"]
