@@ -80,6 +80,10 @@ part parity-replay-highest 60 bash -c \
     'parity gpu_replay_highest --replay "$cpu" --matmul-precision highest'
 part sampler-unrolled 120 python3 "$bench/sampler_roofline.py" --unrolled --batches 1,8 \
     --json-out "$out/sampler_unrolled.json"
+part sampler-stacked-1-8-32 100 python3 "$bench/sampler_roofline.py" --batches 1,8,32 \
+    --json-out "$out/sampler_stacked.json"
+part sampler-per-layer 330 python3 "$bench/sampler_roofline.py" --layout per_layer \
+    --batches 1,8,32 --json-out "$out/sampler_per_layer.json"
 part logprobs-llama3 220 python3 "$bench/logprobs.py" --size llama3-8b --n 8192 \
     --json-out "$out/logprobs_llama3.json"
 part parity-replay 60 bash -c 'parity gpu_replay --replay "$cpu"'

@@ -3,6 +3,7 @@ r"""The KV-cache sampler against the memory-bandwidth roofline of the device it 
     python benchmarks/sampler_roofline.py                  # a Llama-3.2-1B-shaped decoder, bf16
     python benchmarks/sampler_roofline.py --size smoke     # seconds; what the tests run
     python benchmarks/sampler_roofline.py --batches 1,8 --unrolled
+    python benchmarks/sampler_roofline.py --batches 1,8 --layout per_layer
 
 Greedy decoding of a randomly initialised `tunelib.models.Decoder` with `tunelib.rollout.sample`
 (temperature 0, no stop tokens, so every row generates exactly `N` tokens after a prompt of
@@ -32,7 +33,9 @@ For each batch size:
   step well above it spends its time in the cache's attention or in the loop's overhead
   (one kernel launch per operation, per step).
 
-Each call is timed `--repeats` times after one warm-up (compiling) call, and the median kept.
+Each call is timed `--repeats` times after one warm-up (compiling) call, and the median kept;
+`first_call_s` is the sampler's first call, compilation included. `--layout per_layer` decodes
+stacked layers with the sampler's per-layer layout (`sample(layout="per_layer")`).
 The script prints a table and ends with one JSON line; nothing is asserted.
 """
 
@@ -87,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the layers as separate modules (default: stacked and scanned, as the recipes run)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="timed calls after one warm-up")
+    p.add_argument(
+        "--layout", choices=("stacked", "per_layer"), default="stacked",
+        help="the sampler's decoding layout of stacked layers (`sample(layout=...)`)",
+    )  # fmt: skip
     p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
     return p
 
@@ -167,10 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         one_s = median_seconds(args.repeats, prefill, params, tokens[:, :1], where[:, :1])
         progress(f"batch {batch}: prefill and one-token forward timed")
         call = (graphdef, params, tokens, where, jax.random.key(0), sampling)
-        if not np.asarray(sample(*call).where).all():
+        started_compile = time.perf_counter()
+        if not np.asarray(sample(*call, layout=args.layout).where).all():
             raise SystemExit("a greedy completion stopped before --new-tokens: not timed.")
+        first_call_s = time.perf_counter() - started_compile
         progress(f"batch {batch}: sampler compiled")
-        total_s = median_seconds(args.repeats, sample, *call)
+        total_s = median_seconds(
+            args.repeats, lambda *a: sample(*a, layout=args.layout), *call
+        )  # fmt: skip
         progress(f"batch {batch}: sampler timed")
         step_s = max(total_s - prefill_s, 0.0) / n
         kv_per_position = 2 * config.num_hidden_layers * batch * config.num_key_value_heads
@@ -183,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s": batch * n / total_s,
             "bytes_per_step": param_bytes + kv_bytes, "floor_ms_per_step": 1e3 * floor_s,
             "roofline_fraction": floor_s / step_s if step_s > 0 else None,
+            "first_call_s": first_call_s,
         })  # fmt: skip
 
     device = jax.devices()[0].device_kind
     print(
-        f"{args.size}, {size.dtype}, {'unrolled' if args.unrolled else 'scanned'} layers, "
+        f"{args.size}, {size.dtype}, {'unrolled' if args.unrolled else 'scanned'} layers "
+        f"(decoding layout {args.layout}), "
         f"{param_bytes / 1e9:.3f} GB of weights, P={p} N={n}, greedy; {jax.default_backend()} "
         f"({device}), measured bandwidth {bandwidth / 1e9:,.0f} GB/s"
     )
@@ -204,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     line = json.dumps({
         "benchmark": "sampler_roofline", "size": args.size, "dtype": size.dtype,
-        "layers": "unrolled" if args.unrolled else "scanned", "backend": jax.default_backend(),
+        "layers": "unrolled" if args.unrolled else "scanned", "layout": args.layout,
+        "backend": jax.default_backend(),
         "device": device, "jax": jax.__version__, "param_bytes": param_bytes,
         "bandwidth_bytes_per_s": bandwidth, "prompt_len": p, "new_tokens": n,
         "repeats": args.repeats, "batches": rows,

@@ -319,8 +319,10 @@ def sample(
         read in place. Same tokens and log-probs, bit for bit. ``"per_layer"`` makes each
         decode step faster (1.2 to 1.9x on SmolLM2 on CPU, `benchmarks/decode_floor.py`) but
         compiles longer (1.5 to 1.8x the scan's, more on a first compile) and holds the dense
-        layer weights twice during the call: worth it for many decode steps, such as an RL
-        run's rollouts, not for one short generation. Adapted or quantised parameters (run
+        layer weights twice during the call: worth it on CPU for many decode steps, such as
+        an RL run's rollouts, not for one short generation; on a GPU it is slower (0.6x the
+        stacked speed on an H200, its `lax.switch` branches costing more than the copies
+        they save). Adapted or quantised parameters (run
         through `peft.lora`) always run the scan.
 
     Returns:
