@@ -54,11 +54,19 @@ def completion_logps(
     Each prompt needs at least one real token, as for `sample`. With groups (`R = B * G`,
     G > 1) and `share_prompts` (the default), each prompt is run once, into a KV cache that
     its G completions then attend to (`Decoder.extend`, as `sample` runs them): the layers
-    see `B * P + R * N` tokens instead of `R * (P + N)`, and gradients reach the prompt's
-    keys and values through every completion of its group. The values equal those of the
-    concatenated forward pass up to float rounding (the attention over the cache sums in
-    another order); `share_prompts=False` runs that pass, each prompt once per completion,
-    as TRL and Tunix do.
+    see `B * P + R * N` tokens instead of `R * (P + N)` (the projections' and MLPs' FLOPs
+    fall in that ratio, 1.8x for P = N and G = 8), the completions' attention scores
+    `R * N * (P + N)` query-key pairs instead of `R * (P + N)^2`, and gradients reach the
+    prompt's keys and values through every completion of its group. The values and
+    gradients equal those of the concatenated forward pass up to float rounding: the
+    attention over the cache sums in another order, and XLA's products sum in an order
+    that depends on their shapes. In float32 the two passes are as far apart as either is
+    from the same weights in float64 (the tests hold them within 4x of that; a few 1e-7
+    relative for small decoders); a tolerance fixed in advance would hold on one CPU and
+    not another. The program is about twice as large (the layers run twice, each with its
+    backward pass), so it compiles for longer (2.3 to 4x in `benchmarks/shared_prompts.py`,
+    where a GRPO update at P = N = 64, G = 8 runs 1.6 to 1.7x faster). `share_prompts=False`
+    runs the concatenated pass, each prompt once per completion, as TRL and Tunix do.
 
     Routing replay (R3): for a mixture-of-experts model, `routing=rollout.routing` from
     `sample(..., record_routing=True)` routes every prompt and completion token to the
