@@ -109,15 +109,13 @@ def test_a_groups_prompt_routing_must_be_one_record():
     config = CASES["moe-unrolled"][0]
     graphdef, params = make_model(seed=3, config=config)
     tokens, where, _, routing = completions(config)
-    args = (graphdef, params, PROMPTS, PROMPT_WHERE, tokens, where)
+    data = (PROMPTS, PROMPT_WHERE, tokens, where)
 
     def shape(routing, share=True):  # traced parameters, a concrete routing: checked
-        return jax.eval_shape(
-            lambda params: completion_logps(
-                *args[:1], params, *args[2:], routing=routing, share_prompts=share
-            ),
-            params,
-        ).shape
+        def score(params):
+            return completion_logps(graphdef, params, *data, routing=routing, share_prompts=share)
+
+        return jax.eval_shape(score, params).shape
 
     padded = routing.copy()  # prompt 0's first column is padding
     padded[1, 0] = padded[1, 0, :, ::-1]
@@ -126,5 +124,5 @@ def test_a_groups_prompt_routing_must_be_one_record():
     chosen = real[GROUP + 1, -NEW - 1, 0]
     real[GROUP + 1, -NEW - 1, 0] = np.setdiff1d(np.arange(config.num_experts), chosen)[:2]
     with raises_naming("routing", "prompt 1", "share_prompts=False"):
-        completion_logps(*args, routing=real)
+        completion_logps(graphdef, params, *data, routing=real)
     assert shape(real, share=False) == tokens.shape
