@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from einops import rearrange, repeat
 from flax import nnx
 from jax.typing import ArrayLike
@@ -53,11 +54,19 @@ def completion_logps(
     Each prompt needs at least one real token, as for `sample`. With groups (`R = B * G`,
     G > 1) and `share_prompts` (the default), each prompt is run once, into a KV cache that
     its G completions then attend to (`Decoder.extend`, as `sample` runs them): the layers
-    see `B * P + R * N` tokens instead of `R * (P + N)`, and gradients reach the prompt's
-    keys and values through every completion of its group. The values equal those of the
-    concatenated forward pass up to float rounding (the attention over the cache sums in
-    another order); `share_prompts=False` runs that pass, each prompt once per completion,
-    as TRL and Tunix do.
+    see `B * P + R * N` tokens instead of `R * (P + N)` (the projections' and MLPs' FLOPs
+    fall in that ratio, 1.8x for P = N and G = 8), the completions' attention scores
+    `R * N * (P + N)` query-key pairs instead of `R * (P + N)^2`, and gradients reach the
+    prompt's keys and values through every completion of its group. The values and
+    gradients equal those of the concatenated forward pass up to float rounding: the
+    attention over the cache sums in another order, and XLA's products sum in an order
+    that depends on their shapes. In float32 the two passes are as far apart as either is
+    from the same weights in float64 (the tests hold them within 4x of that; a few 1e-7
+    relative for small decoders); a tolerance fixed in advance would hold on one CPU and
+    not another. The program is about twice as large (the layers run twice, each with its
+    backward pass), so it compiles for longer (2.3 to 4x in `benchmarks/shared_prompts.py`,
+    where a GRPO update at P = N = 64, G = 8 runs 1.6 to 1.7x faster). `share_prompts=False`
+    runs the concatenated pass, each prompt once per completion, as TRL and Tunix do.
 
     Routing replay (R3): for a mixture-of-experts model, `routing=rollout.routing` from
     `sample(..., record_routing=True)` routes every prompt and completion token to the
@@ -69,7 +78,8 @@ def completion_logps(
     log-prob differs by far more than rounding. Replayed, the experts are the same, and
     what is left is the rounding of the dense computation. With shared prompts, each
     prompt's columns of `routing` are read from the first completion of its group (the
-    sampler records one prefill for the group).
+    sampler records one prefill for the group); a concrete `routing` whose rows of one group
+    route a real prompt token differently is refused.
 
     Note:
       TRL and Tunix slice the logits of left-padded prompts at `[P - 1, P + N - 1)` and
@@ -101,7 +111,9 @@ def completion_logps(
     Raises:
       ValueError: for `routing` whose rows and columns are not `[R, P + N]`; the model
         refuses one with another layer count or k, with expert ids outside `[0, E)`, or
-        given to a model without mixture-of-experts layers (`tunelib.models.Decoder`).
+        given to a model without mixture-of-experts layers (`tunelib.models.Decoder`);
+        with shared prompts, for a concrete `routing` whose rows of one group differ at a
+        real prompt token.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -156,9 +168,12 @@ def completion_logps(
                 f"{tokens.shape} after prompts of prompt_tokens {prompt_tokens.shape} "
                 "(Rollout.routing as sample(..., record_routing=True) records it)."
             )
+    group = rows // batch
+    if routing is not None:
+        if group > 1 and share_prompts:
+            _check_one_prompt_routing_a_group(routing, prompt_where, group)
         routing = rearrange(routing, "r t m k -> m r t k")  # the decoder's layout
     model = nnx.merge(graphdef, params)
-    group = rows // batch
     if group > 1 and share_prompts:
         # Each prompt once into a KV cache, the cache repeated over its group, then every
         # completion on top of it: the hidden states of the concatenation, as `sample` has them.
@@ -201,3 +216,27 @@ def completion_logps(
         where=where,
         implementation=implementation,
     )
+
+
+def _check_one_prompt_routing_a_group(
+    routing: jax.Array, prompt_where: jax.Array, group: int
+) -> None:
+    """Refuse a concrete `[R, P + N, M, k]` `routing` whose rows of one group route a real
+    prompt token to different experts: shared prompts run each prompt once, so its routing
+    is one record per group (a traced one cannot be read; its group's first row is used)."""
+    if isinstance(routing, jax.core.Tracer) or isinstance(prompt_where, jax.core.Tracer):
+        return
+    if not getattr(routing, "is_fully_addressable", True):
+        return
+    prompt_len = prompt_where.shape[1]
+    ids = rearrange(np.asarray(routing[:, :prompt_len]), "(b g) p m k -> b g p (m k)", g=group)
+    differs = (ids != ids[:, :1]).any(axis=(1, 3)) & np.asarray(prompt_where)  # [B, P]
+    if differs.any():
+        b, p = np.argwhere(differs)[0]
+        raise ValueError(
+            f"routing routes real token {p} of prompt {b} to different experts in the rows of "
+            f"its group (rows {b * group} to {b * group + group - 1}); with share_prompts=True "
+            "each prompt runs once, so its columns of routing must be one record for the "
+            "group, as sample(..., group_size=G, record_routing=True) makes it; pass "
+            "share_prompts=False to replay a routing per row."
+        )
