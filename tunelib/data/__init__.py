@@ -10,6 +10,10 @@ NumPy batches, padded or packed (several sequences per row, with `segment_ids` a
 `positions`). Everything here runs on the host in Python and NumPy; a pipeline's iterator
 state is a JSON-serialisable dict, so training resumes the identical stream from a
 checkpoint.
+
+Images are decoded and checked by `load_image`, and Gemma 4's image preprocessing
+(`gemma4_image_inputs`, `expand_image_tokens`) turns them into the vision encoder's patches
+and the prompt's soft tokens.
 """
 
 from tunelib._deprecation import moved_names
@@ -29,6 +33,12 @@ from tunelib.data._chat_template import (
     render_chat_template,
     tokens_in_spans,
 )
+from tunelib.data._gemma4_images import (
+    expand_image_tokens,
+    gemma4_image_inputs,
+    gemma4_image_size,
+)
+from tunelib.data._images import IMAGE_MODES, ImageError, load_image
 from tunelib.data._pipelines import encode_prompts, preference_dataset, sft_dataset
 from tunelib.data._records import (
     REASONS,
@@ -49,10 +59,12 @@ from tunelib.data._tokenizers import (
 __all__ = [
     "ANSWER_READINGS",
     "DEFAULT_ALPHABET",
+    "IMAGE_MODES",
     "OPERATIONS",
     "REASONS",
     "CharTokenizer",
     "HFTokenizer",
+    "ImageError",
     "RecordError",
     "RecordReport",
     "TemplateError",
@@ -62,7 +74,11 @@ __all__ = [
     "encode_chat",
     "encode_prompts",
     "encode_records",
+    "expand_image_tokens",
+    "gemma4_image_inputs",
+    "gemma4_image_size",
     "last_number",
+    "load_image",
     "load_tokenizer",
     "preference_dataset",
     "preference_pairs",
