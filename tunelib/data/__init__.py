@@ -11,9 +11,10 @@ NumPy batches, padded or packed (several sequences per row, with `segment_ids` a
 state is a JSON-serialisable dict, so training resumes the identical stream from a
 checkpoint.
 
-Images are decoded and checked by `load_image`, and Gemma 4's image preprocessing
-(`gemma4_image_inputs`, `expand_image_tokens`) turns them into the vision encoder's patches
-and the prompt's soft tokens.
+Records with images (`{"images", "messages"}`) are checked image by image
+(`read_image_records`), and Gemma 4's image preprocessing (`gemma4_image_inputs`,
+`expand_image_tokens`) turns their images into the vision encoder's patches and the prompt's
+soft tokens.
 """
 
 from tunelib._deprecation import moved_names
@@ -38,6 +39,12 @@ from tunelib.data._gemma4_images import (
     gemma4_image_inputs,
     gemma4_image_size,
 )
+from tunelib.data._image_records import (
+    IMAGE_REASONS,
+    read_image_records,
+    validate_image_records,
+    write_image_records,
+)
 from tunelib.data._images import IMAGE_MODES, ImageError, load_image
 from tunelib.data._pipelines import encode_prompts, preference_dataset, sft_dataset
 from tunelib.data._records import (
@@ -60,6 +67,7 @@ __all__ = [
     "ANSWER_READINGS",
     "DEFAULT_ALPHABET",
     "IMAGE_MODES",
+    "IMAGE_REASONS",
     "OPERATIONS",
     "REASONS",
     "CharTokenizer",
@@ -83,12 +91,15 @@ __all__ = [
     "preference_dataset",
     "preference_pairs",
     "problem_in_words",
+    "read_image_records",
     "read_records",
     "render_chat_template",
     "sft_dataset",
     "tokens_in_spans",
+    "validate_image_records",
     "validate_records",
     "verify_answer",
+    "write_image_records",
 ]
 
 # The Hugging Face pipelines merged into the one set that takes any tokenizer, and the GGUF
