@@ -14,7 +14,7 @@ checkpoint.
 Records with images (`{"images", "messages"}`) are checked image by image
 (`read_image_records`), and Gemma 4's image preprocessing (`gemma4_image_inputs`,
 `expand_image_tokens`) turns their images into the vision encoder's patches and the prompt's
-soft tokens.
+soft tokens; the vision task (`vision_counting_split`) draws its own pictures.
 """
 
 from tunelib._deprecation import moved_names
@@ -62,6 +62,7 @@ from tunelib.data._tokenizers import (
     Tokenizer,
     load_tokenizer,
 )
+from tunelib.data._vision_task import VISION_QUESTIONS, vision_counting_split
 
 __all__ = [
     "ANSWER_READINGS",
@@ -70,6 +71,7 @@ __all__ = [
     "IMAGE_REASONS",
     "OPERATIONS",
     "REASONS",
+    "VISION_QUESTIONS",
     "CharTokenizer",
     "HFTokenizer",
     "ImageError",
@@ -99,6 +101,7 @@ __all__ = [
     "validate_image_records",
     "validate_records",
     "verify_answer",
+    "vision_counting_split",
     "write_image_records",
 ]
 
