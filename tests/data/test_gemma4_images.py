@@ -1,13 +1,11 @@
 """Gemma 4's image preprocessing and soft-token layout, checked against transformers."""
 
-import json
-
 import numpy as np
 import PIL.Image
 import pytest
 
 from tests._helpers import raises_naming
-from tests._hf import hf_modules, write_tokenizer
+from tests._hf import hf_modules, write_image_tokenizer
 from tunelib.data import (
     HFTokenizer,
     encode_chat,
@@ -33,15 +31,6 @@ IMAGE_TOKENS = {
     "boa_token": "<|audio>",
     "eoa_token": "<audio|>",
 }
-# A ChatML template that writes the image marker for each {"type": "image"} part.
-IMAGE_CHAT_TEMPLATE = """\
-{% for message in messages %}<|im_start|>{{ message['role'] }}
-{% if message['content'] is string %}{{ message['content'] }}\
-{% else %}{% for part in message['content'] %}\
-{% if part['type'] == 'image' %}<|image|>{% else %}{{ part['text'] }}{% endif %}\
-{% endfor %}{% endif %}<|im_end|>
-{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 
 def random_image(rng, height, width, mode="RGB"):
@@ -147,20 +136,9 @@ def test_bad_arguments_are_named():
 
 @pytest.fixture(scope="module")
 def image_tokenizer_directory(tmp_path_factory):
-    """The tests' BPE tokenizer with Gemma 4's image (and audio) special tokens added, and a
-    chat template that writes the image marker."""
-    from tokenizers import AddedToken, Tokenizer
-
-    directory = write_tokenizer(
-        tmp_path_factory.mktemp("image_tokenizer"), chat_template=IMAGE_CHAT_TEMPLATE
+    return write_image_tokenizer(
+        tmp_path_factory.mktemp("gemma4_tokenizer"), IMAGE_TOKENS, IMAGE_TOKENS["image_token"]
     )
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in IMAGE_TOKENS.values()])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["extra_special_tokens"] = IMAGE_TOKENS
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
 
 
 def gemma4_processor(directory, image_processor):
@@ -221,14 +199,3 @@ def test_chat_with_images_gives_the_processors_token_ids(image_tokenizer_directo
     # The assistant turns keep their mask; the image tokens, in user turns, are not learnt.
     assert expanded_where.sum() == where.sum()
     assert not expanded_where[expanded == image_ids["image_token_id"]].any()
-
-
-def test_expansion_counts_markers():
-    with raises_naming("2 image tokens", "3 entries"):
-        expand_image_tokens([4, 9, 9], [1, 1, 1], image_token_id=9, boi_token_id=7, eoi_token_id=8)
-    with raises_naming("where"):
-        expand_image_tokens(
-            [4, 9], [1], image_token_id=9, boi_token_id=7, eoi_token_id=8, where=[True]
-        )
-    ids, where = expand_image_tokens([4, 5], [], image_token_id=9, boi_token_id=7, eoi_token_id=8)
-    assert ids.tolist() == [4, 5] and ids.dtype == np.int32 and where is None

@@ -34,17 +34,14 @@ from tunelib.data._chat_template import (
     render_chat_template,
     tokens_in_spans,
 )
-from tunelib.data._gemma4_images import (
-    expand_image_tokens,
-    gemma4_image_inputs,
-    gemma4_image_size,
-)
+from tunelib.data._gemma4_images import gemma4_image_inputs, gemma4_image_size
 from tunelib.data._image_records import (
     IMAGE_REASONS,
     read_image_records,
     validate_image_records,
     write_image_records,
 )
+from tunelib.data._image_tokens import expand_image_tokens
 from tunelib.data._images import IMAGE_MODES, ImageError, load_image
 from tunelib.data._pipelines import encode_prompts, preference_dataset, sft_dataset
 from tunelib.data._records import (

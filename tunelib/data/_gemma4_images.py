@@ -7,18 +7,13 @@ from typing import Any
 
 import einops
 import numpy as np
-import PIL.Image
 
-from tunelib.data._images import ImageSource, load_image
-
-RESAMPLING = {
-    "nearest": PIL.Image.Resampling.NEAREST,
-    "box": PIL.Image.Resampling.BOX,
-    "bilinear": PIL.Image.Resampling.BILINEAR,
-    "hamming": PIL.Image.Resampling.HAMMING,
-    "bicubic": PIL.Image.Resampling.BICUBIC,
-    "lanczos": PIL.Image.Resampling.LANCZOS,
-}
+from tunelib.data._images import (
+    ImageSource,
+    check_pixel_options,
+    load_image,
+    resized_pixels,
+)
 
 
 def gemma4_image_size(
@@ -103,14 +98,6 @@ def gemma4_image_size(
     return target_height, target_width
 
 
-def _resize(image: np.ndarray, size: tuple[int, int], resample: str) -> np.ndarray:
-    """`image` `[H, W, 3]` uint8 resized by PIL to `size` (height, width), as transformers."""
-    if image.shape[:2] == size:
-        return image
-    resized = PIL.Image.fromarray(image).resize((size[1], size[0]), resample=RESAMPLING[resample])
-    return np.asarray(resized)
-
-
 def gemma4_image_inputs(
     images: Sequence[ImageSource],
     *,
@@ -185,10 +172,7 @@ def gemma4_image_inputs(
       >>> inputs["image_position_ids"][0, :10].tolist()
       [[0, 0], [1, 0], [2, 0], [3, 0], [0, 1], [1, 1], [2, 1], [3, 1], [-1, -1], [-1, -1]]
     """
-    if resample not in RESAMPLING:
-        raise ValueError(f"resample must be one of {tuple(RESAMPLING)}, got {resample!r}.")
-    if (image_mean is None) != (image_std is None):
-        raise ValueError("image_mean and image_std go together: give both or neither.")
+    check_pixel_options(resample, image_mean, image_std)
     images = list(images)
     max_patches = max_soft_tokens * pooling_kernel_size**2
     pixel_values = np.zeros((len(images), max_patches, patch_size * patch_size * 3), np.float32)
@@ -202,13 +186,14 @@ def gemma4_image_inputs(
             max_soft_tokens=max_soft_tokens,
             pooling_kernel_size=pooling_kernel_size,
         )
-        pixels = (_resize(image, size, resample).astype(np.float64) * rescale_factor).astype(
-            np.float32
+        pixels = resized_pixels(
+            image,
+            size,
+            resample=resample,
+            rescale_factor=rescale_factor,
+            image_mean=image_mean,
+            image_std=image_std,
         )
-        if image_mean is not None:
-            pixels = (pixels - np.asarray(image_mean, np.float32)) / np.asarray(
-                image_std, np.float32
-            )
         patches = einops.rearrange(
             pixels, "(y p) (x q) c -> (y x) (p q c)", p=patch_size, q=patch_size
         )
@@ -221,80 +206,3 @@ def gemma4_image_inputs(
         "image_position_ids": position_ids,
         "num_soft_tokens_per_image": num_soft_tokens,
     }
-
-
-def expand_image_tokens(
-    ids: Sequence[int] | np.ndarray,
-    num_soft_tokens: Sequence[int],
-    *,
-    image_token_id: int,
-    boi_token_id: int,
-    eoi_token_id: int,
-    where: Sequence[bool] | np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    r"""A prompt's image markers expanded into Gemma 4's soft-token layout.
-
-    $$
-    \langle\mathrm{image}\rangle_i \;\mapsto\;
-    \mathrm{BOI}\ \underbrace{\langle\mathrm{image}\rangle \cdots
-    \langle\mathrm{image}\rangle}_{n_i}\ \mathrm{EOI}
-    $$
-
-    The $i$-th `image_token_id` of `ids` (the marker the chat template writes for an image)
-    becomes `boi_token_id`, $n_i$ = `num_soft_tokens[i]` copies of `image_token_id` (the
-    positions the vision encoder's soft tokens fill) and `eoi_token_id`, as
-    `Gemma4Processor` expands the image token in the text before tokenizing it.
-
-    Args:
-      ids: `[T]` token ids with one `image_token_id` per image.
-      num_soft_tokens: $n_i$ per image in order, from `gemma4_image_inputs`.
-      image_token_id: the image token (Gemma 4's `<|image|>`, config `image_token_id`).
-      boi_token_id: the begin-of-image token (config `boi_token_id`).
-      eoi_token_id: the end-of-image token (config `eoi_token_id`).
-      where: None, or a `[T]` mask (say, the completion mask) whose value at a marker is
-        given to every token that marker becomes.
-
-    Returns:
-      `(ids, where)`: the expanded int32 ids `[T + sum(n_i + 1)]` and the expanded bool mask
-      (None when `where` is None).
-
-    Raises:
-      ValueError: when the number of markers differs from `len(num_soft_tokens)`, or
-        `where` does not have the shape of `ids`.
-
-    References:
-      transformers 5.25, `models/gemma4/processing_gemma4.py`,
-      `Gemma4Processor.replace_image_token`.
-
-    Examples:
-      >>> from tunelib.data import expand_image_tokens
-      >>> ids, where = expand_image_tokens(
-      ...     [5, 9, 6, 9], [2, 1], image_token_id=9, boi_token_id=7, eoi_token_id=8,
-      ...     where=[False, False, True, True],
-      ... )
-      >>> ids.tolist()
-      [5, 7, 9, 9, 8, 6, 7, 9, 8]
-      >>> where.astype(int).tolist()
-      [0, 0, 0, 0, 0, 1, 1, 1, 1]
-    """
-    ids = np.asarray(ids, np.int32)
-    markers = np.flatnonzero(ids == image_token_id)
-    if len(markers) != len(num_soft_tokens):
-        raise ValueError(
-            f"ids hold {len(markers)} image tokens ({image_token_id}) but num_soft_tokens has "
-            f"{len(num_soft_tokens)} entries, one per image."
-        )
-    repeats = np.ones(len(ids), np.int64)
-    repeats[markers] = np.asarray(num_soft_tokens, np.int64) + 2
-    expanded = np.repeat(ids, repeats)
-    starts = np.cumsum(repeats) - repeats
-    expanded[starts[markers]] = boi_token_id
-    expanded[starts[markers] + repeats[markers] - 1] = eoi_token_id
-    if where is None:
-        return expanded, None
-    where = np.asarray(where, bool)
-    if where.shape != ids.shape:
-        raise ValueError(
-            f"where must have the shape of ids {list(ids.shape)}, got {list(where.shape)}."
-        )
-    return expanded, np.repeat(where, repeats)

@@ -2,6 +2,7 @@
 
 import io
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,14 @@ import PIL.Image
 # (bilevel, grey, palette and colour, with or without alpha). 16- and 32-bit integer and
 # float modes ("I;16", "I", "F") would be clipped by the conversion, so they are refused.
 IMAGE_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
+RESAMPLING = {
+    "nearest": PIL.Image.Resampling.NEAREST,
+    "box": PIL.Image.Resampling.BOX,
+    "bilinear": PIL.Image.Resampling.BILINEAR,
+    "hamming": PIL.Image.Resampling.HAMMING,
+    "bicubic": PIL.Image.Resampling.BICUBIC,
+    "lanczos": PIL.Image.Resampling.LANCZOS,
+}
 # A source of an image: a path, a decoded PIL image, an array, or Hugging Face datasets'
 # Parquet encoding of an image column (`{"bytes": ..., "path": ...}`).
 ImageSource = Any
@@ -162,3 +171,33 @@ def load_image(source: ImageSource, *, root: str | os.PathLike | None = None) ->
     image = _open(source, None if root is None else Path(root))
     _check_pil(image)
     return _rgb_of_pil(image)
+
+
+def check_pixel_options(
+    resample: str, image_mean: Sequence[float] | None, image_std: Sequence[float] | None
+) -> None:
+    if resample not in RESAMPLING:
+        raise ValueError(f"resample must be one of {tuple(RESAMPLING)}, got {resample!r}.")
+    if (image_mean is None) != (image_std is None):
+        raise ValueError("image_mean and image_std go together: give both or neither.")
+
+
+def resized_pixels(
+    image: np.ndarray,
+    size: tuple[int, int],
+    *,
+    resample: str,
+    rescale_factor: float,
+    image_mean: Sequence[float] | None,
+    image_std: Sequence[float] | None,
+) -> np.ndarray:
+    """An RGB uint8 image `[H, W, 3]` resized by PIL to `size` (height, width), rescaled
+    (in float64, then float32) and normalised per channel when `image_mean` is given, as
+    transformers' PIL image processors do: float32 `[*size, 3]`."""
+    if image.shape[:2] != size:
+        picture = PIL.Image.fromarray(image).resize((size[1], size[0]), RESAMPLING[resample])
+        image = np.asarray(picture)
+    pixels = (image.astype(np.float64) * rescale_factor).astype(np.float32)
+    if image_mean is None:
+        return pixels
+    return (pixels - np.asarray(image_mean, np.float32)) / np.asarray(image_std, np.float32)
