@@ -12,9 +12,10 @@ state is a JSON-serialisable dict, so training resumes the identical stream from
 checkpoint.
 
 Records with images (`{"images", "messages"}`) are checked image by image
-(`read_image_records`), and Gemma 4's image preprocessing (`gemma4_image_inputs`,
-`expand_image_tokens`) turns their images into the vision encoder's patches and the prompt's
-soft tokens; the vision task (`vision_counting_split`) draws its own pictures.
+(`read_image_records`), and Gemma 4's and Qwen3.5's image preprocessing
+(`gemma4_image_inputs`, `qwen_vl_image_inputs`, `expand_image_tokens`) turns their images
+into the vision encoder's patches and the prompt's soft tokens; the vision task
+(`vision_counting_split`) draws its own pictures.
 """
 
 from tunelib._deprecation import moved_names
@@ -44,6 +45,7 @@ from tunelib.data._image_records import (
 from tunelib.data._image_tokens import expand_image_tokens
 from tunelib.data._images import IMAGE_MODES, ImageError, load_image
 from tunelib.data._pipelines import encode_prompts, preference_dataset, sft_dataset
+from tunelib.data._qwen_vl_images import qwen_vl_image_inputs, qwen_vl_image_size
 from tunelib.data._records import (
     REASONS,
     RecordError,
@@ -90,6 +92,8 @@ __all__ = [
     "preference_dataset",
     "preference_pairs",
     "problem_in_words",
+    "qwen_vl_image_inputs",
+    "qwen_vl_image_size",
     "read_image_records",
     "read_records",
     "render_chat_template",
