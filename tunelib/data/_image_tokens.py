@@ -3,17 +3,18 @@
 from collections.abc import Sequence
 
 import numpy as np
+from jaxtyping import Bool, Int, Shaped
 
 
 def expand_image_tokens(
-    ids: Sequence[int] | np.ndarray,
+    ids: Sequence[int] | Int[np.ndarray, " T"],
     num_soft_tokens: Sequence[int],
     *,
     image_token_id: int,
     boi_token_id: int | None = None,
     eoi_token_id: int | None = None,
-    where: Sequence[int] | np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
+    where: Sequence[int] | Shaped[np.ndarray, " T"] | None = None,
+) -> tuple[Int[np.ndarray, " N"], Bool[np.ndarray, " N"] | None]:
     r"""A prompt's image markers expanded into the soft-token layout of its images.
 
     $$

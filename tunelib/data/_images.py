@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import PIL.Image
+from jaxtyping import UInt8
 
 # The modes whose pixels are 8-bit values that convert to RGB without loss of meaning
 # (bilevel, grey, palette and colour, with or without alpha). 16- and 32-bit integer and
@@ -109,7 +110,9 @@ def _rgb_of_array(image: np.ndarray) -> np.ndarray:
     return image
 
 
-def load_image(source: ImageSource, *, root: str | os.PathLike | None = None) -> np.ndarray:
+def load_image(
+    source: ImageSource, *, root: str | os.PathLike | None = None
+) -> UInt8[np.ndarray, "H W 3"]:
     r"""An image as an RGB array `[H, W, 3]` of uint8, decoded and checked.
 
     Conversion to RGB is transformers' (`convert_to_rgb`, which its image processors apply
