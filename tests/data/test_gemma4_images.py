@@ -1,10 +1,9 @@
 """Gemma 4's image preprocessing and soft-token layout, checked against transformers."""
 
 import numpy as np
-import PIL.Image
 import pytest
 
-from tests._helpers import raises_naming
+from tests._helpers import raises_naming, random_image
 from tests._hf import hf_modules, write_image_tokenizer
 from tunelib.data import (
     HFTokenizer,
@@ -31,12 +30,6 @@ IMAGE_TOKENS = {
     "boa_token": "<|audio>",
     "eoa_token": "<audio|>",
 }
-
-
-def random_image(rng, height, width, mode="RGB"):
-    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
-    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
-    return PIL.Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode)
 
 
 def hf_image_processor(**kwargs):

@@ -1,10 +1,9 @@
 """Qwen3.5's (Qwen2-VL's) image preprocessing and soft tokens, checked against transformers."""
 
 import numpy as np
-import PIL.Image
 import pytest
 
-from tests._helpers import raises_naming
+from tests._helpers import raises_naming, random_image
 from tests._hf import hf_modules, write_image_tokenizer
 from tunelib.data import (
     HFTokenizer,
@@ -37,12 +36,6 @@ QWEN_TOKENS = {
     "vision_start_token": "<|vision_start|>",
     "vision_end_token": "<|vision_end|>",
 }
-
-
-def random_image(rng, height, width, mode="RGB"):
-    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
-    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
-    return PIL.Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode)
 
 
 def hf_image_processor(settings):
