@@ -179,3 +179,13 @@ def test_written_records_read_back_with_equal_pixels(tmp_path):
         write_image_records(records, path)
     with raises_naming(".jsonl"):
         write_image_records(records, tmp_path / "train.json")
+
+
+def test_prompt_completion_records_count_the_images_of_both():
+    image = np.zeros((4, 4, 3), np.uint8)
+    show = {"role": "assistant", "content": [{"type": "text", "text": "see"}, {"type": "image"}]}
+    record = {"images": [image, image], "prompt": [ASK], "completion": [show]}
+    (kept,), _ = validate_image_records([record])
+    assert len(kept["images"]) == 2
+    with raises_naming("holds 1 images but 'prompt' and 'completion' have 2 image parts"):
+        validate_image_records([{**record, "images": [image]}])

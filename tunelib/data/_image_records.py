@@ -22,8 +22,9 @@ from tunelib.data._records import (
 
 # Why an image record is invalid, besides the `REASONS` of its text (checked first).
 IMAGE_REASONS = ("bad_content", "image_count", "missing_image", "undecodable_image", "bad_image")
-# The field of each kind whose messages may hold images.
-_MESSAGES = {"sft": "messages", "rl": "prompt"}
+# The kinds of image records, and the fields whose messages may hold images (in this order).
+_KINDS = ("sft", "rl")
+_CONVERSATIONS = ("messages", "prompt", "completion")
 
 
 def _text_of(index: int, field: str, messages: list) -> tuple[list, int]:
@@ -74,10 +75,12 @@ def check_image_record(
             "wrong_type",
             f"{location}field 'images' must be a list, got {type(images).__name__}",
         )
-    field = _MESSAGES[kind]
-    text_record, markers = dict(record), 0
-    if isinstance(record.get(field), list):
-        text_record[field], markers = _text_of(index, field, record[field])
+    text_record, markers, fields = dict(record), 0, []
+    for field in _CONVERSATIONS:
+        if isinstance(record.get(field), list):
+            text_record[field], count = _text_of(index, field, record[field])
+            markers += count
+            fields.append(repr(field))
     try:
         check_record(index, text_record, kind)
     except RecordError as error:
@@ -87,7 +90,8 @@ def check_image_record(
             index,
             "images",
             "image_count",
-            f"{location}field 'images' holds {len(images)} images but {field!r} has "
+            f"{location}field 'images' holds {len(images)} images but "
+            f"{' and '.join(fields) or 'the record'} {'have' if len(fields) > 1 else 'has'} "
             f"{markers} image parts",
         )
     resolved = []
@@ -114,7 +118,8 @@ def validate_image_records(
 
     The shapes (TRL's vision datasets):
 
-    * `kind="sft"`: `{"images": [...], "messages": [...]}`;
+    * `kind="sft"`: `{"images": [...], "messages": [...]}`, or `{"images", "prompt",
+      "completion"}` with conversations;
     * `kind="rl"`: `{"images": [...], "prompt": [...], "answer": str}`.
 
     A message's content is a string, or a list of parts `{"type": "image"}` (where an image
@@ -171,7 +176,7 @@ def validate_image_records(
       ...     print(error)
       record 0: field 'images' holds 2 images but 'messages' has 1 image parts
     """
-    check_kind(kind, _MESSAGES)
+    check_kind(kind, _KINDS)
     check_on_invalid(on_invalid)
     folder = None if root is None else Path(root)
     return collect(
@@ -225,7 +230,7 @@ def read_image_records(
       ...     print(str(error).replace(str(folder), "DATA"))
       record 0: line 1 of rl.jsonl: images[0]: no image file DATA/img/0.png
     """
-    check_kind(kind, _MESSAGES)
+    check_kind(kind, _KINDS)
     check_on_invalid(on_invalid)
     path = Path(path)
     if not path.is_file():
