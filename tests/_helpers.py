@@ -12,6 +12,7 @@ import hypothesis.extra.numpy as hnp
 import jax
 import jaxtyping
 import numpy as np
+import PIL.Image
 import pytest
 from hypothesis import strategies as st
 
@@ -144,3 +145,12 @@ def load_script(path: Path, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def random_image(
+    rng: np.random.Generator, height: int, width: int, mode: str = "RGB"
+) -> PIL.Image.Image:
+    """A PIL image of random pixels: mode "RGB", "RGBA" or "L" (grey)."""
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return PIL.Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode)

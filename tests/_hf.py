@@ -262,6 +262,36 @@ def write_tokenizer(
     return directory
 
 
+# A ChatML template that writes IMAGE_MARKER for each {"type": "image"} part of a content list.
+IMAGE_CHAT_TEMPLATE = """\
+{% for message in messages %}<|im_start|>{{ message['role'] }}
+{% if message['content'] is string %}{{ message['content'] }}\
+{% else %}{% for part in message['content'] %}\
+{% if part['type'] == 'image' %}IMAGE_MARKER{% else %}{{ part['text'] }}{% endif %}\
+{% endfor %}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def write_image_tokenizer(
+    directory: Path, special_tokens: dict[str, str], image_marker: str
+) -> Path:
+    """`write_tokenizer`'s tokenizer with a vision model's special tokens added (named in
+    `tokenizer_config.json`'s `extra_special_tokens`, so that transformers' processors find
+    them as attributes) and a chat template that writes `image_marker` for an image part."""
+    from tokenizers import AddedToken, Tokenizer
+
+    template = IMAGE_CHAT_TEMPLATE.replace("IMAGE_MARKER", image_marker)
+    write_tokenizer(directory, chat_template=template)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in special_tokens.values()])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["extra_special_tokens"] = special_tokens
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
 def write_tiny_checkpoint(
     directory: Path,
     family: str = "qwen2",

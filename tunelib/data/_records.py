@@ -499,7 +499,20 @@ def encode_records(
     )
 
 
-def _json(path: Path) -> Iterator[Any]:
+def located_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """The records of a JSON-lines, JSON or Parquet file, each with where it is in the file
+    ("line 4", "element 3", "row 2", counted from 1); a JSON line that does not parse comes
+    as a `RecordError`."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        yield from _json(path)
+    elif suffix == ".parquet":
+        yield from _parquet(path)
+    else:
+        raise ValueError(f"path must end in .jsonl, .json or .parquet, got {path.name!r}.")
+
+
+def _json(path: Path) -> Iterator[tuple[str, Any]]:
     """The records of a JSON-lines file, or of a `.json` file holding one JSON array."""
     if path.suffix.lower() == ".json":
         with path.open(encoding="utf-8") as f:
@@ -509,7 +522,8 @@ def _json(path: Path) -> Iterator[Any]:
                 records = json.loads(path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path} is not a JSON array: {error}.") from None
-            yield from records
+            for number, record in enumerate(records, start=1):
+                yield f"element {number}", record
             return
     with path.open(encoding="utf-8") as f:
         index = 0
@@ -517,19 +531,23 @@ def _json(path: Path) -> Iterator[Any]:
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as error:
-                yield RecordError(
+                record = RecordError(
                     index, None, "bad_json", f"line {line_number} of {path} is not JSON: {error}"
                 )
+            yield f"line {line_number}", record
             index += 1
 
 
-def _parquet(path: Path) -> Iterator[Any]:
+def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
+    number = 0
     for batch in pq.ParquetFile(path).iter_batches():
-        yield from batch.to_pylist()
+        for record in batch.to_pylist():
+            number += 1
+            yield f"row {number}", record
 
 
 def read_records(
@@ -582,14 +600,14 @@ def read_records(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no data file {path}.")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        rows = _json(path)
-    elif suffix == ".parquet":
-        rows = _parquet(path)
-    else:
-        raise ValueError(f"path must end in .jsonl, .json or .parquet, got {path.name!r}.")
+    rows = (record for _, record in located_rows(path))
     records, report = validate_records(rows, kind=kind, on_invalid=on_invalid)
+    check_some_kept(path, kind, records, report)
+    return records, report
+
+
+def check_some_kept(path: Path, kind: str, records: list, report: RecordReport) -> None:
+    """Raise when a file gave no valid record, naming it and what was skipped."""
     if not records:
         if report.num_skipped:
             raise ValueError(
@@ -597,4 +615,3 @@ def read_records(
                 f"({dict(report.skipped)})."
             )
         raise ValueError(f"{path} holds no record.")
-    return records, report
