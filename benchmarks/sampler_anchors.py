@@ -65,26 +65,31 @@ anchor in every case (null without the anchors). Targets are reported, never ass
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _anchors import (
+    SEED,
+    SIZES,
+    IdTokenizer,
+    interpreters,
+    load_average,
+    print_result,
+    reply,
+    started,
+    tunix_qwen3,
+    tunix_version,
+    write_checkpoint,
+)
 
 LIBRARIES = ("tunelib", "tunix", "hf")
 MODES = ("greedy", "top_p")
 TOP_P = 0.9
 TARGET = 1.1
-SEED = 0
-# name: (layers, hidden, query heads, kv heads, head width, MLP, vocabulary)
-SIZES = {
-    "default": (4, 256, 8, 4, 32, 768, 1024),
-    "smoke": (2, 64, 4, 2, 16, 128, 128),
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,62 +218,17 @@ class TunelibWorker:
         return statistics.median(times) / new
 
 
-class IdTokenizer:
-    """Tunix's tokenizer protocol over strings of ids: "5 17 3" <-> [5, 17, 3]."""
-
-    def __init__(self, vocab_size: int):
-        self.pad = vocab_size  # outside the vocabulary: never drawn, never fed
-
-    def encode(self, text: str, **_) -> list[int]:
-        return [int(x) for x in text.split()]
-
-    def decode(self, ids, **_) -> str:
-        return " ".join(str(int(x)) for x in ids)
-
-    def bos_id(self) -> int:
-        return 0  # falsy: Tunix then adds no BOS
-
-    def eos_id(self) -> int:
-        return -1
-
-    def pad_id(self) -> int:
-        return self.pad
-
-
 class TunixWorker:
     def __init__(self, checkpoint: Path):
         import jax
         import jax.numpy as jnp
-        import tunix
         from tunix.generate import sampler as sampler_lib
-        from tunix.models.qwen3 import model as qwen3_model
-        from tunix.models.qwen3 import params as qwen3_params
 
-        hf = json.loads((checkpoint / "config.json").read_text())
-        self.config = qwen3_model.ModelConfig(
-            num_layers=hf["num_hidden_layers"],
-            vocab_size=hf["vocab_size"],
-            embed_dim=hf["hidden_size"],
-            hidden_dim=hf["intermediate_size"],
-            num_heads=hf["num_attention_heads"],
-            head_dim=hf["head_dim"],
-            num_kv_heads=hf["num_key_value_heads"],
-            rope_theta=int(hf["rope_theta"]),
-            norm_eps=hf["rms_norm_eps"],
-            use_tied_embedding=hf["tie_word_embeddings"],
-        )
-        self.model = qwen3_params.create_model_from_safe_tensors(
-            str(checkpoint), self.config, mesh=None, dtype=jnp.float32
-        )
+        self.model, self.config = tunix_qwen3(checkpoint)
         self.sampler_lib, self.jax, self.jnp = sampler_lib, jax, jnp
-        self.tokenizer = IdTokenizer(hf["vocab_size"])
+        self.tokenizer = IdTokenizer(self.config.vocab_size)
         self.samplers = {}
-        version = getattr(tunix, "__version__", None)
-        if version is None:
-            from importlib.metadata import version as dist_version
-
-            version = dist_version("google-tunix")
-        self.versions = {"tunix": version, "tunix_jax": jax.__version__}
+        self.versions = {"tunix": tunix_version(), "tunix_jax": jax.__version__}
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         jnp = self.jnp
@@ -365,87 +325,7 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def reply(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
 # ----------------------------------------------------------------------------- the driver
-
-
-class Worker:
-    """A library's process: requests in, replies out, one at a time."""
-
-    def __init__(self, name: str, python: str, checkpoint: Path, scan_layers: bool):
-        argv = [python, __file__, "--worker", name, "--checkpoint", str(checkpoint)]
-        argv.append("--scan-layers" if scan_layers else "--no-scan-layers")
-        env = dict(os.environ)
-        if name != "tunelib":  # the anchors' own environment, nothing of ours on its path
-            env.pop("PYTHONPATH", None)
-        self.name = name
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
-        self.versions = self.read()["versions"]
-
-    def read(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise SystemExit(f"the {self.name} worker ended (exit status {self.process.wait()}).")
-        return json.loads(line)
-
-    def ask(self, **request) -> dict:
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait()
-
-
-def anchors_missing(python: Path | None) -> str | None:
-    """Why the anchors cannot run, or None."""
-    if python is None:
-        return "no --anchors-python given"
-    if not python.exists():
-        return f"--anchors-python {python} does not exist"
-    check = subprocess.run(
-        [str(python), "-c", "import tunix, transformers, torch"],
-        capture_output=True,
-        text=True,
-    )
-    if check.returncode:
-        last = (check.stderr.strip().splitlines() or ["?"])[-1]
-        return f"{python} cannot import tunix, transformers and torch ({last})"
-    return None
-
-
-def write_checkpoint(directory: Path, size: str) -> None:
-    from flax import nnx
-
-    from tunelib.formats import save_hf_checkpoint
-    from tunelib.models import Decoder, DecoderConfig
-
-    layers, hidden, heads, kv_heads, head_dim, mlp, vocab = SIZES[size]
-    config = DecoderConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        use_qk_norm=True,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-    )
-    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(SEED)))
-    save_hf_checkpoint(directory, graphdef, params, model_type="qwen3")
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,10 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{name} must be >= {low}, got {value}.")
     if args.prompt < 1:
         raise SystemExit(f"--prompt must be >= 1, got {args.prompt}.")
-    missing = anchors_missing(args.anchors_python)
-    libraries = ("tunelib",) if missing else LIBRARIES
-    if missing:
-        print(f"anchors skipped: {missing}; tunelib measured alone.", flush=True)
+    pythons, missing = interpreters(args.anchors_python, LIBRARIES, "tunix, transformers, torch")
     load_before = load_average()
 
     with tempfile.TemporaryDirectory(prefix="sampler_anchors_") as scratch:
@@ -475,23 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         np.save(scratch / "prompts.npy", prompts.astype(np.int32))
         for b in batches:
             np.save(scratch / f"prompts_{b}.npy", prompts[:b].astype(np.int32))
-        pythons = {"tunelib": sys.executable}
-        pythons |= {name: str(args.anchors_python) for name in LIBRARIES[1:]}
-        workers = {}
-        try:
-            for name in libraries:
-                print(f"starting the {name} worker ...", file=sys.stderr, flush=True)
-                workers[name] = Worker(name, pythons[name], checkpoint, args.scan_layers)
+        argv = ["--checkpoint", str(checkpoint)]
+        argv.append("--scan-layers" if args.scan_layers else "--no-scan-layers")
+        with started(pythons, __file__, argv) as workers:
             result = measure(args, workers, scratch, batches, new, missing)
-        finally:
-            for worker in workers.values():
-                worker.close()
     result["load_average_before"], result["load_average_after"] = load_before, load_average()
     report(result)
-    line = json.dumps(result)
-    print(line)
-    if args.json_out is not None:
-        args.json_out.write_text(line + "\n")
+    print_result(result, args.json_out)
     return 0 if result["logits_agree"] and result["tokens_agree"] else 1
 
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests._helpers import user_env
+from tests._helpers import load_script, user_env
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -42,3 +42,14 @@ def refusal(script: str, *args: str) -> str:
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stderr.strip().splitlines()[-1]
+
+
+def load_benchmark(script: str, name: str):
+    """`benchmarks/<script>` imported as module `name`, as `python benchmarks/<script>` runs
+    it: the folder first on the path while it imports the modules beside it (`_anchors`), and
+    only then (the folder's `peft.py` is no package)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return load_script(BENCHMARKS / script, name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))

@@ -4,18 +4,15 @@ columns are left out with one line saying why; the path through the checkpoint, 
 worker process, the greedy check, the rounds and the step-time floor is the full run's."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests._helpers import load_script
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_anchors.py"
+from tests.benchmarks._run import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script(SCRIPT, "sampler_anchors_benchmark")
+    return load_benchmark("sampler_anchors.py", "sampler_anchors_benchmark")
 
 
 @pytest.mark.slow
