@@ -175,31 +175,31 @@ def test_clamped_swiglu_equals_its_formula():
 
 
 def test_sinks_join_the_softmax_denominator_only():
-    """Sinks at -1e30 give the model without sinks; at their values the outputs change, and
-    raising every sink shrinks every attention's output toward its bias."""
-    with_sinks = Decoder(DecoderConfig(**CONFIG), rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(with_sinks)
+    """Sinks at -1e30 give the model without sinks; at 0 the outputs change."""
+    graphdef, state = nnx.split(Decoder(DecoderConfig(**CONFIG), rngs=nnx.Rngs(0)))
     pure = nnx.to_pure_dict(state)
-    without = nnx.eval_shape(lambda: Decoder(DecoderConfig(**{**CONFIG, "attention_sinks": False}),
-                                             rngs=nnx.Rngs(0)))  # fmt: skip
-    graphdef0, state0 = nnx.split(without)
+    config = DecoderConfig(**{**CONFIG, "attention_sinks": False})
+    graphdef0, state0 = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     plain = jax.tree.map(lambda x: x, pure)
     for layer in plain["layers"].values():
         del layer["self_attn"]["sinks"]
     nnx.replace_by_pure_dict(state0, plain)
-    expected = nnx.merge(graphdef0, state0)(TOKENS, where=WHERE)
+
+    def run(graphdef):
+        return jax.jit(lambda state: nnx.merge(graphdef, state)(TOKENS, where=WHERE))
+
+    expected = run(graphdef0)(state0)
+    with_sinks = run(graphdef)
 
     def hidden(sink_value):
-        sinks = jax.tree.map(lambda x: x, pure)
-        for layer in sinks["layers"].values():
+        for layer in pure["layers"].values():
             layer["self_attn"]["sinks"] = jnp.full((4,), sink_value, jnp.float32)
-        nnx.replace_by_pure_dict(state, sinks)
-        return nnx.merge(graphdef, state)(TOKENS, where=WHERE)
+        nnx.replace_by_pure_dict(state, pure)
+        return np.where(WHERE[..., None], with_sinks(state), 0)
 
-    mask = WHERE[..., None]
-    np.testing.assert_allclose(np.where(mask, hidden(-1e30), 0), np.where(mask, expected, 0),
-                               rtol=1e-6, atol=1e-6)  # fmt: skip
-    assert np.abs(np.where(mask, hidden(0.0) - expected, 0)).max() > 1e-2
+    expected = np.where(WHERE[..., None], expected, 0)
+    np.testing.assert_allclose(hidden(-1e30), expected, rtol=1e-6, atol=1e-6)
+    assert np.abs(hidden(0.0) - expected).max() > 1e-2
 
 
 def test_routing_and_stacked_layers_match_transformers(tmp_path):
@@ -213,10 +213,12 @@ def test_routing_and_stacked_layers_match_transformers(tmp_path):
     where = np.ones(tokens.shape, bool)
     where[0, :3] = False
     loaded = load_hf_checkpoint(directory)
-    model = nnx.merge(loaded.graphdef, loaded.params)
-    hidden, router_logits, routing = model(
-        tokens, where=where, return_router_logits=True, return_routing=True
+    run = jax.jit(
+        lambda params: nnx.merge(loaded.graphdef, params)(
+            tokens, where=where, return_router_logits=True, return_routing=True
+        )
     )
+    hidden, router_logits, routing = run(loaded.params)
     with torch.no_grad():
         out = reference(
             input_ids=torch.tensor(np.where(where, tokens, 0)),
@@ -232,7 +234,8 @@ def test_routing_and_stacked_layers_match_transformers(tmp_path):
         their_chosen = torch.topk(torch.tensor(theirs), 2).indices.numpy()
         np.testing.assert_array_equal(np.asarray(chosen)[where], their_chosen[where])
     stacked = load_hf_checkpoint(directory, scan_layers=True)
-    scanned = nnx.merge(stacked.graphdef, stacked.params)(tokens, where=where)
+    scanned = jax.jit(lambda params: nnx.merge(stacked.graphdef, params)(tokens, where=where))
+    scanned = scanned(stacked.params)
     np.testing.assert_allclose(np.asarray(scanned)[where], np.asarray(hidden)[where],
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 

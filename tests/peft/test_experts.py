@@ -152,9 +152,15 @@ def test_adapted_experts_equal_the_merged_weights_in_values_and_gradients(model)
         assert_close(got, want, rtol=1e-9, atol=1e-11 * scale)
 
 
-@pytest.mark.parametrize("fmt", ["nf4", "int8"])
-def test_quantised_experts_equal_their_dequantised_base(fmt):
-    graphdef, params, adapters = model_and_adapters(False)
+@pytest.mark.parametrize(
+    ("fmt", "family"), [("nf4", "qwen3_moe"), ("int8", "qwen3_moe"), ("nf4", "gpt_oss")]
+)
+def test_quantised_experts_equal_their_dequantised_base(fmt, family):
+    """Also gpt-oss's biased experts (`gate_up_proj`, `down_proj`) quantised under LoRA."""
+    if family == "gpt_oss":
+        graphdef, params, adapters = model_and_adapters(False, GPT_OSS, GPT_OSS_RULES)
+    else:
+        graphdef, params, adapters = model_and_adapters(False)
     expert_kernels = r"layers/\d+/mlp/experts/.*_proj/kernel"
     base = peft.quantize_params(params, [expert_kernels], format=fmt)
     kernel = base["layers"][0]["mlp"]["experts"]["down_proj"]["kernel"]
