@@ -198,24 +198,25 @@ class MoE(nnx.Module):
         `experts`): the weights still come from this layer's router logits."""
         *lead, h = x.shape
         flat = x.reshape(-1, h)
-        biased = isinstance(self.experts, ClampedExperts)
-        logits = self.router(flat) if biased else self.gate(flat)
+        if isinstance(self.experts, ClampedExperts):  # gpt-oss
+            logits, experts = self.router(flat), self.experts
+        else:
+            logits, experts = self.gate(flat), self._swiglu_experts
         replayed = None if routing is None else routing.reshape(-1, self.top_k)
         weights, chosen = route(
             logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, experts=replayed
         )
-        e = self.experts
-
-        def experts(rows, sizes):
-            gate = e["gate_proj"](rows, sizes, self.implementation)
-            up = e["up_proj"](rows, sizes, self.implementation)
-            return e["down_proj"](activation(self.act)(gate) * up, sizes, self.implementation)
-
-        experts = e if biased else experts
         out = dispatch(flat, weights.astype(self.dtype), chosen, self.num_experts, experts)
         high = v.compute_dtype(self.dtype)
         out, logits = out.reshape(*lead, h), logits.astype(high).reshape(*lead, self.num_experts)
         return (out, logits, chosen.reshape(*lead, self.top_k)) if return_routing else (out, logits)
+
+    def _swiglu_experts(self, rows: jax.Array, sizes: jax.Array) -> jax.Array:
+        """Qwen3-MoE's experts on their runs of `rows` (`dispatch`'s `experts`)."""
+        e, implementation = self.experts, self.implementation
+        gate = e["gate_proj"](rows, sizes, implementation)
+        up = e["up_proj"](rows, sizes, implementation)
+        return e["down_proj"](activation(self.act)(gate) * up, sizes, implementation)
 
 
 def dispatch(flat: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int, experts):
