@@ -67,7 +67,9 @@ _CORPUS = [
 # and values of layers 0 and 1, with double-wide MLPs; full layers twice as wide with one
 # key/value head that is also the value (attention_k_eq_v) and proportional RoPE rotating
 # half of each head; per-layer inputs; a binding final soft-cap. Gemma 4 MoE: 4 experts, top
-# 2, beside every dense MLP, full layers of transformers' default width ratio.
+# 2, beside every dense MLP, full layers of transformers' default width ratio. gpt-oss: a
+# sliding (window 4) then a full layer with sinks, 4 biased experts, top 2, a clamp (1.5) that
+# binds, YaRN RoPE whose ramp falls inside the head (original context 64).
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -158,6 +160,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
         top_k_experts=2,
         moe_intermediate_size=32,
     ),
+    "gpt_oss": dict(
+        head_dim=16,
+        intermediate_size=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        swiglu_limit=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e4,
+            "factor": 4.0,
+            "beta_fast": 8.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
 }
 _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -169,6 +189,7 @@ _CLASSES = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4_text_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
@@ -204,8 +225,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
     """A randomly initialised `transformers` model of `family`, in float32 eval mode.
 
     Norm scales and biases are randomised too (transformers initialises them to 1 and 0), as
-    are Gemma 4's router scales and layer scalars, so that a weight loaded into the wrong
-    place changes the outputs.
+    are Gemma 4's router scales and layer scalars and gpt-oss's attention sinks (to unit
+    size), so that a weight loaded into the wrong place changes the outputs.
     """
     torch, transformers = hf_modules()
     config_class = getattr(transformers, _CLASSES[family][0])
@@ -218,6 +239,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
                 param.copy_(1 + 0.3 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.3 * torch.randn_like(param))
+            elif name.endswith("sinks"):
+                param.copy_(torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.copy_(1 + 0.3 * torch.randn_like(buffer))

@@ -52,12 +52,16 @@ class Tuning:
         """The trained model in `folder/model` (adapters merged; see `kit.models.save_model`)
         and, with LoRA, the adapters alone: Orbax (`adapters/`) and the PEFT format
         (`peft_adapter/`), written once from the arrays of `placed` (the run's
-        `kit.parallel.Placement`)."""
+        `kit.parallel.Placement`). A model with fused experts (Gemma 4's, gpt-oss's), whose
+        adapters PEFT's per-expert layout cannot hold, gets no `peft_adapter/`."""
 
         save_model(folder / "model", model, self.dense(trainable))
         if self.base is None:
             return
         peft.save_adapters(folder / "adapters", trainable)
+        config = model.config
+        if config.num_experts and (config.parallel_moe or config.biased_experts):
+            return
         if placed.process_count == 1:
             peft.export_peft(folder / "peft_adapter", trainable, self.base)
             return

@@ -448,6 +448,7 @@ def hf():
         "gemma3_text",
         "gemma4_text",
         "gemma4_text_moe",
+        "gpt_oss",
     ],
 )
 def test_matches_transformers(tmp_path, hf, family):

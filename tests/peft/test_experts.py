@@ -49,6 +49,24 @@ GEMMA4 = dict(
     hidden_size_per_layer_input=4,
     hidden_act="gelu_pytorch_tanh",
 )
+# gpt-oss's experts: one interleaved `gate_up_proj` `[E, H, 2F]` with biases in the MLP,
+# a biased router (`mlp/router`), attention sinks (1-D: no low-rank form, never adapted).
+GPT_OSS = dict(
+    CONFIG,
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window=3,
+    attention_bias=True,
+    o_proj_bias=True,
+    attention_sinks=True,
+    norm_topk_prob=True,
+    biased_experts=True,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+)
+GPT_OSS_RULES = [
+    peft.LoraRule(pattern=PROJECTION_KERNELS, rank=4, alpha=8.0),
+    peft.LoraRule(pattern=r"layers/\d+/mlp/router/kernel", rank=2, alpha=4.0),
+]
 GEMMA4_RULES = [
     peft.LoraRule(pattern=PROJECTION_KERNELS, rank=4, alpha=8.0),
     peft.LoraRule(pattern=r"layers/\d+/router/proj/kernel", rank=2, alpha=4.0),
@@ -75,15 +93,28 @@ def forward(graphdef):
     return run
 
 
-@pytest.mark.parametrize("model", ["scanned", "unscanned", "gemma4"])
+@pytest.mark.parametrize("model", ["scanned", "unscanned", "gemma4", "gpt_oss"])
 def test_adapted_experts_equal_the_merged_weights_in_values_and_gradients(model):
     """x W + s (x A) B through the grouped-product rules is the same function as x (W + s A B):
     compared in float64, where the two orders of computation agree to rounding (about 1e-15).
     In float32 they are each about 1e-4 from the float64 gradients, in different places, and
     by how much depends on the CPU's vector width, so no fixed float32 tolerance holds."""
-    fields = dict(GEMMA4 if model == "gemma4" else CONFIG, dtype="float64", param_dtype="float64")
+    fields = {"gemma4": GEMMA4, "gpt_oss": GPT_OSS}.get(model, CONFIG)
+    fields = dict(fields, dtype="float64", param_dtype="float64")
     with jax.enable_x64(True):
-        if model == "gemma4":
+        if model == "gpt_oss":
+            graphdef, params, adapters = model_and_adapters(False, fields, GPT_OSS_RULES)
+            layer = adapters["layers"][1]
+            assert layer["mlp"]["experts"]["gate_up_proj"]["kernel"].b.shape == (4, 4, 128)
+            assert layer["mlp"]["experts"]["down_proj"]["kernel"].a.shape == (4, 64, 4)
+            assert layer["mlp"]["router"]["kernel"].b.shape == (2, 4)
+            # Sinks, biases and norms are not matrices: no adapter (they stay frozen).
+            is_adapter = lambda x: isinstance(x, peft.LoraAdapter)  # noqa: E731
+            leaves = jax.tree_util.tree_leaves_with_path(adapters, is_leaf=is_adapter)
+            adapted = {jax.tree_util.keystr(p) for p, x in leaves if is_adapter(x)}
+            assert len(adapted) == 2 * 7  # q, k, v, o, router, gate_up, down per layer
+            assert not [p for p in adapted if "sinks" in p or "bias" in p], adapted
+        elif model == "gemma4":
             graphdef, params, adapters = model_and_adapters(False, fields, GEMMA4_RULES)
             layer = adapters["layers"][1]
             assert layer["experts"]["gate_up_proj"]["kernel"].a.shape == (4, 32, 4)
@@ -121,9 +152,15 @@ def test_adapted_experts_equal_the_merged_weights_in_values_and_gradients(model)
         assert_close(got, want, rtol=1e-9, atol=1e-11 * scale)
 
 
-@pytest.mark.parametrize("fmt", ["nf4", "int8"])
-def test_quantised_experts_equal_their_dequantised_base(fmt):
-    graphdef, params, adapters = model_and_adapters(False)
+@pytest.mark.parametrize(
+    ("fmt", "family"), [("nf4", "qwen3_moe"), ("int8", "qwen3_moe"), ("nf4", "gpt_oss")]
+)
+def test_quantised_experts_equal_their_dequantised_base(fmt, family):
+    """Also gpt-oss's biased experts (`gate_up_proj`, `down_proj`) quantised under LoRA."""
+    if family == "gpt_oss":
+        graphdef, params, adapters = model_and_adapters(False, GPT_OSS, GPT_OSS_RULES)
+    else:
+        graphdef, params, adapters = model_and_adapters(False)
     expert_kernels = r"layers/\d+/mlp/experts/.*_proj/kernel"
     base = peft.quantize_params(params, [expert_kernels], format=fmt)
     kernel = base["layers"][0]["mlp"]["experts"]["down_proj"]["kernel"]
@@ -157,10 +194,23 @@ def test_expert_adapters_round_trip_through_the_peft_format(tmp_path, scan_layer
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_gemma4_fused_experts_are_not_exported_to_peft(tmp_path):
-    """PEFT adapts Gemma 4's fused experts as parameters, a layout not written: a clear
-    error naming the weight, and nothing on disk."""
-    _, params, adapters = model_and_adapters(False, GEMMA4, GEMMA4_RULES)
-    with raises_naming("layers/0/experts/", "merge_lora"):
+@pytest.mark.parametrize("family", ["gemma4", "gpt_oss"])
+def test_fused_experts_are_not_exported_to_peft(tmp_path, family):
+    """PEFT adapts Gemma 4's and gpt-oss's fused experts as parameters, a layout not
+    written: a clear error naming the weight, and nothing on disk. Without adapters on the
+    experts, the rest exports and imports back."""
+    fields, rules, experts = {
+        "gemma4": (GEMMA4, GEMMA4_RULES, "layers/0/experts/"),
+        "gpt_oss": (GPT_OSS, GPT_OSS_RULES, "layers/0/mlp/experts/down_proj"),
+    }[family]
+    _, params, adapters = model_and_adapters(False, fields, rules)
+    with raises_naming(experts, "merge_lora"):
         peft.export_peft(tmp_path / "adapters", adapters, params)
     assert not (tmp_path / "adapters").exists()
+    if family == "gpt_oss":
+        attention = [peft.LoraRule(pattern=r"layers/\d+/self_attn/.*_proj/kernel", rank=4)]
+        adapters = peft.init_lora(params, attention, key=jax.random.key(1))
+        peft.export_peft(tmp_path / "attention", adapters, params)
+        back = peft.import_peft(tmp_path / "attention", params)
+        for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(adapters), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

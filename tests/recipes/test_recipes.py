@@ -497,13 +497,14 @@ GEMMA4 = dict(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "gemma3_text", "gemma4_text"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "gemma3_text", "gemma4_text", "gpt_oss"])
 def test_recipes_on_the_newer_families(tmp_path, family):
     """SFT (LoRA on the projections: attention, MLP or experts) from a transformers
-    Qwen3-MoE, Gemma 2 (soft-capped logits in every head), Gemma 3 or Gemma 4 (two widths of
-    layer, per-layer inputs) checkpoint, the SFT model, merged, loading in transformers with
-    equal logits; then DPO (Gemma 2, Gemma 3) or GRPO (Qwen3-MoE with routing replay, Gemma
-    4) from it, each family in two recipes."""
+    Qwen3-MoE, Gemma 2 (soft-capped logits in every head), Gemma 3, Gemma 4 (two widths of
+    layer, per-layer inputs) or gpt-oss (sinks, biased experts) checkpoint, the SFT model,
+    merged, loading in transformers with equal logits; then DPO (Gemma 2, Gemma 3) or GRPO
+    (Qwen3-MoE and gpt-oss with routing replay, Gemma 4) from it, each family in two
+    recipes."""
     from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
     from tunelib.formats import load_hf_checkpoint
 
@@ -518,7 +519,7 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     assert sft["tuning"] == "lora" and np.isfinite(sft["final_loss"])
     assert sft["heldout_loss_after"] < sft["heldout_loss_before"]
     ours = load_hf_checkpoint(tmp_path / "sft" / "hf_model")
-    assert ours.config.num_experts == (4 if family == "qwen3_moe" else 0)
+    assert ours.config.num_experts == (4 if family in ("qwen3_moe", "gpt_oss") else 0)
     tokens = np.random.default_rng(0).integers(0, 300, size=(2, 9))
     where = np.ones((2, 9), bool)
     model = nnx.merge(ours.graphdef, ours.params)
@@ -530,8 +531,9 @@ def test_recipes_on_the_newer_families(tmp_path, family):
         dpo = run_recipe("dpo", *flags, "--num-prompts", "16", "--out", str(tmp_path / "dpo"))
         assert 0.0 <= dpo["heldout_reward_accuracy_after"] <= 1.0
         return
-    # Qwen3-MoE: the sampler records each token's experts and the trainer routes by them.
-    replay = ["--replay-routing"] if family == "qwen3_moe" else []
+    # Qwen3-MoE, gpt-oss: the sampler records each token's experts and the trainer routes by
+    # them.
+    replay = ["--replay-routing"] if family in ("qwen3_moe", "gpt_oss") else []
     grpo = run_recipe(
         "grpo", *flags, *replay, "--group-size", "2", "--max-new-tokens", "4", "--out",
         str(tmp_path / "grpo"),

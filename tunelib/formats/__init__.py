@@ -2,7 +2,7 @@
 
 `load_hf_checkpoint` and `save_hf_checkpoint` read and write Hugging Face checkpoints
 (`config.json` and safetensors, one file or sharded) of the Llama, Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Gemma 2, Gemma 3 and Gemma 4 families into and out of `tunelib.models.Decoder`;
+Qwen3-MoE, Gemma 2, Gemma 3, Gemma 4 and gpt-oss families into and out of `tunelib.models.Decoder`;
 `config_from_hf` and `config_to_hf` convert the config alone. `read_gguf`, `load_gguf`,
 `convert_gguf` and `save_gguf` read, load, convert and write llama.cpp's GGUF files, and
 `gguf_tokenizer` builds a file's tokenizer (`gguf_tokenizer_metadata` gives a tokenizer's

@@ -106,8 +106,9 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
         path = tuple(k.key for k in keypath)
         *modules, name = path
         # Qwen3-MoE saves one tensor per expert; Gemma 4 one `[E, out, in]` tensor per
-        # projection, named without a suffix, as are its bare parameters (not a module's).
-        fused_experts = config.parallel_moe and "experts" in modules
+        # projection, named without a suffix, as are its bare parameters (not a module's);
+        # gpt-oss one `[E, in, out]` tensor per projection and its bias as `..._bias`.
+        fused_experts = (config.parallel_moe or config.biased_experts) and "experts" in modules
         bare = fused_experts or _BARE.fullmatch("/".join(map(str, path))) is not None
         # Axes that index separate tensors, as (position in the module path, size).
         split = []
@@ -124,17 +125,23 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
         if bare:
             named = [(m if fused_experts else [*m, name]) for m in module_paths]
             hf_names = tuple(hf_module_name("/".join(map(str, (*m, "_")))) for m in named)
+            if fused_experts and name == "bias":
+                hf_names = tuple(f"{n}_bias" for n in hf_names)
         else:
             suffix = "bias" if name == "bias" else "weight"
             hf_names = tuple(
                 f"{hf_module_name('/'.join(map(str, (*m, name))))}.{suffix}" for m in module_paths
             )
-        out.append(_Weight(path, hf_names, len(split), name == "kernel", tuple(leaf.shape)))
+        transpose = name == "kernel" and not (fused_experts and config.biased_experts)
+        out.append(_Weight(path, hf_names, len(split), transpose, tuple(leaf.shape)))
     return out
 
 
-# Gemma 4's parameters that are not a module's weight: Hugging Face names them by their path.
-_BARE = re.compile(r"layers/(\d+/)?(layer_scalar|router/scale|router/per_expert_scale)")
+# Gemma 4's and gpt-oss's parameters that are not a module's weight: Hugging Face names them
+# by their path.
+_BARE = re.compile(
+    r"layers/(\d+/)?(layer_scalar|router/scale|router/per_expert_scale|self_attn/sinks)"
+)
 
 
 def load_hf_checkpoint(
@@ -382,7 +389,8 @@ def save_hf_checkpoint(
         of several processes every process calls this, as with Orbax: tensors spread over
         processes are gathered (`process_allgather`), process 0 writes, and every call
         returns once the checkpoint is complete.
-      model_type: "llama", "mistral", "qwen2" or "qwen3"; None means `hf_config`'s.
+      model_type: one of `MODEL_TYPES` ("llama", "qwen3", "gpt_oss", ...); None means
+        `hf_config`'s.
       hf_config: the `config.json` the model was loaded from (`HFCheckpoint.hf_config`):
         its token ids and other metadata are kept, architectural fields rewritten.
       dtype: the dtype the weights are saved in; None means the config's `param_dtype`.

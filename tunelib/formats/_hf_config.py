@@ -1,5 +1,5 @@
 """Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-Qwen3-MoE / Gemma 2, 3, 4."""
+Qwen3-MoE / Gemma 2, 3, 4 / gpt-oss."""
 
 import math
 from collections.abc import Callable, Mapping
@@ -7,6 +7,7 @@ from typing import Any
 
 from tunelib.formats._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
 from tunelib.formats._hf_gemma4 import GEMMA4_DEFAULTS, gemma4_config, gemma4_fields
+from tunelib.formats._hf_gpt_oss import GPT_OSS_DEFAULTS, gpt_oss_config, gpt_oss_fields
 from tunelib.models import DTYPE_NAMES, DecoderConfig
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
@@ -19,6 +20,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
@@ -47,6 +49,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     **GEMMA_DEFAULTS,
     "gemma4_text": GEMMA4_DEFAULTS,
+    "gpt_oss": GPT_OSS_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -79,7 +82,19 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
         "high_freq_factor",
         "original_max_position_embeddings",
     ),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
 }
+# The keys a YaRN RoPE may leave out (transformers derives them), besides `truncate`.
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def config_from_hf(
@@ -91,7 +106,7 @@ def config_from_hf(
     remat: bool = False,
 ) -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text).
+    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss).
 
     Reads the fields that the `transformers` model of the config's `model_type` reads, with
     `transformers`' defaults for the ones left out, so the decoder computes what that model
@@ -109,11 +124,16 @@ def config_from_hf(
     | `gemma2` | q/k/v/o with `attention_bias` | no | `layer_types` (alternating) |
     | `gemma3_text` | q/k/v/o with `attention_bias` | yes | `layer_types` (5 sliding : 1) |
     | `gemma4_text` | q/k/v/o with `attention_bias` | yes, and values | `layer_types` |
+    | `gpt_oss` | q/k/v/o with `attention_bias` (default true) | no | `layer_types` |
 
     Gemma 4's fields (`global_head_dim` or `per_layer_config`, `attention_k_eq_v`,
     `num_kv_shared_layers`, `use_double_wide_mlp`, the per-layer inputs, `enable_moe_block`
     with `num_experts`, `top_k_experts`, `moe_intermediate_size`, proportional RoPE) are each
     read or refused by name; the table is in `docs/models.md`.
+
+    gpt-oss adds attention sinks, a biased router and biased clamped-SwiGLU experts
+    (`swiglu_alpha`, `swiglu_limit`, `num_local_experts`, `num_experts_per_tok`, experts
+    `intermediate_size` wide) and YaRN RoPE by default; its table is in `docs/models.md`.
 
     Qwen3-MoE's experts come from `num_experts` (or `num_local_experts`, the name
     `transformers` saves it under), `num_experts_per_tok`, `moe_intermediate_size`,
@@ -122,7 +142,7 @@ def config_from_hf(
 
     A value the decoder cannot reproduce is an error naming the field, never ignored: an
     activation other than the family's, dropout, a RoPE type other than default / linear /
-    llama3 (and Gemma 4's proportional one), partial rotary embeddings elsewhere, sliding
+    llama3 / yarn (and Gemma 4's proportional one), partial rotary embeddings elsewhere, sliding
     windows on some layers only outside the Gemma families, or quantised weights.
     Keys the `transformers` model does not read (token ids, `torch_dtype`, generation
     settings) are ignored, as there.
@@ -192,7 +212,8 @@ def config_from_hf(
         return value
 
     gemma = (*GEMMA_TYPES, "gemma4_text")
-    if model_type not in gemma and get("hidden_act") not in ("silu", "swish"):
+    unread_act = (*gemma, "gpt_oss")  # Gemma reads hidden_activation; gpt-oss neither
+    if model_type not in unread_act and get("hidden_act") not in ("silu", "swish"):
         raise ValueError(
             f"config.json: hidden_act must be 'silu' (SwiGLU), got {get('hidden_act')!r}."
         )
@@ -206,6 +227,8 @@ def config_from_hf(
         family = gemma_fields(model_type, hf_config, get, lambda hf: _rope(hf, max_positions))
     elif model_type == "gemma4_text":
         family = gemma4_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
+    elif model_type == "gpt_oss":
+        family = gpt_oss_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
     else:
         theta, scaling = _rope(hf_config, max_positions)
         family = {
@@ -225,7 +248,7 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type in ("qwen3", "qwen3_moe", *gemma):
+    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", *gemma):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
@@ -343,6 +366,8 @@ def config_to_hf(
     )
     if model_type not in (*GEMMA_TYPES, "gemma4_text"):
         out.update(hidden_act="silu")
+    if model_type == "gpt_oss":
+        out.update(**gpt_oss_config(config), intermediate_size=config.moe_intermediate_size)
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
     elif model_type in GEMMA_TYPES:
@@ -352,7 +377,7 @@ def config_to_hf(
         del out["rope_theta"], out["rope_scaling"]
     elif model_type == "mistral":
         out.update(sliding_window=config.sliding_window)
-    else:
+    elif model_type != "gpt_oss":
         sliding = config.sliding_window is not None
         out.update(
             use_sliding_window=sliding,
@@ -380,7 +405,10 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     """Raise naming the first field of `config` that `model_type` cannot express."""
     gemma4 = model_type == "gemma4_text"
     gemma = model_type in GEMMA_TYPES or gemma4
+    gpt_oss = model_type == "gpt_oss"
     need: dict[str, Any] = {
+        "attention_sinks": gpt_oss,
+        "biased_experts": gpt_oss,
         "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
         "norm_offset": gemma and not gemma4,
         "sandwich_norms": gemma,
@@ -393,8 +421,14 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
         need["hidden_act"] = "silu"
     elif not gemma4:
         need["hidden_act"] = "gelu_pytorch_tanh"
-    if model_type not in ("qwen3_moe", "gemma4_text"):
+    if model_type not in ("qwen3_moe", "gemma4_text", "gpt_oss"):
         need["num_experts"] = 0
+    if gpt_oss:
+        need.update(
+            moe_intermediate_size=config.intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+        )
     if not gemma4:
         need.update(
             global_head_dim=None,
@@ -424,10 +458,10 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
             attn_logit_softcapping=None,
             final_logit_softcapping=None,
         )
-        if len(set(config.sliding_layers)) > 1:
+        if len(set(config.sliding_layers)) > 1 and not gpt_oss:
             raise ValueError(
                 f"model_type {model_type!r} cannot express layer_types mixing sliding and full "
-                "layers; only the Gemma families can."
+                "layers; only the Gemma families and gpt_oss can."
             )
     elif model_type == "gemma2":
         need.update(rope_local_base_freq=None)
@@ -481,9 +515,13 @@ def _rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, A
         raise ValueError(
             f"config.json: {field} has rope_type {rope_type!r}; supported: {tuple(_ROPE_KEYS)}."
         )
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", max_positions)
-    expected = set(_ROPE_KEYS[rope_type])
+    if rope_type == "yarn":
+        params = _yarn(params, max_positions)
+        expected = set(params)
+    else:
+        expected = set(_ROPE_KEYS[rope_type])
     if set(params) != expected:
         extra, missing = sorted(set(params) - expected), sorted(expected - set(params))
         raise ValueError(
@@ -495,6 +533,54 @@ def _rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, A
     if rope_type == "default":
         return float(theta), None
     return float(theta), {"rope_type": rope_type, **params}
+
+
+def _yarn(params: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """A YaRN `rope_parameters` dict as `DecoderConfig.rope_scaling` holds it: the keys
+    `transformers` derives when left out (`beta_fast` 32, `beta_slow` 1, `truncate` true,
+    `factor` from the context lengths, `attention_factor` from `factor`, `mscale` and
+    `mscale_all_dim`) filled in, or an error naming an unexpected key."""
+    extra = sorted(set(params) - set(_ROPE_KEYS["yarn"]))
+    if extra:
+        raise ValueError(
+            f"config.json: rope_parameters of rope_type 'yarn' has unexpected keys {extra}."
+        )
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_positions / original
+    if not isinstance(factor, int | float) or isinstance(factor, bool):
+        raise ValueError(
+            f"config.json: rope_parameters['factor'] must be a number, got {factor!r}."
+        )
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = _yarn_attention_factor(
+            factor, params.get("mscale"), params.get("mscale_all_dim")
+        )
+    return {
+        "factor": factor,
+        "beta_fast": params.get("beta_fast") or 32.0,
+        "beta_slow": params.get("beta_slow") or 1.0,
+        "original_max_position_embeddings": original,
+        "truncate": _bool(params.get("truncate", True), "rope_parameters['truncate']"),
+        "attention_factor": attention_factor,
+    }
+
+
+def _yarn_attention_factor(
+    factor: float, mscale: float | None, mscale_all_dim: float | None
+) -> float:
+    r"""YaRN's default `attention_factor`, as `transformers` derives it: with
+    $m(s, a) = 0.1\, a \ln s + 1$ ($1$ for $s \le 1$), $m(s, 1)$, or
+    $m(s, \mathrm{mscale}) / m(s, \mathrm{mscale\_all\_dim})$ when both are set."""
+
+    def m(scale: float, a: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * a * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return m(factor, mscale) / m(factor, mscale_all_dim)
+    return m(factor)
 
 
 def _sliding_window(model_type: str, get: Callable[[str], Any]) -> int | None:

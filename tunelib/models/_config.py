@@ -10,7 +10,7 @@ import jax.numpy as jnp
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
-ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "proportional")
+ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "proportional", "yarn")
 _ROPE_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "proportional": ("factor", "partial_rotary_factor"),
@@ -20,12 +20,21 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
         "high_freq_factor",
         "original_max_position_embeddings",
     ),
+    "yarn": (
+        "factor",
+        "beta_fast",
+        "beta_slow",
+        "original_max_position_embeddings",
+        "truncate",
+        "attention_factor",
+    ),
 }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 decoder.
+    r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 /
+    gpt-oss decoder.
 
     Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
     be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
@@ -49,7 +58,10 @@ class DecoderConfig:
         `{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
         "original_max_position_embeddings"}`, or Gemma 4's `{"rope_type": "proportional",
         "factor", "partial_rotary_factor"}` (only the first `partial_rotary_factor` of each
-        head's channel pairs rotate). The legacy key `"type"` is read as `"rope_type"`. See
+        head's channel pairs rotate), or YaRN's `{"rope_type": "yarn", "factor",
+        "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate",
+        "attention_factor"}` (gpt-oss; `cos` and `sin` are also multiplied by
+        `attention_factor`). The legacy key `"type"` is read as `"rope_type"`. See
         `tunelib.models.rope_frequencies`.
       max_position_embeddings: the context length the checkpoint was trained for; kept for
         round-tripping `config.json`, the forward pass does not read it.
@@ -127,6 +139,20 @@ class DecoderConfig:
         replace the MLP.
       layer_scalars: ours (Gemma 4): each layer's output is multiplied by a stored constant
         `layer_scalar` (a Hugging Face buffer: it receives no gradient).
+      attention_sinks: ours (gpt-oss): every query head $n$ has a learned logit $a_n$
+        (`self_attn/sinks`, `[N]`) that joins the softmax's denominator and attends to
+        nothing: $p_s = e^{z_s} / (e^{a_n} + \sum_{s'} e^{z_{s'}})$, so a head may attend
+        to less than one token's worth of values.
+      biased_experts: ours (gpt-oss's MoE block): the router has a bias and each expert's
+        fused `gate_up_proj` (gate and up columns interleaved) and `down_proj` have biases;
+        the experts apply the clamped SwiGLU of `swiglu_alpha` and `swiglu_limit`, and the
+        top-$k$ weights are a softmax over the chosen logits (`norm_topk_prob` must be
+        True). See `tunelib.models.MoE` and `docs/models.md`.
+      swiglu_alpha: $\alpha$ of the clamped SwiGLU (gpt-oss: 1.702); set exactly when
+        `biased_experts`.
+      swiglu_limit: $c$ of the clamped SwiGLU (gpt-oss: 7.0): the gate is clipped above at
+        $c$, the up projection to $[-c, c]$, and the expert computes
+        $(\mathrm{up} + 1) \cdot g\,\sigma(\alpha g)$; set exactly when `biased_experts`.
       scan_layers: ours: store the layers stacked on a leading "layers" axis and run them
         with `nnx.scan` (one compiled layer instead of $L$).
       remat: ours: recompute each layer's activations in the backward pass (`nnx.remat`).
@@ -179,6 +205,10 @@ class DecoderConfig:
     vocab_size_per_layer_input: int | None = None
     parallel_moe: bool = False
     layer_scalars: bool = False
+    attention_sinks: bool = False
+    biased_experts: bool = False
+    swiglu_alpha: float | int | None = None
+    swiglu_limit: float | int | None = None
     scan_layers: bool = False
     remat: bool = False
     dtype: str = "float32"
@@ -231,6 +261,8 @@ class DecoderConfig:
             "use_double_wide_mlp",
             "parallel_moe",
             "layer_scalars",
+            "attention_sinks",
+            "biased_experts",
             "scan_layers",
             "remat",
         ):
@@ -247,6 +279,31 @@ class DecoderConfig:
         self._check_experts()
         self._check_layer_types()
         self._check_gemma4()
+        self._check_biased_experts()
+
+    def _check_biased_experts(self) -> None:
+        clamp = (self.swiglu_alpha, self.swiglu_limit)
+        for name, value in zip(("swiglu_alpha", "swiglu_limit"), clamp, strict=True):
+            if value is not None:
+                _check_positive_float(value, name)
+        if not self.biased_experts:
+            if clamp != (None, None):
+                raise ValueError(
+                    "swiglu_alpha and swiglu_limit are the clamped SwiGLU of biased_experts "
+                    f"(gpt-oss), which is False here; got {clamp}."
+                )
+            return
+        if not self.num_experts or self.parallel_moe:
+            raise ValueError("biased_experts needs num_experts > 0 and parallel_moe=False.")
+        if None in clamp:
+            raise ValueError(
+                f"biased_experts needs swiglu_alpha and swiglu_limit set, got {clamp}."
+            )
+        if not self.norm_topk_prob:
+            raise ValueError(
+                "biased_experts routes by a softmax over the chosen logits, which is "
+                "norm_topk_prob=True; got norm_topk_prob=False."
+            )
 
     def _check_layer_types(self) -> None:
         if self.hidden_act not in HIDDEN_ACTS:
@@ -484,6 +541,9 @@ def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] |
     for key in _ROPE_KEYS[rope_type]:
         if key == "original_max_position_embeddings":
             _check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
+        elif key == "truncate":
+            if not isinstance(scaling[key], bool):
+                raise TypeError(f"rope_scaling['truncate'] must be a bool, got {scaling[key]!r}.")
         else:
             _check_positive_float(scaling[key], f"rope_scaling[{key!r}]")
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:

@@ -1,4 +1,5 @@
-"""The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3 in Flax NNX."""
+"""The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss
+in Flax NNX."""
 
 from typing import NamedTuple
 
@@ -17,7 +18,7 @@ from tunelib.models._block import DecoderLayer
 from tunelib.models._config import DecoderConfig
 from tunelib.models._layers import Dense, Embedding, RMSNorm
 from tunelib.models._per_layer import PerLayer, is_per_layer, layer_at
-from tunelib.models._rope import rope_angles, rope_frequencies
+from tunelib.models._rope import rope_angles, rope_attention_factor, rope_frequencies
 from tunelib.models._routing import checked_routing
 
 
@@ -392,7 +393,8 @@ class Decoder(nnx.Module):
             )
             head_dim = c.head_dim if sliding else (c.global_head_dim or c.head_dim)
             frequencies = rope_frequencies(head_dim, theta=theta, scaling=scaling)
-            inputs[sliding] = (*rope_angles(positions, frequencies, high), allowed)
+            scale = rope_attention_factor(scaling)
+            inputs[sliding] = (*rope_angles(positions, frequencies, high, scale), allowed)
         embedding = self.embed_tokens.embedding[...]
         ids = jnp.where(where, tokens, 0)
         x = jnp.take(embedding, ids, axis=0)

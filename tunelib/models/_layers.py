@@ -214,13 +214,15 @@ _blocked_matmul.defjvp(_blocked_matmul_jvp, symbolic_zeros=True)
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, optional biases, QK-norm and value norm.
+    """Grouped-query self-attention with RoPE, optional biases, QK-norm, value norm and
+    attention sinks.
 
     Layer `index` of `config` takes its head width and key/value heads from
     `config.layer_head_dims` / `config.layer_kv_heads`. A layer whose `config.kv_sources`
     entry is another layer has no key or value projections: it is given that layer's keys
     and values. With `config.attention_k_eq_v`, a full-attention layer's values are its key
-    projection (no `v_proj`).
+    projection (no `v_proj`). With `config.attention_sinks` each query head has a learned
+    logit `sinks[n]` in its softmax's denominator (gpt-oss).
     """
 
     def __init__(self, config: DecoderConfig, index: int = 0, *, rngs: nnx.Rngs):
@@ -258,6 +260,12 @@ class Attention(nnx.Module):
             )
         self.scale = (c.query_pre_attn_scalar or d) ** -0.5
         self.softcap = c.attn_logit_softcapping
+        # One logit per query head, replicated (a head count need not divide a mesh axis).
+        self.sinks = (
+            param(rngs, kernel_init(c), (c.num_attention_heads,), (None,), c.storage_dtype)
+            if c.attention_sinks
+            else None
+        )
 
     def __call__(
         self,
@@ -317,15 +325,22 @@ class Attention(nnx.Module):
         return self.o_proj(rearrange(out, "b k g t d -> b t (k g d)")), cache, (k, val)
 
     def _attend(self, q, k, val, allowed, fill):
-        """Softmax attention of `q [B, K, G, T, D]` over `k`, `val` `[B, K, S, D]`."""
+        """Softmax attention of `q [B, K, G, T, D]` over `k`, `val` `[B, K, S, D]`; with
+        sinks, each head's sink logit is one more column of the softmax, then dropped."""
         high = v.compute_dtype(self.dtype)
         scores = jnp.einsum("bkgtd,bksd->bkgts", q, k, preferred_element_type=high)
         scores = scores * jnp.asarray(self.scale, high)
         if self.softcap is not None:
             scores = self.softcap * jnp.tanh(scores / self.softcap)
         scores = jnp.where(allowed, scores, fill)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        return jnp.einsum("bkgts,bksd->bkgtd", probs, val.astype(self.dtype))
+        if self.sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:
+            # Query head n = k * groups + g, as the queries are grouped.
+            sinks = rearrange(self.sinks[...].astype(high), "(k g) -> k g 1 1", k=q.shape[1])
+            sinks = jnp.broadcast_to(sinks, (*scores.shape[:-1], 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
+        return jnp.einsum("bkgts,bksd->bkgtd", probs.astype(self.dtype), val.astype(self.dtype))
 
     def _attend_filled(self, q, all_k, all_v, layer, end, allowed, fill):
         """Attention over the cache's first slots only: those up to `end` (traced), rounded

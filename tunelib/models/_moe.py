@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP: softmax top-k routing and dropless experts (Qwen3-MoE, and
-Gemma 4's router and fused experts)."""
+"""The mixture-of-experts MLP: softmax top-k routing and dropless experts (Qwen3-MoE, gpt-oss's
+biased experts, and Gemma 4's router and fused experts)."""
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +93,8 @@ def route(
 
 
 class ExpertDense(nnx.Module):
-    """`E` kernels `[E, in, out]`: expert `e`'s rows times `kernel[e]` (a grouped product)."""
+    """`E` kernels `[E, in, out]`: expert `e`'s rows times `kernel[e]` (a grouped product),
+    plus `bias[e]` `[E, out]` with `use_bias`."""
 
     def __init__(
         self,
@@ -102,18 +103,39 @@ class ExpertDense(nnx.Module):
         names: tuple[str, str],
         config: DecoderConfig,
         *,
+        use_bias: bool = False,
         rngs: nnx.Rngs,
     ):
         self.dtype = config.compute_dtype
-        shape = (config.num_experts, features_in, features_out)
-        names = ("experts", *names)
-        self.kernel = param(rngs, kernel_init(config), shape, names, config.storage_dtype)
+        e = config.num_experts
+        shape = (e, features_in, features_out)
+        self.kernel = param(
+            rngs, kernel_init(config), shape, ("experts", *names), config.storage_dtype
+        )
+        self.bias = (
+            param(
+                rngs,
+                jax.nn.initializers.zeros,
+                (e, features_out),
+                ("experts", names[1]),
+                config.storage_dtype,
+            )
+            if use_bias
+            else None
+        )
 
     def __call__(self, rows: jax.Array, group_sizes: jax.Array, implementation) -> jax.Array:
         kernel = self.kernel[...].astype(self.dtype)
-        return grouped_matmul(
+        out = grouped_matmul(
             rows.astype(self.dtype), kernel, group_sizes, implementation=implementation
         )
+        if self.bias is None:
+            return out
+        # Row m belongs to expert g(m) (runs of `group_sizes` rows): it gets bias[g(m)].
+        bias = jnp.repeat(
+            self.bias[...].astype(self.dtype), group_sizes, axis=0, total_repeat_length=len(rows)
+        )
+        return out + bias
 
 
 class MoE(nnx.Module):
@@ -124,6 +146,10 @@ class MoE(nnx.Module):
 
     $$ y = \sum_{e \in \mathcal{K}} w_e \, W^{(e)}_d \big(\mathrm{silu}(x W^{(e)}_g)
     \odot x W^{(e)}_u\big) $$
+
+    With `config.biased_experts` (gpt-oss) the router is $z = x W_r + b_r$, the weights a
+    softmax over the $k$ chosen logits, and each expert is a clamped SwiGLU with biases
+    (`ClampedExperts`), stored as `router` and `experts/{gate_up_proj, down_proj}`.
 
     Every token reaches all of its $k$ experts (no capacity, nothing dropped): the $N k$
     (token, expert) pairs are sorted by expert and each expert's run of rows goes through its
@@ -152,6 +178,10 @@ class MoE(nnx.Module):
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.num_experts, self.dtype = c.num_experts, c.compute_dtype
         self.implementation, self.act = implementation, c.hidden_act
+        if c.biased_experts:
+            self.router = Dense(h, c.num_experts, ("embed", "router"), c, use_bias=True, rngs=rngs)
+            self.experts = ClampedExperts(c, implementation=implementation, rngs=rngs)
+            return
         self.gate = Dense(h, c.num_experts, ("embed", "router"), c, use_bias=False, rngs=rngs)
         self.experts = nnx.Dict(
             gate_proj=ExpertDense(h, f, ("embed", "mlp"), c, rngs=rngs),
@@ -168,22 +198,25 @@ class MoE(nnx.Module):
         `experts`): the weights still come from this layer's router logits."""
         *lead, h = x.shape
         flat = x.reshape(-1, h)
-        logits = self.gate(flat)
+        if isinstance(self.experts, ClampedExperts):  # gpt-oss
+            logits, experts = self.router(flat), self.experts
+        else:
+            logits, experts = self.gate(flat), self._swiglu_experts
         replayed = None if routing is None else routing.reshape(-1, self.top_k)
         weights, chosen = route(
             logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, experts=replayed
         )
-        e = self.experts
-
-        def experts(rows, sizes):
-            gate = e["gate_proj"](rows, sizes, self.implementation)
-            up = e["up_proj"](rows, sizes, self.implementation)
-            return e["down_proj"](activation(self.act)(gate) * up, sizes, self.implementation)
-
         out = dispatch(flat, weights.astype(self.dtype), chosen, self.num_experts, experts)
         high = v.compute_dtype(self.dtype)
         out, logits = out.reshape(*lead, h), logits.astype(high).reshape(*lead, self.num_experts)
         return (out, logits, chosen.reshape(*lead, self.top_k)) if return_routing else (out, logits)
+
+    def _swiglu_experts(self, rows: jax.Array, sizes: jax.Array) -> jax.Array:
+        """Qwen3-MoE's experts on their runs of `rows` (`dispatch`'s `experts`)."""
+        e, implementation = self.experts, self.implementation
+        gate = e["gate_proj"](rows, sizes, implementation)
+        up = e["up_proj"](rows, sizes, implementation)
+        return e["down_proj"](activation(self.act)(gate) * up, sizes, implementation)
 
 
 def dispatch(flat: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int, experts):
@@ -261,3 +294,42 @@ class FusedExperts(nnx.Module):
             return self.down_proj(activation(self.act)(gate) * up, sizes, self.implementation)
 
         return dispatch(flat, weights, chosen, self.num_experts, experts)
+
+
+def clamped_swiglu(
+    gate: jax.Array, up: jax.Array, *, alpha: float | int, limit: float | int
+) -> jax.Array:
+    r"""gpt-oss's clamped SwiGLU: with $\bar g = \min(g, c)$ and
+    $\bar u = \mathrm{clip}(u, -c, c)$, $(\bar u + 1)\, \bar g\, \sigma(\alpha \bar g)$
+    ($\alpha$ = `alpha`, $c$ = `limit`)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * alpha)
+
+
+class ClampedExperts(nnx.Module):
+    """gpt-oss's experts: `gate_up_proj` `[E, H, 2F]` whose even columns are the gate and odd
+    ones the up projection, and `down_proj` `[E, F, H]`, each with a bias; the clamped SwiGLU
+    (`clamped_swiglu`) between them. Called with `(rows, group_sizes)` as `dispatch` calls
+    its `experts`."""
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        implementation: GroupedImplementation = "auto",
+        rngs: nnx.Rngs,
+    ):
+        c = config
+        h, f = c.hidden_size, c.moe_intermediate_size
+        self.implementation = implementation
+        self.alpha, self.limit = c.swiglu_alpha, c.swiglu_limit
+        self.gate_up_proj = ExpertDense(h, 2 * f, ("embed", "mlp"), c, use_bias=True, rngs=rngs)
+        self.down_proj = ExpertDense(f, h, ("mlp", "embed"), c, use_bias=True, rngs=rngs)
+
+    def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        gate_up = self.gate_up_proj(rows, group_sizes, self.implementation)
+        gated = clamped_swiglu(
+            gate_up[..., ::2], gate_up[..., 1::2], alpha=self.alpha, limit=self.limit
+        )
+        return self.down_proj(gated, group_sizes, self.implementation)

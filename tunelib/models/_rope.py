@@ -1,5 +1,6 @@
-"""Rotary position embeddings (RoPE) with linear, Llama 3 and proportional frequencies."""
+"""Rotary position embeddings (RoPE) with linear, Llama 3, proportional and YaRN frequencies."""
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,8 @@ import numpy as np
 def rope_frequencies(
     head_dim: int, *, theta: float | int, scaling: Mapping[str, Any] | None = None
 ) -> np.ndarray:
-    r"""Per-pair rotary angular frequencies, with optional linear or Llama 3 scaling.
+    r"""Per-pair rotary angular frequencies, with optional linear, Llama 3, proportional or
+    YaRN scaling.
 
     $$
     \omega_i = \theta^{-2i/D}, \qquad i = 0, \dots, D/2 - 1
@@ -44,6 +46,21 @@ def rope_frequencies(
       full-attention layers): the first $r = \lfloor p D / 2 \rfloor$ pairs keep
       $\omega_i / s$ (still with exponent $2i/D$ over the whole head) and the other
       $D/2 - r$ do not rotate ($\omega_i = 0$).
+    * `{"rope_type": "yarn", "factor": s, "beta_fast": b_f, "beta_slow": b_s,
+      "original_max_position_embeddings": L, "truncate", "attention_factor"}` (YaRN, gpt-oss),
+      as `transformers` computes it: with $c(b) = D \ln(L / (2\pi b)) / (2 \ln\theta)$ the
+      pair at which the wavelength fits $b$ times into $L$, the ramp runs from
+      $l = \max(c(b_f), 0)$ to $h = \min(c(b_s), D - 1)$ (floor and ceiling first when
+      `truncate`; $h = l + 0.001$ if they meet), $\rho_i = \mathrm{clip}((i - l) / (h - l),
+      0, 1)$ and
+
+    $$
+    \omega_i' = \rho_i\, \omega_i / s + (1 - \rho_i)\, \omega_i
+    $$
+
+    so the fast pairs ($i < l$) keep their frequency and the slow ones ($i > h$) are
+    interpolated by $s$. YaRN also scales every `cos` and `sin` by `attention_factor`
+    (`rope_attention_factor`), which multiplies attention scores by its square.
 
     Args:
       head_dim: $D$, even.
@@ -62,6 +79,11 @@ def rope_frequencies(
       >>> proportional = {"rope_type": "proportional", "factor": 1.0, "partial_rotary_factor": 0.5}
       >>> print(rope_frequencies(8, theta=100.0, scaling=proportional))
       [1.         0.31622777 0.         0.        ]
+      >>> yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+      ...         "original_max_position_embeddings": 64, "truncate": False,
+      ...         "attention_factor": 1.0}
+      >>> print(rope_frequencies(8, theta=100.0, scaling=yarn).round(4))
+      [1.     0.2125 0.0257 0.0079]
 
     References:
       Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021,
@@ -69,6 +91,8 @@ def rope_frequencies(
       Chen et al., "Extending Context Window of Large Language Models via Positional
       Interpolation", 2023, https://arxiv.org/abs/2306.15595.
       Grattafiori et al., "The Llama 3 Herd of Models", 2024, https://arxiv.org/abs/2407.21783.
+      Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models", 2023,
+      https://arxiv.org/abs/2309.00071.
     """
     omega = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
@@ -79,6 +103,8 @@ def rope_frequencies(
     if scaling["rope_type"] == "proportional":
         rotated = int(float(scaling["partial_rotary_factor"]) * head_dim // 2)
         return np.where(np.arange(head_dim // 2) < rotated, omega, 0.0) / factor
+    if scaling["rope_type"] == "yarn":
+        return _yarn_frequencies(omega, head_dim, float(theta), scaling)
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     context = float(scaling["original_max_position_embeddings"])
     wavelength = 2 * np.pi / omega
@@ -86,12 +112,42 @@ def rope_frequencies(
     return (1 - gamma) * omega / factor + gamma * omega
 
 
+def _yarn_frequencies(
+    omega: np.ndarray, head_dim: int, theta: float, scaling: Mapping[str, Any]
+) -> np.ndarray:
+    """YaRN's blend of `omega` and `omega / factor` (see `rope_frequencies`)."""
+    context = float(scaling["original_max_position_embeddings"])
+
+    def pair(rotations: float) -> float:
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair(float(scaling["beta_fast"])), pair(float(scaling["beta_slow"]))
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0.0, 1.0)
+    return ramp * omega / float(scaling["factor"]) + (1 - ramp) * omega
+
+
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """The factor every `cos` and `sin` is multiplied by: YaRN's `attention_factor`, else 1."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    return float(scaling["attention_factor"])
+
+
 def rope_angles(
-    positions: jax.Array, frequencies: np.ndarray, dtype: jnp.dtype
+    positions: jax.Array, frequencies: np.ndarray, dtype: jnp.dtype, scale: float = 1.0
 ) -> tuple[jax.Array, jax.Array]:
-    """`cos` and `sin` of `positions[..., None] * frequencies`, each `[B, T, D/2]` in `dtype`."""
+    """`cos` and `sin` of `positions[..., None] * frequencies`, each `[B, T, D/2]` in `dtype`
+    and multiplied by `scale` (`rope_attention_factor`) when it is not 1."""
     angles = positions.astype(dtype)[..., None] * jnp.asarray(frequencies, dtype)
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale == 1.0:
+        return cos, sin
+    return cos * jnp.asarray(scale, dtype), sin * jnp.asarray(scale, dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -6,7 +6,7 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -113,13 +113,6 @@ def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str
     expert's module in the per-expert layout."""
     keys = path.split("/")
     lead = shape[:-2]
-    if "experts" in keys and keys[keys.index("experts") - 1] != "mlp":
-        raise ValueError(
-            f"{path!r} is one of Gemma 4's fused expert weights; PEFT adapts those as "
-            "parameters (target_parameters), a layout tunelib does not write. Merge these "
-            "adapters into the weights (tunelib.peft.merge_lora) or leave the experts out of "
-            "the LoRA rules to export the rest."
-        )
     positions = [keys.index("experts") + 1] if "experts" in keys else []
     if len(lead) > len(positions):
         positions.insert(0, 1)
@@ -134,6 +127,14 @@ def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str
             named.insert(position, str(i))
         names.append(module_name("/".join(named)))
     return names
+
+
+def _fused_expert_weights(paths: Iterable[str]) -> set[str]:
+    """The weights of fused experts (an `experts` module holding a `gate_up_proj`: Gemma 4's
+    and gpt-oss's), which PEFT adapts as parameters, not as per-expert modules."""
+    paths = list(paths)
+    fused = {p.split("/experts/")[0] for p in paths if "/experts/gate_up_proj/" in p}
+    return {p for p in paths if "/experts/" in p and p.split("/experts/")[0] in fused}
 
 
 def _factors(adapter: LoraAdapter) -> tuple[np.ndarray, np.ndarray]:
@@ -177,6 +178,14 @@ def export_peft(
     found = check_adapters(params, adapters)
     if not found:
         raise ValueError("adapters holds no LoraAdapter to export.")
+    fused = sorted(set(found) & _fused_expert_weights(array_leaves(params)))
+    if fused:
+        raise ValueError(
+            f"{fused[0]!r} is a fused expert weight (Gemma 4, gpt-oss); PEFT adapts those as "
+            "parameters (target_parameters), a layout tunelib does not write. Merge these "
+            "adapters into the weights (tunelib.peft.merge_lora) or leave the experts out of "
+            "the LoRA rules to export the rest."
+        )
     if len({a.rslora for a in found.values()}) > 1:
         raise ValueError("PEFT has one use_rslora for all adapters; these mix both.")
     factors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -210,10 +219,12 @@ def export_peft(
 
 
 def _target_modules(adapted: set[str], params: PyTree, module_name) -> list[str] | str:
+    weights = array_leaves(params)
+    fused = _fused_expert_weights(weights)
     every = [
         name
-        for path, leaf in array_leaves(params).items()
-        if 2 <= len(leaf.shape) <= 4
+        for path, leaf in weights.items()
+        if 2 <= len(leaf.shape) <= 4 and path not in fused
         for name in _modules(path, tuple(leaf.shape), module_name)
     ]
     suffixes = sorted({name.rsplit(".", 1)[-1] for name in adapted})
@@ -261,8 +272,9 @@ def import_peft(
     config, factors = read_peft_lora(directory)
     weights = array_leaves(params)
     where = {}  # module name -> (weight path, flat index over its leading axes)
+    fused = _fused_expert_weights(weights)
     for path, leaf in weights.items():
-        if 2 <= len(leaf.shape) <= 4:
+        if 2 <= len(leaf.shape) <= 4 and path not in fused:
             names = _modules(path, tuple(leaf.shape), module_name)
             for i, name in enumerate(names):
                 where[name] = (path, i)
