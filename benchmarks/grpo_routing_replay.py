@@ -45,13 +45,13 @@ SIZES = {
     },
     "smoke": {
         "sft": [
-            "--steps", "2", "--eval-every", "2", "--batch-size", "4", "--num-train", "64",
-            "--num-heldout", "4",
+            "--steps", "1", "--eval-every", "1", "--batch-size", "4", "--num-train", "64",
+            "--num-heldout", "2",
         ],
         "grpo": [
             "--steps", "2", "--eval-every", "2", "--checkpoint-every", "2", "--batch-size", "2",
             "--group-size", "2", "--max-new-tokens", "4", "--num-train", "64",
-            "--num-heldout", "4", "--num-prompts", "64", "--eval-samples", "2",
+            "--num-heldout", "2", "--num-prompts", "64", "--eval-samples", "0",
         ],
     },
 }  # fmt: skip

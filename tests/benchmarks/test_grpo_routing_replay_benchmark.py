@@ -48,7 +48,7 @@ def test_smallest_settings_end_to_end(tmp_path):
     assert [(r["arm"], r["seed"]) for r in result["runs"]] == [("plain", 0), ("replay", 0)]
     for row in result["runs"]:
         assert row["steps"] == 2 and 0.0 <= row["accuracy_after"] <= 1.0
-        assert row["mismatch_kl_mean"] >= 0.0 and 0.0 < row["is_ess_min"] <= 1.0
+        assert row["mismatch_kl_mean"] >= 0.0 and 0.0 < row["is_ess_min"] <= 1.0 + 1e-6
     config = json.loads((tmp_path / "runs" / "sft" / "model" / "config.json").read_text())
     assert config["num_experts"] == 8 and config["dtype"] == "bfloat16"
     assert "--replay-routing" in output
