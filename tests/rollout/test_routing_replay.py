@@ -244,14 +244,12 @@ def episode_sequences(prompts, prompt_where, ep, group: int):
     )
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_episodes_record_the_routing_of_prompt_turns_and_observations(scan):
+def test_episodes_record_the_routing_of_prompt_turns_and_observations():
     """float32: the episode's record covers its prompt, its model turns and the observations
     prefilled between them, in `completion_logps`'s layout; it equals the full forward pass's
     own choice where no two experts are within 1e-4 of the top-k boundary, the replayed pass
     routes exactly by it, and the trainer's log-probs equal the behaviour log-probs."""
-    config = DecoderConfig(**{**CONFIG, "scan_layers": scan})
-    graphdef, params = split(config)
+    graphdef, params = split(DecoderConfig(**CONFIG))
     group = 2
     ep = run_episodes(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(4), EPISODES,
                       scripted(4), group_size=group, record_routing=True)  # fmt: skip
