@@ -20,11 +20,11 @@ are not run again (delete their folder to redo one).
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+from _recipe_runs import run_recipe
+
 ARMS = ("pushed", "controlled")
 SHOWN = ("accuracy", "pass_at_1", "pass_at_k", "sample_entropy")
 
@@ -50,21 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(recipe: str, args: list[str], log: Path) -> None:
-    command = [sys.executable, str(RECIPES / f"{recipe}.py"), *args]
-    print("$", " ".join(command[1:]), flush=True)
-    with log.open("w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{recipe}.py failed (exit {done.returncode}); see {log}")
-
-
 def run_all(args, seeds: list[int]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     common = ["--no-progress", *args.extra.split()]
     sft = args.out / "sft"
     if not (sft / "result.json").exists():
-        run("sft", ["--steps", str(args.sft_steps), "--out", str(sft), *common],
+        run_recipe("sft", ["--steps", str(args.sft_steps), "--out", str(sft), *common],
             args.out / "sft.log")  # fmt: skip
     pushed = [
         "--model", str(sft / "model"), "--steps", str(args.steps),
@@ -83,7 +74,7 @@ def run_all(args, seeds: list[int]) -> None:
         for arm, flags in arms.items():
             folder = args.out / f"{arm}-seed{seed}"
             if not (folder / "result.json").exists():
-                run("grpo", [*flags, "--seed", str(seed), "--out", str(folder)],
+                run_recipe("grpo", [*flags, "--seed", str(seed), "--out", str(folder)],
                     args.out / f"{arm}-seed{seed}.log")  # fmt: skip
 
 

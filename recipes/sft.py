@@ -36,8 +36,8 @@ class SFTConfig(Run, Task, DataFile, Start, Lora):
         None,
         f"start from this model instead of a new one: {MODELS}",
     )
-    model_size: Literal["student", "base", "teacher"] = flag(
-        "base", "the size of a new model (without --model)"
+    model_size: Literal["student", "base", "teacher", "moe"] = flag(
+        "base", "the size of a new model (without --model); moe: a mixture of experts"
     )
     packing: bool = flag(False, "pack several sequences into each row (--batch-size rows)")
     label_smoothing: float = flag(0.0, "label smoothing (> 0 computes the full logits)")

@@ -4,6 +4,7 @@
     python recipes/tool_use.py --tool none       # the same budget, answering in the head
     python recipes/tool_use.py --resume          # continue the run from its last checkpoint
     python recipes/tool_use.py --steps 700 --sft-steps 500   # 500 SFT steps, then 200 of GRPO
+    python recipes/tool_use.py --model-size moe --replay-routing   # a mixture of experts, R3
 
 The data: problems "123*456" with answers (`tunelib.data.arithmetic_split`, `--operations`
 on up to `--max-digits` digits), asked in a chat. A new decoder of `--model-size` reads them
@@ -22,9 +23,12 @@ are GRPO: each samples `--group-size` episodes of `--batch-size` problems with
 `tunelib.rollout.run_episodes` and takes one Optax step on the clipped surrogate of
 `tunelib.losses` with each episode's group-relative outcome advantage
 (`episode_advantages`) on its model tokens, the sampler's log-probs as the behaviour policy.
-Observation tokens are context, never trained on, in both stages. Held-out: greedy
-episodes' accuracy, tool-call rate, malformed-call rate and turns, before training, after
-SFT and after GRPO.
+Observation tokens are context, never trained on, in both stages. With `--replay-routing` (a
+mixture-of-experts model, `--model-size moe`), the episodes record the experts each token of
+the prompt, the model's turns and the observations was routed to (`run_episodes(...,
+record_routing=True)`), and the GRPO steps' forward pass routes by that record (R3). Held-out:
+greedy episodes' accuracy, tool-call rate, malformed-call rate and turns, before training,
+after SFT and after GRPO.
 """
 
 import dataclasses
@@ -32,13 +36,13 @@ from pathlib import Path
 from typing import Literal
 
 import kit
-from kit.config import RLEvaluation, Run, Task, at_least, flag
+from kit.config import RLEvaluation, RoutingReplay, Run, Task, at_least, flag
 from kit.errors import UserError
 from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
-class ToolUseConfig(Run, Task, RLEvaluation):
+class ToolUseConfig(Run, Task, RLEvaluation, RoutingReplay):
     RECIPE = "tool_use"
     LEARNING_RATE = 3e-4
 
@@ -61,7 +65,9 @@ class ToolUseConfig(Run, Task, RLEvaluation):
     group_size: int = flag(8, "episodes per problem, G")
     temperature: float = flag(1.0, "sampling temperature of the GRPO episodes")
     epsilon: float = flag(0.2, "clip bound of the ratio (both sides)")
-    model_size: Literal["student", "base", "teacher"] = flag("base", "the new model's size")
+    model_size: Literal["student", "base", "teacher", "moe"] = flag(
+        "base", "the new model's size; moe: a mixture of experts"
+    )
     model: Path | None = flag(
         None, "start from this model (a tool_use run folder or its model/) instead of a new one"
     )
@@ -107,25 +113,27 @@ def bucket(width: int, size: int = 128) -> int:
 
 def trimmed(batch: dict, limit: int) -> dict:
     """The `[B, T]` arrays of `batch` cut to the columns its rows use (`context_where`),
-    rounded up by `bucket` and at most `limit`."""
+    rounded up by `bucket` and at most `limit` (a recorded `routing`, `[B, P + T, M, k]`, to
+    the prompt's columns and those)."""
     import numpy as np
 
     used = int(np.asarray(batch["context_where"]).sum(-1).max())
     width = min(limit, bucket(max(used, 1)))
-    return {
-        k: x[:, :width] if k not in ("prompt_tokens", "prompt_where") else x
-        for k, x in batch.items()
-    }
+    prompt = batch["prompt_tokens"].shape[1]
+    cut = {"prompt_tokens": None, "prompt_where": None, "routing": prompt + width}
+    return {k: x[:, : cut.get(k, width)] for k, x in batch.items()}
 
 
 def scores(graphdef, params, batch, *, temperature=1.0, implementation="auto"):
     """`[B, T]` log-probs of every episode token after its prompt, the observations read as
-    context (`context_where`); only `where` (model tokens) is ever counted."""
+    context (`context_where`); only `where` (model tokens) is ever counted. With the
+    episodes' recorded `routing` (`--replay-routing`) every MoE layer routes by it (R3)."""
     from tunelib import rollout
 
     return rollout.completion_logps(
         graphdef, params, batch["prompt_tokens"], batch["prompt_where"], batch["tokens"],
         batch["context_where"], temperature=temperature, implementation=implementation,
+        routing=batch.get("routing"),
     )  # fmt: skip
 
 
@@ -152,7 +160,7 @@ def episode_batch(task, records: list, episode, group_size: int) -> dict:
     """The GRPO batch of sampled episodes, as NumPy: their prompts `[B, P]`, and per episode
     the tokens exactly as sampled and observed, the masks, the behaviour log-probs and the
     group-relative advantage of its outcome on its model tokens (failed rows left out of
-    their group's statistics)."""
+    their group's statistics); and the episodes' `routing` when they recorded it."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -165,11 +173,12 @@ def episode_batch(task, records: list, episode, group_size: int) -> dict:
     advantages = rollout.episode_advantages(
         rewards, episode.turn_ids, group_size=group_size, where=episode.where
     )
+    recorded = {} if episode.routing is None else {"routing": np.asarray(episode.routing)}
     return {
         "prompt_tokens": np.asarray(prompt_tokens), "prompt_where": np.asarray(prompt_where),
         "tokens": np.asarray(episode.tokens), "where": np.asarray(episode.where),
         "context_where": np.asarray(episode.context_where), "logps": np.asarray(episode.logps),
-        "advantages": np.asarray(advantages),
+        "advantages": np.asarray(advantages), **recorded,
     }  # fmt: skip
 
 
@@ -193,6 +202,7 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
             raise UserError(f"--model {config.model}: its tokenizer has no chat template")
     else:
         model = models.new_model(episodes.chat_tokenizer(), config.model_size, config.seed)
+    models.replayed_routing(model.config, config.replay_routing)  # an MoE model, if asked
     model = models.replicated(models.with_remat(model, config.remat), placement)
     graphdef, tok = model.graphdef, model.tokenizer
     task = episodes.load_task(
@@ -214,13 +224,13 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
 
     sampling, greedy = episode_config(config.temperature), episode_config(0.0)
 
-    def episodes_of(params, records, key, config_, group_size):
+    def episodes_of(params, records, key, config_, group_size, record_routing=False):
         """Episodes of `records` (`group_size` each) and their environments."""
         envs = episodes.environments(task, records, group_size)
         prompt_tokens, prompt_where = data.prompts(task, records)
         episode = rollout.run_episodes(
             graphdef, params, prompt_tokens, prompt_where, key, config_, envs,
-            group_size=group_size, tokenizer=tok,
+            group_size=group_size, tokenizer=tok, record_routing=record_routing,
         )  # fmt: skip
         return episode, envs
 
@@ -293,7 +303,9 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
             rng, key = loop.step_keys(state["rng"], "rollouts")
             records = [task.train[i] for i in placement.local(indices)]
             with goodput.phase("rollout"):
-                episode, envs = episodes_of(state["params"], records, key, sampling, group)
+                episode, envs = episodes_of(
+                    state["params"], records, key, sampling, group, config.replay_routing
+                )
                 rows = episode_batch(task, records, episode, group)
             state, out = grpo_update({**state, "rng": rng}, placement.rows(trimmed(rows, width)))
             out.update(

@@ -224,6 +224,19 @@ class Lora(Config):
             raise UserError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
 
 
+@dataclasses.dataclass(kw_only=True)
+class RoutingReplay(Config):
+    """Routing replay (R3) for the RL recipes on mixture-of-experts models."""
+
+    GROUP: typing.ClassVar[str] = "mixture of experts"
+
+    replay_routing: bool = flag(
+        False,
+        "MoE models: record each token's experts as the sampler routes it, and route the "
+        "trainer's forward pass by them (routing replay, R3)",
+    )
+
+
 # The evaluation metrics `--keep-best` may name (higher is better for each).
 KEEPABLE = ("accuracy", "pass_at_1", "pass_at_k", "maj_at_k")
 

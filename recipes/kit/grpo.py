@@ -21,7 +21,7 @@ import optax
 
 from tunelib import advantages, losses, metrics, peft, rollout
 
-from kit import data, evaluate, goodput, loop, lora, optim, plan, reward_model
+from kit import data, evaluate, goodput, loop, lora, models, optim, plan, reward_model
 from kit.errors import UserError
 from kit.grpo_config import MODES, load_reward
 
@@ -396,12 +396,6 @@ def _batch_means(rewards, right, lengths, keep):  # over every process's rows
     }
 
 
-def routing_shape(model_config) -> tuple[int, int]:
-    """`(M, k)`: the decoder's MoE layers and the experts each token is routed to, the last
-    two dimensions of a recorded routing (`--replay-routing`)."""
-    return sum(model_config.moe_layers), model_config.num_experts_per_tok
-
-
 class Setup(NamedTuple):
     """What a GRPO run trains and samples with (`setup`)."""
 
@@ -418,14 +412,7 @@ def setup(config, model, placement) -> Setup:
     devices of `placement`), the sampling, the optimizer (AdamW, constant after a warmup),
     the sampler and the learner of a GRPO run."""
     vocab_size = model.config.vocab_size
-    routing = None
-    if config.replay_routing:
-        if not any(model.config.moe_layers):
-            raise UserError(
-                "--replay-routing replays the experts of mixture-of-experts layers; this "
-                "model has none"
-            )
-        routing = routing_shape(model.config)
+    routing = models.replayed_routing(model.config, config.replay_routing)
     task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
     tuning = lora.tuning(
         model, placement, rank=config.lora_rank, alpha=config.lora_alpha,

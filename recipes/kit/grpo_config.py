@@ -13,7 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from kit.config import DataFile, Lora, RLEvaluation, Run, SFTStart, Task, at_least, flag
+from kit.config import (
+    DataFile,
+    Lora,
+    RLEvaluation,
+    RoutingReplay,
+    Run,
+    SFTStart,
+    Task,
+    at_least,
+    flag,
+)
 from kit.errors import UserError
 from kit.reward_model import check_folder
 
@@ -74,7 +84,7 @@ def _load_reward(spec: str) -> Callable[[str, dict], float]:
 
 
 @dataclasses.dataclass(kw_only=True)
-class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation):
+class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation, RoutingReplay):
     RECIPE = "grpo"
     LEARNING_RATE = 1e-4
     LORA_LEARNING_RATE = 1e-3
@@ -111,11 +121,6 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation):
         "when --max-staleness > 0 (recipes/grpo_async.py)",
     )
     is_cap: float = flag(2.0, "the cap C of the truncated importance weights")
-    replay_routing: bool = flag(
-        False,
-        "MoE models: record each token's experts as the sampler routes it, and route the "
-        "trainer's forward pass by them (routing replay, R3)",
-    )
     target_entropy: float | None = flag(
         None,
         "steer the policy's entropy (nats/token) toward this with an entropy bonus whose "

@@ -16,9 +16,11 @@ from pathlib import Path
 
 from kit.errors import UserError
 
-# Qwen3-style decoders (QK-norm, tied embeddings) of three sizes for the built-in task:
-# "base" learns it in a minute on two CPU cores; "teacher" and "student" are the pair of the
-# distillation recipe.
+# Qwen3-style decoders (QK-norm, tied embeddings) for the built-in task: "base" learns it in a
+# minute on two CPU cores; "teacher" and "student" are the pair of the distillation recipe;
+# "moe" is Qwen3-MoE-shaped (every layer 8 experts, top-2, renormalised weights) and computes
+# in bfloat16 (float32 weights), where the sampler's and the trainer's routing differ at near
+# ties: the model of routing replay (`--replay-routing`).
 MODEL_SIZES = {
     "student": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
@@ -26,6 +28,10 @@ MODEL_SIZES = {
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
     "teacher": {"hidden_size": 192, "intermediate_size": 576, "num_hidden_layers": 3,
                 "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32},
+    "moe": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+            "norm_topk_prob": True, "dtype": "bfloat16"},
 }  # fmt: skip
 
 
@@ -201,6 +207,20 @@ def start_model(path: Path | None, size: str, seed: int) -> Model:
     from tunelib.data import CharTokenizer
 
     return new_model(CharTokenizer(), size, seed)
+
+
+def replayed_routing(model_config, replay: bool) -> tuple[int, int] | None:
+    """With `--replay-routing` (`replay`), `(M, k)`: the decoder's MoE layers and the experts
+    each token is routed to, the last two dimensions of a recorded routing; a `UserError` for
+    a model without MoE layers. None without it."""
+    if not replay:
+        return None
+    if not any(model_config.moe_layers):
+        raise UserError(
+            "--replay-routing replays the experts of mixture-of-experts layers; this model has "
+            "none (a new model of --model-size moe, in sft.py or tool_use.py, has them)"
+        )
+    return sum(model_config.moe_layers), model_config.num_experts_per_tok
 
 
 def with_remat(model: Model, remat: bool) -> Model:

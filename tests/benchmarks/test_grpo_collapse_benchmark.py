@@ -23,7 +23,8 @@ def _write_run(folder: Path, entropies: list[float], warnings: int) -> None:
     (folder.parent / f"{folder.name}.log").write_text(lines)
 
 
-def test_the_summary_reads_each_arm_and_counts_the_guards_warnings(tmp_path, capsys):
+def test_the_summary_reads_each_arm_and_counts_the_guards_warnings(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its modules beside it, as a run has them
     bench = load_script(SCRIPT, "grpo_collapse_benchmark")
     _write_run(tmp_path / "pushed-seed0", [1.2, 0.3, 0.005], warnings=2)
     _write_run(tmp_path / "controlled-seed0", [1.2, 0.8, 0.6], warnings=0)

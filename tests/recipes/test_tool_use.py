@@ -76,14 +76,14 @@ def test_demonstrations_are_the_environments_episodes():
     assert tok.decode(observation).strip().splitlines()[1] == record["answer"]
 
 
-def _model(vocab_size: int):
+def _model(vocab_size: int, **fields):
     from flax import nnx
 
     from tunelib.models import Decoder, DecoderConfig
 
     config = DecoderConfig(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, **fields,
     )  # fmt: skip
     graphdef, state = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
     return graphdef, nnx.to_pure_dict(state)
@@ -124,6 +124,54 @@ def test_grpo_trains_on_the_sampled_tokens():
         assert tok.decode(first) == env.messages[0]["content"]
     scored = np.asarray(recipe.scores(graphdef, params, batch))
     np.testing.assert_allclose(np.where(batch["where"], scored, 0.0), batch["logps"], atol=2e-5)
+
+
+def test_grpo_replays_the_episodes_routing():
+    """With `--replay-routing` the GRPO batch carries the episodes' routing, cut with the
+    batch to the prompt's and the used columns, and the recipe's scores route by it: they
+    equal the behaviour log-probs, and another routing moves them."""
+    from tunelib.rollout import EpisodeConfig, SamplingConfig, run_episodes
+
+    from kit import episodes
+
+    recipe = recipe_module("tool_use")
+    task = _task(tool=True)
+    tok = task.tokenizer
+    graphdef, params = _model(tok.vocab_size, num_experts=4, num_experts_per_tok=2,
+                              norm_topk_prob=True)  # fmt: skip
+    records, group = task.train[:2], 2
+    demo = episodes.demonstrations(task, records)
+    config = EpisodeConfig(
+        sampling=SamplingConfig(max_new_tokens=task.turn_tokens, temperature=1.0,
+                                stop_tokens=tuple(tok.stop_ids), pad_token=tok.pad_id),
+        max_turns=task.max_turns, max_tokens=task.episode_tokens,
+        max_observation_tokens=task.observation_tokens,
+    )  # fmt: skip
+    episode = run_episodes(
+        graphdef, params, demo["prompt_tokens"], demo["prompt_where"], jax.random.key(5),
+        config, episodes.environments(task, records, group), group_size=group, tokenizer=tok,
+        record_routing=True,
+    )  # fmt: skip
+    batch = recipe.trimmed(recipe.episode_batch(task, records, episode, group), 10_000)
+    width, prompt = batch["tokens"].shape[1], task.prompt_length
+    assert width < task.episode_tokens and batch["routing"].shape == (4, prompt + width, 1, 2)
+    np.testing.assert_array_equal(
+        batch["routing"], np.asarray(episode.routing)[:, : prompt + width]
+    )
+    where = batch["where"]
+    scored = np.asarray(recipe.scores(graphdef, params, batch))
+    np.testing.assert_allclose(np.where(where, scored, 0.0), batch["logps"], atol=2e-5)
+    other = {**batch, "routing": (batch["routing"] + 1) % 4}
+    moved = np.asarray(recipe.scores(graphdef, params, other))
+    assert np.abs(moved - scored)[where].max() > 1e-3
+
+
+def test_replay_routing_needs_a_mixture_of_experts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        recipe_main("tool_use", ["--replay-routing", "--out", str(tmp_path / "run")])
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--replay-routing replays the experts of" in lines[0], lines
 
 
 def test_grpo_never_trains_on_observations():

@@ -192,7 +192,9 @@ def test_cache_continuation_equals_prefilling_the_whole_history(model):
     model64 = float64_twin(params)
     rows = len(PROMPTS) * GROUP  # the shapes of the episodes above: nothing new to compile
     slots = PROMPTS.shape[1] + 3 * 5 + 2 * 3
-    logits, cache = episodes_module._start(graphdef, params, PROMPTS, PROMPT_WHERE, slots, GROUP)
+    logits, cache = episodes_module._start(
+        graphdef, params, PROMPTS, PROMPT_WHERE, slots, GROUP, False
+    )
     history = [[] for _ in range(rows)]
 
     def check():
@@ -220,7 +222,8 @@ def test_cache_continuation_equals_prefilling_the_whole_history(model):
     for turn, limit in enumerate(limits):
         done = np.arange(rows) == 4 if turn else np.zeros(rows, bool)  # row 4 sits one out
         out = episodes_module._turn(graphdef, params, logits, cache, jax.random.key(turn),
-                                    SAMPLING, (), done, np.array(limit, np.int32))  # fmt: skip
+                                    SAMPLING, (), done, np.array(limit, np.int32),
+                                    False)  # fmt: skip
         logits, cache = out.logits, out.cache
         tokens, where = np.asarray(out.tokens), np.asarray(out.where)
         assert not where[done].any() and (where.sum(1)[~done] <= np.array(limit)[~done]).all()
@@ -233,7 +236,7 @@ def test_cache_continuation_equals_prefilling_the_whole_history(model):
             block[r, : len(ids)], block_where[r, : len(ids)] = ids, True
             history[r] += ids
         logits, cache = episodes_module._observe(graphdef, params, logits, cache, block,
-                                                 block_where)  # fmt: skip
+                                                 block_where, False)  # fmt: skip
         check()
     real = PROMPT_WHERE.sum(1).repeat(GROUP) + np.array([len(h) for h in history])
     np.testing.assert_array_equal(cache.lengths, real)

@@ -1,6 +1,9 @@
-"""Routing replay (R3): the sampler records each token's experts in every MoE layer, and the
-trainer's forward pass (`Decoder`, `completion_logps`) routes by that record while its gate
-weights stay functions of its own router logits."""
+"""Routing replay (R3): the sampler (`sample`, and `run_episodes` over whole episodes) records
+each token's experts in every MoE layer, and the trainer's forward pass (`Decoder`,
+`completion_logps`) routes by that record while its gate weights stay functions of its own
+router logits."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +15,16 @@ from tests._helpers import assert_close, own_checks, raises_naming
 from tests.losses.test_router import softmax64
 from tests.models.test_gemma4 import MOE as GEMMA4_MOE
 from tests.models.test_moe import CONFIG as MOE_CONFIG
+from tests.rollout.test_episodes import Scripted
 from tunelib.models import EXPERT_PARALLEL_RULES, Decoder, DecoderConfig, MoE, param_shardings
-from tunelib.rollout import SamplingConfig, completion_logps, sample
+from tunelib.rollout import (
+    EpisodeConfig,
+    Role,
+    SamplingConfig,
+    completion_logps,
+    run_episodes,
+    sample,
+)
 
 CONFIG = {**MOE_CONFIG, "norm_topk_prob": True}  # 2 layers, 4 experts, top-2
 PROMPTS = np.array([[0, 0, 5, 9, 3], [7, 1, 4, 4, 8]])
@@ -215,6 +226,78 @@ def test_near_ties_that_flip_change_the_log_probs_and_replay_restores_them(scan)
     assert np.all(np.isfinite(router)) and np.abs(router).max() > 1e-4
 
 
+# Episodes of three turns, observations of 0 to 3 tokens between them (`Scripted`).
+EPISODES = EpisodeConfig(sampling=SAMPLING, max_turns=3, max_tokens=24, max_observation_tokens=3)
+
+
+def scripted(rows: int) -> list:
+    sizes = [(2, 3), (1, 0), (3, 3), (3, 1)]
+    return [Scripted(sizes[r % len(sizes)]) for r in range(rows)]
+
+
+def episode_sequences(prompts, prompt_where, ep, group: int):
+    """Each episode after its prompt, `[R, P + T]` tokens and mask (model and observation
+    tokens), as the record's columns."""
+    return (
+        np.concatenate([np.repeat(prompts, group, 0), np.asarray(ep.tokens)], axis=1),
+        np.concatenate([np.repeat(prompt_where, group, 0), np.asarray(ep.context_where)], axis=1),
+    )
+
+
+def test_episodes_record_the_routing_of_prompt_turns_and_observations():
+    """float32: the episode's record covers its prompt, its model turns and the observations
+    prefilled between them, in `completion_logps`'s layout; it equals the full forward pass's
+    own choice where no two experts are within 1e-4 of the top-k boundary, the replayed pass
+    routes exactly by it, and the trainer's log-probs equal the behaviour log-probs."""
+    graphdef, params = split(DecoderConfig(**CONFIG))
+    group = 2
+    ep = run_episodes(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(4), EPISODES,
+                      scripted(4), group_size=group, record_routing=True)  # fmt: skip
+    assert ep.routing.shape == (4, 5 + 24, 2, 2) and ep.routing.dtype == jnp.int32
+    tokens, where = episode_sequences(PROMPTS, PROMPT_WHERE, ep, group)
+    roles = np.concatenate([np.zeros((4, 5), np.int8), np.asarray(ep.roles)], axis=1)
+    assert (roles == Role.OBSERVATION).sum() >= 8 and ep.num_turns.min() >= 2
+    record = layer_first(ep.routing)
+    logits, own, replayed = forward(nnx.merge(graphdef, params), tokens, where, record)
+    ranked = -np.sort(-np.asarray(logits), axis=-1)
+    clear = where[None] & (ranked[..., 1] - ranked[..., 2] > 1e-4)
+    assert clear.mean() > 0.7 and clear[:, roles == Role.OBSERVATION].mean() > 0.7
+    recorded, own = np.sort(record, -1), np.sort(np.asarray(own), -1)
+    np.testing.assert_array_equal(recorded[clear], own[clear])
+    np.testing.assert_array_equal(replayed, record)
+    assert (record[:, :, 5:][:, ~np.asarray(ep.context_where)] == 0).all()  # padding
+    model_tokens = np.asarray(ep.where)
+    for share in (True, False):
+        logps = score(graphdef, params, PROMPTS, PROMPT_WHERE, ep.tokens, ep.context_where,
+                      routing=ep.routing, share_prompts=share)  # fmt: skip
+        assert_close(np.where(model_tokens, logps, 0), ep.logps, rtol=1e-5, atol=2e-5)
+
+
+def test_episodes_near_ties_that_flip_are_replayed():
+    """The near tie of `tied_models` over multi-turn episodes: the trainer's own forward pass
+    routes some tokens elsewhere than the episode's turns and observations did, which moves
+    the log-probs of the model tokens after them; replaying `Episode.routing` brings them
+    back to the behaviour log-probs."""
+    graphdef, sampler, trainer = tied_models(scan=False)
+    prompts = np.random.default_rng(8).integers(3, 40, size=(4, 5))
+    where = np.ones_like(prompts, bool)
+    sampling = SamplingConfig(max_new_tokens=5, temperature=1.0)
+    config = dataclasses.replace(EPISODES, sampling=sampling)
+    ep = run_episodes(graphdef, sampler, prompts, where, jax.random.key(9), config, scripted(4),
+                      record_routing=True)  # fmt: skip
+    tokens, real = episode_sequences(prompts, where, ep, 1)
+    record = layer_first(ep.routing)
+    _, own, _ = forward(nnx.merge(graphdef, trainer), tokens, real, record)
+    flipped = np.any(np.sort(np.asarray(own), -1) != np.sort(record, -1), -1)[0] & real
+    assert flipped.sum() >= 3
+    model_tokens = np.asarray(ep.where)
+    plain = score(graphdef, trainer, prompts, where, ep.tokens, ep.context_where)
+    replayed = score(graphdef, trainer, prompts, where, ep.tokens, ep.context_where,
+                     routing=ep.routing)  # fmt: skip
+    assert np.abs(np.asarray(plain - ep.logps))[model_tokens].max() > 1e-3
+    assert_close(np.where(model_tokens, replayed, 0), ep.logps, rtol=1e-5, atol=2e-5)
+
+
 def test_gemma4_moe_records_and_replays():
     """Gemma 4's parallel experts (its router, per-expert scales): replayed, the trainer's
     log-probs equal the sampler's, and the forward pass routes by the record."""
@@ -288,6 +371,9 @@ def test_bad_routing_is_refused_with_one_line_naming_it():
         with raises_naming("record_routing", "no mixture-of-experts"):
             sample(dense_graphdef, dense, PROMPTS, PROMPT_WHERE, jax.random.key(0), SAMPLING,
                    record_routing=True)  # fmt: skip
+        with raises_naming("record_routing", "no mixture-of-experts"):
+            run_episodes(dense_graphdef, dense, PROMPTS, PROMPT_WHERE, jax.random.key(0),
+                         EPISODES, scripted(2), record_routing=True)  # fmt: skip
     # Traced, an out-of-range id cannot be seen: that token's hidden state is NaN.
     outside = good.copy()
     outside[1, 0, 2, 0] = 7  # the last layer, row 0, position 2

@@ -5,6 +5,8 @@ built from it, each in its own jitted functions):
 
 - `checked_prompts(graphdef, params, prompt_tokens, prompt_where, config, group_size)`: the
   prompts as arrays and the model's config, after every check that needs no cache length.
+- `check_record_routing(record_routing, model_config)`: `record_routing` is a bool, and True
+  only for a model with mixture-of-experts layers.
 - `pure_params(params)`, `as_key(key)`: the parameters as plain arrays and the key as a
   new-style PRNG key, as the functions below take them; `decoding_params(graphdef, params,
   layout)`: the plain parameters, with `layout="per_layer"` in the layout a decode loop reads
@@ -90,6 +92,18 @@ def checked_prompts(
                     f"prompt_where is True, got ids from {ids.min()} to {ids.max()}."
                 )
     return prompt_tokens, prompt_where, model_config
+
+
+def check_record_routing(record_routing: bool, model_config) -> None:
+    """`record_routing` (of `sample` or `run_episodes`) is a bool, and True only for a model
+    with mixture-of-experts layers (`model_config`, a `DecoderConfig`)."""
+    if not isinstance(record_routing, bool):
+        raise TypeError(f"record_routing must be a bool, got {record_routing!r}.")
+    if record_routing and not any(model_config.moe_layers):
+        raise ValueError(
+            "record_routing=True, but this model has no mixture-of-experts layers "
+            f"(num_experts={model_config.num_experts}): there is no routing to record."
+        )
 
 
 def _rows_held_here(x: jax.Array) -> list[tuple[int, np.ndarray]]:

@@ -22,6 +22,7 @@ from tunelib.rollout._decoding import (
     LAYOUTS,
     Layout,
     as_key,
+    check_record_routing,
     checked_prompts,
     decode,
     decoding_params,
@@ -118,8 +119,8 @@ class EpisodeConfig:
 
 
 # An Episode has a Rollout's arrays, over the episode's T positions (N = T in their
-# annotations), then its own, then a Rollout's policy stamp; `run_episodes` records no MoE
-# routing, so not `routing`.
+# annotations), then its own, then a Rollout's policy stamp, then its MoE routing (last, so
+# that the fields before it keep their places).
 _STAMP = ("policy_version", "fingerprint")
 _EpisodeFields = NamedTuple(
     "_EpisodeFields",
@@ -135,10 +136,12 @@ _EpisodeFields = NamedTuple(
         ("num_turns", Int[Array, " B"]),
         ("failed", Bool[Array, " B"]),
         *((k, Rollout.__annotations__[k]) for k in _STAMP),
+        ("routing", Int[Array, "B PT M k"] | None),
     ],
 )
-# The stamp is None unless `run_episodes` was given a policy version, as a Rollout's.
-_EpisodeFields.__new__.__defaults__ = (None,) * len(_STAMP)
+# The stamp is None unless `run_episodes` was given a policy version, as a Rollout's; the
+# routing is None unless it recorded it.
+_EpisodeFields.__new__.__defaults__ = (None,) * (len(_STAMP) + 1)
 
 
 class Episode(_EpisodeFields):
@@ -149,7 +152,7 @@ class Episode(_EpisodeFields):
 
     It has the six arrays of a `Rollout`, meaning what they mean there for the model's
     tokens (with observations in `tokens` and `lengths` too), then nine of its own, then a
-    `Rollout`'s policy stamp.
+    `Rollout`'s policy stamp, then, recorded, its MoE routing.
 
     Attributes:
       tokens: `[B, T]` token ids, exactly as sampled (model turns) and as observed
@@ -181,6 +184,17 @@ class Episode(_EpisodeFields):
       policy_version: int32 scalar, `run_episodes`'s `policy_version=` (None without it).
       fingerprint: uint32 scalar, `tunelib.rollout.fingerprint` of the parameters the
         episodes ran, with `policy_version` (None without it).
+      routing: with `run_episodes(..., record_routing=True)`, the `[B, P + T, M, k]` int32
+        experts each token was routed to in each of the model's M mixture-of-experts layers,
+        over the prompt and the episode concatenated, as `Rollout.routing` is over a prompt
+        and a completion: columns `[0, P)` are the prompt's (its prefill, the same for the G
+        episodes of a prompt), column `P + t` is the episode's position `t`, a model token
+        (as the decode step that fed it back chose) or an observation token (as the
+        observation's prefill into the cache chose). Padded positions hold valid ids that
+        no real token depends on. `completion_logps(..., prompt_tokens, prompt_where, ep.tokens,
+        ep.context_where, routing=ep.routing)` routes the trainer's forward pass by it
+        (R3); a batch cut to its first `T'` positions takes `routing[:, :P + T']`. None (the
+        default) when not recorded.
     """
 
     __slots__ = ()
@@ -199,6 +213,7 @@ def run_episodes(
     tokenizer: Tokenizer | None = None,
     policy_version: int | ArrayLike | None = None,
     layout: Layout = "stacked",
+    record_routing: bool = False,
 ) -> Episode:
     r"""Run multi-turn episodes: model turns and environment observations in one KV cache.
 
@@ -252,13 +267,18 @@ def run_episodes(
       policy_version: the version of the policy `params` are, or None; given, the `Episode`
         is stamped with it and the fingerprint of `params`, as `sample` stamps a `Rollout`.
       layout: ``"stacked"`` (default) or ``"per_layer"``, as for `sample`.
+      record_routing: record the experts every token of the prompt and the episode was
+        routed to in each mixture-of-experts layer, as `Episode.routing` (default False),
+        for routing replay (R3) in the trainer's recomputation, as `sample`'s: the model's
+        tokens as its decode steps routed them, the observations' as their prefill did.
 
     Returns:
       An `Episode` of `B * G` rows, `config.max_tokens` positions and `config.max_turns`
       turns.
 
     Raises:
-      ValueError: before compiling, for the checks of `sample`, a cache too short for the
+      ValueError: before compiling, for the checks of `sample` (`record_routing` for a model
+        without mixture-of-experts layers among them), a cache too short for the
         prompts, a number of environments other than `B * G`, prompts that are traced or
         spread over several processes, or a model with sliding-window layers whose window
         is shorter than the cache (waiting rows put padding slots inside the window, which
@@ -309,23 +329,31 @@ def run_episodes(
     slots = _cache_slots(config, prompt_tokens.shape[1], model_config)
     check_version(policy_version)
     v.one_of(layout, "layout", LAYOUTS)
+    check_record_routing(record_routing, model_config)
     given, params, key = params, decoding_params(graphdef, params, layout), as_key(key)
+    record = record_routing
 
-    logits, cache = _start(graphdef, params, prompt_tokens, prompt_where, slots, group_size)
+    logits, cache, *routed = _start(graphdef, params, prompt_tokens, prompt_where, slots,
+                                    group_size, record)  # fmt: skip
     run = _Run(environments, config, model_config.vocab_size, tokenizer)
+    if record:
+        run.record_prompts(np.asarray(routed[0]))
     run.reset(_row_prompts(prompt_tokens, prompt_where, group_size))
     for turn in range(config.max_turns):
         limit = run.limits(slots - int(cache.index))
         if not run.active.any():
             break
         out = _turn(graphdef, params, logits, cache, jax.random.fold_in(key, turn),
-                    config.sampling, config.turn_end_sequences, ~run.active, limit)  # fmt: skip
+                    config.sampling, config.turn_end_sequences, ~run.active, limit,
+                    record)  # fmt: skip
         logits, cache = out.logits, out.cache
-        drawn = jax.device_get((out.tokens, out.where, out.logps, out.ended))
+        drawn = jax.device_get((out.tokens, out.where, out.logps, out.ended, out.routing))
         observations = run.step(turn, *drawn)
         block = run.observe(turn, observations, room=slots - int(cache.index))
         if block is not None:
-            logits, cache = _observe(graphdef, params, logits, cache, *block)
+            logits, cache, *routed = _observe(graphdef, params, logits, cache, *block, record)
+            if record:
+                run.record_observations(np.asarray(routed[0]), block[1])
     episode = run.episode()
     return episode if policy_version is None else episode._replace(**stamp(given, policy_version))
 
@@ -380,25 +408,27 @@ def _row_prompts(prompt_tokens: jax.Array, prompt_where: jax.Array, group_size: 
             for _ in range(group_size)]  # fmt: skip
 
 
-@program(static_argnums=(0, 4, 5))
-def _start(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size):
-    return prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)
+@program(static_argnums=(0, 4, 5, 6))
+def _start(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, record):
+    return prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size,
+                   record_routing=record)  # fmt: skip
 
 
-@program(static_argnums=(0, 5, 6), donate_argnums=(3,))
-def _turn(graphdef, params, logits, cache, key, config, end_sequences, done, limit):
+@program(static_argnums=(0, 5, 6, 9), donate_argnums=(3,))
+def _turn(graphdef, params, logits, cache, key, config, end_sequences, done, limit, record):
     return decode(graphdef, params, logits, cache, key, config, done=done, limit=limit,
-                  end_sequences=end_sequences)  # fmt: skip
+                  end_sequences=end_sequences, record_routing=record)  # fmt: skip
 
 
-@program(static_argnums=(0,), donate_argnums=(3,))
-def _observe(graphdef, params, logits, cache, tokens, where):
+@program(static_argnums=(0, 6), donate_argnums=(3,))
+def _observe(graphdef, params, logits, cache, tokens, where, record):
     """The `[R, O]` observation block (each row's tokens first, then padding) written into the
     cache, and the next-token logits after each row's last observation token (unchanged for a
-    row without one)."""
+    row without one); with `record`, also the `[M, R, O, k]` experts of its tokens."""
     model = nnx.merge(graphdef, params)
-    hidden, cache = model.extend(tokens, where, cache)
-    return jnp.where(where.any(-1)[:, None], last_logits(model, hidden, where), logits), cache
+    hidden, cache, *routing = model.extend(tokens, where, cache, return_routing=record)
+    logits = jnp.where(where.any(-1)[:, None], last_logits(model, hidden, where), logits)
+    return logits, cache, *routing
 
 
 def _step(environment: Environment, ids: tuple[int, ...], tokenizer, truncated: bool):
@@ -410,7 +440,7 @@ def _step(environment: Environment, ids: tuple[int, ...], tokenizer, truncated: 
 
 class _Run:
     """The host side of the episodes: their environments, and `[R, T]` NumPy buffers of the
-    episodes filled turn by turn."""
+    episodes filled turn by turn (recording, `[R, P + T, M, k]` routing too)."""
 
     def __init__(self, environments: list, config: EpisodeConfig, vocab_size: int, tokenizer):
         self.environments, self.config = environments, config
@@ -426,6 +456,7 @@ class _Run:
         self.num_turns, self.offset = np.zeros(rows, np.int32), np.zeros(rows, np.int64)
         self.active = np.ones(rows, np.bool_)
         self.truncated, self.failed = np.zeros(rows, np.bool_), np.zeros(rows, np.bool_)
+        self.routing, self.prompt_len = None, 0  # set by `record_prompts`
 
     def reset(self, prompts: list) -> None:
         """Reset each row's environment with its prompt ids (in threads)."""
@@ -436,6 +467,21 @@ class _Run:
             if outcome.error is not None:
                 self.fail(r, f"reset {outcome.error}")
 
+    def record_prompts(self, routing: np.ndarray) -> None:
+        """Start recording routing with the prompts' `[M, R, P, k]` (the prefill's)."""
+        layers, rows, self.prompt_len, k = routing.shape
+        width = self.prompt_len + self.config.max_tokens
+        self.routing = np.zeros((rows, width, layers, k), np.int32)
+        self.routing[:, : self.prompt_len] = routing.transpose(1, 2, 0, 3)
+
+    def record_observations(self, routing: np.ndarray, where: np.ndarray) -> None:
+        """The `[M, R, O, k]` routing of an observation block (`where` `[R, O]`, each row's
+        tokens first), at the positions `observe` just gave each row's observation."""
+        for r in np.flatnonzero(where.any(-1)).tolist():
+            size = int(where[r].sum())
+            stop = self.prompt_len + int(self.offset[r])
+            self.routing[r, stop - size : stop] = routing[:, r, :size].transpose(1, 0, 2)
+
     def limits(self, slots_left: int) -> np.ndarray:
         """The `[R]` int32 most tokens each row's next turn may draw, its budget or the
         cache's free slots (0 on ended rows); a row with none left ends `truncated`."""
@@ -445,14 +491,18 @@ class _Run:
             self.end(r, truncated=True)
         return limit.astype(np.int32)
 
-    def step(self, turn: int, tokens, where, logps, ended) -> dict[int, np.ndarray]:
-        """Record the `[R, N]` turn the model drew on each active row, step the rows'
-        environments with it (in threads) and record their answers; the observations of the
-        rows that go on, by row."""
+    def step(self, turn: int, tokens, where, logps, ended, routing) -> dict[int, np.ndarray]:
+        """Record the `[R, N]` turn the model drew on each active row (and its `[M, R, N, k]`
+        routing, when recording), step the rows' environments with it (in threads) and
+        record their answers; the observations of the rows that go on, by row."""
         stepping = np.flatnonzero(self.active).tolist()
         calls: list = [None] * len(self.environments)
         for r in stepping:
             ids = self.add_turn(r, turn, tokens[r][where[r]], logps[r][where[r]])
+            if self.routing is not None:
+                stop = self.prompt_len + int(self.offset[r])
+                chosen = routing[:, r][:, where[r]].transpose(1, 0, 2)
+                self.routing[r, stop - len(ids) : stop] = chosen
             calls[r] = functools.partial(
                 _step, self.environments[r], ids, self.tokenizer, not ended[r]
             )
@@ -493,6 +543,8 @@ class _Run:
             truncated=self.truncated, failed=self.failed,
             temperature=np.float32(self.config.sampling.temperature or 1.0),
         )  # fmt: skip
+        if self.routing is not None:
+            arrays["routing"] = self.routing
         stamp = dict.fromkeys(_STAMP)  # run_episodes stamps it when given a version
         return Episode(**{name: jnp.asarray(x) for name, x in arrays.items()}, **stamp)
 

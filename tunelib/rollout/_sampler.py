@@ -20,6 +20,7 @@ from tunelib.rollout._decoding import (
     LAYOUTS,
     Layout,
     as_key,
+    check_record_routing,
     checked_prompts,
     decode,
     decoding_params,
@@ -370,13 +371,7 @@ def sample(
     prompt_tokens, prompt_where, model_config = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config, group_size
     )
-    if not isinstance(record_routing, bool):
-        raise TypeError(f"record_routing must be a bool, got {record_routing!r}.")
-    if record_routing and not any(model_config.moe_layers):
-        raise ValueError(
-            "record_routing=True, but this model has no mixture-of-experts layers "
-            f"(num_experts={model_config.num_experts}): there is no routing to record."
-        )
+    check_record_routing(record_routing, model_config)
     prompt_len = prompt_tokens.shape[1]
     needed = prompt_len + config.max_new_tokens
     if config.cache_length is not None and config.cache_length < needed:
