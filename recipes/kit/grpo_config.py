@@ -13,7 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from kit.config import DataFile, Lora, RLEvaluation, Run, SFTStart, Task, at_least, flag
+from kit.config import (
+    CHECKPOINT_EVERY,
+    DataFile,
+    Lora,
+    RLEvaluation,
+    Run,
+    SFTStart,
+    Task,
+    at_least,
+    flag,
+)
 from kit.errors import UserError
 from kit.reward_model import check_folder
 
@@ -81,7 +91,7 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation):
 
     steps: int = flag(150, "optimizer steps (batches of rollouts)")
     eval_every: int = flag(50, "steps between held-out evaluations")
-    checkpoint_every: int = flag(50, "steps between checkpoints")
+    checkpoint_every: int | Literal["auto"] = flag(50, CHECKPOINT_EVERY)
     mode: Literal["grpo", "dapo", "dr_grpo"] = flag("grpo", "the algorithm's defaults")
     group_size: int = flag(8, "completions per prompt, G")
     temperature: float = flag(1.0, "sampling temperature (> 0: the G completions must differ)")

@@ -34,8 +34,9 @@ def default_out(name: str, seed: int) -> Path:
 
 
 # What `--resume` may change: the budget, how often it evaluates and saves, where it logs, and
-# how it runs (devices, log-prob implementation, remat). Every other setting picks the model, the
-# data or the objective, which a checkpoint cannot be continued under.
+# how it runs (devices, log-prob implementation, remat, checkpoint writes, compilation cache).
+# Every other setting picks the model, the data or the objective, which a checkpoint cannot
+# be continued under.
 RESUMABLE_CHANGES = frozenset(
     {
         "steps",
@@ -47,6 +48,9 @@ RESUMABLE_CHANGES = frozenset(
         "logprobs",
         "remat",
         "out",
+        "mtti",
+        "sync_checkpoints",
+        "compile_cache",
     }
 )
 
