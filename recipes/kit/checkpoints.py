@@ -11,7 +11,7 @@ the line reached `metrics.jsonl` loses nothing.
 
 An asynchronous checkpoint (Orbax's async checkpointing) is copied off the devices and its
 data position and record written in the step, and its arrays are written by a background
-thread while training goes on; `wait` (and `close`) wait for it. It is renamed into place
+thread while training goes on; `close` waits for it. It is renamed into place
 once every file is written, so a process killed meanwhile leaves the previous checkpoint as
 the latest.
 """
@@ -138,12 +138,9 @@ class Checkpoints:
             multihost_utils.sync_global_devices("damaged checkpoints set aside")
         self.manager.reload()
 
-    def wait(self) -> None:
-        """Wait for the checkpoint being written (asynchronously), if any, to be complete."""
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
-        self.wait()
+        """Wait for the checkpoint being written, if any, then close."""
+        self.manager.wait_until_finished()
         self.manager.close()
 
 

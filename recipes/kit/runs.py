@@ -209,8 +209,9 @@ class RunFolder:
             raise UserError(
                 f"--resume: {self.path} was trained with {flag} {saved.get(name)} (its "
                 f"config.toml), not {now.get(name)}; a run resumes with the settings it "
-                "started with, except --steps, --eval-every, --checkpoint-every, --log-to, "
-                "--no-progress, --devices and --logprobs"
+                "started with, except --steps, --eval-every, --checkpoint-every, --mtti, "
+                "--log-to, --no-progress, --devices, --logprobs, --remat, --sync-checkpoints "
+                "and --compile-cache"
             )
 
     @property
