@@ -7,12 +7,13 @@ failure the user can cause into one line.
 where `SFTConfig.RECIPE = "sft"` names the script and the default run folder.
 
 `train(config, run)` is the recipe's own function; it imports JAX itself, so that `--help`
-and flag errors never wait for it. It runs with JAX's persistent compilation cache in the
-run folder (`kit.compile_cache`, `--compile-cache`). The run folder's lock (taken when the
-loop opens the folder) is released on every exit: done, an error, Ctrl-C, SIGTERM. Exit
-status: 0 done, 2 a bad flag, path or data file, 130 interrupted (after saving a checkpoint
-when there was a step to save), 143 terminated (SIGTERM: the last checkpoint is what
-remains).
+and flag errors never wait for it. The run folder's lock (taken when the loop opens the
+folder) is released on every exit: done, an error, Ctrl-C, SIGTERM. Exit status: 0 done, 2
+a bad flag, path or data file, 130 interrupted (after saving a checkpoint when there was a
+step to save), 143 terminated (SIGTERM: the last checkpoint is what remains).
+
+`train` runs with JAX's persistent compilation cache in the run folder (`kit.compile_cache`,
+`--compile-cache`).
 """
 
 import os

@@ -422,11 +422,16 @@ def _words(kind: Any) -> tuple:
                  for w in typing.get_args(a))  # fmt: skip
 
 
+def _number(kind: Any) -> type:
+    """The type a union such as `int | Literal["auto"]` takes besides its words."""
+    return next(a for a in typing.get_args(kind) if typing.get_origin(a) is not Literal)
+
+
 def _convert(kind: Any, text: str) -> Any:
     if _is_union(kind):  # a number or a word: `--checkpoint-every 100` or `auto`
         if text in _words(kind):
             return text
-        number = next(a for a in typing.get_args(kind) if typing.get_origin(a) is not Literal)
+        number = _number(kind)
         try:
             return number(text)
         except ValueError:
@@ -552,7 +557,7 @@ def _from_toml(config_type: type, path: Path) -> dict[str, Any]:
         elif kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         elif _is_union(kind):  # a number or a word
-            number = next(a for a in typing.get_args(kind) if typing.get_origin(a) is not Literal)
+            number = _number(kind)
             if value not in _words(kind) and (
                 not isinstance(value, number) or isinstance(value, bool)
             ):
