@@ -13,13 +13,13 @@ reruns, `--resume auto`, once as it is (the cache the first start wrote) and onc
 start to its first completed step after the checkpoint it resumed from (the step's line in
 `metrics.jsonl`): start-up, restore, compilation (or loading it) and that step.
 
-Checkpoint cost, per recipe: two runs from the same start with a checkpoint every
-`--cost-every` steps (sharing one compilation cache), synchronous (`--sync-checkpoints`) and
+Checkpoint cost, per recipe: two runs of the killed run's settings (and its compilation
+cache) with a checkpoint every `--cost-every` steps, synchronous (`--sync-checkpoints`) and
 asynchronous (the default). A step's time is the sum of its phases (`kit.goodput`,
 compilation left out; the first step and the last, which evaluates, left out); a
-checkpoint's cost is what it adds to the `--cost-every` steps around it: (mean step time -
-plain step time) x `--cost-every`, the plain step being a step of the synchronous run that
-saves nothing (nothing is written in the background during it either).
+checkpoint's cost is the median over its checkpoints of the time of the step that saves and
+of the `--cost-every` - 1 steps after it (which an asynchronous write overlaps), less as
+many plain steps (the median of the synchronous run's steps that save nothing).
 
 Prints a table and ends with one JSON line (also written to `--json-out`).
 """
@@ -45,11 +45,9 @@ RECIPE_FLAGS = {
     "sft": ["--model-size", "student"],
     "grpo": ["--group-size", "4", "--max-new-tokens", "6", "--eval-samples", "0"],
 }
-SIZES = {  # recipes, steps of the killed run, kill after, rounds, checkpoints timed
-    "smoke": {"recipes": ("sft",), "steps": 200, "kill_at": 3, "repeats": 1,
-              "cost_checkpoints": 2},
-    "full": {"recipes": ("sft", "grpo"), "steps": 400, "kill_at": 6, "repeats": 3,
-             "cost_checkpoints": 8},
+SIZES = {  # recipes, steps of every run, kill after, rounds
+    "smoke": {"recipes": ("sft",), "steps": 60, "kill_at": 3, "repeats": 1},
+    "full": {"recipes": ("sft", "grpo"), "steps": 400, "kill_at": 6, "repeats": 3},
 }  # fmt: skip
 POLL_SECONDS = 0.02
 
@@ -61,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=tuple(SIZES), default="full")
     p.add_argument("--out", type=Path, default=None, help="where the runs go (default: temp)")
     p.add_argument("--checkpoint-every", type=int, default=2, help="of the killed run")
-    p.add_argument("--cost-every", type=int, default=5, help="steps between checkpoints")
+    p.add_argument("--cost-every", type=int, default=25, help="steps between checkpoints")
     p.add_argument("--json-out", type=Path, default=None)
     return p
 
@@ -112,10 +110,11 @@ def saved(folder: Path) -> list[int]:
     return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
 
 
-def recovery(recipe: str, root: Path, size: dict, flags: list[str], every: int) -> dict:
-    """Kill a run, then time `--resume auto` of copies of it, with and without the cache."""
+def recovery(recipe: str, root: Path, size: dict, steps: list[str], every: int) -> dict:
+    """Kill a run, then time `--resume auto` of it as it was left, with and without the
+    cache."""
     killed = root / "killed"
-    steps = ["--steps", str(size["steps"]), "--checkpoint-every", str(every), *flags]
+    steps = [*steps, "--checkpoint-every", str(every)]
     run_until(command(recipe, killed, *steps), killed, size["kill_at"], root / "killed.log")
     step = saved(killed)[-1]
     kept = [r for r in records(killed) if r["step"] <= step]  # what a resume keeps
@@ -155,24 +154,37 @@ def step_times(folder: Path) -> list[tuple[int, float]]:
     ]
 
 
-def checkpoint_cost(recipe: str, root: Path, size: dict, flags: list[str], every: int) -> dict:
-    """Runs with a checkpoint every `every` steps, synchronous and asynchronous, sharing one
-    compilation cache; a checkpoint's cost is what it adds to the `every` steps around it,
-    against the steps of the synchronous run that neither save nor follow a save."""
-    steps = str(every * size["cost_checkpoints"] + 2)
-    shared = ["--compile-cache", str(root / "cache"), "--checkpoint-every", str(every)]
+def checkpoint_cost(recipe: str, root: Path, steps: list[str], cache: Path, every: int) -> dict:
+    """Runs with a checkpoint every `every` steps, synchronous and asynchronous, with the
+    killed run's settings and its compilation cache; the cost of a checkpoint in each."""
+    shared = [*steps, "--compile-cache", str(cache), "--checkpoint-every", str(every)]
     arms = {"sync": ["--sync-checkpoints"], "async": []}
-    times = {}
     for arm, extra in arms.items():
-        run(command(recipe, root / arm, "--steps", steps, *shared, *extra, *flags),
-            root / f"{arm}.log")  # fmt: skip
-        times[arm] = step_times(root / arm)
-    plain = statistics.mean(t for step, t in times["sync"] if step % every)
-    mean = {arm: statistics.mean(t for _, t in times[arm]) for arm in arms}
+        run(command(recipe, root / arm, *shared, *extra), root / f"{arm}.log")
+    return costs(root, every)
+
+
+def costs(root: Path, every: int) -> dict:
+    """The cost of a checkpoint in the runs `root/sync` and `root/async`: the median, over
+    the checkpoints, of the time of the step that saves and the `every - 1` after it (which
+    an asynchronous write overlaps), less `every` plain steps; a plain step's time is the
+    median of the synchronous run's steps that save nothing (nor is anything written in the
+    background during them). Medians, since a step of a few milliseconds on a shared machine
+    is now and then many times longer."""
+    times = {arm: dict(step_times(root / arm)) for arm in ("sync", "async")}
+    plain = statistics.median(t for step, t in times["sync"].items() if step % every)
+    cost = {}
+    for arm, steps in times.items():
+        periods = [
+            sum(steps[s + i] for i in range(every))
+            for s in steps
+            if s % every == 0 and all(s + i in steps for i in range(every))
+        ]
+        cost[arm] = statistics.median(periods) - every * plain
     return {
         "step_s": round(plain, 4),
-        "checkpoint_cost_sync_s": round((mean["sync"] - plain) * every, 4),
-        "checkpoint_cost_async_s": round((mean["async"] - plain) * every, 4),
+        "checkpoint_cost_sync_s": round(cost["sync"], 4),
+        "checkpoint_cost_async_s": round(cost["async"], 4),
         "checkpoint_every": every,
     }
 
@@ -193,13 +205,15 @@ def main(argv: list[str] | None = None) -> dict:
     for recipe in size["recipes"]:
         folder = root / recipe
         folder.mkdir(exist_ok=True)
-        flags = ["--model", str(start)] if recipe == "grpo" else []
+        steps = ["--steps", str(size["steps"])]
+        steps += ["--model", str(start)] if recipe == "grpo" else []
         (folder / "recovery").mkdir(exist_ok=True)
         (folder / "cost").mkdir(exist_ok=True)
-        result[recipe] = {
-            **recovery(recipe, folder / "recovery", size, flags, args.checkpoint_every),
-            **checkpoint_cost(recipe, folder / "cost", size, flags, args.cost_every),
-        }
+        result[recipe] = recovery(recipe, folder / "recovery", size, steps, args.checkpoint_every)
+        cache = folder / "recovery" / "killed" / "compile_cache"  # the same programs
+        result[recipe].update(
+            checkpoint_cost(recipe, folder / "cost", steps, cache, args.cost_every)
+        )
     print(table(result, size["recipes"]))
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
