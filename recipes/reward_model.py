@@ -21,7 +21,7 @@ import dataclasses
 from typing import Literal
 
 import kit
-from kit.config import DataFile, Run, SFTStart, Task, flag
+from kit.config import CHECKPOINT_EVERY, DataFile, Run, SFTStart, Task, flag
 from kit.errors import UserError
 from kit.plan import Planned
 
@@ -33,7 +33,7 @@ class RewardModelConfig(Run, Task, DataFile, SFTStart):
 
     steps: int = flag(3000, "optimizer steps")
     eval_every: int = flag(500, "steps between held-out evaluations")
-    checkpoint_every: int = flag(500, "steps between checkpoints")
+    checkpoint_every: int | Literal["auto"] = flag(500, CHECKPOINT_EVERY)
     rejected: Literal["sampled", "model", "near_miss"] = flag(
         "sampled",
         "built-in task: rejected answers are the SFT model's own wrong answers, sampled at "

@@ -36,7 +36,15 @@ from pathlib import Path
 from typing import Literal
 
 import kit
-from kit.config import RLEvaluation, RoutingReplay, Run, Task, at_least, flag
+from kit.config import (
+    CHECKPOINT_EVERY,
+    RLEvaluation,
+    RoutingReplay,
+    Run,
+    Task,
+    at_least,
+    flag,
+)
 from kit.errors import UserError
 from kit.plan import Planned
 
@@ -53,7 +61,7 @@ class ToolUseConfig(Run, Task, RLEvaluation, RoutingReplay):
     batch_size: int = flag(8, "problems per GRPO step")
     sft_batch_size: int = flag(16, "demonstrations per SFT step")
     eval_every: int = flag(100, "steps between held-out evaluations")
-    checkpoint_every: int = flag(100, "steps between checkpoints")
+    checkpoint_every: int | Literal["auto"] = flag(100, CHECKPOINT_EVERY)
     operations: str = flag("*", "the task's operations, any of '+-*'")
     max_digits: int = flag(3, "operand digits of the task")
     num_train: int = flag(2000, "training problems")

@@ -4,6 +4,8 @@
   `config.toml` of its run; flag groups (`Run`, `Task`, `DataFile`, `Start`, `Lora`,
   `RLEvaluation`).
 - `cli`: the entry point: parse and check before JAX is imported, one-line errors, Ctrl-C.
+- `compile_cache`: JAX's persistent compilation cache beside the run, so restarts skip
+  compiling.
 - `runs`: run folders that are never replaced without `--overwrite` or `--resume`, and
   `--resume auto`.
 - `lock`: a run folder's lock: one run writes it at a time.
@@ -25,8 +27,8 @@
 - `plan`: `--plan` and `--device-memory`, the step's memory planned before it runs.
 
 The modules a recipe imports before its flags are checked (`config`, `cli`, `runs`, `lock`,
-`errors`, and through them `plan`, `models`, `reward_model`, `grpo_config`) do not import
-JAX at their top; the others do, and are imported by the recipes' `train`.
+`errors`, and through them `compile_cache`, `plan`, `models`, `reward_model`, `grpo_config`)
+do not import JAX at their top; the others do, and are imported by the recipes' `train`.
 """
 
 from kit import cli, config, errors, runs

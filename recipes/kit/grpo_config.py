@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from kit.config import (
+    CHECKPOINT_EVERY,
     DataFile,
     Lora,
     RLEvaluation,
@@ -91,7 +92,7 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation, RoutingRepla
 
     steps: int = flag(150, "optimizer steps (batches of rollouts)")
     eval_every: int = flag(50, "steps between held-out evaluations")
-    checkpoint_every: int = flag(50, "steps between checkpoints")
+    checkpoint_every: int | Literal["auto"] = flag(50, CHECKPOINT_EVERY)
     mode: Literal["grpo", "dapo", "dr_grpo"] = flag("grpo", "the algorithm's defaults")
     group_size: int = flag(8, "completions per prompt, G")
     temperature: float = flag(1.0, "sampling temperature (> 0: the G completions must differ)")

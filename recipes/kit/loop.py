@@ -14,6 +14,10 @@ checkpoint of it and raises `Interrupted`, which the entry point turns into one 
 how to resume; a second Ctrl-C stops at once, and the last periodic checkpoint is what
 remains.
 
+Checkpoints are written in the background while the next steps run (unless
+`--sync-checkpoints`), and the loop waits for the last one before it returns;
+`--checkpoint-every auto` picks the interval (`kit.checkpoint_interval`).
+
 In a run of several processes (`kit.parallel`) every process runs the loop: the steps,
 evaluations and checkpoints are collective, and the processes agree after each step whether
 one of them was asked to stop. Process 0 alone writes the run folder's files and shows the
@@ -33,7 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from kit import goodput, parallel, plan
+from kit import checkpoint_interval, goodput, parallel, plan
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
 from kit.logs import open_writers
@@ -85,7 +89,8 @@ def train(
         run.open(config)  # locks the folder; a resumed run saves its config.toml once restored
     if placed is not None:
         placed.barrier("run folder open")
-    checkpoints = Checkpoints(run.path / "checkpoints")
+    checkpoints = Checkpoints(run.path / "checkpoints", asynchronous=not config.sync_checkpoints)
+    interval = checkpoint_interval.Interval(config.checkpoint_every, mtti=config.mtti)
     to_saved, from_saved = checkpointed or (lambda state: state, lambda state: state)
     start = 0
     if run.resume:
@@ -99,6 +104,7 @@ def train(
             kept.append(next((r for r in records if r["step"] == start), saved))
             run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             _add_badput(run, [r for r in records if r["step"] > start])
+            interval.observe(kept, _badput(run))
     writers = open_writers(run.path, name, config) if main else []
 
     def log(record: dict) -> None:
@@ -152,11 +158,15 @@ def train(
             )
             if placed is not None and placed.process_count > 1 and _anyone_stopping(stop):
                 stop.append(signal.SIGINT)  # another process was asked: stop together
-            if step % config.checkpoint_every == 0 or step == config.steps or stop:
+            saving = interval.due(step) or step == config.steps or bool(stop)
+            if saving:
                 so_far = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
                 with clock.phase("checkpoint"):  # with the record, should the log not follow
                     checkpoints.save(step, to_saved(state), batches, {**record, **so_far})
             split = clock.split()
+            chosen = interval.measured(split, saving, jax.process_count())
+            if chosen is not None and main:
+                bar.write(f"{name}: {chosen}", file=sys.stdout)
             record.update({goodput.PREFIX + k: round(v, 4) for k, v in split.items()})
             log(record)
             if stop:

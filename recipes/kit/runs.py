@@ -34,8 +34,9 @@ def default_out(name: str, seed: int) -> Path:
 
 
 # What `--resume` may change: the budget, how often it evaluates and saves, where it logs, and
-# how it runs (devices, log-prob implementation, remat). Every other setting picks the model, the
-# data or the objective, which a checkpoint cannot be continued under.
+# how it runs (devices, log-prob implementation, remat, checkpoint writes, compilation cache).
+# Every other setting picks the model, the data or the objective, which a checkpoint cannot
+# be continued under.
 RESUMABLE_CHANGES = frozenset(
     {
         "steps",
@@ -47,6 +48,9 @@ RESUMABLE_CHANGES = frozenset(
         "logprobs",
         "remat",
         "out",
+        "mtti",
+        "sync_checkpoints",
+        "compile_cache",
     }
 )
 
@@ -205,8 +209,9 @@ class RunFolder:
             raise UserError(
                 f"--resume: {self.path} was trained with {flag} {saved.get(name)} (its "
                 f"config.toml), not {now.get(name)}; a run resumes with the settings it "
-                "started with, except --steps, --eval-every, --checkpoint-every, --log-to, "
-                "--no-progress, --devices and --logprobs"
+                "started with, except --steps, --eval-every, --checkpoint-every, --mtti, "
+                "--log-to, --no-progress, --devices, --logprobs, --remat, --sync-checkpoints "
+                "and --compile-cache"
             )
 
     @property

@@ -61,6 +61,7 @@ def world(tmp_path_factory) -> Path:
         "overwrite.toml": "overwrite = true\n",
         "broken.toml": "steps = = 3\n",
         "nan.toml": "label_smoothing = nan\n",
+        "often.toml": 'checkpoint_every = "often"\n',
     }
     for name, text in configs.items():
         (root / name).write_text(text)
@@ -144,6 +145,14 @@ WITHOUT_JAX = [
     ("sft", ["--resume", "auto", "--steps", "20"], "was trained with --batch-size None"),
     ("sft", ["--out", "runs/model-only", "--resume", "auto"], "without a checkpoint to resume"),
     ("sft", ["--resume", "later"], "argument --resume: invalid choice: 'later'"),
+    # Recovery settings: the checkpoint interval, the MTTI it assumes, the compilation cache.
+    ("sft", ["--checkpoint-every", "often"], "--checkpoint-every: give a whole number or auto"),
+    ("grpo", ["--checkpoint-every", "0"], "--checkpoint-every must be >= 1, got 0"),
+    ("sft", ["--config", "often.toml"], "checkpoint_every must be int or 'auto', got 'often'"),
+    ("sft", ["--mtti", "0"], "--mtti must be > 0 seconds, got 0.0"),
+    ("sft", ["--mtti", "inf"], "--mtti must be a finite number, got inf"),
+    ("sft", ["--compile-cache", ""], "--compile-cache is empty: give a folder, or none"),
+    ("sft", ["--compile-cache", "notes.txt"], "--compile-cache notes.txt is a file: give a"),
 ]
 
 
