@@ -11,27 +11,40 @@ fails, the others are stopped (SIGTERM, then SIGKILL after `--grace` seconds), t
 says which one failed and exits with its code. For development and tests: on clusters use
 the cluster's own launcher (`srun`, `mpirun`, a TPU pod's `--worker=all`; see
 `docs/scale.md`).
+
+As a supervisor (`tunelib/_supervisor.py`):
+
+    python -m tunelib.launch -n 2 --max-restarts 3 --hang-timeout 60 [--min-processes 1] \
+        recipes/sft.py --out runs/a --resume auto
+
+`--max-restarts K` starts the whole run again when a process fails or hangs, up to K times;
+the command must be safe to run again, so it must carry `--resume auto` (a recipe then
+continues from its last complete checkpoint), or the launcher refuses it. A process that
+exits with code 2 (a recipe's refusal of its settings or files) is not restarted: it would
+refuse again. `--hang-timeout S`: a process whose heartbeat (`tunelib.distributed
+.heartbeat`, after every step of the kit's loop) is older than S seconds is hung; its clock
+starts at its first beat, which comes after the first step and its compilation.
+`--min-processes M`: when capacity is lost (a `lose` fault of `TUNELIB_FAULTS`, see
+`tunelib.distributed.parse_faults`), the run goes on with the processes left, as long as
+they are at least M, and grows back to N (stopped with SIGINT after a step: a checkpoint,
+then a restart) when the capacity returns. Each restart is one line on stderr with its
+cause, and a line of `supervisor.jsonl` in `--log-dir` (default: the command's `--out`),
+where `faults.jsonl` records the injected faults that fired.
 """
 
 import argparse
-import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
 
-from tunelib.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
-
-_PROG = "python -m tunelib.launch"
+from tunelib import _supervisor
+from tunelib._processes import PROG, Launch, free_port
+from tunelib.distributed import FAULTS, parse_faults
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=_PROG,
+        prog=PROG,
         description="Run N processes of a program on this machine as one JAX run.",
     )
     parser.add_argument("-n", "--num-processes", type=int, required=True,
@@ -44,6 +57,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="the coordinator's port (default: a free one)")  # fmt: skip
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds from SIGTERM to SIGKILL when stopping processes")  # fmt: skip
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the run up to K times when a process fails or hangs "
+                             "(the command must carry --resume auto; default 0: none)")  # fmt: skip
+    parser.add_argument("--hang-timeout", type=float, default=None,
+                        help="seconds without a heartbeat after which a process is hung "
+                             "(counted from its first beat; default: not watched)")  # fmt: skip
+    parser.add_argument("--min-processes", type=int, default=None,
+                        help="go on with at least M processes when capacity is lost, and grow "
+                             "back when it returns (default: -n, no shrinking)")  # fmt: skip
+    parser.add_argument("--log-dir", default=None,
+                        help="where supervisor.jsonl and faults.jsonl go (default: the "
+                             "command's --out)")  # fmt: skip
     parser.add_argument("-m", dest="module", default=None,
                         help="run a module (as python -m) instead of a script")  # fmt: skip
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -70,132 +95,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not os.path.isfile(script):
             parser.error(f"no such script: {script}")
         command = [sys.executable, script, *rest]
-    port = args.port if args.port is not None else _free_port()
-    return _Launch(command, args.num_processes, port, args.devices_per_process, args.grace).run()
+    refused = _refused(args, command)
+    if refused:  # one line, nothing written
+        print(f"{PROG}: error: {refused}", file=sys.stderr, flush=True)
+        return 2
+    if args.max_restarts or args.hang_timeout is not None or args.min_processes is not None:
+        return _supervisor.Supervisor(
+            command, args.num_processes, devices=args.devices_per_process, port=args.port,
+            grace=args.grace, max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
+            min_processes=args.min_processes or args.num_processes,
+            log_dir=args.log_dir or _supervisor.out_folder(command),
+        ).run()  # fmt: skip
+    port = args.port if args.port is not None else free_port()
+    return Launch(command, args.num_processes, port, args.devices_per_process, args.grace).run()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Launch:
-    def __init__(self, command, count, port, devices, grace):
-        self.command, self.count, self.grace = command, count, grace
-        self.address = f"127.0.0.1:{port}"
-        self.devices = devices
-        self.lock = threading.Lock()
-        self.stopping: str | None = None  # why the processes are being stopped
-        self.processes: list[subprocess.Popen] = []
-
-    def _environment(self, rank: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update({
-            COORDINATOR: self.address,
-            NUM_PROCESSES: str(self.count),
-            PROCESS_ID: str(rank),
-            "PYTHONUNBUFFERED": "1",
-        })  # fmt: skip
-        if self.devices is not None:
-            flag = f"--xla_force_host_platform_device_count={self.devices}"
-            kept = [f for f in env.get("XLA_FLAGS", "").split() if "device_count=" not in f]
-            env["XLA_FLAGS"] = " ".join([*kept, flag])
-        return env
-
-    def run(self) -> int:
-        previous = {
-            sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
-        pumps = []
-        try:
-            for rank in range(self.count):
-                process = subprocess.Popen(
-                    self.command,
-                    env=self._environment(rank),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,  # signals reach them through the launcher only
-                )
-                self.processes.append(process)
-                pump = threading.Thread(target=self._pump, args=(rank, process), daemon=True)
-                pump.start()
-                pumps.append(pump)
-            code = self._wait()
-        finally:
-            self._stop_all(signal.SIGKILL)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        for pump in pumps:
-            pump.join(timeout=5)
-        return code
-
-    def _pump(self, rank: int, process: subprocess.Popen) -> None:
-        for raw in iter(process.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            with self.lock:
-                print(f"[{rank}] {line}", flush=True)
-
-    def _say(self, message: str) -> None:
-        with self.lock:
-            print(f"{_PROG}: {message}", file=sys.stderr, flush=True)
-
-    def _forward(self, sig, frame) -> None:
-        name = signal.Signals(sig).name
-        if self.stopping is None:
-            self.stopping = name
-            self._say(f"{name}: passed on to all {self.count} processes.")
-            self._stop_all(sig)
-        else:  # a second Ctrl-C: no more waiting
-            self._say(f"{name} again: killing every process.")
-            self._stop_all(signal.SIGKILL)
-
-    def _stop_all(self, sig) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, sig)
-
-    def _wait(self) -> int:
-        failed: tuple[int, int] | None = None
-        deadline = None
-        while True:
-            codes = [p.poll() for p in self.processes]
-            failures = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed is None and self.stopping is None and failures:
-                # A process killed by a signal is named first: the others' errors (a peer's
-                # closed connection) follow from it, often within the same poll.
-                failed = rank, code = min(failures, key=lambda f: (f[1] >= 0, f[0]))
-                self._say(f"process {rank} {_described(code)}; stopping the others.")
-                self.stopping = f"process {rank} failed"
-                self._stop_all(signal.SIGTERM)
-            if self.stopping is not None and deadline is None:
-                deadline = time.monotonic() + self.grace
-            if deadline is not None and time.monotonic() > deadline:
-                alive = [r for r, c in enumerate(codes) if c is None]
-                if alive:
-                    self._say(f"processes {alive} still running after {self.grace} s: killed.")
-                    self._stop_all(signal.SIGKILL)
-                    deadline = float("inf")
-            if all(c is not None for c in codes):
-                break
-            time.sleep(0.05)
-        if failed is not None:
-            return _exit_code(failed[1])
-        if self.stopping in ("SIGINT", "SIGTERM"):
-            return 128 + signal.Signals[self.stopping].value
-        return next((_exit_code(c) for c in codes if c != 0), 0)
-
-
-def _described(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-
-def _exit_code(code: int) -> int:
-    return 128 - code if code < 0 else code
+def _refused(args, command: list[str]) -> str | None:
+    """Why the supervisor's settings cannot run, in one line, or None."""
+    if args.max_restarts < 0:
+        return f"--max-restarts must be >= 0, got {args.max_restarts}."
+    if args.hang_timeout is not None and not args.hang_timeout > 0:
+        return f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}."
+    n, m = args.num_processes, args.min_processes
+    if m is not None and not 1 <= m <= n:
+        return f"--min-processes must be in [1, {n}] (-n {n}), got {m}."
+    try:
+        parse_faults(os.environ.get(FAULTS, ""))
+    except ValueError as error:
+        return str(error)
+    if args.max_restarts and not _supervisor.resumes_auto(command):
+        return (
+            "--max-restarts runs the command again after a failure, so it must be safe to "
+            "rerun: give the program --resume auto (a recipe then continues from its last "
+            "checkpoint)."
+        )
+    supervised = args.max_restarts or args.hang_timeout is not None or m is not None
+    if supervised and args.log_dir is None and _supervisor.out_folder(command) is None:
+        return "a supervised run keeps its log in --log-dir, or in the program's --out: give one."
+    return None
 
 
 if __name__ == "__main__":
