@@ -33,11 +33,12 @@ class Launch:
 
     When one fails, the others are stopped (SIGTERM, SIGKILL after `grace` s). With
     `heartbeats` (the folder of `tunelib.distributed.heartbeat`'s files) and `hang_timeout`,
-    a process whose last beat is older than that is hung, and every process is stopped; at
-    `grow_at` (Unix seconds) every process is sent SIGINT, to stop after a step (a recipe
-    saves a checkpoint) and be started again on more processes, once each has beaten once. `failure` then says what
-    ended the run (rank, code, cause, failed_at, detected_at), `grew` whether it was
-    stopped to grow. `env` is added to every process's environment."""
+    a process whose last beat is older than that is hung, and every process is stopped (one
+    past its last beat is not watched); at `grow_at` (Unix seconds), once each has beaten
+    once, every process is sent SIGINT, to stop after a step (a recipe saves a checkpoint)
+    and be started again on more processes. `failure` then says what ended the run (rank,
+    code, cause, failed_at, detected_at), `grew` whether it was stopped to grow. `env` is
+    added to every process's environment."""
 
     def __init__(self, command, count, port, devices, grace, *, env=None, heartbeats=None,
                  hang_timeout=None, grow_at=None):  # fmt: skip
@@ -194,7 +195,9 @@ class Launch:
             path = Path(self.heartbeats) / str(rank)
             if code is None and path.exists():
                 with contextlib.suppress(OSError, ValueError, IndexError):
-                    beats.append((path.stat().st_mtime, rank, path.read_text().split()[0]))
+                    step, *last = path.read_text().split()[::2]  # "step time [last]"
+                    if not last:  # a process past its last step is no longer watched
+                        beats.append((path.stat().st_mtime, rank, step))
         if not beats:
             return None
         beat, rank, step = min(beats)

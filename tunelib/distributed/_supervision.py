@@ -12,12 +12,14 @@ HEARTBEATS = "TUNELIB_HEARTBEATS"  # the folder each process beats in, one file 
 SUPERVISION = "TUNELIB_SUPERVISION"  # JSON: the supervisor's record, for this attempt
 
 
-def heartbeat(step: int) -> None:
+def heartbeat(step: int, *, last: bool = False) -> None:
     """Say this process is alive at `step`: rewrite `<TUNELIB_HEARTBEATS>/<rank>` with the
     step and the time. Nothing without the variable (no supervisor watching).
 
     A supervisor that sees no beat from a process for `--hang-timeout` seconds takes it as
-    hung. The kit's loop beats after every step.
+    hung. The kit's loop beats after every step, and before a step's evaluation and its
+    checkpoint; with `last`, once its steps are done: no beat follows (saving the model,
+    plotting), and the supervisor stops watching the process.
 
     Examples:
       >>> from tunelib import distributed
@@ -26,7 +28,7 @@ def heartbeat(step: int) -> None:
     folder = os.environ.get(HEARTBEATS)
     if folder:
         path = Path(folder) / str(jax.process_index())
-        path.write_text(f"{step} {time.time():.3f}\n")
+        path.write_text(f"{step} {time.time():.3f}{' last' if last else ''}\n")
 
 
 def supervision() -> dict | None:
