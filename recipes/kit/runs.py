@@ -66,6 +66,7 @@ RUN_ENTRIES = (
     "baseline",
     "badput.json",
     "goodput.png",
+    "attempts.jsonl",
 )
 
 
