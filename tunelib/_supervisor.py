@@ -97,6 +97,7 @@ class Supervisor:
                     self._log({"event": "end", "time": time.time(), "code": code})
                     return code
                 else:
+                    failure = _injected(failure, faults, started)
                     self._take_lost_capacity(faults, started, capacity)
                     if failure["code"] == REFUSED:
                         say(f"process {failure['rank']} refused its settings: not restarted.")
@@ -158,6 +159,17 @@ class Supervisor:
     def _log(self, event: dict) -> None:
         with open(self.log_dir / "supervisor.jsonl", "a") as log:
             log.write(json.dumps(event) + "\n")
+
+
+def _injected(failure: dict, faults: Path, since: float) -> dict:
+    """The failure, at the time of the injected fault that caused it (the fault's record:
+    the process's own clock, before the supervisor saw its exit), if one did."""
+    times = [
+        record["time"]
+        for record in fired_faults(faults)
+        if record["rank"] == failure["rank"] and since <= record["time"] <= failure["failed_at"]
+    ]
+    return {**failure, "failed_at": max(times)} if times else failure
 
 
 def _code(failure: dict | None) -> int:

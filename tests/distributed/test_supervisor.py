@@ -105,6 +105,8 @@ def test_capacity_lost_goes_on_with_fewer_processes_and_grows_back(tmp_path):
         tmp_path, "lose@step=2,rank=1,back=2", "-n", "2", "--max-restarts", "1",
         "--min-processes", "1", "--grace", "1", steps=40,
     )  # fmt: skip
+    assert [(f["action"], f["rank"], f["step"]) for f in fired] == [("lose", 1, 2)]
+    assert "capacity is back: stopping every process after its step" in done.stderr
     starts = [e["processes"] for e in events if e["event"] == "start"]
     assert starts == [2, 1, 2], events
     capacity = [e["processes"] for e in events if e["event"] == "capacity"]
