@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tunelib._processes import Launch, free_port, say
 from tunelib.distributed import FAULTS_LOG, HEARTBEATS, SUPERVISION, fired_faults
+from tunelib.launch._processes import Launch, free_port, say
 
 REFUSED = 2  # a program's exit code for settings or files it refuses: a rerun refuses again
 

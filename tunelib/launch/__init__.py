@@ -12,7 +12,7 @@ says which one failed and exits with its code. For development and tests: on clu
 the cluster's own launcher (`srun`, `mpirun`, a TPU pod's `--worker=all`; see
 `docs/scale.md`).
 
-As a supervisor (`tunelib/_supervisor.py`):
+As a supervisor (`tunelib/launch/_supervisor.py`):
 
     python -m tunelib.launch -n 2 --max-restarts 3 --hang-timeout 60 [--min-processes 1] \
         recipes/sft.py --out runs/a --resume auto
@@ -37,9 +37,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tunelib import _supervisor
-from tunelib._processes import PROG, Launch, free_port
 from tunelib.distributed import FAULTS, parse_faults
+from tunelib.launch import _supervisor
+from tunelib.launch._processes import PROG, Launch, free_port
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -133,7 +133,3 @@ def _refused(args, command: list[str]) -> str | None:
     if supervised and args.log_dir is None and _supervisor.out_folder(command) is None:
         return "a supervised run keeps its log in --log-dir, or in the program's --out: give one."
     return None
-
-
-if __name__ == "__main__":
-    sys.exit(main())
