@@ -22,7 +22,9 @@ def test_smallest_settings_end_to_end(tmp_path):
     sft = result["sft"]
     assert sft["fired"] == ["kill@checkpoint step 8 rank 1", "hang@step step 10 rank 0"]
     assert sft["causes"][0] == "process 1 was killed by SIGKILL"
-    assert "process 0 hung" in sft["causes"][1] and sft["restarts"] >= 2
+    # The hung process's peer, waiting for it in a collective, stops beating at the same
+    # step: either may be the one named.
+    assert " hung: no heartbeat for " in sft["causes"][1] and sft["restarts"] >= 2
     assert sft["process_counts"] == [2] and sft["weights"]["bit_for_bit"]
     assert sft["interruptions"] == sft["restarts"]
     assert sft["mttr_seconds"]["max"] >= sft["mttr_seconds"]["mean"] > 0
