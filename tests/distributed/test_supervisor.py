@@ -116,3 +116,22 @@ def test_capacity_lost_goes_on_with_fewer_processes_and_grows_back(tmp_path):
     counts = [n for _, n in steps]
     assert counts[0] == 2 and 1 in counts and counts[-1] == 2
     assert [s for s, _ in steps] == sorted({s for s, _ in steps}) == list(range(1, 41))
+
+
+def test_a_program_that_refuses_its_settings_is_not_restarted(tmp_path):
+    """Exit code 2 (a recipe's one-line refusal, e.g. `--resume auto` on another run's folder)
+    would come back on every rerun: the supervisor stops at once with that code."""
+    script = tmp_path / "program.py"
+    script.write_text("import sys\nprint('refused', file=sys.stderr)\nsys.exit(2)\n")
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "tunelib.launch", "-n", "1", "--max-restarts", "3", str(script),
+         "--out", str(out), "--resume", "auto"],
+        capture_output=True, text=True, timeout=60, env=user_env(),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "process 0 refused its settings: not restarted." in done.stderr
+    events = [
+        json.loads(line)["event"] for line in (out / "supervisor.jsonl").read_text().splitlines()
+    ]
+    assert events == ["start", "end"]

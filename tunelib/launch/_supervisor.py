@@ -101,6 +101,8 @@ class Supervisor:
                     self._take_lost_capacity(faults, started, capacity)
                     if failure["code"] == REFUSED:
                         say(f"process {failure['rank']} refused its settings: not restarted.")
+                        self._log({"event": "end", "time": time.time(), "code": code,
+                                   "cause": failure["cause"]})  # fmt: skip
                         return code
                     if restarts >= self.max_restarts:
                         say(f"{failure['cause']}; no restart left (--max-restarts "
