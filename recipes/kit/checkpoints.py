@@ -25,6 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from tunelib.distributed import faults_during
+
 from kit.errors import UserError
 
 
@@ -59,15 +61,16 @@ class Checkpoints:
         as `step`."""
         if self.manager.latest_step() == step:
             return
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(batches),
-                record=ocp.args.JsonSave(record),
-            ),
-            force=True,
-        )
+        with faults_during("checkpoint", step, written=self.folder):  # TUNELIB_FAULTS, if set
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=grain.checkpoint.CheckpointSave(batches),
+                    record=ocp.args.JsonSave(record),
+                ),
+                force=True,
+            )
 
     def restore_latest(self, template, batches) -> tuple[int, object, dict]:
         """`(step, state, record)` of the latest intact checkpoint, the state placed like

@@ -32,6 +32,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from tunelib.distributed import faults_during
+
 from kit.loop import step_keys
 from kit.parallel import AXIS, Placement
 
@@ -115,7 +117,8 @@ class Rollouts:
     def push(self, weights):
         """The trainer's `weights` (host arrays) on the sampler's host: `(weights, bytes per
         second of the collective)`. The sampler's version advances."""
-        out, seconds = exchange(weights, source=TRAINER)
+        with faults_during("push", self.version + 1):  # TUNELIB_FAULTS, if set
+            out, seconds = exchange(weights, source=TRAINER)
         self.version += 1
         size = sum(np.asarray(x).nbytes for x in _leaves(out))
         return out, size / max(seconds, 1e-9)

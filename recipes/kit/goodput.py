@@ -23,6 +23,8 @@ PHASES: tuple[str, ...] = (
     "compile", "data", "rollout", "logprobs", "train", "sync", "checkpoint", "eval", "idle",
 )  # fmt: skip
 PRODUCTIVE: tuple[str, ...] = ("rollout", "logprobs", "train")
+# What an interruption cost, on the first step after the restart (`kit.recovery`).
+RECOVERY: tuple[str, ...] = ("lost_work", "detection", "restart", "restore", "recompile")
 PREFIX = "time_"  # the metrics' keys: time_compile, time_data, ...
 _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -107,7 +109,8 @@ def totals(records: list[dict]) -> dict[str, float]:
 
 
 def plot_split(records: list[dict], path, title: str) -> None:
-    """A stacked bar per step of its seconds per phase, into `path` (PNG)."""
+    """A stacked bar per step of its seconds per phase, into `path` (PNG); on the first step
+    after a restart, hatched, what the interruption cost (`RECOVERY`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,9 +122,11 @@ def plot_split(records: list[dict], path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     bottom = [0.0] * len(steps)
     x = [r["step"] for r in steps]
-    for name in PHASES:
+    restarted = any(PREFIX + name in r for r in steps for name in RECOVERY)
+    for name in PHASES + (RECOVERY if restarted else ()):
         values = [r.get(PREFIX + name, 0.0) for r in steps]
-        ax.bar(x, values, bottom=bottom, label=name, width=0.8)
+        hatch = "//" if name in RECOVERY else None
+        ax.bar(x, values, bottom=bottom, label=name, width=0.8, hatch=hatch)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xlabel("step", fontsize=8)
     ax.set_ylabel("seconds", fontsize=8)

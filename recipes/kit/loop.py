@@ -26,9 +26,11 @@ progress bar.
 
 import json
 import math
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +39,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from kit import checkpoint_interval, goodput, parallel, plan
+from tunelib import distributed
+
+from kit import checkpoint_interval, goodput, parallel, plan, recovery
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
 from kit.logs import open_writers
@@ -89,22 +93,34 @@ def train(
         run.open(config)  # locks the folder; a resumed run saves its config.toml once restored
     if placed is not None:
         placed.barrier("run folder open")
+    if os.environ.get(distributed.FAULTS) and not os.environ.get(distributed.FAULTS_LOG):
+        os.environ[distributed.FAULTS_LOG] = str(run.path / "faults.jsonl")  # fired once a run
     checkpoints = Checkpoints(run.path / "checkpoints", asynchronous=not config.sync_checkpoints)
     interval = checkpoint_interval.Interval(config.checkpoint_every, mtti=config.mtti)
     to_saved, from_saved = checkpointed or (lambda state: state, lambda state: state)
-    start = 0
+    start, lost = 0, []
     if run.resume:
+        began = time.time()
         start, state, saved = checkpoints.restore_latest(to_saved(state), batches)
         state = from_saved(state)
+        restored = (began, time.time())
         if main:
             print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
             run.save_config(config)
             records = run.records()
+            lost = [r for r in records if r["step"] > start]
             kept = [r for r in records if r["step"] < start]
             kept.append(next((r for r in records if r["step"] == start), saved))
             run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            _add_badput(run, [r for r in records if r["step"] > start])
+            _add_badput(run, lost)
             interval.observe(kept, _badput(run))
+    attempt = recovery.Attempt(
+        run.path, distributed.supervision(), resumed_from=start, devices=jax.device_count(),
+        processes=jax.process_count(), lost_seconds=_seconds(lost),
+        steady=recovery.steady_step(run.records()) if main else None,
+    )  # fmt: skip
+    if run.resume:
+        attempt.restored(*restored)
     writers = open_writers(run.path, name, config) if main else []
 
     def log(record: dict) -> None:
@@ -147,6 +163,7 @@ def train(
             if step == start + 1 and step < config.steps and main:  # the budget, in time
                 bar.write(estimate(name, step, config.steps, clock.split()), file=sys.stdout)
             if step % config.eval_every == 0 or step == config.steps:
+                distributed.heartbeat(step)  # the supervisor's clock starts again for it
                 with clock.phase("eval"):
                     evaluated = {k: _number(v) for k, v in evaluate(state["params"]).items()}
                     record.update(evaluated)
@@ -161,6 +178,7 @@ def train(
             saving = interval.due(step) or step == config.steps or bool(stop)
             if saving:
                 so_far = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
+                distributed.heartbeat(step)
                 with clock.phase("checkpoint"):  # with the record, should the log not follow
                     checkpoints.save(step, to_saved(state), batches, {**record, **so_far})
             split = clock.split()
@@ -168,9 +186,12 @@ def train(
             if chosen is not None and main:
                 bar.write(f"{name}: {chosen}", file=sys.stdout)
             record.update({goodput.PREFIX + k: round(v, 4) for k, v in split.items()})
+            record.update(attempt.first_step(record, main=main))
             log(record)
+            distributed.heartbeat(step)
             if stop:
                 raise Interrupted(step)
+            distributed.inject_faults("step", step)
     except (Interrupted, KeyboardInterrupt):
         bar.close()
         saved = checkpoints.manager.latest_step()
@@ -181,6 +202,7 @@ def train(
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
+    distributed.heartbeat(config.steps, last=True)
     bar.close()
     checkpoints.close()
     for writer in writers:
@@ -243,7 +265,9 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
     rounded to 4 decimals), then `time`: the seconds of every step per phase (compile, data,
     rollout, log-probs, train, sync, checkpoint, eval, idle; `kit.goodput`) with `goodput`,
     their productive share, and the badput: restarts and the seconds of the steps they
-    lost (steps logged after the checkpoint a `--resume` went back to).
+    lost (steps logged after the checkpoint a `--resume` went back to); then `recovery`,
+    what interruptions cost (`kit.recovery.figures`: MTTR, MTTI, badput by cause, goodput
+    over the wall time and capacity-aware goodput).
     """
     records = run.records()
     main = parallel.is_main()
@@ -253,6 +277,7 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
         plot(curves, run.path / "curves.png", title)
         goodput.plot_split(records, run.path / "goodput.png", title)
     badput = _badput(run)
+    figures = recovery.figures(run.path, records, distributed.supervision(), run.seconds())
     result = {
         "recipe": config.run_name(),
         "seed": config.seed,
@@ -263,6 +288,7 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
         "time": goodput.totals(records),
         "badput_seconds": badput["lost_seconds"],
         "restarts": badput["restarts"],
+        "recovery": figures,
     }
     if main:
         (run.path / "result.json").write_text(json.dumps(result, indent=2))
@@ -279,12 +305,17 @@ def _add_badput(run: RunFolder, lost: list[dict]) -> None:
     """Count a restart, and the time of the steps it lost (logged after the checkpoint it
     resumes from), into the run's `badput.json`."""
     badput = _badput(run)
-    seconds = sum(r.get(goodput.PREFIX + p, 0.0) for r in lost for p in goodput.PHASES)
+    seconds = _seconds(lost)
     badput = {
         "restarts": badput["restarts"] + 1,
         "lost_seconds": round(badput["lost_seconds"] + seconds, 2),
     }
     (run.path / "badput.json").write_text(json.dumps(badput))
+
+
+def _seconds(records: list[dict]) -> float:
+    """The logged time of `records`, every phase."""
+    return sum(r.get(goodput.PREFIX + p, 0.0) for r in records for p in goodput.PHASES)
 
 
 def first_and_last(run: RunFolder, key: str) -> tuple[float, float]:

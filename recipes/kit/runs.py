@@ -70,6 +70,7 @@ RUN_ENTRIES = (
     "baseline",
     "badput.json",
     "goodput.png",
+    "attempts.jsonl",
 )
 
 

@@ -176,7 +176,7 @@ def test_a_recipe_whose_batch_does_not_split_over_the_processes_says_so(tmp_path
 def test_a_process_killed_by_a_signal_is_named_before_the_peers_it_broke(capsys):
     """A SIGKILLed process and a peer that exited on the closed connection, both seen in one
     poll: the launcher names the killed one, whatever its rank."""
-    from tunelib.launch import _Launch
+    from tunelib.launch._processes import Launch
 
     class Exited:
         def __init__(self, code):
@@ -185,7 +185,7 @@ def test_a_process_killed_by_a_signal_is_named_before_the_peers_it_broke(capsys)
         def poll(self):
             return self.code
 
-    launcher = _Launch([], 3, 0, None, grace=1)
+    launcher = Launch([], 3, 0, None, grace=1)
     launcher.processes = [Exited(0), Exited(1), Exited(-signal.SIGKILL)]
     assert launcher._wait() == 128 + signal.SIGKILL
     assert "process 2 was killed by SIGKILL; stopping the others" in capsys.readouterr().err

@@ -3,8 +3,22 @@
 `initialize()` joins the processes of a run through `jax.distributed.initialize` (from the
 variables `python -m tunelib.launch` sets for local runs, or a SLURM / Open MPI job's own),
 with Gloo collectives on CPU, and returns this process's `Runtime`. See `docs/scale.md`.
+
+For supervised runs (`python -m tunelib.launch --max-restarts K`): `heartbeat(step)` tells
+the supervisor a process is alive, `supervision()` what it recorded of the restarts so far;
+`inject_faults` and `faults_during` fire the faults `TUNELIB_FAULTS` asks for (tests and
+benchmarks of recovery), `parse_faults` reads that variable's grammar.
 """
 
+from tunelib.distributed._faults import (
+    FAULTS,
+    FAULTS_LOG,
+    Fault,
+    faults_during,
+    fired_faults,
+    inject_faults,
+    parse_faults,
+)
 from tunelib.distributed._runtime import (
     COORDINATOR,
     NUM_PROCESSES,
@@ -12,5 +26,23 @@ from tunelib.distributed._runtime import (
     Runtime,
     initialize,
 )
+from tunelib.distributed._supervision import HEARTBEATS, SUPERVISION, heartbeat, supervision
 
-__all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "Runtime", "initialize"]
+__all__ = [
+    "COORDINATOR",
+    "FAULTS",
+    "FAULTS_LOG",
+    "HEARTBEATS",
+    "NUM_PROCESSES",
+    "PROCESS_ID",
+    "SUPERVISION",
+    "Fault",
+    "Runtime",
+    "faults_during",
+    "fired_faults",
+    "heartbeat",
+    "initialize",
+    "inject_faults",
+    "parse_faults",
+    "supervision",
+]

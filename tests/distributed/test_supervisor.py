@@ -1,0 +1,137 @@
+"""`python -m tunelib.launch --max-restarts K`: its refusals, a hang detected and recovered,
+capacity lost and regained; on a small program that beats and takes faults as a recipe's loop
+does (the recipes themselves: tests/distributed/test_recipes_across_processes.py)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests._helpers import user_env
+from tunelib import launch
+
+# Steps of 0.2 s, its progress in `--out`: a rerun with `--resume auto` goes on from there.
+# Ctrl-C (the supervisor growing the run) stops it after a step, with code 130.
+PROGRAM = """
+import sys, time
+from pathlib import Path
+from tunelib import distributed
+
+runtime = distributed.initialize()
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+done = out / "step"
+start = int(done.read_text()) if done.exists() else 0
+print(f"from step {start} on {runtime.process_count}", flush=True)
+try:  # (the supervisor sends Ctrl-C after every process's first beat only)
+    for step in range(start + 1, STEPS + 1):
+        time.sleep(0.2)
+        if runtime.is_main:
+            done.write_text(str(step))
+            with open(out / "steps", "a") as f:
+                f.write(f"{step} {runtime.process_count}\\n")
+        distributed.heartbeat(step)
+        distributed.inject_faults("step", step)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def supervised(tmp_path, faults: str, *flags: str, steps: int = 8):
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(PROGRAM).replace("STEPS", str(steps)))
+    out = tmp_path / "run"
+    out.mkdir()
+    env = {**user_env(), "TUNELIB_FAULTS": faults}
+    command = [sys.executable, "-m", "tunelib.launch", *flags, str(script), "--out", str(out),
+               "--resume", "auto"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    events = [json.loads(line) for line in (out / "supervisor.jsonl").read_text().splitlines()]
+    fired = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
+    steps_done = [line.split() for line in (out / "steps").read_text().splitlines()]
+    return done, events, fired, [(int(s), int(n)) for s, n in steps_done]
+
+
+@pytest.mark.parametrize(
+    ("flags", "faults", "message"),
+    [
+        (["--max-restarts", "-1"], "", "--max-restarts must be >= 0, got -1."),
+        (["--min-processes", "3"], "", "--min-processes must be in [1, 2] (-n 2), got 3."),
+        ([], "kill@stp=3", "TUNELIB_FAULTS: cannot parse 'kill@stp=3': the trigger is"),
+        (["--max-restarts", "1", "--no-resume"], "", "give the program --resume auto"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line_with_nothing_written(
+    tmp_path, monkeypatch, capsys, flags, faults, message
+):
+    monkeypatch.setenv("TUNELIB_FAULTS", faults)
+    script = tmp_path / "program.py"
+    script.write_text("print('ran')\n")
+    resume = [] if "--no-resume" in flags else ["--resume", "auto"]
+    flags = [f for f in flags if f != "--no-resume"]
+    out = tmp_path / "run"
+    code = launch.main(["-n", "2", *flags, str(script), "--out", str(out), *resume])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1 and message in captured.err, captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["program.py"]
+
+
+def test_a_hang_is_detected_within_the_timeout_and_the_run_recovers(tmp_path):
+    """A process stops beating after step 3; the supervisor sees it 2 s after its last beat,
+    stops it and starts the run again, which ends every step once after the checkpoint."""
+    timeout, grace = 2.0, 1.0
+    done, events, fired, steps = supervised(
+        tmp_path, "hang@step=3", "-n", "1", "--max-restarts", "1",
+        "--hang-timeout", str(timeout), "--grace", str(grace),
+    )  # fmt: skip
+    assert [e["event"] for e in events] == ["start", "restart", "start", "end"]
+    restart, again = events[1], events[2]
+    assert restart["cause"].startswith("process 0 hung: no heartbeat for")
+    assert "restart 1 of 1: process 0 hung" in done.stderr
+    (hang,) = fired
+    # Detected within the timeout (and a poll) of the hang, restarted within the grace.
+    assert timeout <= restart["detected_at"] - hang["time"] <= timeout + 1.0
+    assert again["time"] - restart["detected_at"] <= grace + 1.0
+    assert [s for s, _ in steps] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_capacity_lost_goes_on_with_fewer_processes_and_grows_back(tmp_path):
+    """Process 1's capacity is lost after step 2 for 2 s: the run goes on with 1 process
+    (>= --min-processes), then is stopped after a step and grows back to 2."""
+    done, events, fired, steps = supervised(
+        tmp_path, "lose@step=2,rank=1,back=2", "-n", "2", "--max-restarts", "1",
+        "--min-processes", "1", "--grace", "1", steps=40,
+    )  # fmt: skip
+    assert [(f["action"], f["rank"], f["step"]) for f in fired] == [("lose", 1, 2)]
+    assert "capacity is back: stopping every process after its step" in done.stderr
+    starts = [e["processes"] for e in events if e["event"] == "start"]
+    assert starts == [2, 1, 2], events
+    capacity = [e["processes"] for e in events if e["event"] == "capacity"]
+    assert capacity == [1, 2]
+    causes = [e["cause"] for e in events if e["event"] == "restart"]
+    assert causes == ["process 1 was killed by SIGKILL", "capacity back"]
+    counts = [n for _, n in steps]
+    assert counts[0] == 2 and 1 in counts and counts[-1] == 2
+    assert [s for s, _ in steps] == sorted({s for s, _ in steps}) == list(range(1, 41))
+
+
+def test_a_program_that_refuses_its_settings_is_not_restarted(tmp_path):
+    """Exit code 2 (a recipe's one-line refusal, e.g. `--resume auto` on another run's folder)
+    would come back on every rerun: the supervisor stops at once with that code."""
+    script = tmp_path / "program.py"
+    script.write_text("import sys\nprint('refused', file=sys.stderr)\nsys.exit(2)\n")
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "tunelib.launch", "-n", "1", "--max-restarts", "3", str(script),
+         "--out", str(out), "--resume", "auto"],
+        capture_output=True, text=True, timeout=60, env=user_env(),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "process 0 refused its settings: not restarted." in done.stderr
+    events = [
+        json.loads(line)["event"] for line in (out / "supervisor.jsonl").read_text().splitlines()
+    ]
+    assert events == ["start", "end"]
