@@ -20,11 +20,9 @@ from tunelib._products import products_must_be_plain
 from tunelib.models._config import DecoderConfig
 from tunelib.models._per_layer import LayerWeight
 from tunelib.models._rope import apply_rope
+from tunelib.models._windowed import KindCaches, LayerCache, ring_keys, write_ring
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
-# The cached keys and values `[L, B, K, S, D]` of every layer of one shape, the layer an
-# attention block reads and writes, and the slot the next tokens go to.
-LayerCache = tuple[jax.Array, jax.Array, jax.Array | int, jax.Array]
 _BUCKET, _MAX_BUCKETS = 32, 8
 # The widest block of input features a float32 product on CPU accumulates in one run (`Dense`).
 _BLOCK = 192
@@ -271,15 +269,17 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, LayerCache | None, tuple[jax.Array, jax.Array]]:
         """Attention of `x [B, T, H]`; with a `cache`, over the cached keys and these.
 
-        `cache` is `(keys, values, layer, index)`: the `[L, B, K, S, D]` keys and values of
-        every layer that shares this layer's shape, this layer's index in them, and the slot
-        at which this call's `T` keys and values are written. The queries then attend over
-        this layer's slots up to the last one written, rounded up to a bucket
-        (`cache_buckets`; `allowed` is `[B, 1, 1, T, S]`). Writing into the
-        whole-model arrays, rather than into a slice of them, lets XLA update the cache in
-        place inside a decode loop. A layer that shares keys and values gets them as `shared`
-        (and no cache). Returns the output, the updated cache (None without one) and the
-        keys and values attended over.
+        `cache` is a `LayerCache`: the `[L, B, K, S, D]` keys and values of every layer that
+        shares this layer's shape, this layer's index in them, and the slot at which this
+        call's `T` keys and values are written. The queries then attend over this layer's
+        slots up to the last one written, rounded up to a bucket (`cache_buckets`;
+        `allowed` is `[B, 1, 1, T, S]`); for a ring (a windowed cache, `_windowed`) over the
+        ring's `R` slots followed by the `T` new ones (`allowed` `[B, 1, 1, T, R + T]`).
+        Writing into the whole-model arrays, rather than into a slice of them, lets XLA
+        update the cache in place inside a decode loop. `KindCaches` (stacked layers of two
+        kinds) holds a full cache and a ring, `allowed` and `fill` a pair for them. A layer
+        that shares keys and values gets them as `shared` (and no cache). Returns the output,
+        the updated cache (None without one) and the keys and values attended over.
         """
         d = self.head_dim
         q = rearrange(self.q_proj(x), "b t (n d) -> b t n d", d=d)
@@ -306,15 +306,50 @@ class Attention(nnx.Module):
         q = rearrange(q, "b t (k g) d -> b k g t d", k=self.num_kv_heads)
         if cache is None:
             out = self._attend(q, k, val, allowed, fill)
+        elif isinstance(cache, KindCaches):
+            out, cache = self._attend_either_kind(q, k, val, cache, allowed, fill)
         else:
-            all_k, all_v, layer, index = cache
-            start = tuple(jnp.asarray(i, jnp.int32) for i in (layer, 0, 0, index, 0))
-            all_k = jax.lax.dynamic_update_slice(all_k, k.astype(all_k.dtype)[None], start)
-            all_v = jax.lax.dynamic_update_slice(all_v, val.astype(all_v.dtype)[None], start)
-            cache = (all_k, all_v, layer, index)
-            out = self._attend_filled(q, all_k, all_v, layer, index + x.shape[1], allowed, fill)
-            k, val = all_k[layer], all_v[layer]
+            out, cache, (k, val) = self._attend_cached(q, k, val, cache, allowed, fill)
         return self.o_proj(rearrange(out, "b k g t d -> b t (k g d)")), cache, (k, val)
+
+    def _attend_cached(self, q, k, val, cache: LayerCache, allowed, fill):
+        """Write the block's keys and values into `cache` and attend over it: the output, the
+        cache and the keys and values attended over."""
+        if cache.ring:
+            all_k, all_v = ring_keys(cache, k, val)
+            out = self._attend(q, all_k, all_v, allowed, fill)
+            return out, write_ring(cache, k, val), (all_k, all_v)
+        all_k, all_v, layer, index, _ = cache
+        start = tuple(jnp.asarray(i, jnp.int32) for i in (layer, 0, 0, index, 0))
+        all_k = jax.lax.dynamic_update_slice(all_k, k.astype(all_k.dtype)[None], start)
+        all_v = jax.lax.dynamic_update_slice(all_v, val.astype(all_v.dtype)[None], start)
+        cache = cache._replace(keys=all_k, values=all_v)
+        out = self._attend_filled(q, all_k, all_v, layer, index + q.shape[3], allowed, fill)
+        return out, cache, (all_k[layer], all_v[layer])
+
+    def _attend_either_kind(self, q, k, val, caches: KindCaches, allowed, fill):
+        """`_attend_cached` on the cache of the layer's kind (`caches.kind`, traced): one
+        `lax.switch` branch per kind, each with its own mask of `allowed` and `fill`."""
+        layouts = caches.caches
+
+        def branch(kind):
+            def attend(q, k, val, arrays):
+                caches = [
+                    c._replace(keys=a, values=b) for c, (a, b) in zip(layouts, arrays, strict=True)
+                ]
+                out, caches[kind], _ = self._attend_cached(
+                    q, k, val, caches[kind], allowed[kind], fill[kind]
+                )
+                return out, tuple((c.keys, c.values) for c in caches)
+
+            return attend
+
+        arrays = tuple((c.keys, c.values) for c in layouts)
+        out, arrays = jax.lax.switch(caches.kind, [branch(0), branch(1)], q, k, val, arrays)
+        updated = tuple(
+            c._replace(keys=a, values=b) for c, (a, b) in zip(layouts, arrays, strict=True)
+        )
+        return out, caches._replace(caches=updated)
 
     def _attend(self, q, k, val, allowed, fill):
         """Softmax attention of `q [B, K, G, T, D]` over `k`, `val` `[B, K, S, D]`."""
