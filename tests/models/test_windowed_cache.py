@@ -50,13 +50,13 @@ def test_rings_hold_the_window_and_only_sliding_layers_keep_one():
     model = Decoder(DecoderConfig(**GEMMA3, scan_layers=True), rngs=nnx.Rngs(0))
     full, windowed = model.init_cache(2, 40), model.init_cache(2, 40, windowed=True)
     assert [k.shape for k in full.keys] == [(3, 2, 2, 40, 8)]
-    # The two sliding layers in a ring of W - 1 = 3 slots, the full layer in all 40.
-    assert [k.shape for k in windowed.keys] == [(2, 2, 2, 3, 8), (1, 2, 2, 40, 8)]
+    # The two sliding layers in a ring of W = 4 slots, the full layer in all 40.
+    assert [k.shape for k in windowed.keys] == [(2, 2, 2, 4, 8), (1, 2, 2, 40, 8)]
     assert [x.shape for x in windowed.values] == [k.shape for k in windowed.keys]
     assert windowed.where.shape == full.where.shape == (2, 40)
     # A cache no longer than the ring, and a model without sliding layers: nothing to save.
-    short = model.init_cache(2, 3, windowed=True)
-    assert [k.shape for k in short.keys] == [(3, 2, 2, 3, 8)]
+    short = model.init_cache(2, 4, windowed=True)
+    assert [k.shape for k in short.keys] == [(3, 2, 2, 4, 8)]
     plain = Decoder(DecoderConfig(**{**GEMMA3, "layer_types": None, "sliding_window": None}),
                     rngs=nnx.Rngs(0))  # fmt: skip
     assert [k.shape for k in plain.init_cache(2, 40, windowed=True).keys] == [(3, 2, 2, 40, 8)]
@@ -82,7 +82,7 @@ def test_stacked_layers_of_two_kinds_equal_the_full_cache_in_float64():
             ring = model.init_cache(3, 30, windowed=True)
             hidden, ring = cached(graphdef, params, tokens, where, ring)
             np.testing.assert_allclose(hidden, expected, rtol=1e-12, atol=1e-12)
-            assert int(ring.index) == 26 and ring.keys[0].shape[3] == 3
+            assert int(ring.index) == 26 and ring.keys[0].shape[3] == 4
             np.testing.assert_array_equal(ring.lengths, where.sum(1))
 
 
@@ -95,7 +95,7 @@ def test_unrolled_layers_that_share_keys_equal_the_full_cache():
     tokens = np.where(WHERE, ROWS % GEMMA4["vocab_size"], 0)
     full, _ = cached(graphdef, state, tokens, WHERE, model.init_cache(3, 30))
     ring_cache = model.init_cache(3, 30, windowed=True)
-    assert [k.shape[3] for k in ring_cache.keys] == [2, 30]  # window 3: a ring of 2
+    assert [k.shape[3] for k in ring_cache.keys] == [3, 30]  # window 3: a ring of 3
     ring, _ = cached(graphdef, state, tokens, WHERE, ring_cache)
     forward = jax.jit(lambda s, t, w: nnx.merge(graphdef, s)(t, where=w))(state, tokens, WHERE)
     forward = np.where(WHERE[..., None], forward, 0)
@@ -106,7 +106,7 @@ def test_unrolled_layers_that_share_keys_equal_the_full_cache():
 
 @pytest.mark.parametrize("window", [1, 2])
 def test_the_smallest_windows(window):
-    """A window of one slot (a query sees itself) or two: a ring of one slot."""
+    """A window of one slot (a query sees itself) or two: rings of one and two slots."""
     with jax.enable_x64(True):
         tokens, where = x64_copies(ROWS[:2, :14], WHERE[:2, :14])
         config = DecoderConfig(**{**GEMMA3, "sliding_window": window, "num_hidden_layers": 2,
@@ -116,7 +116,7 @@ def test_the_smallest_windows(window):
         run = jax.jit(lambda t, w, c: model.extend(t, w, c))
         forward = np.where(where[..., None], model(tokens, where=where), 0)
         cache = model.init_cache(2, 14, windowed=True)
-        assert cache.keys[0].shape[3] == 1
+        assert cache.keys[0].shape[3] == window
         outs = []
         for a, b in ((0, 5), *((i, i + 1) for i in range(5, 14))):
             hidden, cache = run(tokens[:, a:b], where[:, a:b], cache)

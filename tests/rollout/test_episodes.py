@@ -192,10 +192,7 @@ def test_cache_continuation_equals_prefilling_the_whole_history(model):
     model64 = float64_twin(params)
     rows = len(PROMPTS) * GROUP  # the shapes of the episodes above: nothing new to compile
     slots = PROMPTS.shape[1] + 3 * 5 + 2 * 3
-    windowed = True  # as `run_episodes` starts by default
-    logits, cache = episodes_module._start(
-        graphdef, params, PROMPTS, PROMPT_WHERE, slots, GROUP, windowed
-    )
+    logits, cache = episodes_module._start(graphdef, params, PROMPTS, PROMPT_WHERE, slots, GROUP)
     history = [[] for _ in range(rows)]
 
     def check():

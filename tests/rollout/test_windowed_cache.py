@@ -1,17 +1,15 @@
-"""`sample` and `run_episodes` with windowed KV caches (`windowed_cache=True`, the default):
+"""`sample` with windowed KV caches (`windowed_cache=True`, the default):
 the tokens and behaviour log-probs of every slot kept (`windowed_cache=False`), in float64,
 where the two orders of summing attention agree to rounding."""
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 
 from tests._helpers import raises_naming, x64_copies
 from tests.models.test_windowed_cache import GEMMA3
-from tests.rollout.test_episodes import Scripted
 from tunelib.models import Decoder, DecoderConfig
-from tunelib.rollout import EpisodeConfig, Role, SamplingConfig, run_episodes, sample
+from tunelib.rollout import SamplingConfig, sample
 
 # Prompts longer than the window (4), the first left-padded; 13 new tokens cross the window
 # three times (greedy); stop tokens end sampled completions early.
@@ -66,38 +64,8 @@ def test_sample_with_unrolled_sliding_layers():
         assert_same_rollouts(windowed, full)
 
 
-def test_episodes_write_observations_into_the_ring():
-    """Turns and observation blocks in a ring of the window's slots (an episode's cache is at
-    most the window: the ring holds one slot less)."""
-    prompts, where = x64_copies(PROMPTS[:, 2:], PROMPT_WHERE[:, 2:])
-    with jax.enable_x64(True):
-        graphdef, params = float64_model(sliding_window=22)
-        sampling = SamplingConfig(max_new_tokens=5, temperature=0.8, stop_tokens=(3,))
-        config = EpisodeConfig(sampling=sampling, max_turns=3, max_tokens=17,
-                               max_observation_tokens=3, cache_length=22)  # fmt: skip
-        sizes = [(2, 3), (3, 1)]
-        episodes = [
-            run_episodes(graphdef, params, prompts, where, jax.random.key(2), config,
-                         [Scripted(s) for s in sizes], windowed_cache=w)
-            for w in (False, True)
-        ]  # fmt: skip
-    full, windowed = episodes
-    for name in ("tokens", "where", "roles", "num_turns"):
-        np.testing.assert_array_equal(getattr(windowed, name), getattr(full, name), name)
-    np.testing.assert_allclose(windowed.logps, full.logps, rtol=1e-12, atol=1e-12)
-    assert (np.asarray(full.roles) == Role.OBSERVATION).sum() >= 3  # observations written
-
-
-@pytest.mark.parametrize("call", ["sample", "run_episodes"])
-def test_windowed_cache_must_be_a_bool(call):
+def test_windowed_cache_must_be_a_bool():
     graphdef, params = nnx.split(Decoder(DecoderConfig(**GEMMA3), rngs=nnx.Rngs(0)))
-    if call == "sample":
-        with raises_naming("windowed_cache"):
-            sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0),
-                   SamplingConfig(max_new_tokens=2), windowed_cache="yes")  # fmt: skip
-    else:
-        config = EpisodeConfig(sampling=SamplingConfig(max_new_tokens=2), max_turns=1,
-                               max_tokens=2, max_observation_tokens=1)  # fmt: skip
-        with raises_naming("windowed_cache"):
-            run_episodes(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), config,
-                         [Scripted()] * 2, windowed_cache=None)  # fmt: skip
+    with raises_naming("windowed_cache"):
+        sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0),
+               SamplingConfig(max_new_tokens=2), windowed_cache="yes")  # fmt: skip

@@ -226,9 +226,9 @@ class Decoder(nnx.Module):
           batch_size: rows $B$.
           length: slots $S$, the most tokens (padding included) the cache will hold: the
             prompt length plus the number of tokens to decode.
-          windowed: sliding-window layers (window $W$ slots) keep a ring of the $W - 1$
-            slots before the newest tokens instead of all $S$, where that is fewer: the
-            keys a query of theirs can see. `extend` gives the same hidden states either
+          windowed: sliding-window layers (window $W$ slots) keep a ring of their $W$
+            latest slots instead of all $S$, where that is fewer: the keys a query of
+            theirs can see. `extend` gives the same hidden states either
             way, up to the order of the sums of attention (float32 rounding); the ring's
             keys are cached in groups of their own (see `KVCache`). Default False: every
             layer keeps all $S$ slots.
@@ -612,7 +612,7 @@ class KVCache(NamedTuple):
     full-attention layers are wider; layers that share another layer's keys and values
     (`DecoderConfig.num_kv_shared_layers`) have no entry. In a windowed cache
     (`init_cache(..., windowed=True)`) the sliding-window layers (window $W$) form groups of
-    their own whose slot axis is a ring of $R = W - 1$ slots (slot $s$ at position
+    their own whose slot axis is a ring of $R = W$ slots (slot $s$ at position
     $s \bmod R$), where that is fewer than $S$.
 
     Attributes:

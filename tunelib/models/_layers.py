@@ -20,7 +20,13 @@ from tunelib._products import products_must_be_plain
 from tunelib.models._config import DecoderConfig
 from tunelib.models._per_layer import LayerWeight
 from tunelib.models._rope import apply_rope
-from tunelib.models._windowed import KindCaches, LayerCache, ring_keys, write_ring
+from tunelib.models._windowed import (
+    KindCaches,
+    LayerCache,
+    reads_before_writing,
+    ring_keys,
+    write,
+)
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 _BUCKET, _MAX_BUCKETS = 32, 8
@@ -262,11 +268,11 @@ class Attention(nnx.Module):
         x: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
-        allowed: jax.Array,
-        fill: jax.Array,
-        cache: LayerCache | None = None,
+        allowed: jax.Array | tuple[jax.Array, jax.Array],
+        fill: jax.Array | tuple[jax.Array, jax.Array],
+        cache: LayerCache | KindCaches | None = None,
         shared: tuple[jax.Array, jax.Array] | None = None,
-    ) -> tuple[jax.Array, LayerCache | None, tuple[jax.Array, jax.Array]]:
+    ) -> tuple[jax.Array, LayerCache | KindCaches | None, tuple[jax.Array, jax.Array]]:
         """Attention of `x [B, T, H]`; with a `cache`, over the cached keys and these.
 
         `cache` is a `LayerCache`: the `[L, B, K, S, D]` keys and values of every layer that
@@ -315,41 +321,45 @@ class Attention(nnx.Module):
     def _attend_cached(self, q, k, val, cache: LayerCache, allowed, fill):
         """Write the block's keys and values into `cache` and attend over it: the output, the
         cache and the keys and values attended over."""
-        if cache.ring:
-            all_k, all_v = ring_keys(cache, k, val)
-            out = self._attend(q, all_k, all_v, allowed, fill)
-            return out, write_ring(cache, k, val), (all_k, all_v)
-        all_k, all_v, layer, index, _ = cache
-        start = tuple(jnp.asarray(i, jnp.int32) for i in (layer, 0, 0, index, 0))
-        all_k = jax.lax.dynamic_update_slice(all_k, k.astype(all_k.dtype)[None], start)
-        all_v = jax.lax.dynamic_update_slice(all_v, val.astype(all_v.dtype)[None], start)
-        cache = cache._replace(keys=all_k, values=all_v)
-        out = self._attend_filled(q, all_k, all_v, layer, index + q.shape[3], allowed, fill)
-        return out, cache, (all_k[layer], all_v[layer])
+        before = reads_before_writing(cache, k.shape[2])
+        written = cache if before else write(cache, k, val)
+        out = self._attend_written(q, k, val, written, allowed, fill, before)
+        if before:
+            return out, write(cache, k, val), ring_keys(cache, k, val)
+        return out, written, (written.keys[written.layer], written.values[written.layer])
 
     def _attend_either_kind(self, q, k, val, caches: KindCaches, allowed, fill):
-        """`_attend_cached` on the cache of the layer's kind (`caches.kind`, traced): one
-        `lax.switch` branch per kind, each with its own mask of `allowed` and `fill`."""
-        layouts = caches.caches
+        """`_attend_cached` on the cache of the layer's kind (`caches.kind`, traced), each kind
+        with its own mask of `allowed` and `fill`. Both caches are written, the other kind's
+        with what it holds, and only the attention is a `lax.switch`, reading them: a switch
+        that returned the caches would copy them at every layer."""
+        before = [reads_before_writing(c, k.shape[2]) for c in caches.caches]
+        enabled = [caches.kind == i for i in range(2)]
+        written = [
+            c if b else write(c, k, val, on)
+            for c, b, on in zip(caches.caches, before, enabled, strict=True)
+        ]
+        branches = [
+            functools.partial(self._attend_written, cache=c, allowed=a, fill=f, before=b)
+            for c, a, f, b in zip(written, allowed, fill, before, strict=True)
+        ]
+        out = jax.lax.switch(caches.kind, branches, q, k, val)
+        written = [
+            write(c, k, val, on) if b else c
+            for c, b, on in zip(written, before, enabled, strict=True)
+        ]
+        return out, caches._replace(caches=tuple(written))
 
-        def branch(kind):
-            def attend(q, k, val, arrays):
-                caches = [
-                    c._replace(keys=a, values=b) for c, (a, b) in zip(layouts, arrays, strict=True)
-                ]
-                out, caches[kind], _ = self._attend_cached(
-                    q, k, val, caches[kind], allowed[kind], fill[kind]
-                )
-                return out, tuple((c.keys, c.values) for c in caches)
-
-            return attend
-
-        arrays = tuple((c.keys, c.values) for c in layouts)
-        out, arrays = jax.lax.switch(caches.kind, [branch(0), branch(1)], q, k, val, arrays)
-        updated = tuple(
-            c._replace(keys=a, values=b) for c, (a, b) in zip(layouts, arrays, strict=True)
-        )
-        return out, caches._replace(caches=updated)
+    def _attend_written(self, q, k, val, cache: LayerCache, allowed, fill, before: bool):
+        """Attention over the slots of `cache` written so far, these tokens' included; or,
+        `before` they are written (a ring given several tokens), over those before them
+        followed by `k`, `val` themselves."""
+        tokens, slots = k.shape[2], cache.keys.shape[3]
+        if before:
+            end = jnp.minimum(cache.index, slots)
+            return self._attend_filled(q, cache, end, allowed, fill, (k, val))
+        end = jnp.minimum(cache.index + tokens, slots)
+        return self._attend_filled(q, cache, end, allowed, fill)
 
     def _attend(self, q, k, val, allowed, fill):
         """Softmax attention of `q [B, K, G, T, D]` over `k`, `val` `[B, K, S, D]`."""
@@ -362,28 +372,36 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         return jnp.einsum("bkgts,bksd->bkgtd", probs, val.astype(self.dtype))
 
-    def _attend_filled(self, q, all_k, all_v, layer, end, allowed, fill):
+    def _attend_filled(self, q, cache: LayerCache, end, allowed, fill, new=None):
         """Attention over the cache's first slots only: those up to `end` (traced), rounded
-        up to a whole bucket of `cache_buckets` slots. The slots left out are later than
-        every query, so their weights are exactly 0 and the result is the full cache's."""
-        _, b, kv, slots, d = all_k.shape
+        up to a whole bucket of `cache_buckets` slots; then, for a ring, over the block's
+        own keys and values `new` (the last `T` columns of `allowed` and `fill`). The slots
+        left out are later than every query or not written yet, so their weights are
+        exactly 0 and the result is the whole cache's."""
+        _, b, kv, slots, d = cache.keys.shape
         buckets = cache_buckets(slots)
 
         def over(n):
-            def attend(q, all_k, all_v, layer, allowed, fill):
+            def attend(q, all_k, all_v, layer, allowed, fill, new):
                 size = (1, b, kv, n, d)
                 k = jax.lax.dynamic_slice(all_k, (layer, 0, 0, 0, 0), size)[0]
                 val = jax.lax.dynamic_slice(all_v, (layer, 0, 0, 0, 0), size)[0]
-                return self._attend(q, k, val, allowed[..., :n], fill[:, :n])
+                seen, scores = allowed[..., :n], fill[:, :n]
+                if new is not None:
+                    k = jnp.concatenate([k, new[0].astype(k.dtype)], axis=2)
+                    val = jnp.concatenate([val, new[1].astype(val.dtype)], axis=2)
+                    seen = jnp.concatenate([seen, allowed[..., slots:]], axis=-1)
+                    scores = jnp.concatenate([scores, fill[:, slots:]], axis=-1)
+                return self._attend(q, k, val, seen, scores)
 
             return attend
 
+        args = (q, cache.keys, cache.values, cache.layer, allowed, fill, new)
         if len(buckets) == 1:
-            return over(slots)(q, all_k, all_v, layer, allowed, fill)
+            return over(slots)(*args)
         which = jnp.searchsorted(jnp.asarray(buckets), end, side="left")
         which = jnp.clip(which, 0, len(buckets) - 1)
-        branches = [over(n) for n in buckets]
-        return jax.lax.switch(which, branches, q, all_k, all_v, layer, allowed, fill)
+        return jax.lax.switch(which, [over(n) for n in buckets], *args)
 
 
 def cache_buckets(slots: int) -> tuple[int, ...]:

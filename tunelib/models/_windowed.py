@@ -1,12 +1,13 @@
 r"""Windowed KV caches: a sliding-window layer keeps only the slots its window can still see.
 
 A query at slot $t$ of a layer with window $W$ sees the keys at slots $s$ with
-$t - W < s \le t$. A block of $T$ new tokens at slots $i, \dots, i + T - 1$ therefore needs,
-besides its own keys, only the $W - 1$ slots before $i$. A windowed cache holds those in a
-ring of $R = W - 1$ slots (slot $s$ at ring position $s \bmod R$): the block attends over the
-ring followed by its own keys, then writes its last $\min(T, R)$ keys into the ring. The
-window is counted in slots, padding included, as in the full cache and the uncached forward
-pass, so the keys each query sees, and their weights, are the same.
+$t - W < s \le t$: the $W$ latest slots. A windowed cache holds them in a ring of $R = W$
+slots (slot $s$ at ring position $s \bmod R$). A decode step writes its key into the ring and
+attends over it, as over a full cache. A block of $T > 1$ tokens at slots
+$i, \dots, i + T - 1$ needs the $W - 1$ slots before $i$ and its own keys: it attends over the
+ring as it was, followed by its own keys, then writes its last $\min(T, R)$ keys into the
+ring. The window is counted in slots, padding included, as in the full cache and the
+uncached forward pass, so the keys each query sees, and their weights, are the same.
 
 The layout of a cache, in groups of layers of one shape, is `cache_groups`; a group is a
 ring when its slot axis is `ring_slots(window)` rather than the cache's length (only where
@@ -63,9 +64,8 @@ def layer_windows(config: DecoderConfig) -> tuple[int | None, ...]:
 
 
 def ring_slots(window: int) -> int:
-    """The slots a ring keeps for a window of $W$ slots: the $W - 1$ before a query (one at
-    least)."""
-    return max(window - 1, 1)
+    """The slots a ring keeps for a window of $W$ slots."""
+    return window
 
 
 def cache_groups(config: DecoderConfig, length: int, windowed: bool) -> list[CacheGroup]:
@@ -85,22 +85,32 @@ def cache_groups(config: DecoderConfig, length: int, windowed: bool) -> list[Cac
     return [CacheGroup(*key, tuple(members)) for key, members in groups.items()]
 
 
-def ring_key_slots(index: jax.Array, ring: int) -> jax.Array:
-    """`[R]`: the slot each ring position holds before a block written at `index` (the
-    latest slot below `index` at that position); negative where none was written yet."""
+def reads_before_writing(cache: LayerCache, tokens: int) -> bool:
+    """Whether a block of `tokens` attends over `cache` before it is written: a ring given
+    several tokens (they may overwrite slots their first queries see)."""
+    return cache.ring and tokens > 1
+
+
+def ring_key_slots(index: jax.Array, tokens: int, ring: int) -> jax.Array:
+    """The slot of each key a block of `tokens` at `index` attends over (negative: none
+    written yet): `[R]`, each ring position's latest slot once a decode step's key is
+    written; for a longer block, `[R + T]`, the ring's before the block, then its own."""
+    if tokens == 1:
+        return index - jnp.mod(index - jnp.arange(ring), ring)
     last = index - 1
-    return last - jnp.mod(last - jnp.arange(ring), ring)
+    before = last - jnp.mod(last - jnp.arange(ring), ring)
+    return jnp.concatenate([before, index + jnp.arange(tokens)])
 
 
 def ring_mask(
     key_where: jax.Array, index: jax.Array, tokens: int, ring: int, window: int, dtype
 ) -> tuple[jax.Array, jax.Array]:
-    """Which keys of `[ring, new tokens]` each of `tokens` new queries sees, `[B, 1, 1, T,
-    R + T]`, and the scores of the others, `[T, R + T]` (as `Decoder`'s masks: finite, the
-    future lowest). `key_where` `[B, S]` says which slots hold real tokens, these included."""
-    ring_slot = ring_key_slots(index, ring)
+    """Which keys each of `tokens` new queries sees, `[B, 1, 1, T, K]`, and the scores of the
+    others, `[T, K]`, over the `K` keys of `ring_key_slots` (as `Decoder`'s masks: finite,
+    the future lowest). `key_where` `[B, S]` says which slots hold real tokens, these
+    included."""
+    key_slot = ring_key_slots(index, tokens, ring)
     new_slot = index + jnp.arange(tokens)
-    key_slot = jnp.concatenate([ring_slot, new_slot])
     taken = jnp.take(key_where, jnp.maximum(key_slot, 0), axis=1) & (key_slot >= 0)[None]
     causal = key_slot[None, :] <= new_slot[:, None]
     seen = causal & (key_slot[None, :] > new_slot[:, None] - window)
@@ -110,8 +120,9 @@ def ring_mask(
 
 
 def ring_keys(cache: LayerCache, k: jax.Array, val: jax.Array):
-    """The keys and values a block attends over, `[B, K, R + T, D]`: the layer's ring before
-    the block, then the block's own `k`, `val` `[B, K, T, D]`."""
+    """The keys and values a block of several tokens attends over, `[B, K, R + T, D]`: the
+    layer's ring before the block, then the block's own `k`, `val` `[B, K, T, D]` (what a
+    layer sharing this layer's keys and values is given)."""
     old_k = jax.lax.dynamic_index_in_dim(cache.keys, cache.layer, keepdims=False)
     old_v = jax.lax.dynamic_index_in_dim(cache.values, cache.layer, keepdims=False)
     return (
@@ -120,23 +131,51 @@ def ring_keys(cache: LayerCache, k: jax.Array, val: jax.Array):
     )
 
 
-def write_ring(cache: LayerCache, k: jax.Array, val: jax.Array) -> LayerCache:
-    r"""The cache with the last $\min(T, R)$ of the block's keys and values `[B, K, T, D]`
-    written at their ring positions (slot mod R)."""
+def write(cache: LayerCache, k: jax.Array, val: jax.Array, enabled=True) -> LayerCache:
+    """`write_ring` or `write_slots`, as `cache` is a ring or not."""
+    return (write_ring if cache.ring else write_slots)(cache, k, val, enabled)
+
+
+def write_slots(cache: LayerCache, k: jax.Array, val: jax.Array, enabled=True) -> LayerCache:
+    """The full-layout cache with the block's keys and values `[B, K, T, D]` written at slots
+    `index` to `index + T - 1` of its layer; with `enabled` False (traced), the slots are
+    written with what they hold (stacked layers of another kind, `KindCaches`)."""
+    at = (cache.layer, 0, 0, cache.index, 0)
+    return cache._replace(
+        keys=_update(cache.keys, k, at, enabled), values=_update(cache.values, val, at, enabled)
+    )
+
+
+def write_ring(cache: LayerCache, k: jax.Array, val: jax.Array, enabled=True) -> LayerCache:
+    r"""The ring with the last $\min(T, R)$ of the block's keys and values `[B, K, T, D]`
+    written at their ring positions (slot mod R); with `enabled` False (traced), with what
+    those positions hold."""
     ring, tokens = cache.keys.shape[3], k.shape[2]
     kept = min(tokens, ring)
     k, val = k[:, :, tokens - kept :], val[:, :, tokens - kept :]
     first = cache.index + tokens - kept
     if kept == 1:  # a decode step: one slot, written in place
-        at = tuple(jnp.asarray(i, jnp.int32) for i in (cache.layer, 0, 0, first % ring, 0))
-        keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype)[None], at)
-        values = jax.lax.dynamic_update_slice(cache.values, val.astype(cache.keys.dtype)[None], at)
-    else:
-        at = jnp.mod(first + jnp.arange(kept), ring)
-        keys = cache.keys.at[cache.layer, :, :, at].set(
-            rearrange(k, "b k t d -> t b k d").astype(cache.keys.dtype)
+        at = (cache.layer, 0, 0, first % ring, 0)
+        return cache._replace(
+            keys=_update(cache.keys, k, at, enabled),
+            values=_update(cache.values, val, at, enabled),
         )
-        values = cache.values.at[cache.layer, :, :, at].set(
-            rearrange(val, "b k t d -> t b k d").astype(cache.values.dtype)
-        )
-    return cache._replace(keys=keys, values=values)
+    at = jnp.mod(first + jnp.arange(kept), ring)
+
+    def scatter(all_x, x):
+        x = rearrange(x, "b k t d -> t b k d").astype(all_x.dtype)
+        if enabled is not True:
+            x = jnp.where(enabled, x, all_x[cache.layer, :, :, at])
+        return all_x.at[cache.layer, :, :, at].set(x)
+
+    return cache._replace(keys=scatter(cache.keys, k), values=scatter(cache.values, val))
+
+
+def _update(all_x: jax.Array, x: jax.Array, at: tuple, enabled) -> jax.Array:
+    """`all_x` `[L, B, K, S, D]` with `x` `[B, K, T, D]` written at `at` (or, with `enabled`
+    False, what is there)."""
+    at = tuple(jnp.asarray(i, jnp.int32) for i in at)
+    x = x.astype(all_x.dtype)[None]
+    if enabled is not True:
+        x = jnp.where(enabled, x, jax.lax.dynamic_slice(all_x, at, x.shape))
+    return jax.lax.dynamic_update_slice(all_x, x, at)

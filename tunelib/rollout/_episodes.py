@@ -199,7 +199,6 @@ def run_episodes(
     tokenizer: Tokenizer | None = None,
     policy_version: int | ArrayLike | None = None,
     layout: Layout = "stacked",
-    windowed_cache: bool = True,
 ) -> Episode:
     r"""Run multi-turn episodes: model turns and environment observations in one KV cache.
 
@@ -253,10 +252,6 @@ def run_episodes(
       policy_version: the version of the policy `params` are, or None; given, the `Episode`
         is stamped with it and the fingerprint of `params`, as `sample` stamps a `Rollout`.
       layout: ``"stacked"`` (default) or ``"per_layer"``, as for `sample`.
-      windowed_cache: sliding-window layers keep a ring of their window's slots, as for
-        `sample` (default True; observations are written into it as blocks, the same keys
-        attended as in the full cache). The window check below bounds the episode's cache
-        by the window, so the ring saves at most a slot here.
 
     Returns:
       An `Episode` of `B * G` rows, `config.max_tokens` positions and `config.max_turns`
@@ -314,13 +309,9 @@ def run_episodes(
     slots = _cache_slots(config, prompt_tokens.shape[1], model_config)
     check_version(policy_version)
     v.one_of(layout, "layout", LAYOUTS)
-    if not isinstance(windowed_cache, bool):
-        raise TypeError(f"windowed_cache must be a bool, got {windowed_cache!r}.")
     given, params, key = params, decoding_params(graphdef, params, layout), as_key(key)
 
-    logits, cache = _start(
-        graphdef, params, prompt_tokens, prompt_where, slots, group_size, windowed_cache
-    )
+    logits, cache = _start(graphdef, params, prompt_tokens, prompt_where, slots, group_size)
     run = _Run(environments, config, model_config.vocab_size, tokenizer)
     run.reset(_row_prompts(prompt_tokens, prompt_where, group_size))
     for turn in range(config.max_turns):
@@ -389,11 +380,9 @@ def _row_prompts(prompt_tokens: jax.Array, prompt_where: jax.Array, group_size: 
             for _ in range(group_size)]  # fmt: skip
 
 
-@program(static_argnums=(0, 4, 5, 6))
-def _start(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, windowed):
-    return prefill(
-        graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, windowed=windowed
-    )
+@program(static_argnums=(0, 4, 5))
+def _start(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size):
+    return prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size)
 
 
 @program(static_argnums=(0, 5, 6), donate_argnums=(3,))

@@ -324,11 +324,11 @@ def sample(
         run's rollouts, not for one short generation. Adapted or quantised parameters (run
         through `peft.lora`) always run the scan.
       windowed_cache: sliding-window layers (Gemma 2, 3, 4, Mistral) keep only their
-        window in the KV cache, a ring of $W - 1$ slots (`Decoder.init_cache(...,
+        window in the KV cache, a ring of $W$ slots (`Decoder.init_cache(...,
         windowed=True)`), instead of every slot: the same keys attended with the same
         weights, so the same tokens and log-probs up to float32 rounding (the attention's
-        sums run over the ring in another order; about 1e-6 in the hidden states, exact in
-        float64). Default True; False keeps every slot, bit for bit as before
+        sums run over the ring in another order: about 1e-6 in the hidden states, 1e-12
+        in float64). Default True; False keeps every slot, bit for bit as before
         (`benchmarks/windowed_cache.py` compares the two). A model without sliding layers,
         or a cache no longer than the window, is the same either way.
 
