@@ -59,7 +59,9 @@ def sampler(graphdef, policy, prompt_tokens, prompt_where, sampling, *, group_si
     shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), policy, is_leaf=is_value
     )
-    cache = jax.eval_shape(lambda: nnx.merge(graphdef, shapes).init_cache(rows, length))
+    # Windowed, as `sample` makes it by default: sliding-window layers in rings.
+    model = nnx.merge(graphdef, shapes)
+    cache = jax.eval_shape(lambda: model.init_cache(rows, length, windowed=True))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     return Piece(sample, (policy, prompt_tokens, prompt_where, key), (1, 2), cache)
 

@@ -5,8 +5,9 @@ from flax import nnx
 
 from tunelib import _validation as v
 from tunelib.models._config import DecoderConfig
-from tunelib.models._layers import MLP, Attention, Dense, LayerCache, RMSNorm, activation, param
+from tunelib.models._layers import MLP, Attention, Dense, RMSNorm, activation, param
 from tunelib.models._moe import FusedExperts, MoE, Router
+from tunelib.models._windowed import KindCaches, LayerCache
 
 
 class DecoderLayer(nnx.Module):
@@ -67,15 +68,15 @@ class DecoderLayer(nnx.Module):
         x: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
-        allowed: jax.Array,
-        fill: jax.Array,
-        cache: LayerCache | None = None,
+        allowed: jax.Array | tuple[jax.Array, jax.Array],
+        fill: jax.Array | tuple[jax.Array, jax.Array],
+        cache: LayerCache | KindCaches | None = None,
         shared: tuple[jax.Array, jax.Array] | None = None,
         per_layer_input: jax.Array | None = None,
         routing: jax.Array | None = None,
     ) -> tuple[
         jax.Array,
-        LayerCache | None,
+        LayerCache | KindCaches | None,
         tuple[jax.Array, jax.Array] | None,
         tuple[jax.Array, jax.Array],
     ]:

@@ -20,6 +20,13 @@ from tunelib.models._layers import Dense, Embedding, RMSNorm
 from tunelib.models._per_layer import PerLayer, is_per_layer, layer_at
 from tunelib.models._rope import rope_angles, rope_attention_factor, rope_frequencies
 from tunelib.models._routing import checked_routing
+from tunelib.models._windowed import (
+    CacheGroup,
+    KindCaches,
+    LayerCache,
+    cache_groups,
+    ring_mask,
+)
 
 
 class Decoder(nnx.Module):
@@ -201,8 +208,8 @@ class Decoder(nnx.Module):
         high = v.compute_dtype(c.compute_dtype)
         allowed, fill = _attention_mask(where, segment_ids, high)
         t = jnp.arange(tokens.shape[1])
-        masks = self._masks(allowed, t, t)
-        x, _, routed = self._run_layers(tokens, where, positions, masks, fill, routing=routing)
+        masks = self._masks(allowed, fill, t, t)
+        x, _, routed = self._run_layers(tokens, where, positions, masks, routing=routing)
         if not (return_router_logits or return_routing):
             return self.norm(x)
         if routed is None:
@@ -213,26 +220,33 @@ class Decoder(nnx.Module):
         kept = (return_router_logits, return_routing)
         return (self.norm(x), *(out for out, keep in zip(routed, kept, strict=True) if keep))
 
-    def init_cache(self, batch_size: int, length: int) -> "KVCache":
+    def init_cache(self, batch_size: int, length: int, *, windowed: bool = False) -> "KVCache":
         """An empty `KVCache` of `length` slots for `batch_size` rows, in the compute dtype.
 
         Args:
           batch_size: rows $B$.
           length: slots $S$, the most tokens (padding included) the cache will hold: the
             prompt length plus the number of tokens to decode.
+          windowed: sliding-window layers (window $W$ slots) keep a ring of their $W$
+            latest slots instead of all $S$, where that is fewer: the keys a query of
+            theirs can see. `extend` gives the same hidden states either
+            way, up to the order of the sums of attention (float32 rounding); the ring's
+            keys are cached in groups of their own (see `KVCache`). Default False: every
+            layer keeps all $S$ slots.
         """
         for name, value in (("batch_size", batch_size), ("length", length)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if not isinstance(windowed, bool):
+            raise TypeError(f"windowed must be a bool, got {windowed!r}.")
         c = self.config
-        groups = [(len(members), *shape) for shape, members in _cache_groups(c)]
+        shapes = [
+            (len(g.members), batch_size, g.kv_heads, g.slots, g.head_dim)
+            for g in cache_groups(c, length, windowed)
+        ]
         return KVCache(
-            keys=tuple(
-                jnp.zeros((n, batch_size, k, length, d), c.compute_dtype) for n, k, d in groups
-            ),
-            values=tuple(
-                jnp.zeros((n, batch_size, k, length, d), c.compute_dtype) for n, k, d in groups
-            ),
+            keys=tuple(jnp.zeros(shape, c.compute_dtype) for shape in shapes),
+            values=tuple(jnp.zeros(shape, c.compute_dtype) for shape in shapes),
             where=jnp.zeros((batch_size, length), jnp.bool_),
             lengths=jnp.zeros((batch_size,), jnp.int32),
             index=jnp.zeros((), jnp.int32),
@@ -289,17 +303,27 @@ class Decoder(nnx.Module):
             raise ValueError(f"tokens has {t} positions but the cache only {slots} slots.")
         if routing is not None:
             routing = checked_routing(routing, c, tokens.shape)
+        groups = _groups_of(c, cache)
         counts = jnp.cumsum(where, axis=-1, dtype=jnp.int32)
         positions = cache.lengths[:, None] + jnp.maximum(counts - 1, 0)
         key_where = jax.lax.dynamic_update_slice_in_dim(cache.where, where, cache.index, 1)
         query_slots = cache.index + jnp.arange(t)
         causal = jnp.arange(slots)[None, :] <= query_slots[:, None]  # [T, S]
         allowed = rearrange(causal & key_where[:, None, :], "b t s -> b 1 1 t s")
-        masks = self._masks(allowed, query_slots, jnp.arange(slots))
-        lowest = jnp.finfo(v.compute_dtype(c.compute_dtype)).min
-        fill = jnp.where(causal, 0.5 * lowest, lowest).astype(v.compute_dtype(c.compute_dtype))
+        high = v.compute_dtype(c.compute_dtype)
+        lowest = jnp.finfo(high).min
+        fill = jnp.where(causal, 0.5 * lowest, lowest).astype(high)
+        masks = self._masks(allowed, fill, query_slots, jnp.arange(slots))
+        for group in groups:  # a ring: its sliding layers attend over it and the new tokens
+            if group.window is not None:
+                masks[True] = ring_mask(key_where, cache.index, t, group.slots, group.window, high)
         x, (keys, values), routed = self._run_layers(
-            tokens, where, positions, masks, fill, (cache.keys, cache.values, cache.index), routing
+            tokens,
+            where,
+            positions,
+            masks,
+            (cache.keys, cache.values, cache.index, groups),
+            routing,
         )
         cache = KVCache(keys, values, key_where, cache.lengths + counts[:, -1], cache.index + t)
         if not return_routing:
@@ -364,29 +388,30 @@ class Decoder(nnx.Module):
                 node["kernel"] = PerLayer.unstack(node["kernel"])
         return params
 
-    def _masks(self, allowed, query_slots, key_slots) -> dict[bool, jax.Array]:
-        """`allowed` `[B, 1, 1, T, S]` for the layer kinds present: `True` (sliding, within
-        the window) and `False` (full)."""
+    def _masks(self, allowed, fill, query_slots, key_slots) -> dict[bool, tuple]:
+        """`(allowed [B, 1, 1, T, S], fill [T, S])` for the layer kinds present: `True`
+        (sliding, within the window) and `False` (full)."""
         c = self.config
         masks = {}
         for sliding in set(c.sliding_layers):
             window = _in_window(query_slots, key_slots, c.sliding_window) if sliding else True
-            masks[sliding] = allowed & window
+            masks[sliding] = (allowed & window, fill)
         return masks
 
-    def _run_layers(self, tokens, where, positions, masks, fill, cache=None, routing=None):
-        """The embedded tokens through every layer; with a cache `(keys, values, index)`,
-        also the new keys and values of each cache group; and the mixture-of-experts layers'
-        `([M, B, T, E] router logits, [M, B, T, k] experts)`, or None. `routing`
-        `[M, B, T, k]` replays experts in those layers.
+    def _run_layers(self, tokens, where, positions, masks, cache=None, routing=None):
+        """The embedded tokens through every layer; with a cache `(keys, values, index,
+        groups)` (its `CacheGroup`s), also the new keys and values of each cache group; and
+        the mixture-of-experts layers' `([M, B, T, E] router logits, [M, B, T, k] experts)`,
+        or None. `routing` `[M, B, T, k]` replays experts in those layers.
 
-        `masks` maps each layer kind (sliding or not) to its `allowed`; each kind rotates by
+        `masks` maps each layer kind (sliding or not) to its `(allowed, fill)` (over a ring
+        and the new tokens for the sliding layers of a windowed cache); each kind rotates by
         its own RoPE (`rope_local_base_freq` for sliding layers, when set) at its own head
         width."""
         c = self.config
         high = v.compute_dtype(c.compute_dtype)
         inputs = {}
-        for sliding, allowed in masks.items():
+        for sliding, mask in masks.items():
             local = sliding and c.rope_local_base_freq is not None
             theta, scaling = (
                 (c.rope_local_base_freq, None) if local else (c.rope_theta, c.rope_scaling)
@@ -394,7 +419,7 @@ class Decoder(nnx.Module):
             head_dim = c.head_dim if sliding else (c.global_head_dim or c.head_dim)
             frequencies = rope_frequencies(head_dim, theta=theta, scaling=scaling)
             scale = rope_attention_factor(scaling)
-            inputs[sliding] = (*rope_angles(positions, frequencies, high, scale), allowed)
+            inputs[sliding] = (*rope_angles(positions, frequencies, high, scale), *mask)
         embedding = self.embed_tokens.embedding[...]
         ids = jnp.where(where, tokens, 0)
         x = jnp.take(embedding, ids, axis=0)
@@ -402,7 +427,7 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(c.hidden_size**0.5, embedding.dtype)
         x = x.astype(c.compute_dtype)
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
-        keys, values, index = (None, None, None) if cache is None else cache
+        keys, values, index, groups = (None,) * 4 if cache is None else cache
 
         def run(layer, x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input, routing):
             return layer(x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input, routing)
@@ -410,68 +435,97 @@ class Decoder(nnx.Module):
         if c.remat:
             run = nnx.remat(run)
         if not c.scan_layers:
-            return self._loop(run, x, inputs, fill, per_layer, keys, values, index, routing)
+            return self._loop(run, x, inputs, per_layer, keys, values, index, groups, routing)
 
-        # Stacked layers (one shape, one cache group) of both kinds pick their inputs by a
-        # per-layer index into a stack; with one kind every layer takes the same inputs.
+        # Stacked layers (one shape) of both kinds pick their inputs by a per-layer index into
+        # a stack; with one kind every layer takes the same inputs. A windowed cache of both
+        # kinds is two groups (a full cache and a ring, `KindCaches`): each kind's masks are
+        # its own shape, and each layer writes its kind's cache at its index among its kind.
         kinds = sorted(inputs)
         kind_ids = jnp.asarray([kinds.index(s) for s in c.sliding_layers], jnp.int32)
+        ringed = [g.window is not None for g in groups or ()]
+        by_kind = [ringed.index(k) for k in kinds] if len(ringed) == 2 else None
         if len(kinds) == 1:
             (table,) = inputs.values()
 
             def pick(table, kind):
                 return table
-        else:
+        elif by_kind is None:
             table = jax.tree.map(lambda *parts: jnp.stack(parts), *(inputs[k] for k in kinds))
 
             def pick(table, kind):
                 return jax.tree.map(lambda x: x[kind], table)
+        else:
+            rope = jax.tree.map(lambda *parts: jnp.stack(parts), *(inputs[k][:2] for k in kinds))
+            table = (rope, *zip(*(inputs[k][2:] for k in kinds), strict=True))
 
-        def through(carry, layer, table, fill, i, kind, index, routing):
-            x, keys, values = carry
-            cos, sin, allowed = pick(table, kind)
-            layer_cache = None if keys is None else (keys, values, i, index)
+            def pick(table, kind):
+                rope, allowed, fill = table
+                return (*jax.tree.map(lambda x: x[kind], rope), allowed, fill)
+
+        def through(carry, layer, table, i, kind, index, routing):
+            x, arrays = carry
+            cos, sin, allowed, fill = pick(table, kind)
+            layer_cache = None if arrays is None else _layer_cache(arrays, i, kind, index)
             x, layer_cache, routed, _ = run(
                 layer, x, cos, sin, allowed, fill, layer_cache, None, None, routing
             )
-            carry = (x, None, None) if layer_cache is None else (x, *layer_cache[:2])
-            return carry, routed
+            return (x, None if arrays is None else _arrays_of(layer_cache)), routed
 
+        def _layer_cache(arrays, i, kind, index):
+            if by_kind is None:
+                return LayerCache(*arrays[0], i, index, ring=ringed[0])
+            caches = tuple(LayerCache(*arrays[g], i[1], index, ring=ringed[g]) for g in by_kind)
+            return KindCaches(caches, kind)
+
+        def _arrays_of(layer_cache):
+            if by_kind is None:
+                return ((layer_cache.keys, layer_cache.values),)
+            arrays = [None] * 2
+            for g, kind_cache in zip(by_kind, layer_cache.caches, strict=True):
+                arrays[g] = (kind_cache.keys, kind_cache.values)
+            return tuple(arrays)
+
+        # Each layer's index in the stack and, with two groups, among the layers of its kind.
         layer_ids = jnp.arange(c.num_hidden_layers)
-        carry = (x, None, None) if keys is None else (x, keys[0], values[0])
+        if by_kind is not None:
+            among = [g.members.index(i) for i in range(c.num_hidden_layers) for g in groups
+                     if i in g.members]  # fmt: skip
+            layer_ids = (layer_ids, jnp.asarray(among, layer_ids.dtype))
+        arrays = None if keys is None else tuple(zip(keys, values, strict=True))
+        carry = (x, arrays)
         graphdef, state = nnx.split(self.layers)
         if any(map(is_per_layer, jax.tree.leaves(state, is_leaf=is_per_layer))):
             # Parameters of `decoding_layout`: each step builds its layer from `state`, reading
             # the per-layer weights in place (`_per_layer`).
             def select(carry, xs):
                 i, kind, layer_routing = xs
-                layer = nnx.merge(graphdef, layer_at(state, i))
-                return through(carry, layer, table, fill, i, kind, index, layer_routing)
+                at = i if by_kind is None else i[0]
+                layer = nnx.merge(graphdef, layer_at(state, at))
+                return through(carry, layer, table, i, kind, index, layer_routing)
 
             carry, routed = jax.lax.scan(select, carry, (layer_ids, kind_ids, routing))
         else:
             scan = nnx.scan(
                 through,
-                in_axes=(nnx.Carry, 0, None, None, 0, 0, None, 0),
+                in_axes=(nnx.Carry, 0, None, 0, 0, None, 0),
                 out_axes=(nnx.Carry, 0),
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
-            carry, routed = scan(
-                carry, self.layers, table, fill, layer_ids, kind_ids, index, routing
-            )
-        x, keys, values = carry
-        new = None if keys is None else ((keys,), (values,))
+            carry, routed = scan(carry, self.layers, table, layer_ids, kind_ids, index, routing)
+        x, arrays = carry
+        new = None if arrays is None else tuple(map(tuple, zip(*arrays, strict=True)))
         return x, new, routed
 
-    def _loop(self, run, x, inputs, fill, per_layer, keys, values, index, routing):
+    def _loop(self, run, x, inputs, per_layer, keys, values, index, groups, routing):
         """The layers one after another, each reading and writing its cache group's slot and
         handing its keys and values to the layers that share them."""
         c = self.config
         keys, values = (None, None) if keys is None else (list(keys), list(values))
         slots = {
             layer: (g, j)
-            for g, (_, members) in enumerate(_cache_groups(c))
-            for j, layer in enumerate(members)
+            for g, group in enumerate(groups or ())
+            for j, layer in enumerate(group.members)
         }
         consumers = {source for i, source in enumerate(c.kv_sources) if source != i}
         attended, routed = {}, []
@@ -480,15 +534,16 @@ class Decoder(nnx.Module):
             layer_cache = None
             if source == i and keys is not None:
                 g, j = slots[i]
-                layer_cache = (keys[g], values[g], j, index)
+                ring = groups[g].window is not None
+                layer_cache = LayerCache(keys[g], values[g], j, index, ring=ring)
             shared = attended.get(source) if source != i else None
             per_layer_input = None if per_layer is None else per_layer[:, :, i]
             replayed = None if routing is None or not c.moe_layers[i] else routing[len(routed)]
             x, layer_cache, layer_routed, kv = run(
-                layer, x, *inputs[sliding], fill, layer_cache, shared, per_layer_input, replayed
+                layer, x, *inputs[sliding], layer_cache, shared, per_layer_input, replayed
             )
             if layer_cache is not None:
-                keys[g], values[g] = layer_cache[:2]
+                keys[g], values[g] = layer_cache.keys, layer_cache.values
             if i in consumers:
                 attended[i] = kv
             routed += [] if layer_routed is None else [layer_routed]
@@ -557,12 +612,15 @@ class KVCache(NamedTuple):
     padding occupies slots that no query sees. Layers are cached in groups of one shape
     (key/value heads $K$, head width $D$): one group for most models, two for Gemma 4, whose
     full-attention layers are wider; layers that share another layer's keys and values
-    (`DecoderConfig.num_kv_shared_layers`) have no entry.
+    (`DecoderConfig.num_kv_shared_layers`) have no entry. In a windowed cache
+    (`init_cache(..., windowed=True)`) the sliding-window layers (window $W$) form groups of
+    their own whose slot axis is a ring of $R = W$ slots (slot $s$ at position
+    $s \bmod R$), where that is fewer than $S$.
 
     Attributes:
-      keys: one `[L_g, B, K_g, S, D_g]` array of RoPE-rotated keys per group, in the
-        compute dtype; the group's layers in order. Heads before slots: the layout both
-        attention matmuls read without a transpose.
+      keys: one `[L_g, B, K_g, S, D_g]` array of RoPE-rotated keys per group (`S` is `R`
+        for a ring), in the compute dtype; the group's layers in order. Heads before slots:
+        the layout both attention matmuls read without a transpose.
       values: the values, shaped as `keys`.
       where: `[B, S]` True where a slot holds a real token.
       lengths: `[B]` real tokens per row so far: the RoPE position of the next real token.
@@ -591,15 +649,21 @@ class KVCache(NamedTuple):
         )
 
 
-def _cache_groups(config: DecoderConfig) -> list[tuple[tuple[int, int], list[int]]]:
-    """The cached layers grouped by `(key/value heads, head width)`, in order of first
-    appearance: `[((K, D), [layer, ...]), ...]`. Layers sharing keys and values are left out."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, source in enumerate(config.kv_sources):
-        if source == i:
-            shape = (config.layer_kv_heads[i], config.layer_head_dims[i])
-            groups.setdefault(shape, []).append(i)
-    return list(groups.items())
+def _groups_of(config: DecoderConfig, cache: "KVCache") -> list[CacheGroup]:
+    """The `CacheGroup`s of `cache`: windowed when a group's slot axis is shorter than the
+    cache (a ring), else every layer's full. A ValueError when its keys are neither."""
+    slots = cache.where.shape[1]
+    windowed = any(k.ndim == 5 and k.shape[3] != slots for k in cache.keys)
+    groups = cache_groups(config, slots, windowed)
+    expected = [(len(g.members), g.kv_heads, g.slots, g.head_dim) for g in groups]
+    found = [(k.shape[0], *k.shape[2:]) if k.ndim == 5 else k.shape for k in cache.keys]
+    if found != expected:
+        raise ValueError(
+            f"cache.keys are [L, B, K, S, D] arrays with (L, K, S, D) {found}, but this model "
+            f"caches {expected} in {slots} slots{' (windowed)' if windowed else ''}: "
+            "make the cache with this model's init_cache."
+        )
+    return groups
 
 
 def _default_positions(where: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

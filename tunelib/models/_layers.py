@@ -20,11 +20,15 @@ from tunelib._products import products_must_be_plain
 from tunelib.models._config import DecoderConfig
 from tunelib.models._per_layer import LayerWeight
 from tunelib.models._rope import apply_rope
+from tunelib.models._windowed import (
+    KindCaches,
+    LayerCache,
+    reads_before_writing,
+    ring_keys,
+    write,
+)
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
-# The cached keys and values `[L, B, K, S, D]` of every layer of one shape, the layer an
-# attention block reads and writes, and the slot the next tokens go to.
-LayerCache = tuple[jax.Array, jax.Array, jax.Array | int, jax.Array]
 _BUCKET, _MAX_BUCKETS = 32, 8
 # The widest block of input features a float32 product on CPU accumulates in one run (`Dense`).
 _BLOCK = 192
@@ -272,22 +276,24 @@ class Attention(nnx.Module):
         x: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
-        allowed: jax.Array,
-        fill: jax.Array,
-        cache: LayerCache | None = None,
+        allowed: jax.Array | tuple[jax.Array, jax.Array],
+        fill: jax.Array | tuple[jax.Array, jax.Array],
+        cache: LayerCache | KindCaches | None = None,
         shared: tuple[jax.Array, jax.Array] | None = None,
-    ) -> tuple[jax.Array, LayerCache | None, tuple[jax.Array, jax.Array]]:
+    ) -> tuple[jax.Array, LayerCache | KindCaches | None, tuple[jax.Array, jax.Array]]:
         """Attention of `x [B, T, H]`; with a `cache`, over the cached keys and these.
 
-        `cache` is `(keys, values, layer, index)`: the `[L, B, K, S, D]` keys and values of
-        every layer that shares this layer's shape, this layer's index in them, and the slot
-        at which this call's `T` keys and values are written. The queries then attend over
-        this layer's slots up to the last one written, rounded up to a bucket
-        (`cache_buckets`; `allowed` is `[B, 1, 1, T, S]`). Writing into the
-        whole-model arrays, rather than into a slice of them, lets XLA update the cache in
-        place inside a decode loop. A layer that shares keys and values gets them as `shared`
-        (and no cache). Returns the output, the updated cache (None without one) and the
-        keys and values attended over.
+        `cache` is a `LayerCache`: the `[L, B, K, S, D]` keys and values of every layer that
+        shares this layer's shape, this layer's index in them, and the slot at which this
+        call's `T` keys and values are written. The queries then attend over this layer's
+        slots up to the last one written, rounded up to a bucket (`cache_buckets`;
+        `allowed` is `[B, 1, 1, T, S]`); for a ring (a windowed cache, `_windowed`) over the
+        ring's `R` slots followed by the `T` new ones (`allowed` `[B, 1, 1, T, R + T]`).
+        Writing into the whole-model arrays, rather than into a slice of them, lets XLA
+        update the cache in place inside a decode loop. `KindCaches` (stacked layers of two
+        kinds) holds a full cache and a ring, `allowed` and `fill` a pair for them. A layer
+        that shares keys and values gets them as `shared` (and no cache). Returns the output,
+        the updated cache (None without one) and the keys and values attended over.
         """
         d = self.head_dim
         q = rearrange(self.q_proj(x), "b t (n d) -> b t n d", d=d)
@@ -314,15 +320,54 @@ class Attention(nnx.Module):
         q = rearrange(q, "b t (k g) d -> b k g t d", k=self.num_kv_heads)
         if cache is None:
             out = self._attend(q, k, val, allowed, fill)
+        elif isinstance(cache, KindCaches):
+            out, cache = self._attend_either_kind(q, k, val, cache, allowed, fill)
         else:
-            all_k, all_v, layer, index = cache
-            start = tuple(jnp.asarray(i, jnp.int32) for i in (layer, 0, 0, index, 0))
-            all_k = jax.lax.dynamic_update_slice(all_k, k.astype(all_k.dtype)[None], start)
-            all_v = jax.lax.dynamic_update_slice(all_v, val.astype(all_v.dtype)[None], start)
-            cache = (all_k, all_v, layer, index)
-            out = self._attend_filled(q, all_k, all_v, layer, index + x.shape[1], allowed, fill)
-            k, val = all_k[layer], all_v[layer]
+            out, cache, (k, val) = self._attend_cached(q, k, val, cache, allowed, fill)
         return self.o_proj(rearrange(out, "b k g t d -> b t (k g d)")), cache, (k, val)
+
+    def _attend_cached(self, q, k, val, cache: LayerCache, allowed, fill):
+        """Write the block's keys and values into `cache` and attend over it: the output, the
+        cache and the keys and values attended over."""
+        before = reads_before_writing(cache, k.shape[2])
+        written = cache if before else write(cache, k, val)
+        out = self._attend_written(q, k, val, written, allowed, fill, before)
+        if before:
+            return out, write(cache, k, val), ring_keys(cache, k, val)
+        return out, written, (written.keys[written.layer], written.values[written.layer])
+
+    def _attend_either_kind(self, q, k, val, caches: KindCaches, allowed, fill):
+        """`_attend_cached` on the cache of the layer's kind (`caches.kind`, traced), each kind
+        with its own mask of `allowed` and `fill`. Both caches are written, the other kind's
+        with what it holds, and only the attention is a `lax.switch`, reading them: a switch
+        that returned the caches would copy them at every layer."""
+        before = [reads_before_writing(c, k.shape[2]) for c in caches.caches]
+        enabled = [caches.kind == i for i in range(2)]
+        written = [
+            c if b else write(c, k, val, on)
+            for c, b, on in zip(caches.caches, before, enabled, strict=True)
+        ]
+        branches = [
+            functools.partial(self._attend_written, cache=c, allowed=a, fill=f, before=b)
+            for c, a, f, b in zip(written, allowed, fill, before, strict=True)
+        ]
+        out = jax.lax.switch(caches.kind, branches, q, k, val)
+        written = [
+            write(c, k, val, on) if b else c
+            for c, b, on in zip(written, before, enabled, strict=True)
+        ]
+        return out, caches._replace(caches=tuple(written))
+
+    def _attend_written(self, q, k, val, cache: LayerCache, allowed, fill, before: bool):
+        """Attention over the slots of `cache` written so far, these tokens' included; or,
+        `before` they are written (a ring given several tokens), over those before them
+        followed by `k`, `val` themselves."""
+        tokens, slots = k.shape[2], cache.keys.shape[3]
+        if before:
+            end = jnp.minimum(cache.index, slots)
+            return self._attend_filled(q, cache, end, allowed, fill, (k, val))
+        end = jnp.minimum(cache.index + tokens, slots)
+        return self._attend_filled(q, cache, end, allowed, fill)
 
     def _attend(self, q, k, val, allowed, fill):
         """Softmax attention of `q [B, K, G, T, D]` over `k`, `val` `[B, K, S, D]`; with
@@ -342,28 +387,36 @@ class Attention(nnx.Module):
             probs = jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
         return jnp.einsum("bkgts,bksd->bkgtd", probs.astype(self.dtype), val.astype(self.dtype))
 
-    def _attend_filled(self, q, all_k, all_v, layer, end, allowed, fill):
+    def _attend_filled(self, q, cache: LayerCache, end, allowed, fill, new=None):
         """Attention over the cache's first slots only: those up to `end` (traced), rounded
-        up to a whole bucket of `cache_buckets` slots. The slots left out are later than
-        every query, so their weights are exactly 0 and the result is the full cache's."""
-        _, b, kv, slots, d = all_k.shape
+        up to a whole bucket of `cache_buckets` slots; then, for a ring, over the block's
+        own keys and values `new` (the last `T` columns of `allowed` and `fill`). The slots
+        left out are later than every query or not written yet, so their weights are
+        exactly 0 and the result is the whole cache's."""
+        _, b, kv, slots, d = cache.keys.shape
         buckets = cache_buckets(slots)
 
         def over(n):
-            def attend(q, all_k, all_v, layer, allowed, fill):
+            def attend(q, all_k, all_v, layer, allowed, fill, new):
                 size = (1, b, kv, n, d)
                 k = jax.lax.dynamic_slice(all_k, (layer, 0, 0, 0, 0), size)[0]
                 val = jax.lax.dynamic_slice(all_v, (layer, 0, 0, 0, 0), size)[0]
-                return self._attend(q, k, val, allowed[..., :n], fill[:, :n])
+                seen, scores = allowed[..., :n], fill[:, :n]
+                if new is not None:
+                    k = jnp.concatenate([k, new[0].astype(k.dtype)], axis=2)
+                    val = jnp.concatenate([val, new[1].astype(val.dtype)], axis=2)
+                    seen = jnp.concatenate([seen, allowed[..., slots:]], axis=-1)
+                    scores = jnp.concatenate([scores, fill[:, slots:]], axis=-1)
+                return self._attend(q, k, val, seen, scores)
 
             return attend
 
+        args = (q, cache.keys, cache.values, cache.layer, allowed, fill, new)
         if len(buckets) == 1:
-            return over(slots)(q, all_k, all_v, layer, allowed, fill)
+            return over(slots)(*args)
         which = jnp.searchsorted(jnp.asarray(buckets), end, side="left")
         which = jnp.clip(which, 0, len(buckets) - 1)
-        branches = [over(n) for n in buckets]
-        return jax.lax.switch(which, branches, q, all_k, all_v, layer, allowed, fill)
+        return jax.lax.switch(which, [over(n) for n in buckets], *args)
 
 
 def cache_buckets(slots: int) -> tuple[int, ...]:

@@ -12,8 +12,9 @@ built from it, each in its own jitted functions):
   layout)`: the plain parameters, with `layout="per_layer"` in the layout a decode loop reads
   without copying, as `sample` and `run_episodes` hand them to their programs.
 - `prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, *,
-  record_routing)`: the next-token logits after each prompt and the KV cache holding the
-  prompts, forked `group_size` ways (and, recording, the prompts' MoE routing).
+  windowed, record_routing)`: the next-token logits after each prompt and the KV cache
+  holding the prompts (windowed: sliding-window layers in rings of their window), forked
+  `group_size` ways (and, recording, the prompts' MoE routing).
 - `last_logits(model, hidden, where)`: the next-token logits after each row's last real
   token of a block that `Decoder.extend` ran (prefill and an episode's observations).
 - `decode(graphdef, params, logits, cache, key, config, *, done, limit, end_sequences,
@@ -158,14 +159,16 @@ def prefill(
     cache_length: int,
     group_size: int,
     *,
+    windowed: bool = False,
     record_routing: bool = False,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """Next-token logits `[B * G, V]` after each prompt's last real token, and the KV cache of
-    `cache_length` slots holding the prompts, each row repeated `group_size` times (a fork of
-    one prefill); with `record_routing`, also the `[M, B * G, P, k]` experts each prompt
-    token was routed to (`Decoder.extend`'s `return_routing`), repeated as the cache is."""
+    `cache_length` slots holding the prompts (`windowed`: `Decoder.init_cache`'s), each row
+    repeated `group_size` times (a fork of one prefill); with `record_routing`, also the
+    `[M, B * G, P, k]` experts each prompt token was routed to (`Decoder.extend`'s
+    `return_routing`), repeated as the cache is."""
     model = nnx.merge(graphdef, params)
-    cache = model.init_cache(prompt_tokens.shape[0], cache_length)
+    cache = model.init_cache(prompt_tokens.shape[0], cache_length, windowed=windowed)
     hidden, cache, *routing = model.extend(
         prompt_tokens, prompt_where, cache, return_routing=record_routing
     )

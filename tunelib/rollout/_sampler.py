@@ -265,6 +265,7 @@ def sample(
     record_routing: bool = False,
     policy_version: int | ArrayLike | None = None,
     layout: Layout = "stacked",
+    windowed_cache: bool = True,
 ) -> Rollout:
     r"""Sample completions of prompts with a KV cache: prefill once, then decode a token a step.
 
@@ -325,6 +326,14 @@ def sample(
         stacked speed on an H200, its `lax.switch` branches costing more than the copies
         they save). Adapted or quantised parameters (run
         through `peft.lora`) always run the scan.
+      windowed_cache: sliding-window layers (Gemma 2, 3, 4, Mistral) keep only their
+        window in the KV cache, a ring of $W$ slots (`Decoder.init_cache(...,
+        windowed=True)`), instead of every slot: the same keys attended with the same
+        weights, so the same tokens and log-probs up to float32 rounding (the attention's
+        sums run over the ring in another order: about 1e-6 in the hidden states, 1e-12
+        in float64). Default True; False keeps every slot, bit for bit as before
+        (`benchmarks/windowed_cache.py` compares the two). A model without sliding layers,
+        or a cache no longer than the window, is the same either way.
 
     Returns:
       A `Rollout` of `B * G` completions of `config.max_new_tokens` slots.
@@ -368,6 +377,8 @@ def sample(
         raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}.")
     check_version(policy_version)
     v.one_of(layout, "layout", LAYOUTS)
+    if not isinstance(windowed_cache, bool):
+        raise TypeError(f"windowed_cache must be a bool, got {windowed_cache!r}.")
     prompt_tokens, prompt_where, model_config = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config, group_size
     )
@@ -381,13 +392,23 @@ def sample(
         )
     given, params = params, decoding_params(graphdef, params, layout)
     out = _sample(
-        graphdef, params, prompt_tokens, prompt_where, key, config, group_size, record_routing
+        graphdef,
+        params,
+        prompt_tokens,
+        prompt_where,
+        key,
+        config,
+        group_size,
+        record_routing,
+        windowed_cache,
     )
     return out if policy_version is None else out._replace(**stamp(given, policy_version))
 
 
-@program(static_argnums=(0, 5, 6, 7))
-def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size, record_routing):
+@program(static_argnums=(0, 5, 6, 7, 8))
+def _sample(
+    graphdef, params, prompt_tokens, prompt_where, key, config, group_size, record_routing, windowed
+):
     """`sample` after its checks: a prefill and one decode loop, in one program."""
     params = pure_params(params)
     cache_length = config.cache_length or prompt_tokens.shape[1] + config.max_new_tokens
@@ -398,6 +419,7 @@ def _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_si
         prompt_where,
         cache_length,
         group_size,
+        windowed=windowed,
         record_routing=record_routing,
     )
     out = decode(
