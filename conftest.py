@@ -87,8 +87,7 @@ def pytest_collection_modifyitems(items):
 
 
 # docs/own_loop.md runs on the GGUF file named `model_path`: in the suite's doctests a tiny
-# file of SmolLM2's layout (Q8_0 blocks, byte-level BPE, ChatML), written once per process;
-# tests/test_own_loop.py runs the page on SmolLM2 itself.
+# file of SmolLM2's layout (Q8_0 blocks, byte-level BPE, ChatML), written once per process.
 OWN_LOOP_PAGE = "own_loop.md"
 OWN_LOOP_MESSAGES = (
     "What is the capital of France?",

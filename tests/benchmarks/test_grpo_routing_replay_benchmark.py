@@ -1,6 +1,8 @@
 """`benchmarks/grpo_routing_replay.py`: its summary of run folders written as the GRPO recipe
-writes them, and the script end to end at its smallest settings (an SFT start of the `moe`
-model, then one GRPO run with and one without `--replay-routing`)."""
+writes them. Its runs (an SFT start of the `moe` model, then GRPO with and without
+`--replay-routing`) are not repeated in the suite: GRPO with routing replay on an MoE is
+`tests/recipes/test_recipes.py`'s (`qwen3_moe`), the `moe` model size
+`tests/recipes/test_kit_models.py`'s."""
 
 import json
 from pathlib import Path
@@ -8,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from tests._helpers import load_script
-from tests.benchmarks._run import run_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo_routing_replay.py"
 
@@ -37,18 +38,3 @@ def test_the_summary_reads_each_arm_and_flags_collapse(tmp_path, capsys, monkeyp
     assert by_arm["plain"]["mismatch_kl_mean"] == pytest.approx(1e-3 * 10.5)
     assert by_arm["replay"]["accuracy_after"] == 0.7
     assert summary["means"]["plain"]["collapsed_runs"] == 1
-
-
-@pytest.mark.slow
-def test_smallest_settings_end_to_end(tmp_path):
-    result, output = run_benchmark(
-        "grpo_routing_replay.py", "--size", "smoke", "--out", str(tmp_path / "runs"),
-        out=tmp_path, timeout=900, compilation_cache=True,
-    )  # fmt: skip
-    assert [(r["arm"], r["seed"]) for r in result["runs"]] == [("plain", 0), ("replay", 0)]
-    for row in result["runs"]:
-        assert row["steps"] == 2 and 0.0 <= row["accuracy_after"] <= 1.0
-        assert row["mismatch_kl_mean"] >= 0.0 and 0.0 < row["is_ess_min"] <= 1.0 + 1e-6
-    config = json.loads((tmp_path / "runs" / "sft" / "model" / "config.json").read_text())
-    assert config["num_experts"] == 8 and config["dtype"] == "bfloat16"
-    assert "--replay-routing" in output

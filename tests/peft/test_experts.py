@@ -152,11 +152,10 @@ def test_adapted_experts_equal_the_merged_weights_in_values_and_gradients(model)
         assert_close(got, want, rtol=1e-9, atol=1e-11 * scale)
 
 
-@pytest.mark.parametrize(
-    ("fmt", "family"), [("nf4", "qwen3_moe"), ("int8", "qwen3_moe"), ("nf4", "gpt_oss")]
-)
+@pytest.mark.parametrize(("fmt", "family"), [("nf4", "gpt_oss"), ("int8", "qwen3_moe")])
 def test_quantised_experts_equal_their_dequantised_base(fmt, family):
-    """Also gpt-oss's biased experts (`gate_up_proj`, `down_proj`) quantised under LoRA."""
+    """NF4 on gpt-oss's biased experts (`gate_up_proj`, `down_proj`), int8 on Qwen3-MoE's, under
+    LoRA: the same values and gradients as their dequantised weights."""
     if family == "gpt_oss":
         graphdef, params, adapters = model_and_adapters(False, GPT_OSS, GPT_OSS_RULES)
     else:

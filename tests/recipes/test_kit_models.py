@@ -38,3 +38,16 @@ def test_remat_gives_the_same_loss_and_gradients_with_the_same_parameters(tmp_pa
     # The saved model is the architecture: remat is the training run's choice.
     models.save_model(tmp_path / "model", remat, remat.params)
     assert json.loads((tmp_path / "model" / "config.json").read_text())["remat"] is False
+
+
+def test_the_moe_size_is_qwen3_moe_shaped_and_computes_in_bfloat16():
+    """`--model-size moe`, the model of routing replay: every layer a mixture of 8 experts,
+    top 2, computing in bfloat16 on float32 weights; its forward pass runs."""
+    model = models.new_model(CharTokenizer(), "moe", seed=0)
+    config = model.config
+    assert all(config.moe_layers) and (config.num_experts, config.num_experts_per_tok) == (8, 2)
+    assert config.dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.float32)}
+    decoder = nnx.merge(model.graphdef, model.params)
+    hidden = decoder(jnp.zeros((1, 4), jnp.int32))
+    assert hidden.dtype == jnp.bfloat16 and bool(jnp.isfinite(hidden.astype(jnp.float32)).all())
