@@ -93,6 +93,10 @@ def accuracy(args, tmp: Path) -> dict:
     return out
 
 
+# Each run: (--max-staleness, --is-correction).
+RUNS = {"staleness_0": (0, "auto"), "staleness_1": (1, "auto"), "staleness_1_no_is": (1, "none")}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15)
@@ -115,7 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--accuracy-steps", type=int, default=60)
+    parser.add_argument(
+        "--runs", default=",".join(RUNS),
+        help="comma-separated runs to time (staleness_0 always runs: the ratios' baseline)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    chosen = ["staleness_0", *(r for r in args.runs.split(",") if r != "staleness_0")]
+    if unknown := [r for r in chosen if r not in RUNS]:
+        parser.error(f"--runs: no run {unknown[0]!r}; choose from {', '.join(RUNS)}")
     if not 0 <= args.warmup_steps < args.steps:
         parser.error(f"--warmup-steps must lie in [0, --steps), got {args.warmup_steps}")
     if args.accuracy:
@@ -130,11 +141,7 @@ def main(argv: list[str] | None = None) -> None:
               "--model-size", args.model_size, "--no-progress", "--devices", "1",
               "--out", str(sft)])  # fmt: skip
         results = {}
-        runs = {
-            "staleness_0": (0, "auto"),
-            "staleness_1": (1, "auto"),
-            "staleness_1_no_is": (1, "none"),
-        }
+        runs = {name: RUNS[name] for name in chosen}
         pinned = Path(tmp) / "pinned.py"
         pinned.write_text(PINNED)
         for name, (staleness, correction) in runs.items():
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--out", str(out),
             ])  # fmt: skip
             results[name] = step_times(out, skip=args.warmup_steps)
-    for name in ("staleness_1", "staleness_1_no_is"):
+    for name in [r for r in runs if r != "staleness_0"]:
         results[f"speedup_{name}"] = results["staleness_0"]["step"] / results[name]["step"]
     print(f"{'':<18}{'s/step':>9}{'rollout':>9}{'train':>9}{'logprobs':>9}{'sync':>9}{'MB/s':>9}")
     for name in runs:
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<18}{r['step']:>9.3f}{r.get('rollout', 0):>9.3f}{r.get('train', 0):>9.3f}"
               f"{r.get('logprobs', 0):>9.3f}{r.get('sync', 0):>9.3f}"
               f"{r['weight_push_mb_per_s']:>9.2f}")  # fmt: skip
-    for name in ("staleness_1", "staleness_1_no_is"):
+    for name in [r for r in runs if r != "staleness_0"]:
         print(f"{name} / staleness_0 speed: {results[f'speedup_{name}']:.2f}x")
     line = json.dumps({"benchmark": "async_grpo", **results})
     print(line)
