@@ -6,8 +6,9 @@ processes, side by side in one run.
     python benchmarks/async_grpo.py                 # ~6 min on 2 CPU cores
     python benchmarks/async_grpo.py --steps 20 --json-out result.json
     python benchmarks/async_grpo.py --accuracy --sft-steps 1000   # accuracy, 3 seeds, ~40 min
-    python benchmarks/async_grpo.py --model-size student --sft-steps 1 --steps 3 \
-        --warmup-steps 1 --batch-size 4 --group-size 2 --max-new-tokens 4   # the tests' smoke run
+    python benchmarks/async_grpo.py --model-size student --sft-steps 2 --steps 3 \
+        --warmup-steps 1 --batch-size 4 --group-size 2 --max-new-tokens 4 \
+        --runs staleness_1                                # the tests' smoke run
 
 It trains a start model with `recipes/sft.py` (one process), then runs `recipes/grpo.py`
 under `python -m tunelib.launch -n 2` (process 0 trains, process 1 samples, one device each)
