@@ -262,20 +262,24 @@ def test_bad_data_files_give_one_line(
     assert snapshot(world) == before
 
 
+def grpo_with_reward(folder: Path, model: Path, module: str, returned: str, out: str) -> list:
+    """Flags of a short GRPO run whose `--reward` is `module.py:score` written in `folder`,
+    returning the expression `returned`."""
+    (folder / f"{module}.py").write_text(f"def score(completion, record):\n    return {returned}\n")
+    return [
+        "--model", str(model), "--reward", f"{module}.py:score", "--out", out,
+        "--steps", "2", "--batch-size", "2", "--group-size", "2", "--num-heldout", "4",
+        "--max-new-tokens", "4", "--no-progress", "--devices", "1",
+    ]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_reward_that_returns_nan_names_the_prompt_and_the_command_can_run_again(
     tmp_path, char_model, monkeypatch, capsys
 ):
     """A NaN reward stops GRPO in one line naming the prompt; the folder that failed start
     leaves (no checkpoint) does not block the same command, nor holds the lock."""
-    (tmp_path / "nan_reward.py").write_text(
-        "def score(completion, record):\n    return float('nan')\n"
-    )
-    flags = [
-        "--model", str(char_model), "--reward", "nan_reward.py:score", "--out", "runs/nan",
-        "--steps", "2", "--batch-size", "2", "--group-size", "2", "--num-heldout", "4",
-        "--max-new-tokens", "4", "--no-progress", "--devices", "1",
-    ]  # fmt: skip
+    flags = grpo_with_reward(tmp_path, char_model, "nan_reward", "float('nan')", "runs/nan")
     for _ in range(2):
         status, lines = run_here("grpo", flags, tmp_path, monkeypatch, capsys)
         assert status == 2, lines
@@ -293,14 +297,9 @@ def test_a_reward_that_returns_nan_names_the_prompt_and_the_command_can_run_agai
 def test_a_reward_that_raises_is_one_line_naming_the_error_its_line_and_the_prompt(
     tmp_path, char_model, monkeypatch, capsys
 ):
-    (tmp_path / "bad_reward.py").write_text(
-        "def score(completion, record):\n    return record['no such key']\n"
+    flags = grpo_with_reward(
+        tmp_path, char_model, "bad_reward", "record['no such key']", "runs/raise"
     )
-    flags = [
-        "--model", str(char_model), "--reward", "bad_reward.py:score", "--out", "runs/raise",
-        "--steps", "2", "--batch-size", "2", "--group-size", "2", "--num-heldout", "4",
-        "--max-new-tokens", "4", "--no-progress", "--devices", "1",
-    ]  # fmt: skip
     status, lines = run_here("grpo", flags, tmp_path, monkeypatch, capsys)
     assert status == 2 and len(lines) == 1, lines
     assert lines[0].startswith(
