@@ -5,6 +5,8 @@ built from it, each in its own jitted functions):
 
 - `checked_prompts(graphdef, params, prompt_tokens, prompt_where, config, group_size)`: the
   prompts as arrays and the model's config, after every check that needs no cache length.
+- `shape_module(graphdef, params)`: the module merged from the parameters' shapes alone, for
+  its config and its layouts.
 - `check_record_routing(record_routing, model_config)`: `record_routing` is a bool, and True
   only for a model with mixture-of-experts layers.
 - `pure_params(params)`, `as_key(key)`: the parameters as plain arrays and the key as a
@@ -58,10 +60,7 @@ def checked_prompts(
     if prompt_tokens.ndim != 2:
         raise ValueError(f"prompt_tokens must have shape [B, P], got {prompt_tokens.shape}.")
     prompt_where = v.mask_array(prompt_where, prompt_tokens.shape, "prompt_where")
-    # The config of a model merged from shapes alone: a module made of the arrays themselves
-    # would hold them in reference cycles until Python's next garbage collection.
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
-    model_config = nnx.merge(graphdef, shapes).config
+    model_config = shape_module(graphdef, params).config
     check_sampling_args(
         vocab_size=model_config.vocab_size,
         temperature=config.temperature,
@@ -93,6 +92,14 @@ def checked_prompts(
                     f"prompt_where is True, got ids from {ids.min()} to {ids.max()}."
                 )
     return prompt_tokens, prompt_where, model_config
+
+
+def shape_module(graphdef: nnx.GraphDef, params: PyTree) -> nnx.Module:
+    """The module of `graphdef` merged from the shapes and dtypes of `params` alone, to read
+    its config or methods that need no values: a module made of the arrays themselves would
+    hold them in reference cycles until Python's next garbage collection."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    return nnx.merge(graphdef, shapes)
 
 
 def check_record_routing(record_routing: bool, model_config) -> None:
@@ -134,14 +141,12 @@ LAYOUTS = ("stacked", "per_layer")
 def decoding_params(graphdef: nnx.GraphDef, params: PyTree, layout: Layout) -> PyTree:
     """The plain `params` (`pure_params`), with `layout="per_layer"` in the layout a decode
     loop reads without copying (`Decoder.decoding_layout`: stacked layers' dense weights one
-    array per layer), found from a module merged from their shapes alone (see
-    `checked_prompts`). Parameters holding `tunelib.peft` values are returned as they are:
-    `peft.lora` runs them."""
+    array per layer), found from their `shape_module`. Parameters holding `tunelib.peft`
+    values are returned as they are: `peft.lora` runs them."""
     params = pure_params(params)
     if layout == "stacked" or holds_peft_values(params):
         return params
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
-    return nnx.merge(graphdef, shapes).decoding_layout(params)
+    return shape_module(graphdef, params).decoding_layout(params)
 
 
 def as_key(key: jax.Array) -> jax.Array:
@@ -291,8 +296,7 @@ def decode(
 def _routing_buffer(graphdef: nnx.GraphDef, params: PyTree, rows: int, new: int) -> jax.Array:
     """Zeros `[M, rows, new, k]` int32 for the experts of `new` tokens in each of the model's
     M mixture-of-experts layers (a valid expert id in slots no token reaches)."""
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
-    c = nnx.merge(graphdef, shapes).config
+    c = shape_module(graphdef, params).config
     return jnp.zeros((sum(c.moe_layers), rows, new, c.num_experts_per_tok), jnp.int32)
 
 
