@@ -50,9 +50,7 @@ def observed_mtti(seconds: float, restarts: int) -> float | None:
 def trained_seconds(records: list[dict], lost_seconds: float) -> float:
     """The seconds a run's steps took over all its starts: those of its logged steps (each
     one's phases), and those of the steps its restarts lost."""
-    return sum(r.get(goodput.PREFIX + p, 0.0) for r in records for p in goodput.PHASES) + (
-        lost_seconds
-    )
+    return sum(map(goodput.logged_seconds, records)) + lost_seconds
 
 
 class Interval:

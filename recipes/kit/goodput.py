@@ -96,6 +96,11 @@ def phase(name: str):
     return clock().phase(name)
 
 
+def logged_seconds(record: dict, phases: tuple[str, ...] = PHASES) -> float:
+    """The seconds a logged step `record` spent in `phases` (default every phase)."""
+    return sum(record.get(PREFIX + p, 0.0) for p in phases)
+
+
 def totals(records: list[dict]) -> dict[str, float]:
     """Seconds per phase summed over the steps of `records`, with `goodput` (the productive
     share of all of it)."""

@@ -116,7 +116,7 @@ def train(
             interval.observe(kept, _badput(run))
     attempt = recovery.Attempt(
         run.path, distributed.supervision(), resumed_from=start, devices=jax.device_count(),
-        processes=jax.process_count(), lost_seconds=_seconds(lost),
+        processes=jax.process_count(), lost_seconds=sum(map(goodput.logged_seconds, lost)),
         steady=recovery.steady_step(run.records()) if main else None,
     )  # fmt: skip
     if run.resume:
@@ -305,17 +305,12 @@ def _add_badput(run: RunFolder, lost: list[dict]) -> None:
     """Count a restart, and the time of the steps it lost (logged after the checkpoint it
     resumes from), into the run's `badput.json`."""
     badput = _badput(run)
-    seconds = _seconds(lost)
+    seconds = sum(map(goodput.logged_seconds, lost))
     badput = {
         "restarts": badput["restarts"] + 1,
         "lost_seconds": round(badput["lost_seconds"] + seconds, 2),
     }
     (run.path / "badput.json").write_text(json.dumps(badput))
-
-
-def _seconds(records: list[dict]) -> float:
-    """The logged time of `records`, every phase."""
-    return sum(r.get(goodput.PREFIX + p, 0.0) for r in records for p in goodput.PHASES)
 
 
 def first_and_last(run: RunFolder, key: str) -> tuple[float, float]:

@@ -67,7 +67,9 @@ class Attempt:
         }
         failure = (self.supervision or {}).get("failure")
         if failure is not None:
-            productive = self.steady if self.steady is not None else _productive(record)
+            productive = self.steady
+            if productive is None:
+                productive = goodput.logged_seconds(record, goodput.PRODUCTIVE)
             begin, end = self.restore or (now - productive, now - productive)
             lost = self.lost_seconds
             if self.restore is None:  # no checkpoint: the failed start's time is all lost
@@ -88,15 +90,13 @@ class Attempt:
         return {goodput.PREFIX + k: line[k] for k in CAUSES if k in line}
 
 
-def _productive(record: dict) -> float:
-    return sum(record.get(goodput.PREFIX + p, 0.0) for p in goodput.PRODUCTIVE)
-
-
 def steady_step(records: list[dict]) -> float | None:
     """The median productive seconds of the logged steps that compiled nothing (None if
     none did)."""
     steady = sorted(
-        _productive(r) for r in records if r["step"] > 0 and not r.get(goodput.PREFIX + "compile")
+        goodput.logged_seconds(r, goodput.PRODUCTIVE)
+        for r in records
+        if r["step"] > 0 and not r.get(goodput.PREFIX + "compile")
     )
     return steady[len(steady) // 2] if steady else None
 
@@ -141,7 +141,7 @@ def figures(folder: Path, records: list[dict], supervision: dict | None, seconds
     available = sum(n * per_process * (t1 - t0) for (t0, n), (t1, _) in spans)
     productive = used = 0.0
     for record in records:
-        seconds_productive = _productive(record)
+        seconds_productive = goodput.logged_seconds(record, goodput.PRODUCTIVE)
         productive += seconds_productive
         owners = [line for line in lines if line["resumed_from"] < record["step"]]
         used += seconds_productive * (owners[-1]["devices"] if owners else per_process)
