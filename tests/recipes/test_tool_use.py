@@ -89,10 +89,23 @@ def _model(vocab_size: int, **fields):
     return graphdef, nnx.to_pure_dict(state)
 
 
+def _sampled_episodes(task):
+    """The task's episodes as the recipe samples them, at temperature 1."""
+    from tunelib.rollout import EpisodeConfig, SamplingConfig
+
+    tok = task.tokenizer
+    return EpisodeConfig(
+        sampling=SamplingConfig(max_new_tokens=task.turn_tokens, temperature=1.0,
+                                stop_tokens=tuple(tok.stop_ids), pad_token=tok.pad_id),
+        max_turns=task.max_turns, max_tokens=task.episode_tokens,
+        max_observation_tokens=task.observation_tokens,
+    )  # fmt: skip
+
+
 def test_grpo_trains_on_the_sampled_tokens():
     """The GRPO batch holds a sampled episode's tokens exactly, its model-token mask and
     its behaviour log-probs, which are the recipe's own scores of those tokens."""
-    from tunelib.rollout import EpisodeConfig, Role, SamplingConfig, run_episodes
+    from tunelib.rollout import Role, run_episodes
 
     from kit import episodes
 
@@ -102,12 +115,7 @@ def test_grpo_trains_on_the_sampled_tokens():
     graphdef, params = _model(tok.vocab_size)
     records, group = task.train[:2], 2
     demo = episodes.demonstrations(task, records)
-    config = EpisodeConfig(
-        sampling=SamplingConfig(max_new_tokens=task.turn_tokens, temperature=1.0,
-                                stop_tokens=tuple(tok.stop_ids), pad_token=tok.pad_id),
-        max_turns=task.max_turns, max_tokens=task.episode_tokens,
-        max_observation_tokens=task.observation_tokens,
-    )  # fmt: skip
+    config = _sampled_episodes(task)
     envs = episodes.environments(task, records, group)
     episode = run_episodes(
         graphdef, params, demo["prompt_tokens"], demo["prompt_where"], jax.random.key(3),
@@ -130,7 +138,7 @@ def test_grpo_replays_the_episodes_routing():
     """With `--replay-routing` the GRPO batch carries the episodes' routing, cut with the
     batch to the prompt's and the used columns, and the recipe's scores route by it: they
     equal the behaviour log-probs, and another routing moves them."""
-    from tunelib.rollout import EpisodeConfig, SamplingConfig, run_episodes
+    from tunelib.rollout import run_episodes
 
     from kit import episodes
 
@@ -141,12 +149,7 @@ def test_grpo_replays_the_episodes_routing():
                               norm_topk_prob=True)  # fmt: skip
     records, group = task.train[:2], 2
     demo = episodes.demonstrations(task, records)
-    config = EpisodeConfig(
-        sampling=SamplingConfig(max_new_tokens=task.turn_tokens, temperature=1.0,
-                                stop_tokens=tuple(tok.stop_ids), pad_token=tok.pad_id),
-        max_turns=task.max_turns, max_tokens=task.episode_tokens,
-        max_observation_tokens=task.observation_tokens,
-    )  # fmt: skip
+    config = _sampled_episodes(task)
     episode = run_episodes(
         graphdef, params, demo["prompt_tokens"], demo["prompt_where"], jax.random.key(5),
         config, episodes.environments(task, records, group), group_size=group, tokenizer=tok,
