@@ -74,17 +74,17 @@ def accuracy(args, tmp: Path) -> dict:
         sft = tmp / f"sft-{seed}"
         _run([
             sys.executable, str(ROOT / "recipes/sft.py"), "--seed", str(seed), "--steps",
-            str(args.sft_steps), "--model-size", args.model_size, "--no-progress", "--devices",
-            "1", "--out", str(sft),
+            str(args.sft_steps), "--model-size", args.model_size, "--no-progress", "--no-plots",
+            "--devices", "1", "--out", str(sft),
         ])  # fmt: skip
         for staleness in (0, 1):
             run = tmp / f"grpo-{seed}-s{staleness}"
             _run([
                 sys.executable, "-m", "tunelib.launch", "-n", "2", "--devices-per-process", "1",
                 str(ROOT / "recipes/grpo.py"), "--model", str(sft / "model"), "--no-progress",
-                "--seed", str(seed), "--steps", str(args.accuracy_steps), "--batch-size", "32",
-                "--eval-every", "1000", "--eval-samples", "0", "--max-staleness", str(staleness),
-                "--out", str(run),
+                "--no-plots", "--seed", str(seed), "--steps", str(args.accuracy_steps),
+                "--batch-size", "32", "--eval-every", "1000", "--eval-samples", "0",
+                "--max-staleness", str(staleness), "--out", str(run),
             ])  # fmt: skip
             result = json.loads((run / "result.json").read_text())
             out[f"seed_{seed}_staleness_{staleness}"] = {
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sft = Path(tmp) / "sft"
         _run([sys.executable, str(ROOT / "recipes/sft.py"), "--steps", str(args.sft_steps),
-              "--model-size", args.model_size, "--no-progress", "--devices", "1",
+              "--model-size", args.model_size, "--no-progress", "--no-plots", "--devices", "1",
               "--out", str(sft)])  # fmt: skip
         results = {}
         runs = {name: RUNS[name] for name in chosen}
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             _run([
                 sys.executable, "-m", "tunelib.launch", "-n", "2", "--devices-per-process", "1",
                 *([str(pinned)] if args.pin else []), str(ROOT / "recipes/grpo.py"),
-                "--model", str(sft / "model"), "--no-progress",
+                "--model", str(sft / "model"), "--no-progress", "--no-plots",
                 "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                 "--group-size", str(args.group_size), "--max-new-tokens",
                 str(args.max_new_tokens), "--eval-every", "1000", "--checkpoint-every", "1000",

@@ -30,11 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = ["--num-train", "128", "--num-heldout", "12", "--batch-size", "8", "--no-progress",
-         "--model-size", "student"]  # fmt: skip
+         "--no-plots", "--model-size", "student"]  # fmt: skip
 GRPO = ["--num-prompts", "64", "--steps", "10", "--checkpoint-every", "2", "--eval-every", "10",
         "--group-size", "4", "--max-new-tokens", "6", "--eval-samples", "0",
         "--max-staleness", "0", "--num-heldout", "12", "--batch-size", "8",
-        "--no-progress"]  # fmt: skip
+        "--no-progress", "--no-plots"]  # fmt: skip
 SIZES = {
     "smoke": {
         "sft": {

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-# The recipes' small task, one device, no progress bar: what every run here shares.
+# The recipes' small task, one device, no progress bar, no plots: what every run here shares.
 COMMON = [
     "--num-train", "256", "--num-heldout", "32", "--batch-size", "8", "--no-progress",
-    "--devices", "1", "--eval-every", "100000",
+    "--no-plots", "--devices", "1", "--eval-every", "100000",
 ]  # fmt: skip
 RECIPE_FLAGS = {
     "sft": ["--model-size", "student"],

@@ -67,7 +67,7 @@ def result_of(run: Path) -> dict:
 
 def sft_flags(config, **values) -> list[str]:
     """Flags of an SFT run on this run's task (seed, problems, operands, log-probs, progress
-    bar), with `values` added or replacing them (`steps=2000`, `model_size="student"`)."""
+    bar, plots), with `values` added or replacing them (`steps=2000`, `model_size="student"`)."""
     task = {
         "seed": config.seed, "num_train": config.num_train, "num_heldout": config.num_heldout,
         "max_digits": config.max_digits, "operations": config.operations,
@@ -77,7 +77,8 @@ def sft_flags(config, **values) -> list[str]:
         task["devices"] = config.devices
     task.update(values)
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in task.items()]
-    return flags + (["--no-progress"] if config.no_progress else [])
+    quiet = {"--no-progress": config.no_progress, "--no-plots": config.no_plots}
+    return flags + [flag for flag, given in quiet.items() if given]
 
 
 def sft_start(config) -> tuple[Path, float | None]:

@@ -124,6 +124,9 @@ class Run(Config):
         "memory for one more forward pass of compute (see docs/memory.md)",
     )
     no_progress: bool = flag(False, "hide the progress bar")
+    no_plots: bool = flag(
+        False, "write no curves.png and goodput.png at the end (and never import matplotlib)"
+    )
     devices: int | None = flag(
         None,
         "split every batch over this many devices (default: all of them; with several "

@@ -257,8 +257,8 @@ def _rounded(value: Any) -> Any:
 
 
 def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = None) -> dict:
-    """Plot the curves and the time split, then write and print the final JSON line (process
-    0 of a run of several; every process returns it).
+    """Plot the curves and the time split (unless `--no-plots`), then write and print the
+    final JSON line (process 0 of a run of several; every process returns it).
 
     The line holds the recipe, the seed, the steps, the seconds this run took and, with
     `chained`, the runs it trained first (`{"sft_seconds": ...}`), then `headline` (floats
@@ -273,7 +273,7 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
     main = parallel.is_main()
     title = f"{config.run_name()} (seed {config.seed})"
     curves = [{k: v for k, v in r.items() if not k.startswith(goodput.PREFIX)} for r in records]
-    if main:
+    if main and not config.no_plots:
         plot(curves, run.path / "curves.png", title)
         goodput.plot_split(records, run.path / "goodput.png", title)
     badput = _badput(run)

@@ -44,6 +44,7 @@ RESUMABLE_CHANGES = frozenset(
         "checkpoint_every",
         "log_to",
         "no_progress",
+        "no_plots",
         "devices",
         "logprobs",
         "remat",
@@ -211,8 +212,8 @@ class RunFolder:
                 f"--resume: {self.path} was trained with {flag} {saved.get(name)} (its "
                 f"config.toml), not {now.get(name)}; a run resumes with the settings it "
                 "started with, except --steps, --eval-every, --checkpoint-every, --mtti, "
-                "--log-to, --no-progress, --devices, --logprobs, --remat, --sync-checkpoints "
-                "and --compile-cache"
+                "--log-to, --no-progress, --no-plots, --devices, --logprobs, --remat, "
+                "--sync-checkpoints and --compile-cache"
             )
 
     @property

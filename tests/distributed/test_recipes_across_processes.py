@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # recipe runs
 # A small task and model; 40 steps, so a process can be killed mid-run.
 SMALL = [
     "--num-train", "128", "--num-heldout", "12", "--batch-size", "8", "--no-progress",
-    "--eval-every", "20",
+    "--no-plots", "--eval-every", "20",
 ]  # fmt: skip
 SFT = [*SMALL, "--model-size", "student", "--steps", "40", "--checkpoint-every", "10"]
 # Per logged value: relative, or absolute for values near zero that are differences of terms

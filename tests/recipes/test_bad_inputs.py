@@ -269,7 +269,7 @@ def grpo_with_reward(folder: Path, model: Path, module: str, returned: str, out:
     return [
         "--model", str(model), "--reward", f"{module}.py:score", "--out", out,
         "--steps", "2", "--batch-size", "2", "--group-size", "2", "--num-heldout", "4",
-        "--max-new-tokens", "4", "--no-progress", "--devices", "1",
+        "--max-new-tokens", "4", "--no-progress", "--no-plots", "--devices", "1",
     ]  # fmt: skip
 
 

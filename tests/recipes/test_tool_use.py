@@ -250,7 +250,7 @@ def test_recipe_trains_end_to_end(tmp_path):
             "--steps", "5", "--sft-steps", "3", "--eval-every", "5", "--num-train", "32",
             "--num-heldout", "8", "--batch-size", "4", "--group-size", "2",
             "--num-demonstrations", "8", "--model-size", "student", "--max-digits", "2",
-            "--sft-learning-rate", "1e-2", "--no-progress", "--devices", "1",
+            "--sft-learning-rate", "1e-2", "--no-progress", "--no-plots", "--devices", "1",
             "--eval-samples", "2", "--out", str(out),
         ],
     )  # fmt: skip
