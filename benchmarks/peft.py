@@ -1,7 +1,7 @@
 r"""Side by side: a full fine-tune step, LoRA and QLoRA steps, and their naive versions.
 
     python benchmarks/peft.py                  # the `cpu` size: memory and time
-    python benchmarks/peft.py --size smoke     # seconds; what the tests run
+    python benchmarks/peft.py --size smoke --measure full,lora,qlora   # what the tests run
     python benchmarks/peft.py --size llama-1b  # memory of a Llama-3.2-1B-shaped decoder only
 
 Every variant takes one AdamW step on the token-mean NLL of a batch through the reference
@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed steps after one warm-up")
     p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
+    p.add_argument(
+        "--measure", default=",".join(VARIANTS),
+        help="comma-separated variants to measure (the check covers every LoRA variant)",
+    )  # fmt: skip
     worker = p.add_argument_group("worker mode (started by the parent)")
     worker.add_argument("--variant", choices=VARIANTS, default=None, help="measure it")
     worker.add_argument(
@@ -380,7 +384,11 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    measured = args.measure.split(",")
+    if unknown := [name for name in measured if name not in VARIANTS]:
+        parser.error(f"--measure: no variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     if args.variant is not None or args.check:
         if args.json_out is None:
             raise SystemExit("worker mode needs --json-out.")
@@ -402,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                     errors[name] = (
                         None if failed else relative_error(checks[name], references[ours])
                     )
-        variants = {name: run_worker(args, name, folder) for name in VARIANTS}
+        variants = {name: run_worker(args, name, folder) for name in VARIANTS if name in measured}
     result = summarise(args, variants, errors)
     print(table(result))
     line = json.dumps({k: v for k, v in result.items()})

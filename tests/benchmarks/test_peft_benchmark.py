@@ -1,14 +1,15 @@
 """`benchmarks/peft.py` end to end at its smoke size, as a user runs it: the check and
-reference workers, a measuring worker per variant, the table and the JSON line."""
+reference workers (every LoRA variant), a measuring worker for each of the full fine-tune,
+LoRA and QLoRA, the table and the JSON line."""
 
 import pytest
 
-from tests.benchmarks._run import run_benchmark
+from tests.benchmarks._run import refusal, run_benchmark
 
 
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
-    flags = ["--size", "smoke", "--rank", "4", "--repeats", "1"]
+    flags = ["--size", "smoke", "--rank", "4", "--repeats", "1", "--measure", "full,lora,qlora"]
     result, output = run_benchmark("peft.py", *flags, out=tmp_path)
     assert (result["size"], result["rank"]) == ("smoke", 4)
 
@@ -19,7 +20,7 @@ def test_smoke_size_end_to_end(tmp_path):
     assert all(0 < error < 1e-5 for error in result["errors"].values())
 
     variants = result["variants"]
-    assert list(variants) == ["full", "lora_merged", "lora", "qlora_dequantized", "qlora"]
+    assert list(variants) == ["full", "lora", "qlora"]
     full, qlora = variants["full"], variants["qlora"]
     # The full fine-tune trains every weight: AdamW keeps two float32 moments of each.
     assert full["trainable_params"] == full["stored_param_bytes"] // 4
@@ -28,7 +29,7 @@ def test_smoke_size_end_to_end(tmp_path):
     config = result["config"]
     h, f, kv = config["hidden_size"], config["intermediate_size"], 2 * config["head_dim"]
     per_layer = 4 * (2 * (h + h) + 2 * (h + kv) + 3 * (h + f))
-    for name in ("lora_merged", "lora", "qlora_dequantized", "qlora"):
+    for name in ("lora", "qlora"):
         assert variants[name]["trainable_params"] == config["num_hidden_layers"] * per_layer
     assert qlora["optimizer_bytes"] < full["optimizer_bytes"] / 4
     assert qlora["stored_param_bytes"] < full["stored_param_bytes"]
@@ -43,3 +44,9 @@ def test_smoke_size_end_to_end(tmp_path):
         variants["lora"]["median_ms"] / full["median_ms"]
     )
     assert "correct (at most 2 x the naive error + 1e-05): True" in output
+
+
+def test_measured_variants_are_named():
+    line = refusal("peft.py", "--measure", "full,dora")
+    assert line.endswith("--measure: no variant 'dora'; choose from full, lora_merged, lora, "
+                         "qlora_dequantized, qlora")  # fmt: skip
