@@ -119,7 +119,8 @@ def user_env(*, compilation_cache: bool = False) -> dict:
     With `compilation_cache`, the script shares the session's JAX compilation cache (made in
     `conftest.py`), so a train step that one recipe run compiled loads from disk in the next.
     The cache is bounded, which makes JAX lock it while it reads and writes, so the xdist
-    workers' runs share it safely. Benchmarks run without it: they time their compilations.
+    workers' runs share it safely. Benchmarks whose checked figures are compile times run
+    without it (`tests/benchmarks/_run.py`).
     """
     out = {
         k: v

@@ -21,9 +21,7 @@ RUNS = ("staleness_0", "staleness_1")
 
 @pytest.mark.slow
 def test_smallest_settings_end_to_end(tmp_path):
-    result, output = run_benchmark(
-        "async_grpo.py", *SMOKE, out=tmp_path, timeout=900, compilation_cache=True
-    )
+    result, output = run_benchmark("async_grpo.py", *SMOKE, out=tmp_path, timeout=900)
     assert result["benchmark"] == "async_grpo"
     # Each run trained as its flags say: staleness 0 takes turns; staleness 1 trains on the
     # batch sampled before the last weight push, and recomputes its log-probs for the

@@ -15,7 +15,6 @@ from tests.benchmarks._run import run_benchmark
 def test_smallest_settings_end_to_end(tmp_path):
     result, output = run_benchmark(
         "chaos.py", "--size", "smoke", "--hang-timeout", "30", out=tmp_path, timeout=1200,
-        compilation_cache=True,
     )  # fmt: skip
     assert result["benchmark"] == "chaos" and list(result) == [
         "benchmark", "size", "hang_timeout", "sft",

@@ -13,7 +13,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler.py"
 
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
-    result, output = run_benchmark("sampler.py", "--size", "smoke", "--repeats", "1", out=tmp_path)
+    result, output = run_benchmark(
+        "sampler.py", "--size", "smoke", "--repeats", "1", out=tmp_path, compilation_cache=False
+    )
     lines = output.strip().splitlines()
     assert result["correct"] is True and result["reason"] is None
     case = result["case"]

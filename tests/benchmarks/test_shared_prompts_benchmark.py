@@ -8,8 +8,9 @@ from tests.benchmarks._run import refusal, run_benchmark
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
     result, output = run_benchmark(
-        "shared_prompts.py", "--size", "smoke", "--repeats", "2", out=tmp_path
-    )
+        "shared_prompts.py", "--size", "smoke", "--repeats", "2", out=tmp_path,
+        compilation_cache=False,
+    )  # fmt: skip
     assert (result["size"], result["repeats"], result["groups"]) == ("smoke", 2, [4])
     (record,) = result["layouts"]["stacked"].values()
     assert record["rows"] == 4
