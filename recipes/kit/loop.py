@@ -127,6 +127,7 @@ def train(
         for writer in writers:
             writer.write(record)
 
+    distributed.inject_faults("start", start)  # restored, not yet beating: a start-up fault
     clock = goodput.clock()
     if not run.resume:
         clock.reset()

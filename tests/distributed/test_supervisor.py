@@ -1,4 +1,4 @@
-"""`python -m tunelib.launch --max-restarts K`: its refusals, a hang detected and recovered,
+"""`python -m tunelib.launch --max-restarts K`: its refusals, hangs detected and recovered,
 capacity lost and regained; on a small program that beats and takes faults as a recipe's loop
 does (the recipes themselves: tests/distributed/test_recipes_across_processes.py)."""
 
@@ -24,6 +24,7 @@ out = Path(sys.argv[sys.argv.index("--out") + 1])
 done = out / "step"
 start = int(done.read_text()) if done.exists() else 0
 print(f"from step {start} on {runtime.process_count}", flush=True)
+distributed.inject_faults("start", start)
 try:  # (the supervisor sends Ctrl-C after every process's first beat only)
     for step in range(start + 1, STEPS + 1):
         time.sleep(0.2)
@@ -60,6 +61,7 @@ def supervised(tmp_path, faults: str, *flags: str, steps: int = 8):
         (["--max-restarts", "-1"], "", "--max-restarts must be >= 0, got -1."),
         (["--min-processes", "3"], "", "--min-processes must be in [1, 2] (-n 2), got 3."),
         ([], "kill@stp=3", "TUNELIB_FAULTS: cannot parse 'kill@stp=3': the trigger is"),
+        (["--start-timeout", "0"], "", "--start-timeout must be > 0 seconds, got 0.0."),
         (["--max-restarts", "1", "--no-resume"], "", "give the program --resume auto"),
     ],
 )
@@ -79,22 +81,32 @@ def test_bad_settings_are_refused_in_one_line_with_nothing_written(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["program.py"]
 
 
-def test_a_hang_is_detected_within_the_timeout_and_the_run_recovers(tmp_path):
-    """A process stops beating after step 3; the supervisor sees it 2 s after its last beat,
-    stops it and starts the run again, which ends every step once after the checkpoint."""
-    timeout, grace = 2.0, 1.0
+def test_hangs_are_detected_within_their_timeouts_and_the_run_recovers(tmp_path):
+    """A process stuck in its start-up (before its first heartbeat, which `--hang-timeout`
+    does not watch) is hung `--start-timeout` seconds after it started; on the next attempt
+    it stops beating after step 3 and the supervisor sees it `--hang-timeout` seconds after
+    its last beat. Each time it stops the process and starts the run again, which ends every
+    step once after the checkpoint."""
+    hang_timeout, start_timeout, grace = 2.0, 5.0, 1.0
     done, events, fired, steps = supervised(
-        tmp_path, "hang@step=3", "-n", "1", "--max-restarts", "1",
-        "--hang-timeout", str(timeout), "--grace", str(grace),
+        tmp_path, "hang@start; hang@step=3", "-n", "1", "--max-restarts", "2",
+        "--hang-timeout", str(hang_timeout), "--start-timeout", str(start_timeout),
+        "--grace", str(grace),
     )  # fmt: skip
-    assert [e["event"] for e in events] == ["start", "restart", "start", "end"]
-    restart, again = events[1], events[2]
-    assert restart["cause"].startswith("process 0 hung: no heartbeat for")
-    assert "restart 1 of 1: process 0 hung" in done.stderr
-    (hang,) = fired
+    kinds = [e["event"] for e in events]
+    assert kinds == ["start", "restart", "start", "restart", "start", "end"], events
+    first, in_start, _, in_step, third = events[:5]
+    assert in_start["cause"].startswith("process 0 hung: no heartbeat for")
+    assert in_start["cause"].endswith("s after it started")
+    assert start_timeout <= in_start["detected_at"] - first["time"] <= start_timeout + 2.0
+    assert in_step["cause"].startswith("process 0 hung: no heartbeat for")
+    assert in_step["cause"].endswith("s after step 3")
+    assert "restart 2 of 2: process 0 hung" in done.stderr
+    start_hang, step_hang = fired
+    assert (start_hang["trigger"], step_hang["trigger"]) == ("start", "step")
     # Detected within the timeout (and a poll) of the hang, restarted within the grace.
-    assert timeout <= restart["detected_at"] - hang["time"] <= timeout + 1.0
-    assert again["time"] - restart["detected_at"] <= grace + 1.0
+    assert hang_timeout <= in_step["detected_at"] - step_hang["time"] <= hang_timeout + 1.0
+    assert third["time"] - in_step["detected_at"] <= grace + 1.0
     assert [s for s, _ in steps] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 

@@ -13,13 +13,15 @@ The faults come from one variable, `TUNELIB_FAULTS`, a list separated by `;` of
              random=P       after any step, with probability P (drawn from seed and step)
              checkpoint     during a checkpoint write (the first at or after step=N, if given)
              push           during a weight push of asynchronous GRPO (same)
+             start          in the start-up, before the first step's heartbeat (once
+                            the run is restored; the first at or after step=N, if given)
     OPTION   rank=R   the process it fires on (default 0)
              seed=S   random's seed (default 0)
              step=N   checkpoint's and push's first step
              back=S   lose's seconds until the capacity returns
 
 e.g. `TUNELIB_FAULTS="kill@step=3,rank=1; hang@step=5; raise@random=0.1,seed=0;
-kill@checkpoint,step=4; kill@push; lose@step=6,rank=1,back=20"`.
+kill@checkpoint,step=4; kill@push; lose@step=6,rank=1,back=20; hang@start"`.
 
 A fault fires once per run: before it acts it appends a line to the file
 `TUNELIB_FAULTS_LOG` names (a recipe's run folder's `faults.jsonl` by default; the
@@ -43,7 +45,7 @@ import numpy as np
 FAULTS = "TUNELIB_FAULTS"
 FAULTS_LOG = "TUNELIB_FAULTS_LOG"
 ACTIONS = ("kill", "hang", "raise", "lose")
-TRIGGERS = ("step", "random", "checkpoint", "push")
+TRIGGERS = ("step", "random", "checkpoint", "push", "start")
 _OPTIONS = {"rank": int, "seed": int, "step": int, "back": float}
 
 
@@ -53,8 +55,9 @@ class Fault:
 
     Attributes:
       action: "kill", "hang", "raise" or "lose".
-      trigger: "step", "random", "checkpoint" or "push".
-      step: the step (trigger "step"), or the first step (checkpoint, push); None: any.
+      trigger: "step", "random", "checkpoint", "push" or "start".
+      step: the step (trigger "step"), or the first step (checkpoint, push, start); None:
+        any.
       probability: random's chance per step.
       rank: the process it fires on.
       seed: random's seed.
@@ -108,7 +111,7 @@ def _parse(text: str) -> Fault:
             raise refuse(f"{name} needs a value: {name}=...")
         options.insert(0, trigger)
     elif name not in TRIGGERS or value:
-        raise refuse("the trigger is step=N, random=P, checkpoint or push")
+        raise refuse("the trigger is step=N, random=P, checkpoint, push or start")
     for option in options:
         key, _, value = option.partition("=")
         key = key.strip()
@@ -132,8 +135,8 @@ def _parse(text: str) -> Fault:
 
 def inject_faults(where: str, step: int) -> None:
     """Fire the faults of `TUNELIB_FAULTS` due on this process at `where` ("step" after a
-    step, "checkpoint" during a write, "push" during a weight push) of `step`. Nothing
-    without the variable.
+    step, "checkpoint" during a write, "push" during a weight push, "start" in the start-up,
+    with `step` the step the run starts from) of `step`. Nothing without the variable.
 
     Examples:
       >>> from tunelib import distributed

@@ -14,8 +14,8 @@ the cluster's own launcher (`srun`, `mpirun`, a TPU pod's `--worker=all`; see
 
 As a supervisor (`tunelib/launch/_supervisor.py`):
 
-    python -m tunelib.launch -n 2 --max-restarts 3 --hang-timeout 60 [--min-processes 1] \
-        recipes/sft.py --out runs/a --resume auto
+    python -m tunelib.launch -n 2 --max-restarts 3 --hang-timeout 60 [--start-timeout 900] \
+        [--min-processes 1] recipes/sft.py --out runs/a --resume auto
 
 `--max-restarts K` starts the whole run again when a process fails or hangs, up to K times;
 the command must be safe to run again, so it must carry `--resume auto` (a recipe then
@@ -24,6 +24,9 @@ exits with code 2 (a recipe's refusal of its settings or files) is not restarted
 refuse again. `--hang-timeout S`: a process whose heartbeat (`tunelib.distributed
 .heartbeat`, after every step of the kit's loop) is older than S seconds is hung; its clock
 starts at its first beat, which comes after the first step and its compilation.
+`--start-timeout S`: a process that has not beaten S seconds after it started (stuck in its
+imports, its restore, a collective of its start-up or its first compilation) is hung too;
+give S above the longest start-up the run may have (default: not watched).
 `--min-processes M`: when capacity is lost (a `lose` fault of `TUNELIB_FAULTS`, see
 `tunelib.distributed.parse_faults`), the run goes on with the processes left, as long as
 they are at least M, and grows back to N (stopped with SIGINT after a step: a checkpoint,
@@ -63,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--hang-timeout", type=float, default=None,
                         help="seconds without a heartbeat after which a process is hung "
                              "(counted from its first beat; default: not watched)")  # fmt: skip
+    parser.add_argument("--start-timeout", type=float, default=None,
+                        help="seconds after a process's start by which it must beat once, or "
+                             "it is hung (default: not watched)")  # fmt: skip
     parser.add_argument("--min-processes", type=int, default=None,
                         help="go on with at least M processes when capacity is lost, and grow "
                              "back when it returns (default: -n, no shrinking)")  # fmt: skip
@@ -99,15 +105,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if refused:  # one line, nothing written
         print(f"{PROG}: error: {refused}", file=sys.stderr, flush=True)
         return 2
-    if args.max_restarts or args.hang_timeout is not None or args.min_processes is not None:
+    if _supervised(args):
         return _supervisor.Supervisor(
             command, args.num_processes, devices=args.devices_per_process, port=args.port,
             grace=args.grace, max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
+            start_timeout=args.start_timeout,
             min_processes=args.min_processes or args.num_processes,
             log_dir=args.log_dir or _supervisor.out_folder(command),
         ).run()  # fmt: skip
     port = args.port if args.port is not None else free_port()
     return Launch(command, args.num_processes, port, args.devices_per_process, args.grace).run()
+
+
+def _supervised(args) -> bool:
+    watched = (args.hang_timeout, args.start_timeout, args.min_processes)
+    return bool(args.max_restarts) or any(value is not None for value in watched)
 
 
 def _refused(args, command: list[str]) -> str | None:
@@ -116,6 +128,8 @@ def _refused(args, command: list[str]) -> str | None:
         return f"--max-restarts must be >= 0, got {args.max_restarts}."
     if args.hang_timeout is not None and not args.hang_timeout > 0:
         return f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}."
+    if args.start_timeout is not None and not args.start_timeout > 0:
+        return f"--start-timeout must be > 0 seconds, got {args.start_timeout}."
     n, m = args.num_processes, args.min_processes
     if m is not None and not 1 <= m <= n:
         return f"--min-processes must be in [1, {n}] (-n {n}), got {m}."
@@ -129,7 +143,6 @@ def _refused(args, command: list[str]) -> str | None:
             "rerun: give the program --resume auto (a recipe then continues from its last "
             "checkpoint)."
         )
-    supervised = args.max_restarts or args.hang_timeout is not None or m is not None
-    if supervised and args.log_dir is None and _supervisor.out_folder(command) is None:
+    if _supervised(args) and args.log_dir is None and _supervisor.out_folder(command) is None:
         return "a supervised run keeps its log in --log-dir, or in the program's --out: give one."
     return None

@@ -34,19 +34,22 @@ class Launch:
     When one fails, the others are stopped (SIGTERM, SIGKILL after `grace` s). With
     `heartbeats` (the folder of `tunelib.distributed.heartbeat`'s files) and `hang_timeout`,
     a process whose last beat is older than that is hung, and every process is stopped (one
-    past its last beat is not watched); at `grow_at` (Unix seconds), once each has beaten
-    once, every process is sent SIGINT, to stop after a step (a recipe saves a checkpoint)
-    and be started again on more processes. `failure` then says what ended the run (rank,
-    code, cause, failed_at, detected_at), `grew` whether it was stopped to grow. `env` is
-    added to every process's environment."""
+    past its last beat is not watched); with `start_timeout`, so is a process that has not
+    beaten that many seconds after it started (stuck in its start-up); at `grow_at` (Unix
+    seconds), once each has beaten once, every process is sent SIGINT, to stop after a step
+    (a recipe saves a checkpoint) and be started again on more processes. `failure` then
+    says what ended the run (rank, code, cause, failed_at, detected_at), `grew` whether it
+    was stopped to grow. `env` is added to every process's environment."""
 
     def __init__(self, command, count, port, devices, grace, *, env=None, heartbeats=None,
-                 hang_timeout=None, grow_at=None):  # fmt: skip
+                 hang_timeout=None, start_timeout=None, grow_at=None):  # fmt: skip
         self.command, self.count, self.grace = command, count, grace
         self.address = f"127.0.0.1:{port}"
         self.devices = devices
         self.env = env or {}
         self.heartbeats, self.hang_timeout, self.grow_at = heartbeats, hang_timeout, grow_at
+        self.start_timeout = start_timeout
+        self.started_at: list[float] = []  # each process's start (Unix seconds)
         self.lock = threading.Lock()
         self.stopping: str | None = None  # why the processes are being stopped
         self.processes: list[subprocess.Popen] = []
@@ -84,6 +87,7 @@ class Launch:
                     start_new_session=True,  # signals reach them through the launcher only
                 )
                 self.processes.append(process)
+                self.started_at.append(time.time())
                 pump = threading.Thread(target=self._pump, args=(rank, process), daemon=True)
                 pump.start()
                 pumps.append(pump)
@@ -143,9 +147,8 @@ class Launch:
             hung = self._hung(codes, now) if failed is None else None
             if hung is not None and self.stopping in (None, "grow"):
                 rank, beat, step = hung
-                cause = (
-                    f"process {rank} hung: no heartbeat for {now - beat:.1f} s after step {step}"
-                )
+                after = f"step {step}" if step is not None else "it started"
+                cause = f"process {rank} hung: no heartbeat for {now - beat:.1f} s after {after}"
                 self._say(f"{cause}; stopping every process.")
                 failed = rank, -HUNG
                 self.failure = {"rank": rank, "code": None, "failed_at": beat,
@@ -184,24 +187,34 @@ class Launch:
             (beats / str(rank)).exists() for rank, code in enumerate(codes) if code is None
         )
 
-    def _hung(self, codes, now: float) -> tuple[int, float, str] | None:
-        """The running process whose heartbeat is the oldest, if older than the timeout:
-        `(rank, time of its last beat, its step)`. A process that has not beaten yet (still
-        compiling its first step) is not watched."""
-        if self.heartbeats is None or self.hang_timeout is None:
+    def _hung(self, codes, now: float) -> tuple[int, float, str | None] | None:
+        """A running process that is hung: `(rank, time of its last beat, its step)` for the
+        one whose beat is the oldest, if older than `hang_timeout`; else `(rank, its start,
+        None)` for one that has not beaten `start_timeout` seconds after it started. A process
+        that has not beaten yet is otherwise not watched (its start-up may compile for long)."""
+        if self.heartbeats is None:
             return None
-        beats = []
+        beats, silent = [], []
         for rank, code in enumerate(codes):
             path = Path(self.heartbeats) / str(rank)
-            if code is None and path.exists():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    step, *last = path.read_text().split()[::2]  # "step time [last]"
-                    if not last:  # a process past its last step is no longer watched
-                        beats.append((path.stat().st_mtime, rank, step))
-        if not beats:
-            return None
-        beat, rank, step = min(beats)
-        return (rank, beat, step) if now - beat > self.hang_timeout else None
+            if code is not None:
+                continue
+            if not path.exists():
+                silent.append((self.started_at[rank], rank, None))
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                step, *last = path.read_text().split()[::2]  # "step time [last]"
+                if not last:  # a process past its last step is no longer watched
+                    beats.append((path.stat().st_mtime, rank, step))
+        if beats and self.hang_timeout is not None:
+            beat, rank, step = min(beats)
+            if now - beat > self.hang_timeout:
+                return rank, beat, step
+        if silent and self.start_timeout is not None:
+            start, rank, _ = min(silent)
+            if now - start > self.start_timeout:
+                return rank, start, None
+        return None
 
 
 def described(code: int) -> str:

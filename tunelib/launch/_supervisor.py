@@ -43,10 +43,11 @@ class Supervisor:
     `max_restarts` times; with capacity lost, on at least `min_processes`."""
 
     def __init__(self, command, count, *, devices, port, grace, max_restarts, hang_timeout,
-                 min_processes, log_dir):  # fmt: skip
+                 min_processes, log_dir, start_timeout=None):  # fmt: skip
         self.command, self.count, self.devices = command, count, devices
         self.port, self.grace = port, grace
         self.max_restarts, self.hang_timeout = max_restarts, hang_timeout
+        self.start_timeout = start_timeout
         self.min_processes = min_processes
         self.log_dir = Path(log_dir)
         self.lost: list[float] = []  # when each lost process's capacity returns (inf: never)
@@ -79,7 +80,7 @@ class Supervisor:
                     self.command, available,
                     self.port if self.port is not None else free_port(),
                     self.devices, self.grace, heartbeats=heartbeats,
-                    hang_timeout=self.hang_timeout,
+                    hang_timeout=self.hang_timeout, start_timeout=self.start_timeout,
                     grow_at=min(returns) if available < self.count and returns else None,
                     env={SUPERVISION: json.dumps(record), HEARTBEATS: str(heartbeats),
                          FAULTS_LOG: str(faults)},
