@@ -123,16 +123,28 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)
 
-    # The trainer's state is checkpointed and saved on every device of both processes.
+    # The trainer's state is checkpointed and saved on every device of both processes, with
+    # the batches in flight (sampled for the next steps, by older weights) and the versions
+    # that sampled them: a resumed run trains on those, as the run that never stopped does.
     state = learner.initial_state(
         loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     )
     state = {**state, "updates": placement.replicate(np.int32(0))}
     both = disaggregated.everywhere()
-    checkpointed = (
-        lambda state: disaggregated.shared(state, both),
-        lambda saved: disaggregated.own(saved, placement),
-    )
+
+    def to_saved(state):
+        if config.max_staleness:
+            state = {**state, "in_flight": rollouts.in_flight(), "ledger": learner.ledger_state()}
+        return disaggregated.shared(state, both)
+
+    def from_saved(saved):
+        state = disaggregated.own(saved, placement)
+        if config.max_staleness:
+            rollouts.resume(state.pop("in_flight"))
+            learner.resume_ledger(state.pop("ledger"))
+        return state
+
+    checkpointed = (to_saved, from_saved)
     watcher, _ = watch.watcher(config, run, None, placement)  # the collapse guard
     state = loop.train(
         run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
@@ -140,7 +152,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     )  # fmt: skip
     if isinstance(state, Planned):  # --plan: the step compiled, never run
         return state
-    model, state = models.replicated(model, both), checkpointed[0](state)
+    model, state = models.replicated(model, both), disaggregated.shared(state, both)
     tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))
     tuning.save(run.path, model, state["params"], both)
     headline = grpo.headline(run, config, tuning)

@@ -74,9 +74,10 @@ class Rollouts:
     same shapes (zeros), the trainer's side of the collective; `fresh_batches()` a new iterator
     of the run's prompts (the sampler reads s steps ahead with one). At every train step both
     processes call `take`, the trainer trains on what it returns, then both call `deliver` and
-    `push`. The first `take` (of a run, or of a process resumed from a checkpoint) fills the
-    pipeline from the state it is given: after a restore the batches that were in flight are
-    sampled again, with the restored weights.
+    `push`. The first `take` of a run fills the pipeline from the state it is given; that of
+    a run resumed from a checkpoint takes the batches that were in flight when it was saved
+    (`in_flight`, checkpointed with the state, then `resume`), as they were sampled, so the
+    run goes on as if it had never stopped.
     """
 
     def __init__(self, staleness: int, sample: Callable, template: dict, fresh_batches):
@@ -89,6 +90,7 @@ class Rollouts:
         self.rng = None  # the sampler's key data: the train state's, s steps ahead
         self.version = 0  # the updates behind the sampler's weights
         self.pending: dict | None = None  # sampled during this step, delivered after it
+        self.resumed: list[dict] | None = None  # the batches in flight at the checkpoint
 
     def take(self, policy, prompts, batches, rng, version: int) -> dict | None:
         """This step's batch on the trainer (None on the sampler). `prompts` are this step's,
@@ -100,13 +102,21 @@ class Rollouts:
             self.ahead = self.fresh_batches()
             self.ahead.set_state(batches.get_state())
             if self.staleness:
-                for first in [prompts] + [next(self.ahead) for _ in range(self.staleness - 1)]:
-                    self.queue.append(self._exchanged(self._sampled(policy, first)))
+                firsts = [prompts] + [next(self.ahead) for _ in range(self.staleness - 1)]
+                if self.resumed is not None:  # sampled before the checkpoint: the keys move on
+                    for _ in firsts:
+                        self.rng = step_keys(self.rng, "rollouts", "dropout")[0]
+                    self.queue.extend(self.resumed)
+                    self.resumed = None
+                else:
+                    for first in firsts:
+                        self.queue.append(self._exchanged(self._sampled(policy, first)))
         if self.staleness == 0:
             self.queue.append(self._exchanged(self._sampled(policy, prompts)))
         else:
             self.pending = self._sampled(policy, next(self.ahead))
-        return self.queue.popleft() if role() == TRAINER else None
+        batch = self.queue.popleft()  # both roles hold the queue; the trainer trains on it
+        return batch if role() == TRAINER else None
 
     def deliver(self) -> None:
         """With s >= 1: the batch the sampler made during this step, to the trainer."""
@@ -122,6 +132,22 @@ class Rollouts:
         self.version += 1
         size = sum(np.asarray(x).nbytes for x in _leaves(out))
         return out, size / max(seconds, 1e-9)
+
+    def in_flight(self) -> dict:
+        """The `staleness` batches sampled for the steps after this one (`template`'s while
+        the pipeline is not filled), stacked, with `filled`: what a checkpoint keeps."""
+        filled = len(self.queue) == self.staleness and self.pending is None
+        batches = list(self.queue) if filled else [self.template] * self.staleness
+        stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
+        return {"batches": stacked, "filled": np.bool_(filled)}
+
+    def resume(self, saved: dict) -> None:
+        """Take the batches a checkpoint kept (`in_flight`) as the first steps' batches of
+        this process, in place of sampling them again with the restored weights."""
+        if not bool(np.asarray(saved["filled"])):
+            return
+        batches = jax.tree.map(np.asarray, saved["batches"])
+        self.resumed = [jax.tree.map(lambda x, i=i: x[i], batches) for i in range(self.staleness)]
 
     def _sampled(self, policy, prompts) -> dict:
 

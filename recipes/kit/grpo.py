@@ -323,6 +323,23 @@ class Learner:
         `version`, the one the sampler is given next."""
         self.ledger.record(version, policy)
 
+    def ledger_state(self) -> dict:
+        """The ledger's versions and fingerprints (`max_staleness + 1`, -1 where none), as
+        arrays a checkpoint keeps: a resumed trainer checks the batches that were in flight
+        against the versions that sampled them."""
+        size = self.ledger.max_staleness + 1
+        versions, digests = np.full(size, -1, np.int32), np.zeros(size, np.uint32)
+        for i, (version, digest) in enumerate(self.ledger.recorded().items()):
+            versions[i], digests[i] = version, digest
+        return {"versions": versions, "digests": digests}
+
+    def resume_ledger(self, saved: dict) -> None:
+        """Record again the versions `ledger_state` kept."""
+        versions, digests = np.asarray(saved["versions"]), np.asarray(saved["digests"])
+        for version, digest in zip(versions, digests, strict=True):
+            if version >= 0:
+                self.ledger.record_fingerprint(int(version), int(digest))
+
     def learn(self, state, rows: dict, dropout_key, *, version: int):
         """The updates on a batch (this process's rows of it, on the host), once its stamp
         says the sampler ran a policy handed out within the staleness bound of `version`

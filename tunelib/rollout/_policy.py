@@ -167,6 +167,22 @@ class PolicyLedger:
         while len(self._versions) > self.max_staleness + 1:
             self._versions.popitem(last=False)
 
+    def recorded(self) -> dict[int, int]:
+        """The versions it holds (the last `max_staleness + 1` recorded), each with its
+        fingerprint as an int, oldest first: what a checkpoint keeps, to record again with
+        `record_fingerprint` in a resumed run.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from tunelib.rollout import PolicyLedger
+          >>> ledger = PolicyLedger(max_staleness=1)
+          >>> for v in range(3):
+          ...     _ = ledger.record(v, {"a": jnp.full(3, v)})
+          >>> list(ledger.recorded())   # the last two
+          [1, 2]
+        """
+        return dict(self._versions)
+
     def check(self, policy_version, fingerprint, *, version: int) -> None:
         """Raise `StalePolicyError` (one line) unless a rollout stamped `policy_version` and
         `fingerprint` was sampled by a version within `max_staleness` of the trainer's
