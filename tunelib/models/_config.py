@@ -11,6 +11,7 @@ DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "proportional", "yarn")
+SCORING_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")
 _ROPE_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "proportional": ("factor", "partial_rotary_factor"),
@@ -29,12 +30,14 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
         "attention_factor",
     ),
 }
+# Keys a RoPE of this type may carry besides its own: MLA's softmax scale (DeepSeek-V3).
+_ROPE_OPTIONAL: dict[str, tuple[str, ...]] = {"yarn": ("mscale_all_dim",)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
     r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 /
-    gpt-oss decoder.
+    gpt-oss / DeepSeek-V3 decoder.
 
     Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
     be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
@@ -61,7 +64,9 @@ class DecoderConfig:
         head's channel pairs rotate), or YaRN's `{"rope_type": "yarn", "factor",
         "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate",
         "attention_factor"}` (gpt-oss; `cos` and `sin` are also multiplied by
-        `attention_factor`). The legacy key `"type"` is read as `"rope_type"`. See
+        `attention_factor`; it may also carry `"mscale_all_dim"` $a$, which multiplies the
+        softmax scale of multi-head latent attention by $m(s, a)^2$, $m(s, a) = 0.1\, a \ln s
+        + 1$, as DeepSeek-V3 does). The legacy key `"type"` is read as `"rope_type"`. See
         `tunelib.models.rope_frequencies`.
       max_position_embeddings: the context length the checkpoint was trained for; kept for
         round-tripping `config.json`, the forward pass does not read it.
@@ -153,6 +158,33 @@ class DecoderConfig:
       swiglu_limit: $c$ of the clamped SwiGLU (gpt-oss: 7.0): the gate is clipped above at
         $c$, the up projection to $[-c, c]$, and the expert computes
         $(\mathrm{up} + 1) \cdot g\,\sigma(\alpha g)$; set exactly when `biased_experts`.
+      kv_lora_rank: DeepSeek-V3: None (ordinary attention), or $r$: multi-head latent
+        attention (`tunelib.models` MLA, `docs/models.md`). Keys and values come from an
+        $r$-wide latent $c = \mathrm{RMSNorm}(x W_{DKV})$ (`kv_a_proj_with_mqa`,
+        `kv_a_layernorm`) through `kv_b_proj`, plus one `head_dim`-wide rotated key shared by
+        every head; `head_dim` is then the rotary width (transformers' `qk_rope_head_dim`),
+        `num_key_value_heads` must equal `num_attention_heads`, and a KV cache holds the
+        latent and the rotated key, $r + D$ values per token and layer.
+      q_lora_rank: DeepSeek-V3's query compression: None (one `q_proj`) or the width of the
+        `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` path; only with `kv_lora_rank`.
+      qk_nope_head_dim: DeepSeek-V3: the width of each query and key head's part without
+        RoPE (0 without `kv_lora_rank`); a head's query and key are
+        `qk_nope_head_dim + head_dim` wide.
+      v_head_dim: DeepSeek-V3: the width of each value head; None without `kv_lora_rank`.
+      rope_interleave: DeepSeek-V3: the rotary channels form the pairs $(0, 1), (2, 3),
+        \dots$ instead of $(i, i + D/2)$, as transformers' `rope_interleave`.
+      n_shared_experts: DeepSeek-V3: a dense SwiGLU of `n_shared_experts *
+        moe_intermediate_size` beside the routed experts of every mixture-of-experts layer
+        (`mlp/shared_experts`); needs `scoring_func="sigmoid"`.
+      scoring_func: the router's scores: "softmax" (Qwen3-MoE, gpt-oss, Gemma 4) or
+        "sigmoid" (DeepSeek-V3: sigmoid scores, experts chosen on the scores plus the
+        `e_score_correction_bias`, group-limited top-k; see `tunelib.models.route_grouped`).
+      n_group: DeepSeek-V3: the experts form this many groups of equal size, at least 2
+        experts each; only with `scoring_func="sigmoid"`.
+      topk_group: DeepSeek-V3: each token chooses its experts among the `topk_group` groups
+        of highest score (each group's score is the sum of its two best).
+      routed_scaling_factor: DeepSeek-V3: the routed experts' weights are multiplied by it
+        (1 for the other families).
       scan_layers: ours: store the layers stacked on a leading "layers" axis and run them
         with `nnx.scan` (one compiled layer instead of $L$).
       remat: ours: recompute each layer's activations in the backward pass (`nnx.remat`).
@@ -209,6 +241,16 @@ class DecoderConfig:
     biased_experts: bool = False
     swiglu_alpha: float | int | None = None
     swiglu_limit: float | int | None = None
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int | None = None
+    rope_interleave: bool = False
+    n_shared_experts: int = 0
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float | int = 1.0
     scan_layers: bool = False
     remat: bool = False
     dtype: str = "float32"
@@ -263,6 +305,7 @@ class DecoderConfig:
             "layer_scalars",
             "attention_sinks",
             "biased_experts",
+            "rope_interleave",
             "scan_layers",
             "remat",
         ):
@@ -280,6 +323,100 @@ class DecoderConfig:
         self._check_layer_types()
         self._check_gemma4()
         self._check_biased_experts()
+        self._check_mla()
+        self._check_sigmoid_routing()
+
+    def _check_mla(self) -> None:
+        mla = ("q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
+        if self.kv_lora_rank is None:
+            for name, unset in zip(mla, (None, 0, None, False), strict=True):
+                if getattr(self, name) != unset:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} belongs to multi-head latent attention "
+                        f"(DeepSeek-V3), which needs kv_lora_rank; it is None here."
+                    )
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _check_positive_int(getattr(self, name), name)
+        if self.q_lora_rank is not None:
+            _check_positive_int(self.q_lora_rank, "q_lora_rank")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                "multi-head latent attention (kv_lora_rank) needs num_key_value_heads == "
+                f"num_attention_heads, got {self.num_key_value_heads} and "
+                f"{self.num_attention_heads}."
+            )
+        ordinary = {
+            "sliding_window": None,
+            "use_qk_norm": False,
+            "attention_sinks": False,
+            "value_norm": False,
+            "attention_k_eq_v": False,
+            "num_kv_shared_layers": 0,
+            "global_head_dim": None,
+            "num_global_key_value_heads": None,
+            "query_pre_attn_scalar": None,
+            "attn_logit_softcapping": None,
+            "o_proj_bias": self.attention_bias,
+        }
+        for name, value in ordinary.items():
+            if getattr(self, name) != value:
+                raise ValueError(
+                    f"multi-head latent attention (kv_lora_rank) does not support "
+                    f"{name}={getattr(self, name)!r} (it needs {name}={value!r})."
+                )
+
+    def _check_sigmoid_routing(self) -> None:
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}."
+            )
+        for name in ("n_group", "topk_group"):
+            _check_positive_int(getattr(self, name), name)
+        if isinstance(self.n_shared_experts, bool) or not isinstance(self.n_shared_experts, int):
+            raise TypeError(f"n_shared_experts must be an int, got {self.n_shared_experts!r}.")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}.")
+        _check_positive_float(self.routed_scaling_factor, "routed_scaling_factor")
+        if self.scoring_func == "softmax":
+            unset = {"n_shared_experts": 0, "n_group": 1, "topk_group": 1}
+            unset["routed_scaling_factor"] = 1.0
+            for name, value in unset.items():
+                if getattr(self, name) != value:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} belongs to DeepSeek-V3's routing, "
+                        "which needs scoring_func='sigmoid'; it is 'softmax' here."
+                    )
+            return
+        if not self.num_experts or self.parallel_moe or self.biased_experts:
+            raise ValueError(
+                "scoring_func='sigmoid' needs num_experts > 0, parallel_moe=False and "
+                "biased_experts=False."
+            )
+        e, groups = self.num_experts, self.n_group
+        if e % groups or e // groups < 2:
+            raise ValueError(
+                f"n_group ({groups}) must divide num_experts ({e}) into groups of at least 2 "
+                "experts (a group's score is the sum of its two best)."
+            )
+        if self.topk_group > groups:
+            raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({groups}).")
+        if self.num_experts_per_tok > self.topk_group * (e // groups):
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= the experts of "
+                f"the topk_group={self.topk_group} groups chosen ({self.topk_group * e // groups})."
+            )
+
+    @property
+    def layer_cache_widths(self) -> tuple[tuple[int, int, int], ...]:
+        """For each layer, what its KV cache holds per slot: `(heads, key width, value
+        width)`; for multi-head latent attention one latent of `kv_lora_rank + head_dim`
+        and no separate values (they are the latent's first `kv_lora_rank` channels)."""
+        if self.kv_lora_rank is not None:
+            return ((1, self.kv_lora_rank + self.head_dim, 0),) * self.num_hidden_layers
+        return tuple(
+            (k, d, d) for k, d in zip(self.layer_kv_heads, self.layer_head_dims, strict=True)
+        )
 
     def _check_biased_experts(self) -> None:
         clamp = (self.swiglu_alpha, self.swiglu_limit)
@@ -533,12 +670,14 @@ def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] |
             f"rope_scaling['rope_type'] must be one of {ROPE_TYPES}, got {rope_type!r}."
         )
     expected = {"rope_type", *_ROPE_KEYS[rope_type]}
+    expected |= set(scaling) & set(_ROPE_OPTIONAL.get(rope_type, ()))
     if set(scaling) != expected:
         raise ValueError(
             f"rope_scaling of type {rope_type!r} must have exactly the keys "
             f"{sorted(expected)}, got {sorted(scaling)}."
         )
-    for key in _ROPE_KEYS[rope_type]:
+    optional = [k for k in _ROPE_OPTIONAL.get(rope_type, ()) if k in scaling]
+    for key in (*_ROPE_KEYS[rope_type], *optional):
         if key == "original_max_position_embeddings":
             _check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
         elif key == "truncate":
