@@ -1,6 +1,7 @@
 """DeepSeek-V3: its config fields read or refused, group-limited sigmoid routing against
-transformers' router, the balancing bias update against a float64 reference, and the
-compressed (absorbed) KV cache against the uncached forward. Logits, greedy tokens from the
+transformers' router, the balancing bias update against a float64 reference, the
+compressed (absorbed) KV cache against the uncached forward, LoRA targets and expert
+parallelism. Logits, greedy tokens from the
 sampler and saving are in `test_hf_checkpoint.test_matches_transformers[deepseek_v3]`."""
 
 import json
@@ -16,6 +17,7 @@ from flax import nnx
 from tests._helpers import assert_traced_once, raises_naming
 from tests._hf import hf_modules, undocumented_config_fields
 from tests.models.test_kv_cache import TOKENS, WHERE
+from tests.models.test_moe import expert_parallel_equals_one_device
 from tunelib.formats import config_from_hf, config_to_hf
 from tunelib.models import (
     PROJECTION_KERNELS,
@@ -271,3 +273,22 @@ def test_lora_targets_the_latent_projections():
     assert not [p for p in matched if "/mlp/gate/" in p or "norm" in p]
     # 5 attention projections per layer, the dense MLP's 3, the routed and shared experts' 6.
     assert len(matched) == 3 * 5 + 3 + 2 * 6
+
+
+def test_expert_parallel_sharding_equals_one_device():
+    """8 devices: the routed experts over "expert" (4), widths and heads (the latent
+    projections' included) over "model" (2), in float64 as the other families' tests; every
+    weight but the routing bias (no gradient by design) gets a gradient."""
+    with jax.enable_x64(True):
+        config = DecoderConfig(
+            **{**CONFIG, "num_hidden_layers": 2}, dtype="float64", param_dtype="float64"
+        )
+        graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+        grads = expert_parallel_equals_one_device(
+            graphdef, params, TOKENS,
+            lambda s: s["layers"][1]["mlp"]["experts"]["gate_proj"]["kernel"],
+            rtol=1e-10, atol=1e-12,
+        )  # fmt: skip
+    for path, grad in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads)):
+        name = jax.tree_util.keystr(path)
+        assert np.asarray(grad).any() != name.endswith("['e_score_correction_bias']"), name
