@@ -93,6 +93,9 @@ def test_defaults_and_the_round_trip():
     assert (config.kv_lora_rank, config.q_lora_rank, config.head_dim) == (512, 1536, 64)
     assert (config.qk_nope_head_dim, config.v_head_dim, config.rope_interleave) == (128, 128, True)
     assert config.moe_intermediate_size == 2048 and config.rope_scaling is None
+    # DeepSeek's own keys for the variant transformers computes load.
+    own = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+    assert config_from_hf({**HF_BASE, **own}) == config
     ours = DecoderConfig(**CONFIG)
     written = json.loads(json.dumps(config_to_hf(ours, model_type="deepseek_v3")))
     assert written["first_k_dense_replace"] == 1 and written["qk_rope_head_dim"] == 8
@@ -120,6 +123,9 @@ def test_defaults_and_the_round_trip():
         ("attention_dropout", 0.1, "attention_dropout"),
         ("rope_parameters", {"rope_type": "longrope", "factor": 2.0}, "longrope"),
         ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+        ("scoring_func", "softmax", "scoring_func"),
+        ("topk_method", "greedy", "topk_method"),
+        ("moe_layer_freq", 2, "moe_layer_freq"),
     ],
 )
 def test_unsupported_deepseek_fields_are_named(field, value, named):
@@ -280,13 +286,12 @@ def test_expert_parallel_sharding_equals_one_device():
     projections' included) over "model" (2), in float64 as the other families' tests; every
     weight but the routing bias (no gradient by design) gets a gradient."""
     with jax.enable_x64(True):
-        config = DecoderConfig(
-            **{**CONFIG, "num_hidden_layers": 2}, dtype="float64", param_dtype="float64"
-        )
+        one_layer = {"num_hidden_layers": 1, "mlp_only_layers": ()}  # of experts
+        config = DecoderConfig(**{**CONFIG, **one_layer}, dtype="float64", param_dtype="float64")
         graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
         grads = expert_parallel_equals_one_device(
             graphdef, params, TOKENS,
-            lambda s: s["layers"][1]["mlp"]["experts"]["gate_proj"]["kernel"],
+            lambda s: s["layers"][0]["mlp"]["experts"]["gate_proj"]["kernel"],
             rtol=1e-10, atol=1e-12,
         )  # fmt: skip
     for path, grad in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads)):

@@ -23,6 +23,13 @@ DEEPSEEK_DEFAULTS: dict[str, Any] = {
     "norm_topk_prob": True,
     "rope_interleave": True,
 }
+# Keys of DeepSeek's own config.json (its remote code's) that transformers does not read but
+# that name a variant: only the value DeepSeek-V3 uses, which transformers computes, loads.
+DEEPSEEK_VARIANTS: dict[str, Any] = {
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "moe_layer_freq": 1,
+}
 
 
 def deepseek_fields(
@@ -37,7 +44,9 @@ def deepseek_fields(
     Every layer attends by multi-head latent attention; the first `first_k_dense_replace`
     layers have the dense MLP (`mlp_only_layers`) and the others DeepSeekMoE (sigmoid
     routing, `scoring_func="sigmoid"`). `head_dim` and `qk_head_dim` are derived by
-    transformers (from `qk_rope_head_dim` and `qk_nope_head_dim`) and not read."""
+    transformers (from `qk_rope_head_dim` and `qk_nope_head_dim`) and not read. DeepSeek's
+    own `scoring_func`, `topk_method` and `moe_layer_freq`, when present, must be DeepSeek-V3's
+    (`DEEPSEEK_VARIANTS`)."""
     heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
         raise ValueError(
@@ -45,6 +54,12 @@ def deepseek_fields(
             f"has one key and value per query head, so it must equal num_attention_heads "
             f"({heads})."
         )
+    for name, value in DEEPSEEK_VARIANTS.items():
+        if hf.get(name, value) != value:
+            raise ValueError(
+                f"config.json: {name} is {hf[name]!r}; DeepSeek-V3 (as transformers computes "
+                f"it) has only {name}={value!r}."
+            )
     layers, dense = get("num_hidden_layers"), get("first_k_dense_replace")
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         raise ValueError(f"config.json: first_k_dense_replace must be an int >= 0, got {dense!r}.")
