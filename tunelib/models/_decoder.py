@@ -1,5 +1,5 @@
 """The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss
-in Flax NNX."""
+/ DeepSeek-V3 in Flax NNX."""
 
 from typing import NamedTuple
 

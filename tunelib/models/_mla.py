@@ -62,10 +62,10 @@ class LatentAttention(Attention):
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.head_dim, c.v_head_dim
         self.interleave = c.rope_interleave
         self.dtype = c.compute_dtype
-        self.shares_kv = False
+        self.compressed_q = c.q_lora_rank is not None
         bias = c.attention_bias
         q_width = n * (self.nope + self.rope)
-        if c.q_lora_rank is None:
+        if not self.compressed_q:
             self.q_proj = Dense(h, q_width, ("embed", "q_heads"), c, use_bias=False, rngs=rngs)
         else:
             q = c.q_lora_rank
@@ -95,26 +95,34 @@ class LatentAttention(Attention):
     ) -> tuple[jax.Array, LayerCache | None, tuple[jax.Array, jax.Array]]:
         """Attention of `x [B, T, H]` (see `Attention`); a cache holds `[L, B, 1, S, r + D_R]`
         latents and rotated keys, and `[L, B, 1, S, 0]` values."""
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
+        if self.compressed_q:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
         q = rearrange(q, "b t (n d) -> b t n d", n=self.num_heads)
         q_nope, q_rot = q[..., : self.nope], self._rotate(q[..., self.nope :], cos, sin)
         compressed = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(compressed[..., : self.rank])
         k_rot = self._rotate(compressed[..., None, self.rank :], cos, sin)  # [B, T, 1, D_R]
         if cache is None:
-            kv = rearrange(self.kv_b_proj(latent), "b t (n d) -> b n t d", n=self.num_heads)
-            k_nope, val = kv[..., : self.nope], kv[..., self.nope :]
-            k_rot = jnp.broadcast_to(
-                rearrange(k_rot, "b t 1 d -> b 1 t d"), (*k_nope.shape[:3], self.rope)
-            )
-            k = jnp.concatenate([k_nope, k_rot.astype(k_nope.dtype)], axis=-1)
-            q = rearrange(jnp.concatenate([q_nope, q_rot], axis=-1), "b t n d -> b n 1 t d")
-            out = self._attend(q, k, val, allowed, fill)
-            return self.o_proj(rearrange(out, "b n 1 t d -> b t (n d)")), None, (k, val)
-        # The absorbed form: queries against the latents, W_UK folded into the query.
+            return self._expanded(q_nope, q_rot, latent, k_rot, allowed, fill)
+        return self._absorbed(q_nope, q_rot, latent, k_rot, cache, allowed, fill)
+
+    def _expanded(self, q_nope, q_rot, latent, k_rot, allowed, fill):
+        """Every head's keys and values from the latents, as transformers computes them."""
+        kv = rearrange(self.kv_b_proj(latent), "b t (n d) -> b n t d", n=self.num_heads)
+        k_nope, val = kv[..., : self.nope], kv[..., self.nope :]
+        k_rot = jnp.broadcast_to(
+            rearrange(k_rot, "b t 1 d -> b 1 t d"), (*k_nope.shape[:3], self.rope)
+        )
+        k = jnp.concatenate([k_nope, k_rot.astype(k_nope.dtype)], axis=-1)
+        q = rearrange(jnp.concatenate([q_nope, q_rot], axis=-1), "b t n d -> b n 1 t d")
+        out = self._attend(q, k, val, allowed, fill)
+        return self.o_proj(rearrange(out, "b n 1 t d -> b t (n d)")), None, (k, val)
+
+    def _absorbed(self, q_nope, q_rot, latent, k_rot, cache, allowed, fill):
+        """The absorbed form over the cache: $W_{UK}$ folded into the queries, which attend
+        over the cached latents and rotated keys as one key head; $W_{UV}$ after."""
         w = rearrange(
             self.kv_b_proj.kernel[...].astype(self.dtype), "r (n d) -> r n d", n=self.num_heads
         )
