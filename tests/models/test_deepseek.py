@@ -189,6 +189,11 @@ def test_routing_equals_transformers_router():
     replayed, _ = route_grouped(logits.numpy(), bias, top_k=3, n_group=4, topk_group=2,
                                 routed_scaling_factor=2.5, experts=experts)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(replayed), np.asarray(weights))
+    assert_traced_once(
+        lambda z, b, s: route_grouped(z, b, top_k=3, n_group=4, topk_group=2,
+                                      routed_scaling_factor=s),
+        [((logits.numpy(), bias, jnp.float32(s)), {}) for s in (1.0, 2.5)],
+    )  # fmt: skip
 
 
 def _bias_update_reference(bias, load, rate):

@@ -21,7 +21,7 @@ def route_grouped(
     n_group: int = 1,
     topk_group: int = 1,
     norm_topk_prob: bool = True,
-    routed_scaling_factor: float | int = 1.0,
+    routed_scaling_factor: float | ArrayLike = 1.0,
     experts: Int[ArrayLike, "*N k"] | None = None,
 ) -> tuple[Float[Array, "*N k"], Int[Array, "*N k"]]:
     r"""DeepSeek-V3's routing: sigmoid scores, experts chosen on the scores plus a bias within
@@ -46,7 +46,7 @@ def route_grouped(
       n_group: $G$, dividing $E$ into groups of at least 2 experts (static).
       topk_group: groups each token chooses among (static).
       norm_topk_prob: renormalise the chosen scores to sum to 1.
-      routed_scaling_factor: $\rho$.
+      routed_scaling_factor: $\rho$; may be traced.
       experts: `[..., k]` recorded expert ids to route to; None chooses as above.
 
     Returns:
