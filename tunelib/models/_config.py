@@ -1,17 +1,22 @@
 """The decoder configuration, named after the fields of a Hugging Face `config.json`."""
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 
+from tunelib.models._deepseek_config import (
+    check_mla,
+    check_positive_float,
+    check_positive_int,
+    check_sigmoid_routing,
+)
+
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "proportional", "yarn")
-SCORING_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")
 _ROPE_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "proportional": ("factor", "partial_rotary_factor"),
@@ -265,10 +270,10 @@ class DecoderConfig:
             "num_attention_heads",
             "max_position_embeddings",
         ):
-            _check_positive_int(getattr(self, name), name)
+            check_positive_int(getattr(self, name), name)
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        _check_positive_int(self.num_key_value_heads, "num_key_value_heads")
+        check_positive_int(self.num_key_value_heads, "num_key_value_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -281,13 +286,13 @@ class DecoderConfig:
                     f"multiple of num_attention_heads ({self.num_attention_heads})."
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        _check_positive_int(self.head_dim, "head_dim")
+        check_positive_int(self.head_dim, "head_dim")
         if self.sliding_window is not None:
-            _check_positive_int(self.sliding_window, "sliding_window")
+            check_positive_int(self.sliding_window, "sliding_window")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
-            _check_positive_float(getattr(self, name), name)
+            check_positive_float(getattr(self, name), name)
         for name in (
             "tie_word_embeddings",
             "attention_bias",
@@ -323,89 +328,8 @@ class DecoderConfig:
         self._check_layer_types()
         self._check_gemma4()
         self._check_biased_experts()
-        self._check_mla()
-        self._check_sigmoid_routing()
-
-    def _check_mla(self) -> None:
-        mla = ("q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave")
-        if self.kv_lora_rank is None:
-            for name, unset in zip(mla, (None, 0, None, False), strict=True):
-                if getattr(self, name) != unset:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} belongs to multi-head latent attention "
-                        f"(DeepSeek-V3), which needs kv_lora_rank; it is None here."
-                    )
-            return
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            _check_positive_int(getattr(self, name), name)
-        if self.q_lora_rank is not None:
-            _check_positive_int(self.q_lora_rank, "q_lora_rank")
-        if self.num_key_value_heads != self.num_attention_heads:
-            raise ValueError(
-                "multi-head latent attention (kv_lora_rank) needs num_key_value_heads == "
-                f"num_attention_heads, got {self.num_key_value_heads} and "
-                f"{self.num_attention_heads}."
-            )
-        ordinary = {
-            "sliding_window": None,
-            "use_qk_norm": False,
-            "attention_sinks": False,
-            "value_norm": False,
-            "attention_k_eq_v": False,
-            "num_kv_shared_layers": 0,
-            "global_head_dim": None,
-            "num_global_key_value_heads": None,
-            "query_pre_attn_scalar": None,
-            "attn_logit_softcapping": None,
-            "o_proj_bias": self.attention_bias,
-        }
-        for name, value in ordinary.items():
-            if getattr(self, name) != value:
-                raise ValueError(
-                    f"multi-head latent attention (kv_lora_rank) does not support "
-                    f"{name}={getattr(self, name)!r} (it needs {name}={value!r})."
-                )
-
-    def _check_sigmoid_routing(self) -> None:
-        if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(
-                f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}."
-            )
-        for name in ("n_group", "topk_group"):
-            _check_positive_int(getattr(self, name), name)
-        if isinstance(self.n_shared_experts, bool) or not isinstance(self.n_shared_experts, int):
-            raise TypeError(f"n_shared_experts must be an int, got {self.n_shared_experts!r}.")
-        if self.n_shared_experts < 0:
-            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}.")
-        _check_positive_float(self.routed_scaling_factor, "routed_scaling_factor")
-        if self.scoring_func == "softmax":
-            unset = {"n_shared_experts": 0, "n_group": 1, "topk_group": 1}
-            unset["routed_scaling_factor"] = 1.0
-            for name, value in unset.items():
-                if getattr(self, name) != value:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} belongs to DeepSeek-V3's routing, "
-                        "which needs scoring_func='sigmoid'; it is 'softmax' here."
-                    )
-            return
-        if not self.num_experts or self.parallel_moe or self.biased_experts:
-            raise ValueError(
-                "scoring_func='sigmoid' needs num_experts > 0, parallel_moe=False and "
-                "biased_experts=False."
-            )
-        e, groups = self.num_experts, self.n_group
-        if e % groups or e // groups < 2:
-            raise ValueError(
-                f"n_group ({groups}) must divide num_experts ({e}) into groups of at least 2 "
-                "experts (a group's score is the sum of its two best)."
-            )
-        if self.topk_group > groups:
-            raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({groups}).")
-        if self.num_experts_per_tok > self.topk_group * (e // groups):
-            raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= the experts of "
-                f"the topk_group={self.topk_group} groups chosen ({self.topk_group * e // groups})."
-            )
+        check_mla(self)
+        check_sigmoid_routing(self)
 
     @property
     def layer_cache_widths(self) -> tuple[tuple[int, int, int], ...]:
@@ -422,7 +346,7 @@ class DecoderConfig:
         clamp = (self.swiglu_alpha, self.swiglu_limit)
         for name, value in zip(("swiglu_alpha", "swiglu_limit"), clamp, strict=True):
             if value is not None:
-                _check_positive_float(value, name)
+                check_positive_float(value, name)
         if not self.biased_experts:
             if clamp != (None, None):
                 raise ValueError(
@@ -452,7 +376,7 @@ class DecoderConfig:
             "final_logit_softcapping",
         ):
             if getattr(self, name) is not None:
-                _check_positive_float(getattr(self, name), name)
+                check_positive_float(getattr(self, name), name)
         types = self.layer_types
         if types is None:
             return
@@ -471,7 +395,7 @@ class DecoderConfig:
     def _check_gemma4(self) -> None:
         for name in ("global_head_dim", "num_global_key_value_heads"):
             if getattr(self, name) is not None:
-                _check_positive_int(getattr(self, name), name)
+                check_positive_int(getattr(self, name), name)
         if self.global_head_dim is not None and self.global_head_dim % 2:
             raise ValueError(f"global_head_dim must be even for RoPE, got {self.global_head_dim}.")
         global_kv = self.num_global_key_value_heads
@@ -584,11 +508,11 @@ class DecoderConfig:
             raise TypeError(f"num_experts must be an int, got {self.num_experts!r}.")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}.")
-        _check_positive_int(self.num_experts_per_tok, "num_experts_per_tok")
-        _check_positive_int(self.decoder_sparse_step, "decoder_sparse_step")
+        check_positive_int(self.num_experts_per_tok, "num_experts_per_tok")
+        check_positive_int(self.decoder_sparse_step, "decoder_sparse_step")
         if self.moe_intermediate_size is None:
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
-        _check_positive_int(self.moe_intermediate_size, "moe_intermediate_size")
+        check_positive_int(self.moe_intermediate_size, "moe_intermediate_size")
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
@@ -641,20 +565,6 @@ class DecoderConfig:
         return jnp.dtype(self.param_dtype)
 
 
-def _check_positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}.")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}.")
-
-
-def _check_positive_float(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {value!r}.")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}.")
-
-
 def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """A copy of `rope_scaling` with its keys and values checked, `"type"` renamed."""
     if scaling is None:
@@ -679,12 +589,12 @@ def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] |
     optional = [k for k in _ROPE_OPTIONAL.get(rope_type, ()) if k in scaling]
     for key in (*_ROPE_KEYS[rope_type], *optional):
         if key == "original_max_position_embeddings":
-            _check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
+            check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
         elif key == "truncate":
             if not isinstance(scaling[key], bool):
                 raise TypeError(f"rope_scaling['truncate'] must be a bool, got {scaling[key]!r}.")
         else:
-            _check_positive_float(scaling[key], f"rope_scaling[{key!r}]")
+            check_positive_float(scaling[key], f"rope_scaling[{key!r}]")
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ValueError(
             "rope_scaling['high_freq_factor'] must be > rope_scaling['low_freq_factor'], got "
