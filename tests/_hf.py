@@ -12,8 +12,10 @@ Typical use, for example by a recipe test:
     write_chat_jsonl(tmp_path / "data.jsonl", 16)                    # SFT records
 """
 
+import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +71,10 @@ _CORPUS = [
 # half of each head; per-layer inputs; a binding final soft-cap. Gemma 4 MoE: 4 experts, top
 # 2, beside every dense MLP, full layers of transformers' default width ratio. gpt-oss: a
 # sliding (window 4) then a full layer with sinks, 4 biased experts, top 2, a clamp (1.5) that
-# binds, YaRN RoPE whose ramp falls inside the head (original context 64).
+# binds, YaRN RoPE whose ramp falls inside the head (original context 64). DeepSeek-V3: 3
+# layers, the first dense, latent attention with a compressed query, biases and interleaved
+# YaRN RoPE whose `mscale_all_dim` scales the softmax; 8 routed experts in 4 groups (2 kept),
+# top 2, one shared expert, a routing bias (randomised) and a scaling factor of 2.5.
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -178,6 +183,35 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         },
     ),
+    "deepseek_v3": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        attention_bias=True,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        rope_interleave=True,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        routed_scaling_factor=2.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e4,
+            "factor": 4.0,
+            "beta_fast": 8.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
 }
 _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -190,6 +224,7 @@ _CLASSES = {
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4_text_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -215,6 +250,20 @@ def hf_modules() -> tuple[Any, Any]:
     return torch, transformers
 
 
+def undocumented_config_fields(config_class: str, docs: Path, section: str) -> list[str]:
+    """The fields `transformers`' `config_class` declares itself (not its base class's) that
+    the `## {section}` section of the Markdown file `docs` does not name in backticks: the
+    check that fails when transformers adds a field until it is read or refused."""
+    _, transformers = hf_modules()
+    cls = getattr(transformers, config_class)
+    fields = [f.name for f in dataclasses.fields(cls) if f.name in cls.__annotations__]
+    assert fields, config_class
+    text = docs.read_text()
+    body = text[text.index(f"\n## {section}\n") + 1 :]
+    body = body[: body.index("\n## ")]
+    return [f for f in fields if not re.search(rf"`{f}`", body)]
+
+
 def model_class(family: str) -> Any:
     """The `transformers` causal-LM class of `family`."""
     _, transformers = hf_modules()
@@ -225,8 +274,9 @@ def tiny_hf_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
     """A randomly initialised `transformers` model of `family`, in float32 eval mode.
 
     Norm scales and biases are randomised too (transformers initialises them to 1 and 0), as
-    are Gemma 4's router scales and layer scalars and gpt-oss's attention sinks (to unit
-    size), so that a weight loaded into the wrong place changes the outputs.
+    are Gemma 4's router scales and layer scalars, gpt-oss's attention sinks (to unit
+    size) and DeepSeek-V3's routing biases, so that a weight loaded into the wrong place
+    changes the outputs.
     """
     torch, transformers = hf_modules()
     config_class = getattr(transformers, _CLASSES[family][0])
@@ -244,6 +294,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.copy_(1 + 0.3 * torch.randn_like(buffer))
+            elif name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     return model
 
 

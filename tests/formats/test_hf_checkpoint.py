@@ -449,6 +449,7 @@ def hf():
         "gemma4_text",
         "gemma4_text_moe",
         "gpt_oss",
+        "deepseek_v3",
     ],
 )
 def test_matches_transformers(tmp_path, hf, family):

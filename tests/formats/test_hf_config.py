@@ -199,6 +199,25 @@ EXPRESSIBLE = {
         layer_types=("sliding_attention", "full_attention", "sliding_attention"),
         sliding_window=8,
     ),
+    "deepseek_v3": dict(
+        head_dim=8,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        num_key_value_heads=4,
+        rope_interleave=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=(0,),
+        n_shared_experts=2,
+        scoring_func="sigmoid",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 
@@ -216,8 +235,7 @@ def test_every_family_has_a_round_trip():
 )
 def test_config_to_hf_round_trips(model_type, tie, theta, scaling, eps):
     config = DecoderConfig(
-        **SIZES,
-        **EXPRESSIBLE[model_type],
+        **{**SIZES, **EXPRESSIBLE[model_type]},
         tie_word_embeddings=tie,
         rope_theta=theta,
         rope_scaling=scaling,

@@ -499,14 +499,17 @@ GEMMA4 = dict(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "gemma3_text", "gemma4_text", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "gemma2", "gemma3_text", "gemma4_text", "gpt_oss", "deepseek_v3"]
+)
 def test_recipes_on_the_newer_families(tmp_path, family):
     """SFT (LoRA on the projections: attention, MLP or experts) from a transformers
     Qwen3-MoE, Gemma 2 (soft-capped logits in every head), Gemma 3, Gemma 4 (two widths of
-    layer, per-layer inputs) or gpt-oss (sinks, biased experts) checkpoint, the SFT model,
-    merged, loading in transformers with equal logits; then DPO (Gemma 2, Gemma 3) or GRPO
-    (Qwen3-MoE and gpt-oss with routing replay, Gemma 4) from it, each family in two
-    recipes."""
+    layer, per-layer inputs), gpt-oss (sinks, biased experts) or DeepSeek-V3 checkpoint,
+    the SFT model, merged, loading in transformers with equal logits; then DPO (Gemma 2,
+    Gemma 3) or GRPO (Qwen3-MoE, gpt-oss and DeepSeek-V3 with routing replay, Gemma 4) from
+    it, each family in two recipes. DeepSeek-V3 (latent attention, grouped sigmoid routing) samples from its
+    compressed cache with LoRA on `kv_b_proj`."""
     from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
     from tunelib.formats import load_hf_checkpoint
 
@@ -521,7 +524,8 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     assert sft["tuning"] == "lora" and np.isfinite(sft["final_loss"])
     assert sft["heldout_loss_after"] < sft["heldout_loss_before"]
     ours = load_hf_checkpoint(tmp_path / "sft" / "hf_model")
-    assert ours.config.num_experts == (4 if family in ("qwen3_moe", "gpt_oss") else 0)
+    experts = {"qwen3_moe": 4, "gpt_oss": 4, "deepseek_v3": 8}
+    assert ours.config.num_experts == experts.get(family, 0)
     tokens = np.random.default_rng(0).integers(0, 300, size=(2, 9))
     where = np.ones((2, 9), bool)
     model = nnx.merge(ours.graphdef, ours.params)
@@ -533,9 +537,9 @@ def test_recipes_on_the_newer_families(tmp_path, family):
         dpo = run_recipe("dpo", *flags, "--num-prompts", "16", "--out", str(tmp_path / "dpo"))
         assert 0.0 <= dpo["heldout_reward_accuracy_after"] <= 1.0
         return
-    # Qwen3-MoE, gpt-oss: the sampler records each token's experts and the trainer routes by
-    # them.
-    replay = ["--replay-routing"] if family in ("qwen3_moe", "gpt_oss") else []
+    # The mixtures of experts: the sampler records each token's experts and the trainer
+    # routes by them.
+    replay = ["--replay-routing"] if family in experts else []
     grpo = run_recipe(
         "grpo", *flags, *replay, "--group-size", "2", "--max-new-tokens", "4", "--out",
         str(tmp_path / "grpo"),

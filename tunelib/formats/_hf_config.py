@@ -1,10 +1,16 @@
 """Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-Qwen3-MoE / Gemma 2, 3, 4 / gpt-oss."""
+Qwen3-MoE / Gemma 2, 3, 4 / gpt-oss / DeepSeek-V3."""
 
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tunelib.formats._hf_deepseek import (
+    DEEPSEEK_DEFAULTS,
+    deepseek_config,
+    deepseek_expressible,
+    deepseek_fields,
+)
 from tunelib.formats._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
 from tunelib.formats._hf_gemma4 import GEMMA4_DEFAULTS, gemma4_config, gemma4_fields
 from tunelib.formats._hf_gpt_oss import GPT_OSS_DEFAULTS, gpt_oss_config, gpt_oss_fields
@@ -21,6 +27,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
@@ -50,6 +57,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     **GEMMA_DEFAULTS,
     "gemma4_text": GEMMA4_DEFAULTS,
     "gpt_oss": GPT_OSS_DEFAULTS,
+    "deepseek_v3": DEEPSEEK_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -106,7 +114,7 @@ def config_from_hf(
     remat: bool = False,
 ) -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss).
+    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss, DeepSeek-V3).
 
     Reads the fields that the `transformers` model of the config's `model_type` reads, with
     `transformers`' defaults for the ones left out, so the decoder computes what that model
@@ -125,6 +133,7 @@ def config_from_hf(
     | `gemma3_text` | q/k/v/o with `attention_bias` | yes | `layer_types` (5 sliding : 1) |
     | `gemma4_text` | q/k/v/o with `attention_bias` | yes, and values | `layer_types` |
     | `gpt_oss` | q/k/v/o with `attention_bias` (default true) | no | `layer_types` |
+    | `deepseek_v3` | `q_a_proj`, `kv_a_proj_with_mqa`, o with `attention_bias` | no | no |
 
     Gemma 4's fields (`global_head_dim` or `per_layer_config`, `attention_k_eq_v`,
     `num_kv_shared_layers`, `use_double_wide_mlp`, the per-layer inputs, `enable_moe_block`
@@ -134,6 +143,11 @@ def config_from_hf(
     gpt-oss adds attention sinks, a biased router and biased clamped-SwiGLU experts
     (`swiglu_alpha`, `swiglu_limit`, `num_local_experts`, `num_experts_per_tok`, experts
     `intermediate_size` wide) and YaRN RoPE by default; its table is in `docs/models.md`.
+
+    DeepSeek-V3 adds multi-head latent attention (`kv_lora_rank`, `q_lora_rank`,
+    `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`) and DeepSeekMoE
+    (`n_routed_experts`, `n_shared_experts`, `n_group`, `topk_group`,
+    `routed_scaling_factor`, `first_k_dense_replace`); its table is in `docs/models.md`.
 
     Qwen3-MoE's experts come from `num_experts` (or `num_local_experts`, the name
     `transformers` saves it under), `num_experts_per_tok`, `moe_intermediate_size`,
@@ -229,6 +243,8 @@ def config_from_hf(
         family = gemma4_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
     elif model_type == "gpt_oss":
         family = gpt_oss_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
+    elif model_type == "deepseek_v3":
+        family = deepseek_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
     else:
         theta, scaling = _rope(hf_config, max_positions)
         family = {
@@ -248,7 +264,7 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", *gemma):
+    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", *gemma):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
@@ -265,14 +281,13 @@ def config_from_hf(
         experts["norm_topk_prob"] = _bool(get("norm_topk_prob"), "norm_topk_prob")
         experts["mlp_only_layers"] = tuple(get("mlp_only_layers") or ())
 
+    common = {"num_key_value_heads": get("num_key_value_heads"), "head_dim": get("head_dim")}
     return DecoderConfig(
         vocab_size=get("vocab_size"),
         hidden_size=get("hidden_size"),
         intermediate_size=get("intermediate_size"),
         num_hidden_layers=get("num_hidden_layers"),
         num_attention_heads=get("num_attention_heads"),
-        num_key_value_heads=get("num_key_value_heads"),
-        head_dim=get("head_dim"),
         rms_norm_eps=get("rms_norm_eps"),
         max_position_embeddings=get("max_position_embeddings"),
         tie_word_embeddings=get("tie_word_embeddings"),
@@ -283,7 +298,7 @@ def config_from_hf(
         param_dtype=param_dtype,
         **biases,
         **experts,
-        **family,
+        **{**common, **family},
     )
 
 
@@ -368,6 +383,8 @@ def config_to_hf(
         out.update(hidden_act="silu")
     if model_type == "gpt_oss":
         out.update(**gpt_oss_config(config), intermediate_size=config.moe_intermediate_size)
+    if model_type == "deepseek_v3":
+        out.update(deepseek_config(config))
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
     elif model_type in GEMMA_TYPES:
@@ -377,7 +394,7 @@ def config_to_hf(
         del out["rope_theta"], out["rope_scaling"]
     elif model_type == "mistral":
         out.update(sliding_window=config.sliding_window)
-    elif model_type != "gpt_oss":
+    elif model_type not in ("gpt_oss", "deepseek_v3"):
         sliding = config.sliding_window is not None
         out.update(
             use_sliding_window=sliding,
@@ -406,6 +423,10 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     gemma4 = model_type == "gemma4_text"
     gemma = model_type in GEMMA_TYPES or gemma4
     gpt_oss = model_type == "gpt_oss"
+    if model_type == "deepseek_v3":
+        _check_needs(config, model_type, deepseek_expressible(config))
+    else:
+        _check_needs(config, model_type, {"kv_lora_rank": None, "scoring_func": "softmax"})
     need: dict[str, Any] = {
         "attention_sinks": gpt_oss,
         "biased_experts": gpt_oss,
@@ -421,7 +442,7 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
         need["hidden_act"] = "silu"
     elif not gemma4:
         need["hidden_act"] = "gelu_pytorch_tanh"
-    if model_type not in ("qwen3_moe", "gemma4_text", "gpt_oss"):
+    if model_type not in ("qwen3_moe", "gemma4_text", "gpt_oss", "deepseek_v3"):
         need["num_experts"] = 0
     if gpt_oss:
         need.update(
@@ -475,6 +496,10 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
         need.update(attention_bias=True, o_proj_bias=False, mlp_bias=False)
     else:
         need.update(o_proj_bias=config.attention_bias, mlp_bias=False)
+    _check_needs(config, model_type, need)
+
+
+def _check_needs(config: DecoderConfig, model_type: str, need: Mapping[str, Any]) -> None:
     for name, value in need.items():
         if getattr(config, name) != value:
             raise ValueError(
@@ -558,7 +583,10 @@ def _yarn(params: dict[str, Any], max_positions: int) -> dict[str, Any]:
         attention_factor = _yarn_attention_factor(
             factor, params.get("mscale"), params.get("mscale_all_dim")
         )
+    # Multi-head latent attention's softmax scale reads it (`DecoderConfig.rope_scaling`).
+    all_dim = {"mscale_all_dim": params["mscale_all_dim"]} if params.get("mscale_all_dim") else {}
     return {
+        **all_dim,
         "factor": factor,
         "beta_fast": params.get("beta_fast") or 32.0,
         "beta_slow": params.get("beta_slow") or 1.0,

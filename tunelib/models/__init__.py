@@ -1,11 +1,12 @@
-"""The reference decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss) in
-Flax NNX.
+"""The reference decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss /
+DeepSeek-V3) in Flax NNX.
 
 `Decoder(config, rngs=...)` maps token ids to final-norm hidden states; `unembed` and
 `unembedding` turn them into logits separately, so that log-probs can be computed in chunks
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
 `config.json` (`tunelib.formats` reads and writes Hugging Face checkpoints and GGUF files);
-`MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer; `param_shardings` and
+`MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer, `route_grouped` and
+`expert_bias_update` DeepSeek-V3's routing and its balancing rule; `param_shardings` and
 the rules place its parameters on a mesh.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
@@ -14,6 +15,7 @@ weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 from tunelib._deprecation import moved_names
 from tunelib.models._config import DTYPE_NAMES, DecoderConfig
 from tunelib.models._decoder import Decoder, KVCache
+from tunelib.models._deepseek_moe import expert_bias_update, route_grouped
 from tunelib.models._grouped_matmul import (
     GROUPED_IMPLEMENTATIONS,
     grouped_matmul,
@@ -38,12 +40,14 @@ __all__ = [
     "DecoderConfig",
     "KVCache",
     "MoE",
+    "expert_bias_update",
     "grouped_matmul",
     "grouped_matmul_p",
     "hf_module_name",
     "param_shardings",
     "rope_frequencies",
     "route",
+    "route_grouped",
 ]
 
 # The Hugging Face and GGUF formats moved to `tunelib.formats`; served from here until 0.3.0.

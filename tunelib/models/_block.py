@@ -5,7 +5,9 @@ from flax import nnx
 
 from tunelib import _validation as v
 from tunelib.models._config import DecoderConfig
+from tunelib.models._deepseek_moe import DeepSeekMoE
 from tunelib.models._layers import MLP, Attention, Dense, RMSNorm, activation, param
+from tunelib.models._mla import LatentAttention
 from tunelib.models._moe import FusedExperts, MoE, Router
 from tunelib.models._windowed import KindCaches, LayerCache
 
@@ -20,6 +22,9 @@ class DecoderLayer(nnx.Module):
     MLP's input and output. Without, `post_attention_layernorm` is the MLP's input norm, as
     Hugging Face names it for Llama.
 
+    DeepSeek-V3's layers attend by multi-head latent attention (`config.kv_lora_rank`) and
+    their mixtures of experts are `DeepSeekMoE` (`config.scoring_func="sigmoid"`).
+
     Gemma 4 adds, where its config asks: a mixture of experts beside the dense MLP
     (`config.parallel_moe`): with $u$ the residual after attention,
     $m = N_1(\mathrm{MLP}(N_{pre}(u))) + N_2(\mathrm{MoE}(N_{pre,2}(u)))$, routed on $u$
@@ -31,7 +36,8 @@ class DecoderLayer(nnx.Module):
         c = config
         h = c.hidden_size
         self.input_layernorm = RMSNorm(h, "embed", c, rngs=rngs)
-        self.self_attn = Attention(c, index, rngs=rngs)
+        attention = Attention if c.kv_lora_rank is None else LatentAttention
+        self.self_attn = attention(c, index, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, "embed", c, rngs=rngs)
         self.sandwich = c.sandwich_norms
         if self.sandwich:
@@ -40,7 +46,8 @@ class DecoderLayer(nnx.Module):
         self.moe = c.moe_layers[index] and not c.parallel_moe
         shares_kv = c.kv_sources[index] != index
         width = c.intermediate_size * (2 if c.use_double_wide_mlp and shares_kv else 1)
-        self.mlp = MoE(c, rngs=rngs) if self.moe else MLP(c, width=width, rngs=rngs)
+        moe = DeepSeekMoE if c.scoring_func == "sigmoid" else MoE
+        self.mlp = moe(c, rngs=rngs) if self.moe else MLP(c, width=width, rngs=rngs)
         self.parallel_moe = c.parallel_moe and c.moe_layers[index]
         if self.parallel_moe:
             self.router = Router(c, rngs=rngs)

@@ -1,11 +1,17 @@
 """The decoder configuration, named after the fields of a Hugging Face `config.json`."""
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+
+from tunelib.models._deepseek_config import (
+    check_mla,
+    check_positive_float,
+    check_positive_int,
+    check_sigmoid_routing,
+)
 
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
@@ -29,12 +35,14 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
         "attention_factor",
     ),
 }
+# Keys a RoPE of this type may carry besides its own: MLA's softmax scale (DeepSeek-V3).
+_ROPE_OPTIONAL: dict[str, tuple[str, ...]] = {"yarn": ("mscale_all_dim",)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
     r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 /
-    gpt-oss decoder.
+    gpt-oss / DeepSeek-V3 decoder.
 
     Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
     be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
@@ -61,7 +69,9 @@ class DecoderConfig:
         head's channel pairs rotate), or YaRN's `{"rope_type": "yarn", "factor",
         "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate",
         "attention_factor"}` (gpt-oss; `cos` and `sin` are also multiplied by
-        `attention_factor`). The legacy key `"type"` is read as `"rope_type"`. See
+        `attention_factor`; it may also carry `"mscale_all_dim"` $a$, which multiplies the
+        softmax scale of multi-head latent attention by $m(s, a)^2$, $m(s, a) = 0.1\, a \ln s
+        + 1$, as DeepSeek-V3 does). The legacy key `"type"` is read as `"rope_type"`. See
         `tunelib.models.rope_frequencies`.
       max_position_embeddings: the context length the checkpoint was trained for; kept for
         round-tripping `config.json`, the forward pass does not read it.
@@ -153,6 +163,33 @@ class DecoderConfig:
       swiglu_limit: $c$ of the clamped SwiGLU (gpt-oss: 7.0): the gate is clipped above at
         $c$, the up projection to $[-c, c]$, and the expert computes
         $(\mathrm{up} + 1) \cdot g\,\sigma(\alpha g)$; set exactly when `biased_experts`.
+      kv_lora_rank: DeepSeek-V3: None (ordinary attention), or $r$: multi-head latent
+        attention (`tunelib.models` MLA, `docs/models.md`). Keys and values come from an
+        $r$-wide latent $c = \mathrm{RMSNorm}(x W_{DKV})$ (`kv_a_proj_with_mqa`,
+        `kv_a_layernorm`) through `kv_b_proj`, plus one `head_dim`-wide rotated key shared by
+        every head; `head_dim` is then the rotary width (transformers' `qk_rope_head_dim`),
+        `num_key_value_heads` must equal `num_attention_heads`, and a KV cache holds the
+        latent and the rotated key, $r + D$ values per token and layer.
+      q_lora_rank: DeepSeek-V3's query compression: None (one `q_proj`) or the width of the
+        `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` path; only with `kv_lora_rank`.
+      qk_nope_head_dim: DeepSeek-V3: the width of each query and key head's part without
+        RoPE (0 without `kv_lora_rank`); a head's query and key are
+        `qk_nope_head_dim + head_dim` wide.
+      v_head_dim: DeepSeek-V3: the width of each value head; None without `kv_lora_rank`.
+      rope_interleave: DeepSeek-V3: the rotary channels form the pairs $(0, 1), (2, 3),
+        \dots$ instead of $(i, i + D/2)$, as transformers' `rope_interleave`.
+      n_shared_experts: DeepSeek-V3: a dense SwiGLU of `n_shared_experts *
+        moe_intermediate_size` beside the routed experts of every mixture-of-experts layer
+        (`mlp/shared_experts`); needs `scoring_func="sigmoid"`.
+      scoring_func: the router's scores: "softmax" (Qwen3-MoE, gpt-oss, Gemma 4) or
+        "sigmoid" (DeepSeek-V3: sigmoid scores, experts chosen on the scores plus the
+        `e_score_correction_bias`, group-limited top-k; see `tunelib.models.route_grouped`).
+      n_group: DeepSeek-V3: the experts form this many groups of equal size, at least 2
+        experts each; only with `scoring_func="sigmoid"`.
+      topk_group: DeepSeek-V3: each token chooses its experts among the `topk_group` groups
+        of highest score (each group's score is the sum of its two best).
+      routed_scaling_factor: DeepSeek-V3: the routed experts' weights are multiplied by it
+        (1 for the other families).
       scan_layers: ours: store the layers stacked on a leading "layers" axis and run them
         with `nnx.scan` (one compiled layer instead of $L$).
       remat: ours: recompute each layer's activations in the backward pass (`nnx.remat`).
@@ -209,6 +246,16 @@ class DecoderConfig:
     biased_experts: bool = False
     swiglu_alpha: float | int | None = None
     swiglu_limit: float | int | None = None
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int | None = None
+    rope_interleave: bool = False
+    n_shared_experts: int = 0
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float | int = 1.0
     scan_layers: bool = False
     remat: bool = False
     dtype: str = "float32"
@@ -223,10 +270,10 @@ class DecoderConfig:
             "num_attention_heads",
             "max_position_embeddings",
         ):
-            _check_positive_int(getattr(self, name), name)
+            check_positive_int(getattr(self, name), name)
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        _check_positive_int(self.num_key_value_heads, "num_key_value_heads")
+        check_positive_int(self.num_key_value_heads, "num_key_value_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -239,13 +286,13 @@ class DecoderConfig:
                     f"multiple of num_attention_heads ({self.num_attention_heads})."
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        _check_positive_int(self.head_dim, "head_dim")
+        check_positive_int(self.head_dim, "head_dim")
         if self.sliding_window is not None:
-            _check_positive_int(self.sliding_window, "sliding_window")
+            check_positive_int(self.sliding_window, "sliding_window")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
-            _check_positive_float(getattr(self, name), name)
+            check_positive_float(getattr(self, name), name)
         for name in (
             "tie_word_embeddings",
             "attention_bias",
@@ -263,6 +310,7 @@ class DecoderConfig:
             "layer_scalars",
             "attention_sinks",
             "biased_experts",
+            "rope_interleave",
             "scan_layers",
             "remat",
         ):
@@ -280,12 +328,25 @@ class DecoderConfig:
         self._check_layer_types()
         self._check_gemma4()
         self._check_biased_experts()
+        check_mla(self)
+        check_sigmoid_routing(self)
+
+    @property
+    def layer_cache_widths(self) -> tuple[tuple[int, int, int], ...]:
+        """For each layer, what its KV cache holds per slot: `(heads, key width, value
+        width)`; for multi-head latent attention one latent of `kv_lora_rank + head_dim`
+        and no separate values (they are the latent's first `kv_lora_rank` channels)."""
+        if self.kv_lora_rank is not None:
+            return ((1, self.kv_lora_rank + self.head_dim, 0),) * self.num_hidden_layers
+        return tuple(
+            (k, d, d) for k, d in zip(self.layer_kv_heads, self.layer_head_dims, strict=True)
+        )
 
     def _check_biased_experts(self) -> None:
         clamp = (self.swiglu_alpha, self.swiglu_limit)
         for name, value in zip(("swiglu_alpha", "swiglu_limit"), clamp, strict=True):
             if value is not None:
-                _check_positive_float(value, name)
+                check_positive_float(value, name)
         if not self.biased_experts:
             if clamp != (None, None):
                 raise ValueError(
@@ -315,7 +376,7 @@ class DecoderConfig:
             "final_logit_softcapping",
         ):
             if getattr(self, name) is not None:
-                _check_positive_float(getattr(self, name), name)
+                check_positive_float(getattr(self, name), name)
         types = self.layer_types
         if types is None:
             return
@@ -334,7 +395,7 @@ class DecoderConfig:
     def _check_gemma4(self) -> None:
         for name in ("global_head_dim", "num_global_key_value_heads"):
             if getattr(self, name) is not None:
-                _check_positive_int(getattr(self, name), name)
+                check_positive_int(getattr(self, name), name)
         if self.global_head_dim is not None and self.global_head_dim % 2:
             raise ValueError(f"global_head_dim must be even for RoPE, got {self.global_head_dim}.")
         global_kv = self.num_global_key_value_heads
@@ -447,11 +508,11 @@ class DecoderConfig:
             raise TypeError(f"num_experts must be an int, got {self.num_experts!r}.")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}.")
-        _check_positive_int(self.num_experts_per_tok, "num_experts_per_tok")
-        _check_positive_int(self.decoder_sparse_step, "decoder_sparse_step")
+        check_positive_int(self.num_experts_per_tok, "num_experts_per_tok")
+        check_positive_int(self.decoder_sparse_step, "decoder_sparse_step")
         if self.moe_intermediate_size is None:
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
-        _check_positive_int(self.moe_intermediate_size, "moe_intermediate_size")
+        check_positive_int(self.moe_intermediate_size, "moe_intermediate_size")
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
@@ -504,20 +565,6 @@ class DecoderConfig:
         return jnp.dtype(self.param_dtype)
 
 
-def _check_positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}.")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}.")
-
-
-def _check_positive_float(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {value!r}.")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}.")
-
-
 def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """A copy of `rope_scaling` with its keys and values checked, `"type"` renamed."""
     if scaling is None:
@@ -533,19 +580,21 @@ def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] |
             f"rope_scaling['rope_type'] must be one of {ROPE_TYPES}, got {rope_type!r}."
         )
     expected = {"rope_type", *_ROPE_KEYS[rope_type]}
+    expected |= set(scaling) & set(_ROPE_OPTIONAL.get(rope_type, ()))
     if set(scaling) != expected:
         raise ValueError(
             f"rope_scaling of type {rope_type!r} must have exactly the keys "
             f"{sorted(expected)}, got {sorted(scaling)}."
         )
-    for key in _ROPE_KEYS[rope_type]:
+    optional = [k for k in _ROPE_OPTIONAL.get(rope_type, ()) if k in scaling]
+    for key in (*_ROPE_KEYS[rope_type], *optional):
         if key == "original_max_position_embeddings":
-            _check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
+            check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
         elif key == "truncate":
             if not isinstance(scaling[key], bool):
                 raise TypeError(f"rope_scaling['truncate'] must be a bool, got {scaling[key]!r}.")
         else:
-            _check_positive_float(scaling[key], f"rope_scaling[{key!r}]")
+            check_positive_float(scaling[key], f"rope_scaling[{key!r}]")
     if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ValueError(
             "rope_scaling['high_freq_factor'] must be > rope_scaling['low_freq_factor'], got "

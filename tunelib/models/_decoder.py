@@ -1,5 +1,5 @@
 """The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss
-in Flax NNX."""
+/ DeepSeek-V3 in Flax NNX."""
 
 from typing import NamedTuple
 
@@ -240,13 +240,17 @@ class Decoder(nnx.Module):
         if not isinstance(windowed, bool):
             raise TypeError(f"windowed must be a bool, got {windowed!r}.")
         c = self.config
-        shapes = [
-            (len(g.members), batch_size, g.kv_heads, g.slots, g.head_dim)
-            for g in cache_groups(c, length, windowed)
-        ]
+        groups = cache_groups(c, length, windowed)
+        shapes = [(len(g.members), batch_size, g.kv_heads, g.slots) for g in groups]
         return KVCache(
-            keys=tuple(jnp.zeros(shape, c.compute_dtype) for shape in shapes),
-            values=tuple(jnp.zeros(shape, c.compute_dtype) for shape in shapes),
+            keys=tuple(
+                jnp.zeros((*s, g.head_dim), c.compute_dtype)
+                for s, g in zip(shapes, groups, strict=True)
+            ),
+            values=tuple(
+                jnp.zeros((*s, g.value_dim), c.compute_dtype)
+                for s, g in zip(shapes, groups, strict=True)
+            ),
             where=jnp.zeros((batch_size, length), jnp.bool_),
             lengths=jnp.zeros((batch_size,), jnp.int32),
             index=jnp.zeros((), jnp.int32),
@@ -621,7 +625,9 @@ class KVCache(NamedTuple):
       keys: one `[L_g, B, K_g, S, D_g]` array of RoPE-rotated keys per group (`S` is `R`
         for a ring), in the compute dtype; the group's layers in order. Heads before slots:
         the layout both attention matmuls read without a transpose.
-      values: the values, shaped as `keys`.
+      values: the values, shaped as `keys` (for multi-head latent attention, with no
+        channels: its keys are the cached latent and the rotated key, and its values the
+        latent's first `kv_lora_rank` channels).
       where: `[B, S]` True where a slot holds a real token.
       lengths: `[B]` real tokens per row so far: the RoPE position of the next real token.
       index: the next slot to write, a scalar shared by every row.

@@ -57,13 +57,21 @@ class RMSNorm(nnx.Module):
     dtype before the scale $g$ multiplies it (as Meta's Llama and Hugging Face do). With
     `config.norm_offset` (Gemma) it is $\mathrm{cast}\big(\hat x \odot (1 + g)\big)$
     instead, the product in float32, and $g$ starts at 0. With `scaled=False` there is no
-    $g$ (Gemma 4's value norm and router norm).
+    $g$ (Gemma 4's value norm and router norm); `eps` overrides `config.rms_norm_eps`.
     """
 
     def __init__(
-        self, dim: int, name: str, config: DecoderConfig, *, scaled: bool = True, rngs: nnx.Rngs
+        self,
+        dim: int,
+        name: str | None,
+        config: DecoderConfig,
+        *,
+        scaled: bool = True,
+        eps: float | None = None,
+        rngs: nnx.Rngs,
     ):
-        self.eps, self.offset = config.rms_norm_eps, config.norm_offset
+        self.eps = config.rms_norm_eps if eps is None else eps
+        self.offset = config.norm_offset
         self.dtype = config.compute_dtype
         init = jax.nn.initializers.zeros if self.offset else jax.nn.initializers.ones
         self.scale = param(rngs, init, (dim,), (name,), config.storage_dtype) if scaled else None
@@ -112,7 +120,7 @@ class Dense(nnx.Module):
         self,
         features_in: int,
         features_out: int,
-        names: tuple[str, str],
+        names: tuple[str | None, str | None],
         config: DecoderConfig,
         *,
         use_bias: bool,
@@ -394,13 +402,14 @@ class Attention(nnx.Module):
         left out are later than every query or not written yet, so their weights are
         exactly 0 and the result is the whole cache's."""
         _, b, kv, slots, d = cache.keys.shape
+        dv = cache.values.shape[-1]
         buckets = cache_buckets(slots)
 
         def over(n):
             def attend(q, all_k, all_v, layer, allowed, fill, new):
-                size = (1, b, kv, n, d)
-                k = jax.lax.dynamic_slice(all_k, (layer, 0, 0, 0, 0), size)[0]
-                val = jax.lax.dynamic_slice(all_v, (layer, 0, 0, 0, 0), size)[0]
+                at = (layer, 0, 0, 0, 0)
+                k = jax.lax.dynamic_slice(all_k, at, (1, b, kv, n, d))[0]
+                val = jax.lax.dynamic_slice(all_v, at, (1, b, kv, n, dv))[0]
                 seen, scores = allowed[..., :n], fill[:, :n]
                 if new is not None:
                     k = jnp.concatenate([k, new[0].astype(k.dtype)], axis=2)

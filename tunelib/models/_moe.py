@@ -1,6 +1,8 @@
 """The mixture-of-experts MLP: softmax top-k routing and dropless experts (Qwen3-MoE, gpt-oss's
 biased experts, and Gemma 4's router and fused experts)."""
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -213,10 +215,21 @@ class MoE(nnx.Module):
 
     def _swiglu_experts(self, rows: jax.Array, sizes: jax.Array) -> jax.Array:
         """Qwen3-MoE's experts on their runs of `rows` (`dispatch`'s `experts`)."""
-        e, implementation = self.experts, self.implementation
-        gate = e["gate_proj"](rows, sizes, implementation)
-        up = e["up_proj"](rows, sizes, implementation)
-        return e["down_proj"](activation(self.act)(gate) * up, sizes, implementation)
+        return swiglu_experts(self.experts, self.act, self.implementation, rows, sizes)
+
+
+def swiglu_experts(
+    experts: Mapping[str, "ExpertDense"],
+    act: str,
+    implementation: GroupedImplementation,
+    rows,
+    sizes,
+) -> jax.Array:
+    """SwiGLU experts stored one `ExpertDense` per projection (`gate_proj`, `up_proj`,
+    `down_proj`) on their runs of `rows` (`dispatch`'s `experts`)."""
+    gate = experts["gate_proj"](rows, sizes, implementation)
+    up = experts["up_proj"](rows, sizes, implementation)
+    return experts["down_proj"](activation(act)(gate) * up, sizes, implementation)
 
 
 def dispatch(flat: jax.Array, weights: jax.Array, chosen: jax.Array, num_experts: int, experts):

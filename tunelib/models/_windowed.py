@@ -26,12 +26,15 @@ from tunelib.models._config import DecoderConfig
 
 
 class CacheGroup(NamedTuple):
-    """Cached layers of one shape: `kv_heads` $K$, `head_dim` $D$, `slots` (the cache's
-    length, or a ring's $R$), `window` (the layers' window for a ring, else None) and the
-    `members` (layer indices, in order)."""
+    """Cached layers of one shape: `kv_heads` $K$, `head_dim` $D$ (of the keys),
+    `value_dim` (of the values: $D$, or 0 for multi-head latent attention, whose values
+    are part of its cached latent), `slots` (the cache's length, or a ring's $R$), `window`
+    (the layers' window for a ring, else None) and the `members` (layer indices, in
+    order)."""
 
     kv_heads: int
     head_dim: int
+    value_dim: int
     slots: int
     window: int | None
     members: tuple[int, ...]
@@ -69,8 +72,8 @@ def ring_slots(window: int) -> int:
 
 
 def cache_groups(config: DecoderConfig, length: int, windowed: bool) -> list[CacheGroup]:
-    """The cached layers of a cache of `length` slots, grouped by `(K, D, slots)` in order of
-    first appearance. Layers sharing another's keys and values are left out. With
+    """The cached layers of a cache of `length` slots, grouped by `(K, D, value width, slots)`
+    in order of first appearance. Layers sharing another's keys and values are left out. With
     `windowed`, a sliding layer whose ring is shorter than `length` keeps a ring."""
     windows = layer_windows(config)
     groups: dict[tuple, list[int]] = {}
@@ -79,7 +82,7 @@ def cache_groups(config: DecoderConfig, length: int, windowed: bool) -> list[Cac
             continue
         window = windows[i]
         ringed = windowed and window is not None and ring_slots(window) < length
-        shape = (config.layer_kv_heads[i], config.layer_head_dims[i])
+        shape = config.layer_cache_widths[i]
         key = (*shape, ring_slots(window), window) if ringed else (*shape, length, None)
         groups.setdefault(key, []).append(i)
     return [CacheGroup(*key, tuple(members)) for key, members in groups.items()]
