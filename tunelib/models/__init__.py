@@ -27,6 +27,8 @@ from tunelib.models._sharding import (
     TENSOR_PARALLEL_RULES,
     param_shardings,
 )
+from tunelib.models._vision import MultimodalEmbedder, VisionEncoder
+from tunelib.models._vision_config import VisionConfig
 
 __all__ = [
     "DTYPE_NAMES",
@@ -38,6 +40,9 @@ __all__ = [
     "DecoderConfig",
     "KVCache",
     "MoE",
+    "MultimodalEmbedder",
+    "VisionConfig",
+    "VisionEncoder",
     "grouped_matmul",
     "grouped_matmul_p",
     "hf_module_name",
