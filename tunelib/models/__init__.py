@@ -5,8 +5,10 @@ Flax NNX.
 `unembedding` turn them into logits separately, so that log-probs can be computed in chunks
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
 `config.json` (`tunelib.formats` reads and writes Hugging Face checkpoints and GGUF files);
-`MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer; `param_shardings` and
-the rules place its parameters on a mesh.
+`MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer; `VisionLanguageModel`
+puts Gemma 4's vision encoder (`VisionEncoder`, `VisionConfig`) and multimodal embedder
+(`MultimodalEmbedder`) in front of it, the images' soft tokens at the image tokens;
+`param_shardings` and the rules place its parameters on a mesh.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 """
@@ -29,6 +31,7 @@ from tunelib.models._sharding import (
 )
 from tunelib.models._vision import MultimodalEmbedder, VisionEncoder
 from tunelib.models._vision_config import VisionConfig
+from tunelib.models._vision_language import VisionLanguageModel
 
 __all__ = [
     "DTYPE_NAMES",
@@ -43,6 +46,7 @@ __all__ = [
     "MultimodalEmbedder",
     "VisionConfig",
     "VisionEncoder",
+    "VisionLanguageModel",
     "grouped_matmul",
     "grouped_matmul_p",
     "hf_module_name",

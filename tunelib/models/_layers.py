@@ -19,8 +19,8 @@ from tunelib import _validation as v
 from tunelib._products import products_must_be_plain
 from tunelib.models._config import DecoderConfig
 from tunelib.models._per_layer import LayerWeight
-from tunelib.models._vision_config import VisionConfig
 from tunelib.models._rope import apply_rope
+from tunelib.models._vision_config import VisionConfig
 from tunelib.models._windowed import (
     KindCaches,
     LayerCache,

@@ -278,9 +278,7 @@ class MultimodalEmbedder(nnx.Module):
       rngs: the `nnx.Rngs` the projection is drawn from.
     """
 
-    def __init__(
-        self, vision_config: VisionConfig, text_config: DecoderConfig, *, rngs: nnx.Rngs
-    ):
+    def __init__(self, vision_config: VisionConfig, text_config: DecoderConfig, *, rngs: nnx.Rngs):
         c = vision_config
         self.embedding_pre_projection_norm = RMSNorm(
             c.hidden_size, "embed", c, scaled=False, rngs=rngs
