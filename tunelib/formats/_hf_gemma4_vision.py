@@ -1,5 +1,6 @@
 """The `vision_config` of a Hugging Face Gemma 4 checkpoint and the names of its vision weights."""
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -7,22 +8,12 @@ import numpy as np
 
 from tunelib.models import VisionConfig
 
-# transformers' `Gemma4VisionConfig` fields: read into `VisionConfig`, or only checked.
-VISION_READ: tuple[str, ...] = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_activation",
-    "rms_norm_eps",
-    "pooling_kernel_size",
-    "patch_size",
-    "position_embedding_size",
-    "use_clipped_linears",
-    "standardize",
-    "initializer_range",
+# transformers' `Gemma4VisionConfig` fields read into the `VisionConfig` field of the same
+# name (its other fields: `rope_theta`, from `rope_parameters`, and the dtypes).
+VISION_READ: tuple[str, ...] = tuple(
+    f.name
+    for f in dataclasses.fields(VisionConfig)
+    if f.name not in ("rope_theta", "dtype", "param_dtype")
 )
 # Checked (a value the encoder cannot reproduce is refused) or, like transformers, not read:
 # `attention_bias` (its projections have no bias whatever it says) and
@@ -54,22 +45,8 @@ _GENERIC = frozenset(
         "_attn_implementation_autoset",
     }
 )
-_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 12,
-    "head_dim": 64,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "rms_norm_eps": 1e-6,
-    "pooling_kernel_size": 3,
-    "patch_size": 16,
-    "position_embedding_size": 10 * 1024,
-    "use_clipped_linears": False,
-    "standardize": False,
-    "initializer_range": 0.02,
-}
+# transformers' defaults are `VisionConfig`'s.
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(VisionConfig)}
 PREFIX = "model.vision_tower."
 EMBEDDER_PREFIX = "model.embed_vision."
 

@@ -2,13 +2,11 @@
 
 import dataclasses
 
-import jax.numpy as jnp
-
-from tunelib.models._config import DTYPE_NAMES, HIDDEN_ACTS
+from tunelib.models._config import DTYPE_NAMES, HIDDEN_ACTS, Dtypes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class VisionConfig:
+class VisionConfig(Dtypes):
     r"""Hyperparameters of Gemma 4's vision encoder (`vision_config` of a `gemma4` config).
 
     Fields named as in transformers' `Gemma4VisionConfig` mean what they mean there; every
@@ -100,13 +98,3 @@ class VisionConfig:
 
     # What the decoder's building blocks (`Dense`, `RMSNorm`) read from a config.
     norm_offset = False
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        """`dtype` as a NumPy dtype."""
-        return jnp.dtype(self.dtype)
-
-    @property
-    def storage_dtype(self) -> jnp.dtype:
-        """`param_dtype` as a NumPy dtype."""
-        return jnp.dtype(self.param_dtype)
