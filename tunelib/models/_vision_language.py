@@ -29,9 +29,11 @@ class VisionLanguageModel(nnx.Module):
     soft tokens of the images are numbered (image by image, in order): image $i$'s
     `num_soft_tokens_per_image[i]` soft tokens fill the next image tokens, wherever the rows'
     padding is (transformers' `masked_scatter`). The decoder then runs on $e$; the image
-    tokens' per-layer inputs (Gemma 4) take the pad token's row. With `bidirectional`
-    (`use_bidirectional_attention = "vision"`), the sliding-window layers let an image's soft
-    tokens (a run of image tokens) attend to each other both ways; full layers stay causal.
+    tokens' per-layer inputs (Gemma 4) take the pad token's row; an image token with no soft
+    token left (a sampled one, or any without images) is embedded as the pad token, as in
+    transformers. With `bidirectional` (`use_bidirectional_attention = "vision"`), the
+    sliding-window layers let an image's soft tokens (a run of image tokens) attend to each
+    other both ways; full layers stay causal.
 
     It has the surface of a `Decoder` (`init_cache`, `extend`, `unembed`, `unembedding`,
     `decoding_layout`, `config` the language model's `DecoderConfig`), with the images as
@@ -105,6 +107,7 @@ class VisionLanguageModel(nnx.Module):
         *,
         pixel_values: Float[ArrayLike, "I N Q"] | None = None,
         image_position_ids: Int[ArrayLike, "I N 2"] | None = None,
+        routing: Int[ArrayLike, "M B T k"] | None = None,
     ) -> Float[Array, "B T H"]:
         """Final-norm hidden states of every position, the images at their image tokens.
 
@@ -115,12 +118,13 @@ class VisionLanguageModel(nnx.Module):
           pixel_values: `[I, N, 3 p^2]` patches of the batch's images, in the order their
             image tokens appear (row by row); None for text only.
           image_position_ids: `[I, N, 2]` their patch positions.
+          routing: `[M, B, T, k]` experts to route to (replay; see `Decoder`).
 
         Returns:
           `[B, T, H]` hidden states, as `Decoder` returns them.
         """
         tokens, where, inputs = self._inputs(tokens, where, pixel_values, image_position_ids)
-        return self.language_model(tokens, where, positions, **inputs)
+        return self.language_model(tokens, where, positions, routing=routing, **inputs)
 
     def extend(
         self,
@@ -186,11 +190,14 @@ class VisionLanguageModel(nnx.Module):
             flat = features.reshape(-1, features.shape[-1])
             (source,) = jnp.nonzero(real.reshape(-1), size=flat.shape[0], fill_value=0)
             rank = jnp.cumsum(image.reshape(-1)) - 1
-            placed = jnp.take(flat, jnp.take(source, jnp.clip(rank, 0, None)), axis=0)
+            # Image tokens past the images' soft tokens (say, sampled ones) stay padding.
+            filled = (image.reshape(-1) & (rank < real.sum())).reshape(tokens.shape)
+            index = jnp.take(source, jnp.clip(rank, 0, flat.shape[0] - 1))
+            placed = jnp.take(flat, index, axis=0)
             inputs["embeddings"] = placed.reshape(*tokens.shape, -1)
-            inputs["embeddings_where"] = image
+            inputs["embeddings_where"] = filled
             if self.bidirectional:
-                inputs["blocks"] = _image_blocks(image)
+                inputs["blocks"] = _image_blocks(filled)
         tokens = jnp.where(image, self.pad_token_id, tokens)
         return tokens, where, inputs
 
