@@ -44,6 +44,18 @@ def test_transformers_reloads_our_save(checkpoint, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_every_top_level_config_field_is_known():
+    """The sub-configs are read, the image token id placed; the other token ids (begin and
+    end of image, audio, video) only mark the prompt and are kept in `hf_config`. A field
+    transformers adds fails here until it is read or refused."""
+    _, transformers = hf_modules()
+    assert set(transformers.Gemma4Config.__annotations__) == {
+        "text_config", "vision_config", "audio_config", "image_token_id", "boi_token_id",
+        "eoi_token_id", "video_token_id", "boa_token_id", "eoa_token_index", "audio_token_id",
+        "initializer_range", "tie_word_embeddings",
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("edit", "named"),
     [

@@ -352,8 +352,9 @@ def sample(
         forbidden or pad ids out of range, every token forbidden; the rest of the config is
         checked when it is made), a prompt longer than the cache, an empty prompt or a prompt
         token id outside the vocabulary (both checked when the prompts are concrete, not
-        traced), a bad `group_size`, or `record_routing` for a model without
-        mixture-of-experts layers.
+        traced), a bad `group_size`, `record_routing` for a model without
+        mixture-of-experts layers, or `images` for a model that reads none (or without
+        `pixel_values` and `image_position_ids`).
 
     Examples:
       >>> import jax, jax.numpy as jnp
