@@ -433,10 +433,10 @@ class Decoder(nnx.Module):
         """`masks` with the sliding layers' queries also seeing the real keys of their own
         block (`blocks` `[B, T]` of the new tokens at slots `index + j`), within the window;
         `key_slots` `[S]` is the slot of each key column (negative: none)."""
-        if True not in masks:
-            return masks
         blocks = v.int_array(blocks, "blocks")
         v.check_shape(blocks, "blocks", where.shape, f"tokens {where.shape}")
+        if True not in masks:
+            return masks
         blocks = jnp.where(where, blocks, -1)
         new = key_slots - index  # which new token each key column holds, if any
         inside = (new >= 0) & (new < blocks.shape[1])
