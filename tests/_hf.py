@@ -427,3 +427,67 @@ def hf_logits(model: Any, tokens: np.ndarray, where: np.ndarray) -> np.ndarray:
         )
     logits = out.logits
     return (logits if logits.dtype == torch.float64 else logits.float()).numpy()
+
+
+# A tiny Gemma 4 vision-language model: a 3-layer text stack (sliding, sliding, full, window
+# 4, per-layer inputs, image tokens attending bidirectionally within an image on the sliding
+# layers) and a 2-layer vision encoder (patches of 4 pixels pooled 2x2, grouped-query
+# attention, clipped projections and standardised soft tokens).
+IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = 310, 311, 312
+GEMMA4_VLM_TEXT = dict(
+    {**COMMON, **FAMILIES["gemma4_text"]},
+    num_hidden_layers=3,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    num_kv_shared_layers=0,
+    use_bidirectional_attention="vision",
+)
+GEMMA4_VLM_VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    patch_size=4,
+    pooling_kernel_size=2,
+    position_embedding_size=16,
+    use_clipped_linears=True,
+    standardize=True,
+    rope_parameters={"rope_type": "axial", "rope_theta": 50.0},
+)
+# `tunelib.data.gemma4_image_inputs` options for this encoder.
+GEMMA4_VLM_PIXELS = dict(patch_size=4, pooling_kernel_size=2, max_soft_tokens=6)
+
+
+def tiny_gemma4_vlm(*, seed: int = 0, **text_overrides: Any) -> Any:
+    """A randomly initialised `Gemma4ForConditionalGeneration`, float32, eval mode.
+
+    As `tiny_hf_model` does, norm scales and layer scalars are randomised; so are the vision
+    tower's standardisation (bias and scale) and its clip bounds (finite, some binding), so
+    that each changes the outputs.
+    """
+    torch, transformers = hf_modules()
+    config = transformers.Gemma4Config(
+        text_config={**GEMMA4_VLM_TEXT, **text_overrides},
+        vision_config=GEMMA4_VLM_VISION,
+        image_token_id=IMAGE_TOKEN,
+        boi_token_id=BOI_TOKEN,
+        eoi_token_id=EOI_TOKEN,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar") or name.endswith("std_scale"):
+                buffer.copy_(1 + 0.3 * torch.randn_like(buffer))
+            elif name.endswith("std_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
+            elif name.endswith(("input_min", "output_min")):
+                buffer.fill_(-1.0 - 2 * torch.rand(()).item())
+            elif name.endswith(("input_max", "output_max")):
+                buffer.fill_(1.0 + 2 * torch.rand(()).item())
+    return model

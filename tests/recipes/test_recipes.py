@@ -508,8 +508,8 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     layer, per-layer inputs), gpt-oss (sinks, biased experts) or DeepSeek-V3 checkpoint,
     the SFT model, merged, loading in transformers with equal logits; then DPO (Gemma 2,
     Gemma 3) or GRPO (Qwen3-MoE, gpt-oss and DeepSeek-V3 with routing replay, Gemma 4) from
-    it, each family in two recipes. DeepSeek-V3 (latent attention, grouped sigmoid routing) samples from its
-    compressed cache with LoRA on `kv_b_proj`."""
+    it, each family in two recipes. DeepSeek-V3 (latent attention, grouped sigmoid routing)
+    samples from its compressed cache with LoRA on `kv_b_proj`."""
     from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
     from tunelib.formats import load_hf_checkpoint
 

@@ -3,7 +3,9 @@
 `load_hf_checkpoint` and `save_hf_checkpoint` read and write Hugging Face checkpoints
 (`config.json` and safetensors, one file or sharded) of the Llama, Mistral, Qwen2, Qwen3,
 Qwen3-MoE, Gemma 2, Gemma 3, Gemma 4 and gpt-oss families into and out of `tunelib.models.Decoder`;
-`config_from_hf` and `config_to_hf` convert the config alone. `read_gguf`, `load_gguf`,
+`config_from_hf` and `config_to_hf` convert the config alone; `load_hf_vision_language` and
+`save_hf_vision_language` do the same for Gemma 4's vision-language checkpoints
+(`tunelib.models.VisionLanguageModel`). `read_gguf`, `load_gguf`,
 `convert_gguf` and `save_gguf` read, load, convert and write llama.cpp's GGUF files, and
 `gguf_tokenizer` builds a file's tokenizer (`gguf_tokenizer_metadata` gives a tokenizer's
 GGUF metadata back). Every loader takes one `LoadOptions` (dtypes, stacked layers, remat,
@@ -33,6 +35,11 @@ from tunelib.formats._hf_checkpoint import (
     save_hf_checkpoint,
 )
 from tunelib.formats._hf_config import MODEL_TYPES, config_from_hf, config_to_hf
+from tunelib.formats._hf_vision_language import (
+    HFVisionLanguage,
+    load_hf_vision_language,
+    save_hf_vision_language,
+)
 from tunelib.formats._load_options import LoadOptions
 from tunelib.formats._peft_lora import read_peft_lora, write_peft_lora
 
@@ -44,6 +51,7 @@ __all__ = [
     "GGUFModel",
     "GGUFTensor",
     "HFCheckpoint",
+    "HFVisionLanguage",
     "LoadOptions",
     "config_from_hf",
     "config_to_hf",
@@ -54,9 +62,11 @@ __all__ = [
     "gguf_tokenizer_metadata",
     "load_gguf",
     "load_hf_checkpoint",
+    "load_hf_vision_language",
     "read_gguf",
     "read_peft_lora",
     "save_gguf",
     "save_hf_checkpoint",
+    "save_hf_vision_language",
     "write_peft_lora",
 ]

@@ -157,7 +157,8 @@ def write_tensors(
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards, strict=True):
-        arrays = {tensor.name: np.ascontiguousarray(tensor.fetch()) for tensor in shard}
+        # `np.asarray(order="C")`, not `np.ascontiguousarray`, which makes a scalar `[1]`.
+        arrays = {tensor.name: np.asarray(tensor.fetch(), order="C") for tensor in shard}
         save_file(arrays, str(directory / name), metadata={"format": "pt"})
         del arrays
     if len(shards) > 1:

@@ -6,8 +6,10 @@ DeepSeek-V3) in Flax NNX.
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
 `config.json` (`tunelib.formats` reads and writes Hugging Face checkpoints and GGUF files);
 `MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer, `route_grouped` and
-`expert_bias_update` DeepSeek-V3's routing and its balancing rule; `param_shardings` and
-the rules place its parameters on a mesh.
+`expert_bias_update` DeepSeek-V3's routing and its balancing rule; `VisionLanguageModel`
+puts Gemma 4's vision encoder (`VisionEncoder`, `VisionConfig`) and multimodal embedder
+(`MultimodalEmbedder`) in front of it, the images' soft tokens at the image tokens;
+`param_shardings` and the rules place its parameters on a mesh.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 """
@@ -29,6 +31,9 @@ from tunelib.models._sharding import (
     TENSOR_PARALLEL_RULES,
     param_shardings,
 )
+from tunelib.models._vision import MultimodalEmbedder, VisionEncoder
+from tunelib.models._vision_config import VisionConfig
+from tunelib.models._vision_language import VisionLanguageModel
 
 __all__ = [
     "DTYPE_NAMES",
@@ -40,6 +45,10 @@ __all__ = [
     "DecoderConfig",
     "KVCache",
     "MoE",
+    "MultimodalEmbedder",
+    "VisionConfig",
+    "VisionEncoder",
+    "VisionLanguageModel",
     "expert_bias_update",
     "grouped_matmul",
     "grouped_matmul_p",

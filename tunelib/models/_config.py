@@ -39,8 +39,25 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
 _ROPE_OPTIONAL: dict[str, tuple[str, ...]] = {"yarn": ("mscale_all_dim",)}
 
 
+class Dtypes:
+    """`compute_dtype` and `storage_dtype` of a config's `dtype` and `param_dtype` names."""
+
+    dtype: str
+    param_dtype: str
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """`dtype` as a NumPy dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        """`param_dtype` as a NumPy dtype."""
+        return jnp.dtype(self.param_dtype)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecoderConfig:
+class DecoderConfig(Dtypes):
     r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 /
     gpt-oss / DeepSeek-V3 decoder.
 
@@ -553,16 +570,6 @@ class DecoderConfig:
         index = [f.name for f in dataclasses.fields(self)].index("rope_scaling")
         scaling = self.rope_scaling and tuple(sorted(self.rope_scaling.items()))
         return hash((*fields[:index], scaling, *fields[index + 1 :]))
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        """`dtype` as a NumPy dtype."""
-        return jnp.dtype(self.dtype)
-
-    @property
-    def storage_dtype(self) -> jnp.dtype:
-        """`param_dtype` as a NumPy dtype."""
-        return jnp.dtype(self.param_dtype)
 
 
 def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from tunelib.models._windowed import (
     KindCaches,
     LayerCache,
     cache_groups,
+    ring_key_slots,
     ring_mask,
 )
 
@@ -143,6 +144,9 @@ class Decoder(nnx.Module):
         return_router_logits: bool = False,
         routing: Int[ArrayLike, "M B T k"] | None = None,
         return_routing: bool = False,
+        embeddings: Float[ArrayLike, "B T H"] | None = None,
+        embeddings_where: Mask[ArrayLike, "B T"] | None = None,
+        blocks: Int[ArrayLike, "B T"] | None = None,
     ) -> Float[Array, "B T H"] | tuple[Array, ...]:
         """Final-norm hidden states of every position (and the router logits, the routing).
 
@@ -174,6 +178,16 @@ class Decoder(nnx.Module):
             `experts`). Dense layers ignore it. None (the default) routes by top-k.
           return_routing: also return the `[M, B, T, k]` int32 experts each token was routed
             to (under `routing`, those given).
+          embeddings: `[B, T, H]` input embeddings that replace the (scaled) token
+            embeddings where `embeddings_where` is True: a vision-language model's image
+            features at its image tokens (`VisionLanguageModel`). The tokens there still give
+            the per-layer inputs' token part (Gemma 4). None: token embeddings everywhere.
+          embeddings_where: `[B, T]` mask, True where `embeddings` are taken; required with
+            `embeddings`.
+          blocks: `[B, T]` integer block ids, -1 outside any block: the sliding-window layers
+            let the tokens of one block (an image's soft tokens) attend to each other both
+            ways, within the window, as Gemma 4 does with `use_bidirectional_attention =
+            "vision"`; full layers stay causal. None: causal everywhere.
 
         Returns:
           `[B, T, H]` hidden states in the compute dtype `config.dtype`; with
@@ -204,12 +218,15 @@ class Decoder(nnx.Module):
             v.check_shape(positions, "positions", tokens.shape, f"tokens {tokens.shape}")
         if routing is not None:
             routing = checked_routing(routing, c, tokens.shape)
+        soft = _soft_inputs(embeddings, embeddings_where, tokens.shape, c.hidden_size)
 
         high = v.compute_dtype(c.compute_dtype)
         allowed, fill = _attention_mask(where, segment_ids, high)
         t = jnp.arange(tokens.shape[1])
         masks = self._masks(allowed, fill, t, t)
-        x, _, routed = self._run_layers(tokens, where, positions, masks, routing=routing)
+        if blocks is not None:
+            masks = self._with_blocks(masks, blocks, where, t, jnp.zeros((), jnp.int32), t)
+        x, _, routed = self._run_layers(tokens, where, positions, masks, routing=routing, soft=soft)
         if not (return_router_logits or return_routing):
             return self.norm(x)
         if routed is None:
@@ -265,6 +282,9 @@ class Decoder(nnx.Module):
         *,
         routing: Int[ArrayLike, "M B T k"] | None = None,
         return_routing: bool = False,
+        embeddings: Float[ArrayLike, "B T H"] | None = None,
+        embeddings_where: Mask[ArrayLike, "B T"] | None = None,
+        blocks: Int[ArrayLike, "B T"] | None = None,
     ) -> tuple[Float[Array, "B T H"], "KVCache"] | tuple[Array, "KVCache", Array]:
         """Hidden states of `T` new tokens per row, attending to the cache and each other.
 
@@ -289,6 +309,11 @@ class Decoder(nnx.Module):
             calling the model); None routes by top-k.
           return_routing: also return the `[M, B, T, k]` int32 experts the new tokens were
             routed to: what `tunelib.rollout.sample` records.
+          embeddings: `[B, T, H]` input embeddings of the new tokens where
+            `embeddings_where` (see calling the model).
+          embeddings_where: `[B, T]` mask, required with `embeddings`.
+          blocks: `[B, T]` block ids of the new tokens, -1 outside a block (see calling the
+            model); a block lies within one call.
 
         Returns:
           The `[B, T, H]` final-norm hidden states of the new tokens and the updated cache;
@@ -307,6 +332,7 @@ class Decoder(nnx.Module):
             raise ValueError(f"tokens has {t} positions but the cache only {slots} slots.")
         if routing is not None:
             routing = checked_routing(routing, c, tokens.shape)
+        soft = _soft_inputs(embeddings, embeddings_where, tokens.shape, c.hidden_size)
         groups = _groups_of(c, cache)
         counts = jnp.cumsum(where, axis=-1, dtype=jnp.int32)
         positions = cache.lengths[:, None] + jnp.maximum(counts - 1, 0)
@@ -318,9 +344,13 @@ class Decoder(nnx.Module):
         lowest = jnp.finfo(high).min
         fill = jnp.where(causal, 0.5 * lowest, lowest).astype(high)
         masks = self._masks(allowed, fill, query_slots, jnp.arange(slots))
+        key_slots = jnp.arange(slots)
         for group in groups:  # a ring: its sliding layers attend over it and the new tokens
             if group.window is not None:
                 masks[True] = ring_mask(key_where, cache.index, t, group.slots, group.window, high)
+                key_slots = ring_key_slots(cache.index, t, group.slots)
+        if blocks is not None:
+            masks = self._with_blocks(masks, blocks, where, query_slots, cache.index, key_slots)
         x, (keys, values), routed = self._run_layers(
             tokens,
             where,
@@ -328,6 +358,7 @@ class Decoder(nnx.Module):
             masks,
             (cache.keys, cache.values, cache.index, groups),
             routing,
+            soft,
         )
         cache = KVCache(keys, values, key_where, cache.lengths + counts[:, -1], cache.index + t)
         if not return_routing:
@@ -402,7 +433,25 @@ class Decoder(nnx.Module):
             masks[sliding] = (allowed & window, fill)
         return masks
 
-    def _run_layers(self, tokens, where, positions, masks, cache=None, routing=None):
+    def _with_blocks(self, masks, blocks, where, query_slots, index, key_slots) -> dict:
+        """`masks` with the sliding layers' queries also seeing the real keys of their own
+        block (`blocks` `[B, T]` of the new tokens at slots `index + j`), within the window;
+        `key_slots` `[S]` is the slot of each key column (negative: none)."""
+        blocks = v.int_array(blocks, "blocks")
+        v.check_shape(blocks, "blocks", where.shape, f"tokens {where.shape}")
+        if True not in masks:
+            return masks
+        blocks = jnp.where(where, blocks, -1)
+        new = key_slots - index  # which new token each key column holds, if any
+        inside = (new >= 0) & (new < blocks.shape[1])
+        key_blocks = jnp.where(inside, jnp.take(blocks, jnp.clip(new, 0, None), axis=1), -1)
+        same = (blocks[:, :, None] == key_blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+        window = _in_window(query_slots, key_slots, self.config.sliding_window)
+        allowed, fill = masks[True]
+        extra = rearrange(same & window, "b t s -> b 1 1 t s")
+        return {**masks, True: (allowed | extra, fill)}
+
+    def _run_layers(self, tokens, where, positions, masks, cache=None, routing=None, soft=None):
         """The embedded tokens through every layer; with a cache `(keys, values, index,
         groups)` (its `CacheGroup`s), also the new keys and values of each cache group; and
         the mixture-of-experts layers' `([M, B, T, E] router logits, [M, B, T, k] experts)`,
@@ -430,6 +479,9 @@ class Decoder(nnx.Module):
         if c.scale_embeddings:
             x = x * jnp.asarray(c.hidden_size**0.5, embedding.dtype)
         x = x.astype(c.compute_dtype)
+        if soft is not None:
+            values, taken = soft
+            x = jnp.where(taken[..., None], values.astype(c.compute_dtype), x)
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
         keys, values, index, groups = (None,) * 4 if cache is None else cache
 
@@ -670,6 +722,19 @@ def _groups_of(config: DecoderConfig, cache: "KVCache") -> list[CacheGroup]:
             "make the cache with this model's init_cache."
         )
     return groups
+
+
+def _soft_inputs(embeddings, embeddings_where, shape, width):
+    """`(embeddings [B, T, H], where [B, T])` checked, or None without embeddings."""
+    if embeddings is None:
+        if embeddings_where is not None:
+            raise ValueError("embeddings_where is given without embeddings.")
+        return None
+    embeddings = v.float_array(embeddings, "embeddings")
+    v.check_shape(embeddings, "embeddings", (*shape, width), f"[B, T, H] = {(*shape, width)}")
+    if embeddings_where is None:
+        raise ValueError("embeddings needs embeddings_where, the [B, T] mask of where it is taken.")
+    return embeddings, v.mask_array(embeddings_where, shape, "embeddings_where")
 
 
 def _default_positions(where: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

@@ -20,6 +20,7 @@ from tunelib._products import products_must_be_plain
 from tunelib.models._config import DecoderConfig
 from tunelib.models._per_layer import LayerWeight
 from tunelib.models._rope import apply_rope
+from tunelib.models._vision_config import VisionConfig
 from tunelib.models._windowed import (
     KindCaches,
     LayerCache,
@@ -28,6 +29,8 @@ from tunelib.models._windowed import (
     write,
 )
 
+# The configs the shared blocks (`kernel_init`, `RMSNorm`, `Dense`) read their dtypes from.
+AnyConfig = DecoderConfig | VisionConfig
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 _BUCKET, _MAX_BUCKETS = 32, 8
 # The widest block of input features a float32 product on CPU accumulates in one run (`Dense`).
@@ -45,7 +48,7 @@ def param(
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
 
 
-def kernel_init(config: DecoderConfig) -> Initializer:
+def kernel_init(config: AnyConfig) -> Initializer:
     return jax.nn.initializers.normal(config.initializer_range)
 
 
@@ -64,7 +67,7 @@ class RMSNorm(nnx.Module):
         self,
         dim: int,
         name: str | None,
-        config: DecoderConfig,
+        config: AnyConfig,
         *,
         scaled: bool = True,
         eps: float | None = None,
@@ -121,7 +124,7 @@ class Dense(nnx.Module):
         features_in: int,
         features_out: int,
         names: tuple[str | None, str | None],
-        config: DecoderConfig,
+        config: AnyConfig,
         *,
         use_bias: bool,
         rngs: nnx.Rngs,

@@ -1,5 +1,7 @@
 """Log-probs of sampled completions under a model, with the shift to the next token done once."""
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from jaxtyping import Array, Float, Int, PyTree
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
 from tunelib.logprobs import IMPLEMENTATIONS, fused_token_logps
+from tunelib.rollout._decoding import checked_images
 
 
 def completion_logps(
@@ -26,6 +29,7 @@ def completion_logps(
     implementation: str = "auto",
     share_prompts: bool = True,
     routing: Int[ArrayLike, "R T M k"] | None = None,
+    images: Mapping[str, ArrayLike] | None = None,
 ) -> Float[Array, "R N"] | tuple[Float[Array, "R N"], Float[Array, "R N"]]:
     r"""Log-probs (and entropy) of completion tokens after their prompts, under `params`.
 
@@ -87,7 +91,8 @@ def completion_logps(
       either side.
 
     Args:
-      graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` (static).
+      graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` or
+        `tunelib.models.VisionLanguageModel` (static).
       params: its parameters (an `nnx.State` or the pure dict of one); inside
         `tunelib.peft.lora`, adapted or quantised weights.
       prompt_tokens: `[B, P]` prompt token ids.
@@ -104,6 +109,10 @@ def completion_logps(
       routing: `[R, P + N, M, k]` int32 experts to route each prompt and completion token
         to in the model's M mixture-of-experts layers (`Rollout.routing`, rows first);
         None (the default) routes by the router's own top-k.
+      images: for a `tunelib.models.VisionLanguageModel`, the prompts' images as `sample`
+        takes them (`tunelib.data.gemma4_image_inputs`' `pixel_values` and
+        `image_position_ids`), encoded once per prompt; with groups they need
+        `share_prompts`. None: text only.
 
     Returns:
       `[R, N]` float32 log-probs; with `with_entropy`, the pair `(logps, entropy)`.
@@ -169,6 +178,11 @@ def completion_logps(
                 "(Rollout.routing as sample(..., record_routing=True) records it)."
             )
     group = rows // batch
+    images = checked_images(graphdef, params, images) or {}
+    if images and group > 1 and not share_prompts:
+        raise ValueError(
+            "images are encoded once per prompt: with groups (G > 1) they need share_prompts=True."
+        )
     if routing is not None:
         if group > 1 and share_prompts:
             _check_one_prompt_routing_a_group(routing, prompt_where, group)
@@ -184,7 +198,7 @@ def completion_logps(
             else (routing[:, ::group, :prompt_len], routing[:, :, prompt_len:])
         )
         prompt_hidden, cache = model.extend(
-            prompt_tokens, prompt_where, cache, routing=prompt_routing
+            prompt_tokens, prompt_where, cache, routing=prompt_routing, **images
         )
         cache = cache.repeat_rows(group)
         completion_hidden, _ = model.extend(tokens, where, cache, routing=completion_routing)
@@ -198,7 +212,10 @@ def completion_logps(
             prompt_where = repeat(prompt_where, "b p -> (b g) p", g=group)
         all_where = jnp.concatenate([prompt_where, where], axis=1)
         hidden = model(
-            jnp.concatenate([prompt_tokens, tokens], axis=1), where=all_where, routing=routing
+            jnp.concatenate([prompt_tokens, tokens], axis=1),
+            where=all_where,
+            routing=routing,
+            **images,
         )
     # Completion token j sits at column P + j and is predicted by the last real column
     # before it: a running max of the real columns' indices, read at P - 1 + j.

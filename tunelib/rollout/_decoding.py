@@ -5,6 +5,8 @@ built from it, each in its own jitted functions):
 
 - `checked_prompts(graphdef, params, prompt_tokens, prompt_where, config, group_size)`: the
   prompts as arrays and the model's config, after every check that needs no cache length.
+- `checked_images(graphdef, params, images)`: the pixel arrays of the prompts' images, for a
+  `VisionLanguageModel` (None without images).
 - `shape_module(graphdef, params)`: the module merged from the parameters' shapes alone, for
   its config and its layouts.
 - `check_record_routing(record_routing, model_config)`: `record_routing` is a bool, and True
@@ -14,9 +16,10 @@ built from it, each in its own jitted functions):
   layout)`: the plain parameters, with `layout="per_layer"` in the layout a decode loop reads
   without copying, as `sample` and `run_episodes` hand them to their programs.
 - `prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, *,
-  windowed, record_routing)`: the next-token logits after each prompt and the KV cache
-  holding the prompts (windowed: sliding-window layers in rings of their window), forked
-  `group_size` ways (and, recording, the prompts' MoE routing).
+  windowed, record_routing, images)`: the next-token logits after each prompt and the KV
+  cache holding the prompts (windowed: sliding-window layers in rings of their window; the
+  images encoded into it once), forked `group_size` ways (and, recording, the prompts' MoE
+  routing).
 - `last_logits(model, hidden, where)`: the next-token logits after each row's last real
   token of a block that `Decoder.extend` ran (prefill and an episode's observations).
 - `decode(graphdef, params, logits, cache, key, config, *, done, limit, end_sequences,
@@ -94,6 +97,28 @@ def checked_prompts(
     return prompt_tokens, prompt_where, model_config
 
 
+def checked_images(graphdef: nnx.GraphDef, params: PyTree, images) -> dict | None:
+    """The `pixel_values` and `image_position_ids` arrays of `images` (as
+    `tunelib.data.gemma4_image_inputs` returns them; other keys are left), or None; a
+    `ValueError` for images given to a model that reads none."""
+    if images is None:
+        return None
+    if not hasattr(shape_module(graphdef, params), "vision_tower"):
+        raise ValueError(
+            "images are given, but the model is not a tunelib.models.VisionLanguageModel."
+        )
+    missing = {"pixel_values", "image_position_ids"} - set(images)
+    if missing:
+        raise ValueError(
+            f"images must hold pixel_values and image_position_ids (as "
+            f"tunelib.data.gemma4_image_inputs returns them); {sorted(missing)} missing."
+        )
+    return {
+        "pixel_values": v.float_array(images["pixel_values"], "pixel_values"),
+        "image_position_ids": v.int_array(images["image_position_ids"], "image_position_ids"),
+    }
+
+
 def shape_module(graphdef: nnx.GraphDef, params: PyTree) -> nnx.Module:
     """The module of `graphdef` merged from the shapes and dtypes of `params` alone, to read
     its config or methods that need no values: a module made of the arrays themselves would
@@ -166,16 +191,18 @@ def prefill(
     *,
     windowed: bool = False,
     record_routing: bool = False,
+    images: dict[str, jax.Array] | None = None,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """Next-token logits `[B * G, V]` after each prompt's last real token, and the KV cache of
     `cache_length` slots holding the prompts (`windowed`: `Decoder.init_cache`'s), each row
     repeated `group_size` times (a fork of one prefill); with `record_routing`, also the
     `[M, B * G, P, k]` experts each prompt token was routed to (`Decoder.extend`'s
-    `return_routing`), repeated as the cache is."""
+    `return_routing`), repeated as the cache is. `images` (`pixel_values` and
+    `image_position_ids` of a `VisionLanguageModel`) are encoded once, in the prefill."""
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(prompt_tokens.shape[0], cache_length, windowed=windowed)
     hidden, cache, *routing = model.extend(
-        prompt_tokens, prompt_where, cache, return_routing=record_routing
+        prompt_tokens, prompt_where, cache, return_routing=record_routing, **(images or {})
     )
     logits = last_logits(model, hidden, prompt_where)
     if group_size > 1:  # fork the prefilled cache: row b * G + g continues prompt b

@@ -3,6 +3,7 @@
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -21,6 +22,7 @@ from tunelib.rollout._decoding import (
     Layout,
     as_key,
     check_record_routing,
+    checked_images,
     checked_prompts,
     decode,
     decoding_params,
@@ -266,6 +268,7 @@ def sample(
     policy_version: int | ArrayLike | None = None,
     layout: Layout = "stacked",
     windowed_cache: bool = True,
+    images: Mapping[str, ArrayLike] | None = None,
 ) -> Rollout:
     r"""Sample completions of prompts with a KV cache: prefill once, then decode a token a step.
 
@@ -294,7 +297,8 @@ def sample(
     needs at least one real token.
 
     Args:
-      graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` (static).
+      graphdef: the `nnx.GraphDef` of a `tunelib.models.Decoder` or
+        `tunelib.models.VisionLanguageModel` (static).
       params: its parameters (an `nnx.State` or the pure dict of one), possibly sharded; or
         a base with LoRA adapters, `tunelib.peft.apply_lora(base, adapters)`, the base float
         or quantised (`peft.quantize_params`, `peft.gguf_base`): the program then runs
@@ -334,6 +338,11 @@ def sample(
         in float64). Default True; False keeps every slot, bit for bit as before
         (`benchmarks/windowed_cache.py` compares the two). A model without sliding layers,
         or a cache no longer than the window, is the same either way.
+      images: for a `tunelib.models.VisionLanguageModel`, the images of the prompts as
+        `tunelib.data.gemma4_image_inputs` returns them (`pixel_values`,
+        `image_position_ids`; in the order their image tokens appear, prompt by prompt).
+        They are encoded once, in the prefill; with `group_size` G the prefilled cache,
+        images included, is copied G ways like the text. None: text only.
 
     Returns:
       A `Rollout` of `B * G` completions of `config.max_new_tokens` slots.
@@ -343,8 +352,9 @@ def sample(
         forbidden or pad ids out of range, every token forbidden; the rest of the config is
         checked when it is made), a prompt longer than the cache, an empty prompt or a prompt
         token id outside the vocabulary (both checked when the prompts are concrete, not
-        traced), a bad `group_size`, or `record_routing` for a model without
-        mixture-of-experts layers.
+        traced), a bad `group_size`, `record_routing` for a model without
+        mixture-of-experts layers, or `images` for a model that reads none (or without
+        `pixel_values` and `image_position_ids`).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -382,6 +392,7 @@ def sample(
     prompt_tokens, prompt_where, model_config = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config, group_size
     )
+    images = checked_images(graphdef, params, images)
     check_record_routing(record_routing, model_config)
     prompt_len = prompt_tokens.shape[1]
     needed = prompt_len + config.max_new_tokens
@@ -401,13 +412,23 @@ def sample(
         group_size,
         record_routing,
         windowed_cache,
+        images,
     )
     return out if policy_version is None else out._replace(**stamp(given, policy_version))
 
 
 @program(static_argnums=(0, 5, 6, 7, 8))
 def _sample(
-    graphdef, params, prompt_tokens, prompt_where, key, config, group_size, record_routing, windowed
+    graphdef,
+    params,
+    prompt_tokens,
+    prompt_where,
+    key,
+    config,
+    group_size,
+    record_routing,
+    windowed,
+    images,
 ):
     """`sample` after its checks: a prefill and one decode loop, in one program."""
     params = pure_params(params)
@@ -421,6 +442,7 @@ def _sample(
         group_size,
         windowed=windowed,
         record_routing=record_routing,
+        images=images,
     )
     out = decode(
         graphdef, params, logits, cache, as_key(key), config, record_routing=record_routing
