@@ -80,3 +80,17 @@ def test_images_for_a_model_that_reads_none_are_refused():
             graphdef, params, np.ones((1, 3), np.int32), np.ones((1, 3), bool),
             jax.random.key(0), SamplingConfig(max_new_tokens=2), images=images,
         )  # fmt: skip
+
+
+def test_prompts_whose_image_tokens_are_not_the_images_soft_tokens_are_refused(models):
+    """A marker left unexpanded (one image token for an image of many soft tokens) would
+    leave the image's features out and the model none the wiser: refused before sampling."""
+    _, loaded = models
+    inputs = gemma4_image_inputs(random_images()[:1], **GEMMA4_VLM_PIXELS)
+    (soft,) = inputs["num_soft_tokens_per_image"]
+    prompt = np.array([[5, 6, IMAGE_TOKEN, 7, 8]])
+    with raises_naming("1 image tokens", f"{soft} soft tokens", "expand_image_tokens"):
+        sample(
+            loaded.graphdef, loaded.params, prompt, np.ones(prompt.shape, bool),
+            jax.random.key(0), SamplingConfig(max_new_tokens=2), images=inputs,
+        )  # fmt: skip

@@ -178,7 +178,7 @@ def completion_logps(
                 "(Rollout.routing as sample(..., record_routing=True) records it)."
             )
     group = rows // batch
-    images = checked_images(graphdef, params, images) or {}
+    images = checked_images(graphdef, params, images, prompt_tokens, prompt_where) or {}
     if images and group > 1 and not share_prompts:
         raise ValueError(
             "images are encoded once per prompt: with groups (G > 1) they need share_prompts=True."

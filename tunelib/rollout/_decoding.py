@@ -97,13 +97,19 @@ def checked_prompts(
     return prompt_tokens, prompt_where, model_config
 
 
-def checked_images(graphdef: nnx.GraphDef, params: PyTree, images) -> dict | None:
+def checked_images(
+    graphdef: nnx.GraphDef, params: PyTree, images, prompt_tokens=None, prompt_where=None
+) -> dict | None:
     """The `pixel_values` and `image_position_ids` arrays of `images` (as
     `tunelib.data.gemma4_image_inputs` returns them; other keys are left), or None; a
-    `ValueError` for images given to a model that reads none."""
+    `ValueError` for images given to a model that reads none, and, when `images` holds
+    `num_soft_tokens_per_image` and the prompts are known (not traced), for prompts whose
+    image tokens are not as many as the images' soft tokens (a marker not expanded, an
+    image too many or too few): the model would fill them with padding or drop features."""
     if images is None:
         return None
-    if not hasattr(shape_module(graphdef, params), "vision_tower"):
+    model = shape_module(graphdef, params)
+    if not hasattr(model, "vision_tower"):
         raise ValueError(
             "images are given, but the model is not a tunelib.models.VisionLanguageModel."
         )
@@ -113,6 +119,19 @@ def checked_images(graphdef: nnx.GraphDef, params: PyTree, images) -> dict | Non
             f"images must hold pixel_values and image_position_ids (as "
             f"tunelib.data.gemma4_image_inputs returns them); {sorted(missing)} missing."
         )
+    counts = images.get("num_soft_tokens_per_image")
+    known = not any(isinstance(x, jax.core.Tracer) for x in (prompt_tokens, prompt_where, counts))
+    if counts is not None and prompt_tokens is not None and known:
+        image = np.asarray(prompt_tokens) == model.image_token_id
+        if prompt_where is not None:
+            image &= np.asarray(prompt_where, bool)
+        soft = [int(n) for n in np.asarray(counts).reshape(-1)]
+        if int(image.sum()) != sum(soft):
+            raise ValueError(
+                f"the prompts hold {int(image.sum())} image tokens (id "
+                f"{model.image_token_id}) but the images {sum(soft)} soft tokens ({soft} per "
+                "image): expand each image's marker with tunelib.data.expand_image_tokens."
+            )
     return {
         "pixel_values": v.float_array(images["pixel_values"], "pixel_values"),
         "image_position_ids": v.int_array(images["image_position_ids"], "image_position_ids"),

@@ -392,7 +392,7 @@ def sample(
     prompt_tokens, prompt_where, model_config = checked_prompts(
         graphdef, params, prompt_tokens, prompt_where, config, group_size
     )
-    images = checked_images(graphdef, params, images)
+    images = checked_images(graphdef, params, images, prompt_tokens, prompt_where)
     check_record_routing(record_routing, model_config)
     prompt_len = prompt_tokens.shape[1]
     needed = prompt_len + config.max_new_tokens
