@@ -354,7 +354,8 @@ def sample(
         token id outside the vocabulary (both checked when the prompts are concrete, not
         traced), a bad `group_size`, `record_routing` for a model without
         mixture-of-experts layers, or `images` for a model that reads none (or without
-        `pixel_values` and `image_position_ids`).
+        `pixel_values` and `image_position_ids`, or with `num_soft_tokens_per_image` that
+        the prompts' image tokens do not add up to, when the prompts are concrete).
 
     Examples:
       >>> import jax, jax.numpy as jnp
