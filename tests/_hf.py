@@ -12,8 +12,10 @@ Typical use, for example by a recipe test:
     write_chat_jsonl(tmp_path / "data.jsonl", 16)                    # SFT records
 """
 
+import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +71,9 @@ _CORPUS = [
 # half of each head; per-layer inputs; a binding final soft-cap. Gemma 4 MoE: 4 experts, top
 # 2, beside every dense MLP, full layers of transformers' default width ratio. gpt-oss: a
 # sliding (window 4) then a full layer with sinks, 4 biased experts, top 2, a clamp (1.5) that
-# binds, YaRN RoPE whose ramp falls inside the head (original context 64).
+# binds, YaRN RoPE whose ramp falls inside the head (original context 64). Qwen3.5: Gated
+# DeltaNet layers around a gated full-attention one, twice as many value heads as key heads,
+# a 3-tap convolution, RoPE on half of each head.
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -160,6 +164,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
         top_k_experts=2,
         moe_intermediate_size=32,
     ),
+    "qwen3_5_text": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_conv_kernel_dim=3,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
     "gpt_oss": dict(
         head_dim=16,
         intermediate_size=32,
@@ -190,6 +205,7 @@ _CLASSES = {
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4_text_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 
 
@@ -213,6 +229,21 @@ def hf_modules() -> tuple[Any, Any]:
     # threads competing with another worker made a 30-layer `generate` ten times slower.
     torch.set_num_threads(1)
     return torch, transformers
+
+
+def undocumented_config_fields(
+    config_class: str, docs: Path, heading: str, popped: tuple[str, ...] = ()
+) -> list[str]:
+    """The fields `transformers`' `config_class` declares itself (not its base class's), and
+    the `popped` ones its constructor reads, that the `## heading` section of `docs` does not
+    name in backticks: a field transformers adds shows here until it is read or refused."""
+    _, transformers = hf_modules()
+    config = getattr(transformers, config_class)
+    own = [f.name for f in dataclasses.fields(config) if f.name in config.__annotations__]
+    text = docs.read_text()
+    section = text[text.index(f"\n## {heading}\n") + 1 :]
+    section = section[: section.index("\n## ")]
+    return [f for f in (*own, *popped) if not re.search(rf"`{f}`", section)]
 
 
 def model_class(family: str) -> Any:

@@ -199,6 +199,17 @@ EXPRESSIBLE = {
         layer_types=("sliding_attention", "full_attention", "sliding_attention"),
         sliding_window=8,
     ),
+    "qwen3_5_text": dict(
+        use_qk_norm=True,
+        norm_offset=True,
+        attention_output_gate=True,
+        partial_rotary_factor=0.25,
+        layer_types=("linear_attention", "full_attention", "linear_attention"),
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
 }
 
 

@@ -2,10 +2,8 @@
 clamped SwiGLU, routing against transformers, stacked layers, expert parallelism. Logits,
 greedy tokens and saving are in `test_hf_checkpoint.test_matches_transformers[gpt_oss]`."""
 
-import dataclasses
 import json
 import math
-import re
 from pathlib import Path
 
 import jax
@@ -15,7 +13,7 @@ import pytest
 from flax import nnx
 
 from tests._helpers import raises_naming
-from tests._hf import hf_modules, model_class, write_tiny_checkpoint
+from tests._hf import hf_modules, model_class, undocumented_config_fields, write_tiny_checkpoint
 from tests.models.test_kv_cache import TOKENS, WHERE
 from tests.models.test_moe import expert_parallel_equals_one_device
 from tunelib.formats import config_from_hf, config_to_hf, load_hf_checkpoint
@@ -57,20 +55,10 @@ HF_BASE = {
 }
 
 
-def _gpt_oss_fields() -> list[str]:
-    """Every field transformers' `GptOssConfig` declares itself (not its base class's)."""
-    _, transformers = hf_modules()
-    fields = [f.name for f in dataclasses.fields(transformers.GptOssConfig)]
-    return [f for f in fields if f in transformers.GptOssConfig.__annotations__]
-
-
 def test_every_gpt_oss_config_field_is_documented():
-    """docs/models.md's gpt-oss table names each field with what the decoder does with it,
-    so a field transformers adds fails here until it is read or refused."""
-    text = DOCS.read_text()
-    section = text[text.index("\n## gpt-oss\n") + 1 :]
-    section = section[: section.index("\n## ")]
-    missing = [f for f in _gpt_oss_fields() if not re.search(rf"`{f}`", section)]
+    """docs/models.md's gpt-oss table names each field of `GptOssConfig` with what the decoder
+    does with it, so a field transformers adds fails here until it is read or refused."""
+    missing = undocumented_config_fields("GptOssConfig", DOCS, "gpt-oss")
     assert not missing, missing
 
 

@@ -1,5 +1,5 @@
 """Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-Qwen3-MoE / Gemma 2, 3, 4 / gpt-oss."""
+Qwen3-MoE / Gemma 2, 3, 4 / gpt-oss / Qwen3.5 text."""
 
 import math
 from collections.abc import Callable, Mapping
@@ -8,6 +8,7 @@ from typing import Any
 from tunelib.formats._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
 from tunelib.formats._hf_gemma4 import GEMMA4_DEFAULTS, gemma4_config, gemma4_fields
 from tunelib.formats._hf_gpt_oss import GPT_OSS_DEFAULTS, gpt_oss_config, gpt_oss_fields
+from tunelib.formats._hf_qwen3_5 import QWEN3_5_DEFAULTS, qwen3_5_config, qwen3_5_fields
 from tunelib.models import DTYPE_NAMES, DecoderConfig
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
@@ -21,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
@@ -50,6 +52,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     **GEMMA_DEFAULTS,
     "gemma4_text": GEMMA4_DEFAULTS,
     "gpt_oss": GPT_OSS_DEFAULTS,
+    "qwen3_5_text": QWEN3_5_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -106,7 +109,7 @@ def config_from_hf(
     remat: bool = False,
 ) -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss).
+    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss, Qwen3.5 text).
 
     Reads the fields that the `transformers` model of the config's `model_type` reads, with
     `transformers`' defaults for the ones left out, so the decoder computes what that model
@@ -125,6 +128,7 @@ def config_from_hf(
     | `gemma3_text` | q/k/v/o with `attention_bias` | yes | `layer_types` (5 sliding : 1) |
     | `gemma4_text` | q/k/v/o with `attention_bias` | yes, and values | `layer_types` |
     | `gpt_oss` | q/k/v/o with `attention_bias` (default true) | no | `layer_types` |
+    | `qwen3_5_text` | q/k/v/o with `attention_bias` | yes | no (Gated DeltaNet or full) |
 
     Gemma 4's fields (`global_head_dim` or `per_layer_config`, `attention_k_eq_v`,
     `num_kv_shared_layers`, `use_double_wide_mlp`, the per-layer inputs, `enable_moe_block`
@@ -134,6 +138,11 @@ def config_from_hf(
     gpt-oss adds attention sinks, a biased router and biased clamped-SwiGLU experts
     (`swiglu_alpha`, `swiglu_limit`, `num_local_experts`, `num_experts_per_tok`, experts
     `intermediate_size` wide) and YaRN RoPE by default; its table is in `docs/models.md`.
+
+    Qwen3.5 text mixes Gated DeltaNet layers (`linear_conv_kernel_dim`,
+    `linear_key_head_dim`, `linear_value_head_dim`, `linear_num_key_heads`,
+    `linear_num_value_heads`) with gated full-attention layers of partial RoPE
+    (`partial_rotary_factor`); its table is in `docs/models.md`.
 
     Qwen3-MoE's experts come from `num_experts` (or `num_local_experts`, the name
     `transformers` saves it under), `num_experts_per_tok`, `moe_intermediate_size`,
@@ -229,6 +238,8 @@ def config_from_hf(
         family = gemma4_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
     elif model_type == "gpt_oss":
         family = gpt_oss_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
+    elif model_type == "qwen3_5_text":
+        family = qwen3_5_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
     else:
         theta, scaling = _rope(hf_config, max_positions)
         family = {
@@ -248,7 +259,7 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", *gemma):
+    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_text", *gemma):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
@@ -335,7 +346,14 @@ def config_to_hf(
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}.")
     _check_expressible(config, model_type)
     out = dict(base or {})
-    stale_keys = ("rope_scaling", "rope_parameters", "rope_theta", "layer_types", "rope_type")
+    stale_keys = (
+        "rope_scaling",
+        "rope_parameters",
+        "rope_theta",
+        "layer_types",
+        "rope_type",
+        "partial_rotary_factor",
+    )
     for stale in (*stale_keys, "transformers_version", "num_local_experts"):
         out.pop(stale, None)
     scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
@@ -368,6 +386,10 @@ def config_to_hf(
         out.update(hidden_act="silu")
     if model_type == "gpt_oss":
         out.update(**gpt_oss_config(config), intermediate_size=config.moe_intermediate_size)
+    if model_type == "qwen3_5_text":
+        # Both layouts: `rope_parameters` holds it, older releases read it at the top.
+        out.update(**qwen3_5_config(config), partial_rotary_factor=config.partial_rotary_factor)
+        out["rope_parameters"]["partial_rotary_factor"] = config.partial_rotary_factor
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
     elif model_type in GEMMA_TYPES:
@@ -377,7 +399,7 @@ def config_to_hf(
         del out["rope_theta"], out["rope_scaling"]
     elif model_type == "mistral":
         out.update(sliding_window=config.sliding_window)
-    elif model_type != "gpt_oss":
+    elif model_type not in ("gpt_oss", "qwen3_5_text"):
         sliding = config.sliding_window is not None
         out.update(
             use_sliding_window=sliding,
@@ -406,11 +428,14 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     gemma4 = model_type == "gemma4_text"
     gemma = model_type in GEMMA_TYPES or gemma4
     gpt_oss = model_type == "gpt_oss"
+    qwen3_5 = model_type == "qwen3_5_text"
     need: dict[str, Any] = {
         "attention_sinks": gpt_oss,
         "biased_experts": gpt_oss,
-        "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
-        "norm_offset": gemma and not gemma4,
+        "use_qk_norm": model_type
+        in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "qwen3_5_text"),
+        "norm_offset": (gemma and not gemma4) or qwen3_5,
+        "attention_output_gate": qwen3_5,
         "sandwich_norms": gemma,
         "scale_embeddings": gemma,
         "value_norm": gemma4,
@@ -429,6 +454,19 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
             decoder_sparse_step=1,
             mlp_only_layers=(),
         )
+    if not qwen3_5:
+        if any(config.linear_layers):
+            raise ValueError(
+                f"model_type {model_type!r} cannot express layer_types with 'linear_attention' "
+                "layers; only qwen3_5_text can."
+            )
+        if config.partial_rotary_factor != 1:
+            raise ValueError(
+                f"model_type {model_type!r} cannot express partial_rotary_factor="
+                f"{config.partial_rotary_factor!r}; only qwen3_5_text can."
+            )
+    else:
+        need.update(sliding_window=None, mlp_bias=False)
     if not gemma4:
         need.update(
             global_head_dim=None,
