@@ -73,7 +73,8 @@ _CORPUS = [
 # sliding (window 4) then a full layer with sinks, 4 biased experts, top 2, a clamp (1.5) that
 # binds, YaRN RoPE whose ramp falls inside the head (original context 64). Qwen3.5: Gated
 # DeltaNet layers around a gated full-attention one, twice as many value heads as key heads,
-# a 3-tap convolution, RoPE on half of each head.
+# a 3-tap convolution, RoPE on half of each head; Qwen3.5-MoE: a DeltaNet and a full layer,
+# each with 4 fused experts, top 2, and a gated shared expert.
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -175,6 +176,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
         linear_num_value_heads=4,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
     ),
+    "qwen3_5_moe_text": dict(
+        num_hidden_layers=2,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=3,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=24,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
     "gpt_oss": dict(
         head_dim=16,
         intermediate_size=32,
@@ -206,6 +222,7 @@ _CLASSES = {
     "gemma4_text_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 
 

@@ -67,12 +67,14 @@ HF_BASE = {
 }
 
 
-def test_every_qwen3_5_config_field_is_documented():
-    """docs/models.md's Qwen3.5 table names each field of `Qwen3_5TextConfig` (and the
-    `full_attention_interval` its constructor pops) with what the decoder does with it, so a
-    field transformers adds fails here until it is read or refused."""
+@pytest.mark.parametrize("config_class", ["Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"])
+def test_every_qwen3_5_config_field_is_documented(config_class):
+    """docs/models.md's Qwen3.5 tables name each field of `Qwen3_5TextConfig` and
+    `Qwen3_5MoeTextConfig` (and the `full_attention_interval` their constructors pop) with
+    what the decoder does with it, so a field transformers adds fails here until it is read
+    or refused."""
     popped = ("full_attention_interval",)
-    missing = undocumented_config_fields("Qwen3_5TextConfig", DOCS, "Qwen3.5", popped)
+    missing = undocumented_config_fields(config_class, DOCS, "Qwen3.5", popped)
     assert not missing, missing
 
 
@@ -100,6 +102,30 @@ def test_defaults_and_the_round_trip():
     with raises_naming("qwen3_5_text", "attention_output_gate"):
         config_to_hf(dataclasses.replace(ours, attention_output_gate=False),
                      model_type="qwen3_5_text")  # fmt: skip
+
+
+def test_moe_defaults_and_the_round_trip():
+    """Qwen3.5-MoE: every layer a mixture of experts (renormalised top k) with a shared
+    expert; `intermediate_size`, which transformers does not read, is the experts' width."""
+    hf = {k: x for k, x in HF_BASE.items() if k != "intermediate_size"}
+    config = config_from_hf({**hf, "model_type": "qwen3_5_moe_text"})
+    assert config.moe_layers == (True,) * 4 and config.norm_topk_prob
+    assert (config.num_experts, config.num_experts_per_tok) == (256, 8)
+    assert config.moe_intermediate_size == config.intermediate_size == 512
+    assert config.shared_expert_intermediate_size == 512
+    ours = DecoderConfig(**{**CONFIG, "intermediate_size": 16}, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                         shared_expert_intermediate_size=24)  # fmt: skip
+    written = json.loads(json.dumps(config_to_hf(ours, model_type="qwen3_5_moe_text")))
+    assert "intermediate_size" not in written and written["num_experts"] == 4
+    assert config_from_hf(written) == ours
+    with raises_naming("qwen3_5_text", "num_experts"):
+        config_to_hf(ours, model_type="qwen3_5_text")
+    with raises_naming("qwen3_5_moe_text", "norm_topk_prob"):
+        config_to_hf(dataclasses.replace(ours, norm_topk_prob=False),
+                     model_type="qwen3_5_moe_text")  # fmt: skip
+    with raises_naming("shared_expert_intermediate_size"):
+        DecoderConfig(**CONFIG, shared_expert_intermediate_size=8)
 
 
 @pytest.mark.parametrize(
@@ -343,3 +369,27 @@ def test_decoding_equals_the_forward_and_generate(checkpoint):
     rollout = sample(loaded.graphdef, loaded.params, rows, where, jax.random.key(0),
                      SamplingConfig(max_new_tokens=20, temperature=0.0))  # fmt: skip
     np.testing.assert_array_equal(np.asarray(rollout.tokens), generated)
+
+
+def test_moe_matches_transformers_and_transformers_reloads_our_save(tmp_path):
+    """Qwen3.5-MoE (a DeltaNet and a full layer, each with four experts, top 2, and a gated
+    shared expert): padded-batch logits within 1e-4, and our save loads in transformers with
+    equal weights and logits."""
+    torch, _ = hf_modules()
+    directory = write_tiny_checkpoint(tmp_path / "hf", "qwen3_5_moe_text", tokenizer=False)
+    reference = model_class("qwen3_5_moe_text").from_pretrained(directory).eval()
+    expected = hf_logits(reference, TOKENS, WHERE)
+    loaded = load_hf_checkpoint(directory)
+    assert loaded.config.moe_layers == (True, True)
+    assert loaded.config.shared_expert_intermediate_size == 24
+    model = nnx.merge(loaded.graphdef, loaded.params)
+    logits = np.asarray(nnx.jit(lambda m: m.unembed(m(TOKENS, where=WHERE)))(model))
+    error = np.abs(logits - expected)[WHERE].max()
+    assert error < 1e-4, error
+    assert np.abs(expected[WHERE]).max() > 1.0
+    ours = save_hf_checkpoint(tmp_path / "ours", loaded.graphdef, loaded.params,
+                              hf_config=loaded.hf_config)  # fmt: skip
+    again = model_class("qwen3_5_moe_text").from_pretrained(ours).eval()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    np.testing.assert_array_equal(hf_logits(again, TOKENS, WHERE)[WHERE], expected[WHERE])

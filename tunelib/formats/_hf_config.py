@@ -8,7 +8,12 @@ from typing import Any
 from tunelib.formats._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
 from tunelib.formats._hf_gemma4 import GEMMA4_DEFAULTS, gemma4_config, gemma4_fields
 from tunelib.formats._hf_gpt_oss import GPT_OSS_DEFAULTS, gpt_oss_config, gpt_oss_fields
-from tunelib.formats._hf_qwen3_5 import QWEN3_5_DEFAULTS, qwen3_5_config, qwen3_5_fields
+from tunelib.formats._hf_qwen3_5 import (
+    QWEN3_5_DEFAULTS,
+    QWEN3_5_MOE_DEFAULTS,
+    qwen3_5_config,
+    qwen3_5_fields,
+)
 from tunelib.models import DTYPE_NAMES, DecoderConfig
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
@@ -23,7 +28,9 @@ ARCHITECTURES: dict[str, str] = {
     "gemma4_text": "Gemma4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 # transformers' defaults (its config classes) for the fields a config.json may leave out; None
@@ -53,6 +60,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma4_text": GEMMA4_DEFAULTS,
     "gpt_oss": GPT_OSS_DEFAULTS,
     "qwen3_5_text": QWEN3_5_DEFAULTS,
+    "qwen3_5_moe_text": QWEN3_5_MOE_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -109,7 +117,8 @@ def config_from_hf(
     remat: bool = False,
 ) -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss, Qwen3.5 text).
+    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss, Qwen3.5 text and Qwen3.5-MoE
+    text).
 
     Reads the fields that the `transformers` model of the config's `model_type` reads, with
     `transformers`' defaults for the ones left out, so the decoder computes what that model
@@ -129,6 +138,7 @@ def config_from_hf(
     | `gemma4_text` | q/k/v/o with `attention_bias` | yes, and values | `layer_types` |
     | `gpt_oss` | q/k/v/o with `attention_bias` (default true) | no | `layer_types` |
     | `qwen3_5_text` | q/k/v/o with `attention_bias` | yes | no (Gated DeltaNet or full) |
+    | `qwen3_5_moe_text` | q/k/v/o with `attention_bias` | yes | no (Gated DeltaNet or full) |
 
     Gemma 4's fields (`global_head_dim` or `per_layer_config`, `attention_k_eq_v`,
     `num_kv_shared_layers`, `use_double_wide_mlp`, the per-layer inputs, `enable_moe_block`
@@ -142,7 +152,8 @@ def config_from_hf(
     Qwen3.5 text mixes Gated DeltaNet layers (`linear_conv_kernel_dim`,
     `linear_key_head_dim`, `linear_value_head_dim`, `linear_num_key_heads`,
     `linear_num_value_heads`) with gated full-attention layers of partial RoPE
-    (`partial_rotary_factor`); its table is in `docs/models.md`.
+    (`partial_rotary_factor`); Qwen3.5-MoE adds Qwen3-MoE's experts and a gated shared expert
+    (`shared_expert_intermediate_size`) in every layer; the tables are in `docs/models.md`.
 
     Qwen3-MoE's experts come from `num_experts` (or `num_local_experts`, the name
     `transformers` saves it under), `num_experts_per_tok`, `moe_intermediate_size`,
@@ -202,6 +213,12 @@ def config_from_hf(
             f"config.json: architectures is {architectures!r}; only the causal LM "
             f"[{ARCHITECTURES[model_type]!r}] is supported for model_type {model_type!r}."
         )
+    # Qwen3.5-MoE has no dense MLP: `transformers` does not read `intermediate_size` (its
+    # config has none), so it is the experts' width here.
+    if model_type == "qwen3_5_moe_text":
+        default = QWEN3_5_MOE_DEFAULTS["moe_intermediate_size"]
+        width = hf_config.get("moe_intermediate_size", default)
+        hf_config = {**hf_config, "intermediate_size": width}
     for name in _REQUIRED:
         if name not in hf_config:
             raise ValueError(f"config.json: the required field {name!r} is missing.")
@@ -238,8 +255,8 @@ def config_from_hf(
         family = gemma4_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
     elif model_type == "gpt_oss":
         family = gpt_oss_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
-    elif model_type == "qwen3_5_text":
-        family = qwen3_5_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
+    elif model_type in QWEN3_5_TYPES:
+        family = qwen3_5_fields(model_type, hf_config, get, lambda hf: _rope(hf, max_positions))
     else:
         theta, scaling = _rope(hf_config, max_positions)
         family = {
@@ -259,7 +276,7 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", "qwen3_5_text", *gemma):
+    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", *QWEN3_5_TYPES, *gemma):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
@@ -386,9 +403,12 @@ def config_to_hf(
         out.update(hidden_act="silu")
     if model_type == "gpt_oss":
         out.update(**gpt_oss_config(config), intermediate_size=config.moe_intermediate_size)
-    if model_type == "qwen3_5_text":
+    if model_type in QWEN3_5_TYPES:
         # Both layouts: `rope_parameters` holds it, older releases read it at the top.
-        out.update(**qwen3_5_config(config), partial_rotary_factor=config.partial_rotary_factor)
+        fields = qwen3_5_config(model_type, config)
+        out.update(**fields, partial_rotary_factor=config.partial_rotary_factor)
+        if model_type == "qwen3_5_moe_text":
+            del out["intermediate_size"]
         out["rope_parameters"]["partial_rotary_factor"] = config.partial_rotary_factor
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
@@ -399,7 +419,7 @@ def config_to_hf(
         del out["rope_theta"], out["rope_scaling"]
     elif model_type == "mistral":
         out.update(sliding_window=config.sliding_window)
-    elif model_type not in ("gpt_oss", "qwen3_5_text"):
+    elif model_type not in ("gpt_oss", *QWEN3_5_TYPES):
         sliding = config.sliding_window is not None
         out.update(
             use_sliding_window=sliding,
@@ -428,12 +448,13 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
     gemma4 = model_type == "gemma4_text"
     gemma = model_type in GEMMA_TYPES or gemma4
     gpt_oss = model_type == "gpt_oss"
-    qwen3_5 = model_type == "qwen3_5_text"
+    qwen3_5 = model_type in QWEN3_5_TYPES
+    qwen3_5_moe = model_type == "qwen3_5_moe_text"
     need: dict[str, Any] = {
         "attention_sinks": gpt_oss,
         "biased_experts": gpt_oss,
         "use_qk_norm": model_type
-        in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "qwen3_5_text"),
+        in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", *QWEN3_5_TYPES),
         "norm_offset": (gemma and not gemma4) or qwen3_5,
         "attention_output_gate": qwen3_5,
         "sandwich_norms": gemma,
@@ -446,8 +467,22 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
         need["hidden_act"] = "silu"
     elif not gemma4:
         need["hidden_act"] = "gelu_pytorch_tanh"
-    if model_type not in ("qwen3_moe", "gemma4_text", "gpt_oss"):
+    if model_type not in ("qwen3_moe", "gemma4_text", "gpt_oss", "qwen3_5_moe_text"):
         need["num_experts"] = 0
+    if not qwen3_5_moe:
+        need["shared_expert_intermediate_size"] = 0
+    else:
+        need.update(
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            intermediate_size=config.moe_intermediate_size,
+        )
+        if not config.num_experts:
+            raise ValueError(
+                "model_type 'qwen3_5_moe_text' cannot express num_experts=0 (it needs experts "
+                "in every layer); use qwen3_5_text."
+            )
     if gpt_oss:
         need.update(
             moe_intermediate_size=config.intermediate_size,
@@ -458,12 +493,12 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
         if any(config.linear_layers):
             raise ValueError(
                 f"model_type {model_type!r} cannot express layer_types with 'linear_attention' "
-                "layers; only qwen3_5_text can."
+                "layers; only qwen3_5_text and qwen3_5_moe_text can."
             )
         if config.partial_rotary_factor != 1:
             raise ValueError(
                 f"model_type {model_type!r} cannot express partial_rotary_factor="
-                f"{config.partial_rotary_factor!r}; only qwen3_5_text can."
+                f"{config.partial_rotary_factor!r}; only qwen3_5_text and qwen3_5_moe_text can."
             )
     else:
         need.update(sliding_window=None, mlp_bias=False)

@@ -1,4 +1,5 @@
-"""The `config.json` fields of Hugging Face's Qwen3.5 text model (`qwen3_5_text`)."""
+"""The `config.json` fields of Hugging Face's Qwen3.5 text models, dense (`qwen3_5_text`) and
+mixture-of-experts (`qwen3_5_moe_text`)."""
 
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,6 +17,22 @@ QWEN3_5_DEFAULTS: dict[str, Any] = {
     "layer_types": None,
     "full_attention_interval": 4,
 }
+# transformers' `Qwen3_5MoeTextConfig` defaults; it has no `intermediate_size` (every layer is
+# a mixture of experts), which is read as `moe_intermediate_size`.
+QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
+    **QWEN3_5_DEFAULTS,
+    "num_key_value_heads": 2,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 8,
+    "num_experts": 256,
+}
+MOE_FIELDS: tuple[str, ...] = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 LINEAR_FIELDS: tuple[str, ...] = (
     "linear_conv_kernel_dim",
     "linear_key_head_dim",
@@ -30,6 +47,7 @@ _LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 def qwen3_5_fields(
+    model_type: str,
     hf: Mapping[str, Any],
     get: Callable[[str], Any],
     rope: Callable[[Mapping[str, Any]], tuple[float, dict[str, Any] | None]],
@@ -41,7 +59,11 @@ def qwen3_5_fields(
     Layers are Gated DeltaNet (`"linear_attention"`) or gated full-attention layers
     (`layer_types`, by default three linear then one full, `full_attention_interval`); the
     full ones have QK-norm, an output gate and partial RoPE (`partial_rotary_factor`,
-    default 0.25, read from `rope_parameters`); every RMSNorm scales by $(1 + g)$."""
+    default 0.25, read from `rope_parameters`); every RMSNorm scales by $(1 + g)$. In
+    `qwen3_5_moe_text` every layer's MLP is a mixture of `num_experts` experts, top
+    `num_experts_per_tok` renormalised, beside a gated shared expert;
+    `output_router_logits` and `router_aux_loss_coef` only concern its training loss and
+    are not read."""
     layers = get("num_hidden_layers")
     types = get("layer_types")
     if types is None:
@@ -64,7 +86,12 @@ def qwen3_5_fields(
     rope_source[field] = params
     rope_source.pop("partial_rotary_factor", None)
     theta, scaling = rope(rope_source)
+    experts = {}
+    if model_type == "qwen3_5_moe_text":
+        experts = {name: get(name) for name in MOE_FIELDS}
+        experts["norm_topk_prob"] = True
     return {
+        **experts,
         "layer_types": tuple(types),
         "rope_theta": theta,
         "rope_scaling": scaling,
@@ -76,9 +103,13 @@ def qwen3_5_fields(
     }
 
 
-def qwen3_5_config(config: Any) -> dict[str, Any]:
+def qwen3_5_config(model_type: str, config: Any) -> dict[str, Any]:
     """The Qwen3.5 `config.json` fields of a `DecoderConfig` (beside the common ones)."""
+    experts = {}
+    if model_type == "qwen3_5_moe_text":
+        experts = {name: getattr(config, name) for name in MOE_FIELDS}
     return {
+        **experts,
         "layer_types": list(config.layer_types or ("full_attention",) * config.num_hidden_layers),
         "attention_bias": config.attention_bias,
         **{name: getattr(config, name) for name in LINEAR_FIELDS},

@@ -155,6 +155,9 @@ class DecoderConfig:
       swiglu_limit: $c$ of the clamped SwiGLU (gpt-oss: 7.0): the gate is clipped above at
         $c$, the up projection to $[-c, c]$, and the expert computes
         $(\mathrm{up} + 1) \cdot g\,\sigma(\alpha g)$; set exactly when `biased_experts`.
+      shared_expert_intermediate_size: Qwen3.5-MoE: 0 (none) or the width $F_s$ of a shared
+        SwiGLU expert beside the routed ones in every mixture-of-experts layer, its output
+        scaled by $\sigma(x w_{sg})$ (`shared_expert_gate`, `[H, 1]`) before it is added.
       attention_output_gate: ours (Qwen3.5): `q_proj` also gives, per head, a gate $g$ of
         the head's width, and the attention output is multiplied by $\sigma(g)$ before
         `o_proj` (Hugging Face's `q_proj` rows alternate per head: $D$ query rows, then
@@ -229,6 +232,7 @@ class DecoderConfig:
     biased_experts: bool = False
     swiglu_alpha: float | int | None = None
     swiglu_limit: float | int | None = None
+    shared_expert_intermediate_size: int = 0
     attention_output_gate: bool = False
     partial_rotary_factor: float | int = 1.0
     linear_conv_kernel_dim: int = 4
@@ -310,6 +314,17 @@ class DecoderConfig:
         self._check_gemma4()
         self._check_biased_experts()
         self._check_linear_attention()
+        self._check_shared_expert()
+
+    def _check_shared_expert(self) -> None:
+        width = self.shared_expert_intermediate_size
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be an int >= 0, got {width!r}.")
+        if width and (not self.num_experts or self.parallel_moe or self.biased_experts):
+            raise ValueError(
+                "shared_expert_intermediate_size needs num_experts > 0, parallel_moe=False and "
+                "biased_experts=False (Qwen3.5-MoE's experts)."
+            )
 
     def _check_linear_attention(self) -> None:
         for name in (
