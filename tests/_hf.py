@@ -395,6 +395,35 @@ def write_tiny_checkpoint(
     return directory
 
 
+def hf_greedy(model: Any, prompts: np.ndarray, where: np.ndarray, count: int) -> np.ndarray:
+    """`count` tokens `generate` decodes greedily after the left-padded `prompts` (`where`
+    True on real tokens), with stop tokens off."""
+    torch, _ = hf_modules()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=torch.tensor(np.where(where, prompts, 0)),
+            attention_mask=torch.tensor(where.astype(np.int64)),
+            max_new_tokens=count,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return generated[:, prompts.shape[1] :].numpy()
+
+
+def assert_reloads_equal(
+    family: str, saved: Path, reference: Any, tokens: np.ndarray, where: np.ndarray
+) -> None:
+    """transformers loads the checkpoint tunelib `saved` with `reference`'s weights, bit for
+    bit, and the same logits at the real tokens of `tokens` (`where`)."""
+    torch, _ = hf_modules()
+    again = model_class(family).from_pretrained(saved).eval()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    expected = hf_logits(reference, tokens, where)[where]
+    np.testing.assert_array_equal(hf_logits(again, tokens, where)[where], expected)
+
+
 def write_chat_jsonl(path: Path, num_records: int, *, seed: int = 0) -> Path:
     """`num_records` chat SFT records (`{"messages": [...]}`) of arithmetic, one per line."""
     rng = np.random.default_rng(seed)

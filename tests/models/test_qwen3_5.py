@@ -17,14 +17,18 @@ from flax import nnx
 
 from tests._helpers import raises_naming
 from tests._hf import (
+    assert_reloads_equal,
+    hf_greedy,
     hf_logits,
     hf_modules,
     model_class,
     undocumented_config_fields,
     write_tiny_checkpoint,
 )
+from tunelib import peft
 from tunelib.formats import config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from tunelib.models import (
+    PROJECTION_KERNELS,
     Decoder,
     DecoderConfig,
     causal_conv1d,
@@ -298,7 +302,6 @@ def test_matches_transformers_and_transformers_reloads_our_save(tmp_path, checkp
     """Padded-batch logits within 1e-4 with chunks of 4 (several per row) and of 64 (one),
     left padding invisible, and our save loads in transformers with equal weights and
     logits."""
-    torch, _ = hf_modules()
     directory, reference, expected = checkpoint
     loaded = load_hf_checkpoint(directory)
     assert loaded.config.linear_layers == (True, False, True)
@@ -321,10 +324,7 @@ def test_matches_transformers_and_transformers_reloads_our_save(tmp_path, checkp
 
     ours = save_hf_checkpoint(tmp_path / "ours", loaded.graphdef, loaded.params,
                               hf_config=loaded.hf_config)  # fmt: skip
-    again = model_class("qwen3_5_text").from_pretrained(ours).eval()
-    for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_array_equal(hf_logits(again, TOKENS, WHERE)[WHERE], expected[WHERE])
+    assert_reloads_equal("qwen3_5_text", ours, reference, TOKENS, WHERE)
 
 
 def test_decoding_equals_the_forward_and_generate(checkpoint):
@@ -332,7 +332,6 @@ def test_decoding_equals_the_forward_and_generate(checkpoint):
     convolution and recurrent states, the attention layer's keys and values) gives the
     hidden states of one forward pass; 20 greedy tokens from the sampler after left-padded
     prompts equal `generate`'s."""
-    torch, _ = hf_modules()
     directory, reference, _ = checkpoint
     loaded = load_hf_checkpoint(directory)
     model = nnx.merge(loaded.graphdef, loaded.params)
@@ -357,15 +356,7 @@ def test_decoding_equals_the_forward_and_generate(checkpoint):
     decoded, full = decoded_and_forward(model, rows, where)
     np.testing.assert_allclose(np.asarray(decoded)[where], np.asarray(full)[where], atol=5e-5)
 
-    reference.generation_config.eos_token_id = None
-    with torch.no_grad():
-        generated = reference.generate(
-            input_ids=torch.tensor(np.where(where, rows, 0)),
-            attention_mask=torch.tensor(where.astype(np.int64)),
-            max_new_tokens=20,
-            do_sample=False,
-            pad_token_id=0,
-        )[:, rows.shape[1] :].numpy()
+    generated = hf_greedy(reference, rows, where, 20)
     rollout = sample(loaded.graphdef, loaded.params, rows, where, jax.random.key(0),
                      SamplingConfig(max_new_tokens=20, temperature=0.0))  # fmt: skip
     np.testing.assert_array_equal(np.asarray(rollout.tokens), generated)
@@ -375,7 +366,6 @@ def test_moe_matches_transformers_and_transformers_reloads_our_save(tmp_path):
     """Qwen3.5-MoE (a DeltaNet and a full layer, each with four experts, top 2, and a gated
     shared expert): padded-batch logits within 1e-4, and our save loads in transformers with
     equal weights and logits."""
-    torch, _ = hf_modules()
     directory = write_tiny_checkpoint(tmp_path / "hf", "qwen3_5_moe_text", tokenizer=False)
     reference = model_class("qwen3_5_moe_text").from_pretrained(directory).eval()
     expected = hf_logits(reference, TOKENS, WHERE)
@@ -389,7 +379,34 @@ def test_moe_matches_transformers_and_transformers_reloads_our_save(tmp_path):
     assert np.abs(expected[WHERE]).max() > 1.0
     ours = save_hf_checkpoint(tmp_path / "ours", loaded.graphdef, loaded.params,
                               hf_config=loaded.hf_config)  # fmt: skip
-    again = model_class("qwen3_5_moe_text").from_pretrained(ours).eval()
-    for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_array_equal(hf_logits(again, TOKENS, WHERE)[WHERE], expected[WHERE])
+    assert_reloads_equal("qwen3_5_moe_text", ours, reference, TOKENS, WHERE)
+
+
+def test_lora_adapts_the_delta_net_projections():
+    """`PROJECTION_KERNELS` selects the Gated DeltaNet's five projections beside the
+    attention's and the MLP's (not its convolution, decays or norms), and the adapted forward
+    pass equals the merged weights'."""
+    model = Decoder(DecoderConfig(**CONFIG, linear_chunk_size=4), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    adapters = peft.init_lora(params, [peft.LoraRule(pattern=PROJECTION_KERNELS, rank=2)],
+                              key=jax.random.key(0))  # fmt: skip
+    adapted = set(adapters["layers"][0]["linear_attn"])
+    assert adapted == {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+    assert set(adapters["layers"][1]["self_attn"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    rng = np.random.default_rng(0)
+    adapters = jax.tree.map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape)), adapters)
+    tokens = jnp.asarray(TOKENS % 40)
+
+    @jax.jit
+    def both(params, adapters):
+        def forward(graphdef, params):
+            model = nnx.merge(graphdef, params)
+            return model.unembed(model(tokens, where=WHERE))
+
+        lora = peft.lora(forward)(graphdef, peft.apply_lora(params, adapters))
+        return lora, forward(graphdef, peft.merge_lora(params, adapters)), forward(graphdef, params)
+
+    lora, merged, base = both(params, adapters)
+    np.testing.assert_allclose(lora, merged, atol=1e-4)
+    assert np.abs(np.asarray(lora) - np.asarray(base)).max() > 1e-2

@@ -1,5 +1,5 @@
-"""The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss
-in Flax NNX."""
+"""The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss /
+Qwen3.5 in Flax NNX."""
 
 from typing import NamedTuple
 
@@ -163,7 +163,8 @@ class Decoder(nnx.Module):
             of a row, each a contiguous run of columns, and 0 on padding (a token of segment
             0 is padding whatever `where` says). A query attends only to keys of its own
             segment, so every packed sequence gives the hidden states it gives alone. None
-            means one sequence per row.
+            means one sequence per row. Refused for a model with Gated DeltaNet layers
+            (`config.linear_layers`), whose state would run across sequences.
           return_router_logits: also return the router logits of the $M$
             mixture-of-experts layers (`config.moe_layers`), for the auxiliary losses
             (`tunelib.losses.load_balancing_loss`, `tunelib.losses.router_z_loss`).

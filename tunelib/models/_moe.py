@@ -182,6 +182,7 @@ class MoE(nnx.Module):
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.num_experts, self.dtype = c.num_experts, c.compute_dtype
         self.implementation, self.act = implementation, c.hidden_act
+        self.shared_expert = self.shared_expert_gate = None  # Qwen3.5-MoE's, set below
         if c.biased_experts:
             self.router = Dense(h, c.num_experts, ("embed", "router"), c, use_bias=True, rngs=rngs)
             self.experts = ClampedExperts(c, implementation=implementation, rngs=rngs)
@@ -193,11 +194,10 @@ class MoE(nnx.Module):
             down_proj=ExpertDense(f, h, ("mlp", "embed"), c, rngs=rngs),
         )
         shared = c.shared_expert_intermediate_size
-        names = ("embed", "shared_gate")
-        self.shared_expert = MLP(c, width=shared, rngs=rngs) if shared else None
-        self.shared_expert_gate = (
-            Dense(h, 1, names, c, use_bias=False, rngs=rngs) if shared else None
-        )
+        if shared:
+            self.shared_expert = nnx.data(MLP(c, width=shared, rngs=rngs))
+            names = ("embed", "shared_gate")
+            self.shared_expert_gate = nnx.data(Dense(h, 1, names, c, use_bias=False, rngs=rngs))
 
     def __call__(
         self, x: jax.Array, routing: jax.Array | None = None, *, return_routing: bool = False
