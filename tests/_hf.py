@@ -75,6 +75,10 @@ _CORPUS = [
 # layers, the first dense, latent attention with a compressed query, biases and interleaved
 # YaRN RoPE whose `mscale_all_dim` scales the softmax; 8 routed experts in 4 groups (2 kept),
 # top 2, one shared expert, a routing bias (randomised) and a scaling factor of 2.5.
+# binds, YaRN RoPE whose ramp falls inside the head (original context 64). Qwen3.5: Gated
+# DeltaNet layers around a gated full-attention one, twice as many value heads as key heads,
+# a 3-tap convolution, RoPE on half of each head; Qwen3.5-MoE: a DeltaNet and a full layer,
+# each with 4 fused experts, top 2, and a gated shared expert.
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
@@ -165,6 +169,32 @@ FAMILIES: dict[str, dict[str, Any]] = {
         top_k_experts=2,
         moe_intermediate_size=32,
     ),
+    "qwen3_5_text": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_conv_kernel_dim=3,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
+    "qwen3_5_moe_text": dict(
+        num_hidden_layers=2,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=3,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=24,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
     "gpt_oss": dict(
         head_dim=16,
         intermediate_size=32,
@@ -225,6 +255,8 @@ _CLASSES = {
     "gemma4_text_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 
 
@@ -250,18 +282,19 @@ def hf_modules() -> tuple[Any, Any]:
     return torch, transformers
 
 
-def undocumented_config_fields(config_class: str, docs: Path, section: str) -> list[str]:
-    """The fields `transformers`' `config_class` declares itself (not its base class's) that
-    the `## {section}` section of the Markdown file `docs` does not name in backticks: the
-    check that fails when transformers adds a field until it is read or refused."""
+def undocumented_config_fields(
+    config_class: str, docs: Path, heading: str, popped: tuple[str, ...] = ()
+) -> list[str]:
+    """The fields `transformers`' `config_class` declares itself (not its base class's), and
+    the `popped` ones its constructor reads, that the `## heading` section of `docs` does not
+    name in backticks: a field transformers adds shows here until it is read or refused."""
     _, transformers = hf_modules()
-    cls = getattr(transformers, config_class)
-    fields = [f.name for f in dataclasses.fields(cls) if f.name in cls.__annotations__]
-    assert fields, config_class
+    config = getattr(transformers, config_class)
+    own = [f.name for f in dataclasses.fields(config) if f.name in config.__annotations__]
     text = docs.read_text()
-    body = text[text.index(f"\n## {section}\n") + 1 :]
-    body = body[: body.index("\n## ")]
-    return [f for f in fields if not re.search(rf"`{f}`", body)]
+    section = text[text.index(f"\n## {heading}\n") + 1 :]
+    section = section[: section.index("\n## ")]
+    return [f for f in (*own, *popped) if not re.search(rf"`{f}`", section)]
 
 
 def model_class(family: str) -> Any:
@@ -397,6 +430,35 @@ def write_tiny_checkpoint(
     if tokenizer:
         write_tokenizer(directory)
     return directory
+
+
+def hf_greedy(model: Any, prompts: np.ndarray, where: np.ndarray, count: int) -> np.ndarray:
+    """`count` tokens `generate` decodes greedily after the left-padded `prompts` (`where`
+    True on real tokens), with stop tokens off."""
+    torch, _ = hf_modules()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=torch.tensor(np.where(where, prompts, 0)),
+            attention_mask=torch.tensor(where.astype(np.int64)),
+            max_new_tokens=count,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return generated[:, prompts.shape[1] :].numpy()
+
+
+def assert_reloads_equal(
+    family: str, saved: Path, reference: Any, tokens: np.ndarray, where: np.ndarray
+) -> None:
+    """transformers loads the checkpoint tunelib `saved` with `reference`'s weights, bit for
+    bit, and the same logits at the real tokens of `tokens` (`where`)."""
+    torch, _ = hf_modules()
+    again = model_class(family).from_pretrained(saved).eval()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    expected = hf_logits(reference, tokens, where)[where]
+    np.testing.assert_array_equal(hf_logits(again, tokens, where)[where], expected)
 
 
 def write_chat_jsonl(path: Path, num_records: int, *, seed: int = 0) -> Path:

@@ -14,7 +14,15 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests._helpers import raises_naming
-from tests._hf import VOCAB_SIZE, hf_logits, hf_modules, model_class, write_tiny_checkpoint
+from tests._hf import (
+    VOCAB_SIZE,
+    assert_reloads_equal,
+    hf_greedy,
+    hf_logits,
+    hf_modules,
+    model_class,
+    write_tiny_checkpoint,
+)
 from tests.models.test_decoder import LLAMA3, build, make_config
 from tunelib.formats import _hf_checkpoint as hf_checkpoint
 from tunelib.formats import load_hf_checkpoint, save_hf_checkpoint
@@ -454,7 +462,6 @@ def hf():
 )
 def test_matches_transformers(tmp_path, hf, family):
     """Logits within 1e-4, 20 greedy tokens identical, and our save loads in transformers."""
-    torch, _ = hf
     directory = write_tiny_checkpoint(tmp_path / "hf", family, tokenizer=False)
     reference = model_class(family).from_pretrained(directory).eval()
     expected = hf_logits(reference, TOKENS, WHERE)
@@ -470,15 +477,7 @@ def test_matches_transformers(tmp_path, hf, family):
 
     # Greedy decoding of 20 tokens after left-padded prompts, stop tokens off on both sides.
     prompts, prompt_where = TOKENS[[0, 2]], WHERE[[0, 2]]
-    reference.generation_config.eos_token_id = None
-    with torch.no_grad():
-        generated = reference.generate(
-            input_ids=torch.tensor(np.where(prompt_where, prompts, 0)),
-            attention_mask=torch.tensor(prompt_where.astype(np.int64)),
-            max_new_tokens=20,
-            do_sample=False,
-            pad_token_id=0,
-        )[:, prompts.shape[1] :].numpy()
+    generated = hf_greedy(reference, prompts, prompt_where, 20)
     rollout = sample(loaded.graphdef, loaded.params, prompts, prompt_where, jax.random.key(0),
                      SamplingConfig(max_new_tokens=20, temperature=0.0))  # fmt: skip
     assert generated.shape == (2, 20)
@@ -487,10 +486,7 @@ def test_matches_transformers(tmp_path, hf, family):
     # Saved by tunelib (with the config it was loaded from), loaded by transformers.
     ours = save_hf_checkpoint(tmp_path / "ours", loaded.graphdef, loaded.params,
                               hf_config=loaded.hf_config)  # fmt: skip
-    again = model_class(family).from_pretrained(ours).eval()
-    for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_array_equal(hf_logits(again, TOKENS, WHERE)[WHERE], expected[WHERE])
+    assert_reloads_equal(family, ours, reference, TOKENS, WHERE)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])

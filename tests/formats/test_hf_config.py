@@ -218,6 +218,33 @@ EXPRESSIBLE = {
         topk_group=2,
         routed_scaling_factor=2.5,
     ),
+    "qwen3_5_text": dict(
+        use_qk_norm=True,
+        norm_offset=True,
+        attention_output_gate=True,
+        partial_rotary_factor=0.25,
+        layer_types=("linear_attention", "full_attention", "linear_attention"),
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+    "qwen3_5_moe_text": dict(
+        use_qk_norm=True,
+        norm_offset=True,
+        attention_output_gate=True,
+        partial_rotary_factor=0.5,
+        layer_types=("linear_attention", "linear_attention", "full_attention"),
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=32,
+    ),
 }
 
 

@@ -56,9 +56,10 @@ HF_BASE = {
 
 
 def test_every_gpt_oss_config_field_is_documented():
-    """docs/models.md's gpt-oss table names each field with what the decoder does with it,
-    so a field transformers adds fails here until it is read or refused."""
-    assert not undocumented_config_fields("GptOssConfig", DOCS, "gpt-oss")
+    """docs/models.md's gpt-oss table names each field of `GptOssConfig` with what the decoder
+    does with it, so a field transformers adds fails here until it is read or refused."""
+    missing = undocumented_config_fields("GptOssConfig", DOCS, "gpt-oss")
+    assert not missing, missing
 
 
 def test_defaults_and_the_round_trip():

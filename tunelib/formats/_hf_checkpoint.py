@@ -137,11 +137,11 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
     return out
 
 
-# Gemma 4's, gpt-oss's and DeepSeek-V3's parameters that are not a module's weight: Hugging
-# Face names them by their path.
+# Gemma 4's, gpt-oss's, DeepSeek-V3's and Qwen3.5's parameters that are not a module's
+# weight: Hugging Face names them by their path.
 _BARE = re.compile(
     r"layers/(\d+/)?(layer_scalar|router/scale|router/per_expert_scale|self_attn/sinks"
-    r"|mlp/gate/e_score_correction_bias)"
+    r"|mlp/gate/e_score_correction_bias|linear_attn/A_log|linear_attn/dt_bias)"
 )
 
 

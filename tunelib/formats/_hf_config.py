@@ -1,5 +1,5 @@
 """Reading and writing the `config.json` of a Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-Qwen3-MoE / Gemma 2, 3, 4 / gpt-oss / DeepSeek-V3."""
+Qwen3-MoE / Gemma 2, 3, 4 / gpt-oss / DeepSeek-V3 / Qwen3.5 text."""
 
 import math
 from collections.abc import Callable, Mapping
@@ -14,6 +14,12 @@ from tunelib.formats._hf_deepseek import (
 from tunelib.formats._hf_gemma import GEMMA_DEFAULTS, GEMMA_TYPES, gemma_config, gemma_fields
 from tunelib.formats._hf_gemma4 import GEMMA4_DEFAULTS, gemma4_config, gemma4_fields
 from tunelib.formats._hf_gpt_oss import GPT_OSS_DEFAULTS, gpt_oss_config, gpt_oss_fields
+from tunelib.formats._hf_qwen3_5 import (
+    QWEN3_5_DEFAULTS,
+    QWEN3_5_MOE_DEFAULTS,
+    qwen3_5_config,
+    qwen3_5_fields,
+)
 from tunelib.models import DTYPE_NAMES, DecoderConfig
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
@@ -28,7 +34,10 @@ ARCHITECTURES: dict[str, str] = {
     "gemma4_text": "Gemma4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 # transformers' defaults (its config classes) for the fields a config.json may leave out; None
@@ -58,6 +67,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma4_text": GEMMA4_DEFAULTS,
     "gpt_oss": GPT_OSS_DEFAULTS,
     "deepseek_v3": DEEPSEEK_DEFAULTS,
+    "qwen3_5_text": QWEN3_5_DEFAULTS,
+    "qwen3_5_moe_text": QWEN3_5_MOE_DEFAULTS,
 }
 _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -114,7 +125,8 @@ def config_from_hf(
     remat: bool = False,
 ) -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss, DeepSeek-V3).
+    Qwen3-MoE, Gemma 2, Gemma 3 text, Gemma 4 text, gpt-oss, DeepSeek-V3, Qwen3.5 text and
+    Qwen3.5-MoE text).
 
     Reads the fields that the `transformers` model of the config's `model_type` reads, with
     `transformers`' defaults for the ones left out, so the decoder computes what that model
@@ -134,6 +146,8 @@ def config_from_hf(
     | `gemma4_text` | q/k/v/o with `attention_bias` | yes, and values | `layer_types` |
     | `gpt_oss` | q/k/v/o with `attention_bias` (default true) | no | `layer_types` |
     | `deepseek_v3` | `q_a_proj`, `kv_a_proj_with_mqa`, o with `attention_bias` | no | no |
+    | `qwen3_5_text` | q/k/v/o with `attention_bias` | yes | no (Gated DeltaNet or full) |
+    | `qwen3_5_moe_text` | q/k/v/o with `attention_bias` | yes | no (Gated DeltaNet or full) |
 
     Gemma 4's fields (`global_head_dim` or `per_layer_config`, `attention_k_eq_v`,
     `num_kv_shared_layers`, `use_double_wide_mlp`, the per-layer inputs, `enable_moe_block`
@@ -148,6 +162,11 @@ def config_from_hf(
     `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`) and DeepSeekMoE
     (`n_routed_experts`, `n_shared_experts`, `n_group`, `topk_group`,
     `routed_scaling_factor`, `first_k_dense_replace`); its table is in `docs/models.md`.
+    Qwen3.5 text mixes Gated DeltaNet layers (`linear_conv_kernel_dim`,
+    `linear_key_head_dim`, `linear_value_head_dim`, `linear_num_key_heads`,
+    `linear_num_value_heads`) with gated full-attention layers of partial RoPE
+    (`partial_rotary_factor`); Qwen3.5-MoE adds Qwen3-MoE's experts and a gated shared expert
+    (`shared_expert_intermediate_size`) in every layer; the tables are in `docs/models.md`.
 
     Qwen3-MoE's experts come from `num_experts` (or `num_local_experts`, the name
     `transformers` saves it under), `num_experts_per_tok`, `moe_intermediate_size`,
@@ -207,6 +226,12 @@ def config_from_hf(
             f"config.json: architectures is {architectures!r}; only the causal LM "
             f"[{ARCHITECTURES[model_type]!r}] is supported for model_type {model_type!r}."
         )
+    # Qwen3.5-MoE has no dense MLP: `transformers` does not read `intermediate_size` (its
+    # config has none), so it is the experts' width here.
+    if model_type == "qwen3_5_moe_text":
+        default = QWEN3_5_MOE_DEFAULTS["moe_intermediate_size"]
+        width = hf_config.get("moe_intermediate_size", default)
+        hf_config = {**hf_config, "intermediate_size": width}
     for name in _REQUIRED:
         if name not in hf_config:
             raise ValueError(f"config.json: the required field {name!r} is missing.")
@@ -245,6 +270,8 @@ def config_from_hf(
         family = gpt_oss_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
     elif model_type == "deepseek_v3":
         family = deepseek_fields(hf_config, get, lambda hf: _rope(hf, max_positions))
+    elif model_type in QWEN3_5_TYPES:
+        family = qwen3_5_fields(model_type, hf_config, get, lambda hf: _rope(hf, max_positions))
     else:
         theta, scaling = _rope(hf_config, max_positions)
         family = {
@@ -264,7 +291,7 @@ def config_from_hf(
         }
     elif model_type == "qwen2":
         biases["attention_bias"] = True
-    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", *gemma):
+    elif model_type in ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", *QWEN3_5_TYPES, *gemma):
         bias = _bool(get("attention_bias"), "attention_bias")
         biases.update(attention_bias=bias, o_proj_bias=bias)
     experts = {}
@@ -350,7 +377,14 @@ def config_to_hf(
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}.")
     _check_expressible(config, model_type)
     out = dict(base or {})
-    stale_keys = ("rope_scaling", "rope_parameters", "rope_theta", "layer_types", "rope_type")
+    stale_keys = (
+        "rope_scaling",
+        "rope_parameters",
+        "rope_theta",
+        "layer_types",
+        "rope_type",
+        "partial_rotary_factor",
+    )
     for stale in (*stale_keys, "transformers_version", "num_local_experts"):
         out.pop(stale, None)
     scaling = None if config.rope_scaling is None else dict(config.rope_scaling)
@@ -385,6 +419,13 @@ def config_to_hf(
         out.update(**gpt_oss_config(config), intermediate_size=config.moe_intermediate_size)
     if model_type == "deepseek_v3":
         out.update(deepseek_config(config))
+    if model_type in QWEN3_5_TYPES:
+        # Both layouts: `rope_parameters` holds it, older releases read it at the top.
+        fields = qwen3_5_config(model_type, config)
+        out.update(**fields, partial_rotary_factor=config.partial_rotary_factor)
+        if model_type == "qwen3_5_moe_text":
+            del out["intermediate_size"]
+        out["rope_parameters"]["partial_rotary_factor"] = config.partial_rotary_factor
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
     elif model_type in GEMMA_TYPES:
@@ -394,7 +435,7 @@ def config_to_hf(
         del out["rope_theta"], out["rope_scaling"]
     elif model_type == "mistral":
         out.update(sliding_window=config.sliding_window)
-    elif model_type not in ("gpt_oss", "deepseek_v3"):
+    elif model_type not in ("gpt_oss", "deepseek_v3", *QWEN3_5_TYPES):
         sliding = config.sliding_window is not None
         out.update(
             use_sliding_window=sliding,
@@ -427,11 +468,15 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
         _check_needs(config, model_type, deepseek_expressible(config))
     else:
         _check_needs(config, model_type, {"kv_lora_rank": None, "scoring_func": "softmax"})
+    qwen3_5 = model_type in QWEN3_5_TYPES
+    qwen3_5_moe = model_type == "qwen3_5_moe_text"
     need: dict[str, Any] = {
         "attention_sinks": gpt_oss,
         "biased_experts": gpt_oss,
-        "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
-        "norm_offset": gemma and not gemma4,
+        "use_qk_norm": model_type
+        in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", *QWEN3_5_TYPES),
+        "norm_offset": (gemma and not gemma4) or qwen3_5,
+        "attention_output_gate": qwen3_5,
         "sandwich_norms": gemma,
         "scale_embeddings": gemma,
         "value_norm": gemma4,
@@ -442,14 +487,41 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
         need["hidden_act"] = "silu"
     elif not gemma4:
         need["hidden_act"] = "gelu_pytorch_tanh"
-    if model_type not in ("qwen3_moe", "gemma4_text", "gpt_oss", "deepseek_v3"):
+    if model_type not in ("qwen3_moe", "gemma4_text", "gpt_oss", "deepseek_v3", "qwen3_5_moe_text"):
         need["num_experts"] = 0
+    if not qwen3_5_moe:
+        need["shared_expert_intermediate_size"] = 0
+    else:
+        need.update(
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            intermediate_size=config.moe_intermediate_size,
+        )
+        if not config.num_experts:
+            raise ValueError(
+                "model_type 'qwen3_5_moe_text' cannot express num_experts=0 (it needs experts "
+                "in every layer); use qwen3_5_text."
+            )
     if gpt_oss:
         need.update(
             moe_intermediate_size=config.intermediate_size,
             decoder_sparse_step=1,
             mlp_only_layers=(),
         )
+    if not qwen3_5:
+        if any(config.linear_layers):
+            raise ValueError(
+                f"model_type {model_type!r} cannot express layer_types with 'linear_attention' "
+                "layers; only qwen3_5_text and qwen3_5_moe_text can."
+            )
+        if config.partial_rotary_factor != 1:
+            raise ValueError(
+                f"model_type {model_type!r} cannot express partial_rotary_factor="
+                f"{config.partial_rotary_factor!r}; only qwen3_5_text and qwen3_5_moe_text can."
+            )
+    else:
+        need.update(sliding_window=None, mlp_bias=False)
     if not gemma4:
         need.update(
             global_head_dim=None,

@@ -1,13 +1,15 @@
 """The reference decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss /
-DeepSeek-V3) in Flax NNX.
+DeepSeek-V3 / Qwen3.5) in Flax NNX.
 
 `Decoder(config, rngs=...)` maps token ids to final-norm hidden states; `unembed` and
 `unembedding` turn them into logits separately, so that log-probs can be computed in chunks
 without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Face
 `config.json` (`tunelib.formats` reads and writes Hugging Face checkpoints and GGUF files);
 `MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer, `route_grouped` and
-`expert_bias_update` DeepSeek-V3's routing and its balancing rule; `VisionLanguageModel`
-puts Gemma 4's vision encoder (`VisionEncoder`, `VisionConfig`) and multimodal embedder
+`expert_bias_update` DeepSeek-V3's routing and its balancing rule; `GatedDeltaNet` is
+Qwen3.5's linear-attention layer, `chunked_gated_delta_rule`, `recurrent_gated_delta_rule`,
+`causal_conv1d` and `gated_rms_norm` its pure functions; `VisionLanguageModel` puts Gemma 4's
+vision encoder (`VisionEncoder`, `VisionConfig`) and multimodal embedder
 (`MultimodalEmbedder`) in front of it, the images' soft tokens at the image tokens;
 `param_shardings` and the rules place its parameters on a mesh.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
@@ -18,6 +20,13 @@ from tunelib._deprecation import moved_names
 from tunelib.models._config import DTYPE_NAMES, DecoderConfig
 from tunelib.models._decoder import Decoder, KVCache
 from tunelib.models._deepseek_moe import expert_bias_update, route_grouped
+from tunelib.models._delta_net import (
+    causal_conv1d,
+    chunked_gated_delta_rule,
+    gated_rms_norm,
+    recurrent_gated_delta_rule,
+)
+from tunelib.models._gated_delta_net import GatedDeltaNet
 from tunelib.models._grouped_matmul import (
     GROUPED_IMPLEMENTATIONS,
     grouped_matmul,
@@ -43,17 +52,22 @@ __all__ = [
     "TENSOR_PARALLEL_RULES",
     "Decoder",
     "DecoderConfig",
+    "GatedDeltaNet",
     "KVCache",
     "MoE",
     "MultimodalEmbedder",
     "VisionConfig",
     "VisionEncoder",
     "VisionLanguageModel",
+    "causal_conv1d",
+    "chunked_gated_delta_rule",
     "expert_bias_update",
+    "gated_rms_norm",
     "grouped_matmul",
     "grouped_matmul_p",
     "hf_module_name",
     "param_shardings",
+    "recurrent_gated_delta_rule",
     "rope_frequencies",
     "route",
     "route_grouped",

@@ -1,11 +1,13 @@
 """One decoder layer: attention and an MLP (dense, a mixture of experts, or both), pre-norm."""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tunelib import _validation as v
 from tunelib.models._config import DecoderConfig
 from tunelib.models._deepseek_moe import DeepSeekMoE
+from tunelib.models._gated_delta_net import DeltaNetState, GatedDeltaNet
 from tunelib.models._layers import MLP, Attention, Dense, RMSNorm, activation, param
 from tunelib.models._mla import LatentAttention
 from tunelib.models._moe import FusedExperts, MoE, Router
@@ -30,14 +32,21 @@ class DecoderLayer(nnx.Module):
     $m = N_1(\mathrm{MLP}(N_{pre}(u))) + N_2(\mathrm{MoE}(N_{pre,2}(u)))$, routed on $u$
     itself, and $u + N_{post}(m)$; the per-layer input (`config.hidden_size_per_layer_input`)
     added at the end; and the output multiplied by `layer_scalar`.
+
+    A `"linear_attention"` layer (Qwen3.5, `config.linear_layers`) has a Gated DeltaNet
+    (`linear_attn`, `tunelib.models.GatedDeltaNet`) where the others have attention.
     """
 
     def __init__(self, config: DecoderConfig, index: int = 0, *, rngs: nnx.Rngs):
         c = config
         h = c.hidden_size
         self.input_layernorm = RMSNorm(h, "embed", c, rngs=rngs)
-        attention = Attention if c.kv_lora_rank is None else LatentAttention
-        self.self_attn = attention(c, index, rngs=rngs)
+        self.linear = c.linear_layers[index]
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(c, rngs=rngs)
+        else:
+            attention = Attention if c.kv_lora_rank is None else LatentAttention
+            self.self_attn = attention(c, index, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, "embed", c, rngs=rngs)
         self.sandwich = c.sandwich_norms
         if self.sandwich:
@@ -77,24 +86,33 @@ class DecoderLayer(nnx.Module):
         sin: jax.Array,
         allowed: jax.Array | tuple[jax.Array, jax.Array],
         fill: jax.Array | tuple[jax.Array, jax.Array],
-        cache: LayerCache | KindCaches | None = None,
+        cache: LayerCache | KindCaches | DeltaNetState | None = None,
         shared: tuple[jax.Array, jax.Array] | None = None,
         per_layer_input: jax.Array | None = None,
         routing: jax.Array | None = None,
     ) -> tuple[
         jax.Array,
-        LayerCache | KindCaches | None,
+        LayerCache | KindCaches | DeltaNetState | None,
         tuple[jax.Array, jax.Array] | None,
-        tuple[jax.Array, jax.Array],
+        tuple[jax.Array, jax.Array] | None,
     ]:
         """The layer's output, its updated cache, (for a mixture of experts) its router logits
         `[B, T, E]` and the `[B, T, k]` experts each token went to, else None, and the keys
         and values it attended over (see `Attention`). `routing` `[B, T, k]` replays recorded
         experts in a mixture-of-experts layer (`tunelib.models.route`'s `experts`); a dense
-        layer ignores it."""
-        attended, cache, kv = self.self_attn(
-            self.input_layernorm(x), cos, sin, allowed, fill, cache, shared
-        )
+        layer ignores it. A Gated DeltaNet layer attends over no keys and values: None."""
+        if self.linear:
+            if cache is None:
+                # A token is real where it sees itself: the diagonal of the uncached mask.
+                where = jnp.diagonal(allowed[:, 0, 0], axis1=-2, axis2=-1)
+            else:
+                where = cache.where
+            attended, cache = self.linear_attn(self.input_layernorm(x), where, cache)
+            kv = None
+        else:
+            attended, cache, kv = self.self_attn(
+                self.input_layernorm(x), cos, sin, allowed, fill, cache, shared
+            )
         routed_to = None
         mlp = (lambda h: self.mlp(h, routing, return_routing=True)) if self.moe else self.mlp
         if self.sandwich:

@@ -15,7 +15,7 @@ from tunelib.models._deepseek_config import (
 
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
-LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention", "linear_attention")
 ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "proportional", "yarn")
 _ROPE_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
@@ -59,7 +59,7 @@ class Dtypes:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig(Dtypes):
     r"""Hyperparameters of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 /
-    gpt-oss / DeepSeek-V3 decoder.
+    gpt-oss / DeepSeek-V3 / Qwen3.5 decoder.
 
     Fields named as in a Hugging Face `config.json` mean what they mean there, so a config can
     be built with `DecoderConfig(**{k: hf[k] for k in names})`. Every field is checked on
@@ -103,9 +103,11 @@ class DecoderConfig(Dtypes):
         slots $s$ with $t - W < s \le t$, itself and the $W - 1$ slots before it (Mistral;
         Qwen2 and Qwen3 when every layer slides). Slots are columns of the input (or of the
         KV cache), padding included, as in Hugging Face.
-      layer_types: None, or for each layer "full_attention" or "sliding_attention" (Gemma 3
-        interleaves five sliding layers with one full one); `sliding_window` is the window
-        of the sliding ones. None means every layer slides when `sliding_window` is set.
+      layer_types: None, or for each layer "full_attention", "sliding_attention" (Gemma 3
+        interleaves five sliding layers with one full one) or "linear_attention" (a Gated
+        DeltaNet layer, Qwen3.5: `tunelib.models.GatedDeltaNet`); `sliding_window` is the
+        window of the sliding ones. None means every layer slides when `sliding_window` is
+        set.
       rope_local_base_freq: $\theta$ of the sliding layers' RoPE (unscaled), Gemma 3's local
         base frequency; None means they rotate as the full layers do (`rope_theta`,
         `rope_scaling`).
@@ -207,6 +209,27 @@ class DecoderConfig(Dtypes):
         of highest score (each group's score is the sum of its two best).
       routed_scaling_factor: DeepSeek-V3: the routed experts' weights are multiplied by it
         (1 for the other families).
+      shared_expert_intermediate_size: Qwen3.5-MoE: 0 (none) or the width $F_s$ of a shared
+        SwiGLU expert beside the routed ones in every mixture-of-experts layer, its output
+        scaled by $\sigma(x w_{sg})$ (`shared_expert_gate`, `[H, 1]`) before it is added.
+      attention_output_gate: ours (Qwen3.5): `q_proj` also gives, per head, a gate $g$ of
+        the head's width, and the attention output is multiplied by $\sigma(g)$ before
+        `o_proj` (Hugging Face's `q_proj` rows alternate per head: $D$ query rows, then
+        $D$ gate rows).
+      partial_rotary_factor: $p$, the fraction of each head's channels that RoPE rotates
+        (Qwen3.5: 0.25): the first $r = \lfloor p D \rfloor$ channels, in pairs
+        $(i, i + r/2)$, with the frequencies of a head of width $r$; the others pass. 1.0
+        (the default) rotates every channel.
+      linear_conv_kernel_dim: $K_c$, the taps of the Gated DeltaNet layers' causal
+        depthwise convolution (Qwen3.5: 4).
+      linear_key_head_dim: $d_k$, the width of a Gated DeltaNet query/key head.
+      linear_value_head_dim: $d_v$, the width of a Gated DeltaNet value head.
+      linear_num_key_heads: $h_k$, the Gated DeltaNet query/key heads.
+      linear_num_value_heads: $h_v$, the Gated DeltaNet value heads (a multiple of $h_k$;
+        value head $j$ reads query/key head $\lfloor j h_k / h_v \rfloor$).
+      linear_chunk_size: ours: the chunk length $C$ of the Gated DeltaNet's chunked
+        parallel form (`tunelib.models.chunked_gated_delta_rule`); it changes the order of
+        float32 sums, not the result (Hugging Face: 64).
       scan_layers: ours: store the layers stacked on a leading "layers" axis and run them
         with `nnx.scan` (one compiled layer instead of $L$).
       remat: ours: recompute each layer's activations in the backward pass (`nnx.remat`).
@@ -273,6 +296,15 @@ class DecoderConfig(Dtypes):
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float | int = 1.0
+    shared_expert_intermediate_size: int = 0
+    attention_output_gate: bool = False
+    partial_rotary_factor: float | int = 1.0
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_chunk_size: int = 64
     scan_layers: bool = False
     remat: bool = False
     dtype: str = "float32"
@@ -328,6 +360,7 @@ class DecoderConfig(Dtypes):
             "attention_sinks",
             "biased_experts",
             "rope_interleave",
+            "attention_output_gate",
             "scan_layers",
             "remat",
         ):
@@ -347,6 +380,70 @@ class DecoderConfig(Dtypes):
         self._check_biased_experts()
         check_mla(self)
         check_sigmoid_routing(self)
+        self._check_linear_attention()
+        self._check_shared_expert()
+
+    def _check_shared_expert(self) -> None:
+        width = self.shared_expert_intermediate_size
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be an int >= 0, got {width!r}.")
+        if width and (not self.num_experts or self.parallel_moe or self.biased_experts):
+            raise ValueError(
+                "shared_expert_intermediate_size needs num_experts > 0, parallel_moe=False and "
+                "biased_experts=False (Qwen3.5-MoE's experts)."
+            )
+
+    def _check_linear_attention(self) -> None:
+        for name in (
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_chunk_size",
+        ):
+            check_positive_int(getattr(self, name), name)
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})."
+            )
+        if any(self.linear_layers) and self.num_kv_shared_layers:
+            raise ValueError(
+                "num_kv_shared_layers must be 0 when layer_types has 'linear_attention' layers."
+            )
+        if any(self.linear_layers) and self.scan_layers:
+            raise ValueError(
+                "scan_layers does not support layer_types with 'linear_attention' layers; use "
+                "scan_layers=False."
+            )
+        partial = self.partial_rotary_factor
+        check_positive_float(partial, "partial_rotary_factor")
+        if partial > 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor ({partial}) must be in (0, 1] and rotate an even number "
+                f"of channels of head_dim {self.head_dim}, got {self.rotary_dim}."
+            )
+        if partial != 1 and self.rope_scaling and self.rope_scaling["rope_type"] == "proportional":
+            raise ValueError(
+                "partial_rotary_factor must be 1 with the proportional RoPE of rope_scaling, "
+                "which has its own partial_rotary_factor."
+            )
+        if partial != 1 and self.global_head_dim is not None:
+            raise ValueError("partial_rotary_factor must be 1 when global_head_dim is set.")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head that RoPE rotates: `partial_rotary_factor` of
+        `head_dim`, rounded down."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_layers(self) -> tuple[bool, ...]:
+        """For each layer, whether it is a Gated DeltaNet (`"linear_attention"`) layer."""
+        if self.layer_types is None:
+            return (False,) * self.num_hidden_layers
+        return tuple(t == "linear_attention" for t in self.layer_types)
 
     @property
     def layer_cache_widths(self) -> tuple[tuple[int, int, int], ...]:
@@ -497,17 +594,19 @@ class DecoderConfig(Dtypes):
     @property
     def layer_shapes(self) -> tuple[tuple, ...]:
         """For each layer, what sets its weights' shapes: head width, key/value heads, whether
-        it computes keys, values and its MLP width and kind."""
+        it computes keys, values, its MLP width and kind, and whether it is a Gated DeltaNet
+        layer."""
         sources = self.kv_sources
         wide = self.use_double_wide_mlp
         return tuple(
-            (d, k, self.attention_k_eq_v and not s, sources[i] == i, wide and sources[i] != i, m)
-            for i, (d, k, s, m) in enumerate(
+            (d, k, self.attention_k_eq_v and not s, sources[i] == i, wide and sources[i] != i, m, n)
+            for i, (d, k, s, m, n) in enumerate(
                 zip(
                     self.layer_head_dims,
                     self.layer_kv_heads,
                     self.sliding_layers,
                     self.moe_layers,
+                    self.linear_layers,
                     strict=True,
                 )
             )

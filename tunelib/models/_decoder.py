@@ -1,5 +1,5 @@
 """The reference decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral / Gemma 2, 3, 4 / gpt-oss
-/ DeepSeek-V3 in Flax NNX."""
+/ DeepSeek-V3 / Qwen3.5 in Flax NNX."""
 
 from typing import NamedTuple
 
@@ -16,6 +16,7 @@ from tunelib._products import products_must_be_plain
 from tunelib._typing import Mask
 from tunelib.models._block import DecoderLayer
 from tunelib.models._config import DecoderConfig
+from tunelib.models._gated_delta_net import DeltaNetState
 from tunelib.models._layers import Dense, Embedding, RMSNorm
 from tunelib.models._per_layer import PerLayer, is_per_layer, layer_at
 from tunelib.models._rope import rope_angles, rope_attention_factor, rope_frequencies
@@ -166,7 +167,8 @@ class Decoder(nnx.Module):
             of a row, each a contiguous run of columns, and 0 on padding (a token of segment
             0 is padding whatever `where` says). A query attends only to keys of its own
             segment, so every packed sequence gives the hidden states it gives alone. None
-            means one sequence per row.
+            means one sequence per row. Refused for a model with Gated DeltaNet layers
+            (`config.linear_layers`), whose state would run across sequences.
           return_router_logits: also return the router logits of the $M$
             mixture-of-experts layers (`config.moe_layers`), for the auxiliary losses
             (`tunelib.losses.load_balancing_loss`, `tunelib.losses.router_z_loss`).
@@ -207,6 +209,11 @@ class Decoder(nnx.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}.")
         where = v.mask_array(where, tokens.shape, "where")
+        if segment_ids is not None and any(c.linear_layers):
+            raise ValueError(
+                "segment_ids (packed sequences) are not supported with 'linear_attention' "
+                "layers: their recurrent state would run from one sequence into the next."
+            )
         if segment_ids is not None:
             segment_ids = v.int_array(segment_ids, "segment_ids")
             v.check_shape(segment_ids, "segment_ids", tokens.shape, f"tokens {tokens.shape}")
@@ -257,6 +264,14 @@ class Decoder(nnx.Module):
         if not isinstance(windowed, bool):
             raise TypeError(f"windowed must be a bool, got {windowed!r}.")
         c = self.config
+        conv = recurrent = None
+        if any(c.linear_layers):  # the Gated DeltaNet layers' states
+            count, k_c = sum(c.linear_layers), c.linear_conv_kernel_dim
+            keys, values = c.linear_num_key_heads, c.linear_num_value_heads
+            channels = 2 * keys * c.linear_key_head_dim + values * c.linear_value_head_dim
+            conv = jnp.zeros((count, batch_size, k_c - 1, channels), c.compute_dtype)
+            state = (count, batch_size, values, c.linear_key_head_dim, c.linear_value_head_dim)
+            recurrent = jnp.zeros(state, v.compute_dtype(c.compute_dtype))
         groups = cache_groups(c, length, windowed)
         shapes = [(len(g.members), batch_size, g.kv_heads, g.slots) for g in groups]
         return KVCache(
@@ -271,6 +286,8 @@ class Decoder(nnx.Module):
             where=jnp.zeros((batch_size, length), jnp.bool_),
             lengths=jnp.zeros((batch_size,), jnp.int32),
             index=jnp.zeros((), jnp.int32),
+            conv=conv,
+            recurrent=recurrent,
         )
 
     @renamed_arguments(attention_where="where")
@@ -351,16 +368,18 @@ class Decoder(nnx.Module):
                 key_slots = ring_key_slots(cache.index, t, group.slots)
         if blocks is not None:
             masks = self._with_blocks(masks, blocks, where, query_slots, cache.index, key_slots)
-        x, (keys, values), routed = self._run_layers(
+        linear = None if cache.conv is None else (cache.conv, cache.recurrent, where)
+        x, (keys, values, *states), routed = self._run_layers(
             tokens,
             where,
             positions,
             masks,
-            (cache.keys, cache.values, cache.index, groups),
+            (cache.keys, cache.values, cache.index, groups, linear),
             routing,
             soft,
         )
-        cache = KVCache(keys, values, key_where, cache.lengths + counts[:, -1], cache.index + t)
+        lengths = cache.lengths + counts[:, -1]
+        cache = KVCache(keys, values, key_where, lengths, cache.index + t, *states)
         if not return_routing:
             return self.norm(x), cache
         if routed is None:
@@ -470,6 +489,8 @@ class Decoder(nnx.Module):
                 (c.rope_local_base_freq, None) if local else (c.rope_theta, c.rope_scaling)
             )
             head_dim = c.head_dim if sliding else (c.global_head_dim or c.head_dim)
+            if c.partial_rotary_factor != 1:
+                head_dim = c.rotary_dim
             frequencies = rope_frequencies(head_dim, theta=theta, scaling=scaling)
             scale = rope_attention_factor(scaling)
             inputs[sliding] = (*rope_angles(positions, frequencies, high, scale), *mask)
@@ -483,7 +504,7 @@ class Decoder(nnx.Module):
             values, taken = soft
             x = jnp.where(taken[..., None], values.astype(c.compute_dtype), x)
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
-        keys, values, index, groups = (None,) * 4 if cache is None else cache
+        keys, values, index, groups, linear = (None,) * 5 if cache is None else cache
 
         def run(layer, x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input, routing):
             return layer(x, cos, sin, allowed, fill, layer_cache, shared, per_layer_input, routing)
@@ -491,7 +512,9 @@ class Decoder(nnx.Module):
         if c.remat:
             run = nnx.remat(run)
         if not c.scan_layers:
-            return self._loop(run, x, inputs, per_layer, keys, values, index, groups, routing)
+            return self._loop(
+                run, x, inputs, per_layer, keys, values, index, groups, routing, linear
+            )
 
         # Stacked layers (one shape) of both kinds pick their inputs by a per-layer index into
         # a stack; with one kind every layer takes the same inputs. A windowed cache of both
@@ -573,10 +596,15 @@ class Decoder(nnx.Module):
         new = None if arrays is None else tuple(map(tuple, zip(*arrays, strict=True)))
         return x, new, routed
 
-    def _loop(self, run, x, inputs, per_layer, keys, values, index, groups, routing):
+    def _loop(self, run, x, inputs, per_layer, keys, values, index, groups, routing, linear):
         """The layers one after another, each reading and writing its cache group's slot and
-        handing its keys and values to the layers that share them."""
+        handing its keys and values to the layers that share them; a Gated DeltaNet layer
+        reads and writes its state in `linear` (`(conv, recurrent, where)`, the states of
+        every such layer stacked, or None)."""
         c = self.config
+        conv, recurrent, new_where = (None,) * 3 if linear is None else linear
+        order = {i: n for n, i in enumerate(i for i, is_linear in enumerate(c.linear_layers)
+                                            if is_linear)}  # fmt: skip
         keys, values = (None, None) if keys is None else (list(keys), list(values))
         slots = {
             layer: (g, j)
@@ -588,7 +616,10 @@ class Decoder(nnx.Module):
         for i, (layer, sliding) in enumerate(zip(self.layers, c.sliding_layers, strict=True)):
             source = c.kv_sources[i]
             layer_cache = None
-            if source == i and keys is not None:
+            if c.linear_layers[i] and conv is not None:
+                n = order[i]
+                layer_cache = DeltaNetState(conv[n], recurrent[n], new_where)
+            elif source == i and keys is not None:
                 g, j = slots[i]
                 ring = groups[g].window is not None
                 layer_cache = LayerCache(keys[g], values[g], j, index, ring=ring)
@@ -598,13 +629,18 @@ class Decoder(nnx.Module):
             x, layer_cache, layer_routed, kv = run(
                 layer, x, *inputs[sliding], layer_cache, shared, per_layer_input, replayed
             )
-            if layer_cache is not None:
+            if isinstance(layer_cache, DeltaNetState):
+                conv = conv.at[n].set(layer_cache.conv)
+                recurrent = recurrent.at[n].set(layer_cache.recurrent)
+            elif layer_cache is not None:
                 keys[g], values[g] = layer_cache.keys, layer_cache.values
             if i in consumers:
                 attended[i] = kv
             routed += [] if layer_routed is None else [layer_routed]
         stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *routed) if routed else None
         new = None if keys is None else (tuple(keys), tuple(values))
+        if new is not None and linear is not None:
+            new = (*new, conv, recurrent)
         return x, new, stacked
 
     def _per_layer_inputs(self, ids: jax.Array, x: jax.Array) -> jax.Array:
@@ -683,6 +719,11 @@ class KVCache(NamedTuple):
       where: `[B, S]` True where a slot holds a real token.
       lengths: `[B]` real tokens per row so far: the RoPE position of the next real token.
       index: the next slot to write, a scalar shared by every row.
+      conv: for a model with Gated DeltaNet layers (`DecoderConfig.linear_layers`), the
+        last `K_c - 1` inputs of each one's convolution, `[L_n, B, K_c - 1, C]` in the
+        compute dtype, its layers in order; else None.
+      recurrent: their delta-rule states `[L_n, B, h_v, d_k, d_v]`, float32 at least; else
+        None. These layers keep no keys or values.
     """
 
     keys: tuple[Float[Array, "_ B _ S _"], ...]
@@ -690,6 +731,8 @@ class KVCache(NamedTuple):
     where: Bool[Array, "B S"]
     lengths: Int[Array, " B"]
     index: Int[Array, ""]
+    conv: Float[Array, "_ B _ _"] | None = None
+    recurrent: Float[Array, "_ B _ _ _"] | None = None
 
     def repeat_rows(self, count: int) -> "KVCache":
         """The cache with each row repeated `count` times: row `b * count + g` continues row
@@ -704,6 +747,8 @@ class KVCache(NamedTuple):
             repeat(self.where, 0),
             repeat(self.lengths, 0),
             self.index,
+            None if self.conv is None else repeat(self.conv, 1),
+            None if self.recurrent is None else repeat(self.recurrent, 1),
         )
 
 

@@ -229,7 +229,7 @@ _blocked_matmul.defjvp(_blocked_matmul_jvp, symbolic_zeros=True)
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, optional biases, QK-norm, value norm and
+    r"""Grouped-query self-attention with RoPE, optional biases, QK-norm, value norm and
     attention sinks.
 
     Layer `index` of `config` takes its head width and key/value heads from
@@ -237,7 +237,11 @@ class Attention(nnx.Module):
     entry is another layer has no key or value projections: it is given that layer's keys
     and values. With `config.attention_k_eq_v`, a full-attention layer's values are its key
     projection (no `v_proj`). With `config.attention_sinks` each query head has a learned
-    logit `sinks[n]` in its softmax's denominator (gpt-oss).
+    logit `sinks[n]` in its softmax's denominator (gpt-oss). With
+    `config.attention_output_gate` (Qwen3.5) `q_proj` gives each head its queries and a gate
+    $g$, and the heads' outputs are multiplied by $\sigma(g)$ before `o_proj`; with
+    `config.partial_rotary_factor` below 1 only the first `config.rotary_dim` channels of each
+    query and key head are rotated.
     """
 
     def __init__(self, config: DecoderConfig, index: int = 0, *, rngs: nnx.Rngs):
@@ -247,9 +251,12 @@ class Attention(nnx.Module):
         self.dtype = c.compute_dtype
         q_width, kv_width = c.num_attention_heads * d, kv_heads * d
         bias = c.attention_bias
+        self.output_gate = c.attention_output_gate
+        self.rotary_dim = d if c.partial_rotary_factor == 1 else c.rotary_dim
         # Created in this order so that a seed draws the same weights as it always has.
+        gated_width = q_width * (2 if self.output_gate else 1)
         self.q_proj = Dense(
-            c.hidden_size, q_width, ("embed", "q_heads"), c, use_bias=bias, rngs=rngs
+            c.hidden_size, gated_width, ("embed", "q_heads"), c, use_bias=bias, rngs=rngs
         )
         self.shares_kv = c.kv_sources[index] != index
         k_eq_v = c.attention_k_eq_v and not c.sliding_layers[index]
@@ -307,10 +314,15 @@ class Attention(nnx.Module):
         the updated cache (None without one) and the keys and values attended over.
         """
         d = self.head_dim
-        q = rearrange(self.q_proj(x), "b t (n d) -> b t n d", d=d)
+        gate = None
+        if self.output_gate:  # per head: d query channels, then d gate channels
+            q, gate = rearrange(self.q_proj(x), "b t (n two d) -> two b t n d", two=2, d=d)
+            gate = rearrange(gate, "b t n d -> b t (n d)")
+        else:
+            q = rearrange(self.q_proj(x), "b t (n d) -> b t n d", d=d)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q = apply_rope(q, cos, sin)
+        q = self._rotated(q, cos, sin)
         if self.shares_kv:
             k, val = shared
         else:
@@ -322,7 +334,7 @@ class Attention(nnx.Module):
                 k = self.k_norm(k)
             if self.v_norm is not None:
                 val = self.v_norm(val)
-            k = apply_rope(k, cos, sin)
+            k = self._rotated(k, cos, sin)
             # Attended in `[B, K, S, D]`, the cache's own layout, so that neither attention
             # matmul needs an operand transposed.
             k = rearrange(k, "b t k d -> b k t d")
@@ -335,7 +347,17 @@ class Attention(nnx.Module):
             out, cache = self._attend_either_kind(q, k, val, cache, allowed, fill)
         else:
             out, cache, (k, val) = self._attend_cached(q, k, val, cache, allowed, fill)
-        return self.o_proj(rearrange(out, "b k g t d -> b t (k g d)")), cache, (k, val)
+        out = rearrange(out, "b k g t d -> b t (k g d)")
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        return self.o_proj(out), cache, (k, val)
+
+    def _rotated(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """`x [B, T, heads, D]` with RoPE on its first `rotary_dim` channels."""
+        r = self.rotary_dim
+        if r == x.shape[-1]:
+            return apply_rope(x, cos, sin)
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
     def _attend_cached(self, q, k, val, cache: LayerCache, allowed, fill):
         """Write the block's keys and values into `cache` and attend over it: the output, the

@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP: softmax top-k routing and dropless experts (Qwen3-MoE, gpt-oss's
-biased experts, and Gemma 4's router and fused experts)."""
+biased experts, Gemma 4's router and fused experts, Qwen3.5-MoE's gated shared expert)."""
 
 from collections.abc import Mapping
 
@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 from tunelib import _validation as v
 from tunelib.models._config import DecoderConfig
 from tunelib.models._grouped_matmul import GroupedImplementation, grouped_matmul
-from tunelib.models._layers import Dense, RMSNorm, activation, kernel_init, param
+from tunelib.models._layers import MLP, Dense, RMSNorm, activation, kernel_init, param
 
 
 def route(
@@ -152,6 +152,10 @@ class MoE(nnx.Module):
     With `config.biased_experts` (gpt-oss) the router is $z = x W_r + b_r$, the weights a
     softmax over the $k$ chosen logits, and each expert is a clamped SwiGLU with biases
     (`ClampedExperts`), stored as `router` and `experts/{gate_up_proj, down_proj}`.
+    With `config.shared_expert_intermediate_size` $F_s > 0$ (Qwen3.5-MoE) a shared SwiGLU
+    expert
+    (`shared_expert`, $F_s$ wide) runs on every token and
+    $y \leftarrow y + \sigma(x w_{sg})\, \mathrm{SwiGLU}_s(x)$ (`shared_expert_gate`).
 
     Every token reaches all of its $k$ experts (no capacity, nothing dropped): the $N k$
     (token, expert) pairs are sorted by expert and each expert's run of rows goes through its
@@ -180,6 +184,7 @@ class MoE(nnx.Module):
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.num_experts, self.dtype = c.num_experts, c.compute_dtype
         self.implementation, self.act = implementation, c.hidden_act
+        self.shared_expert = self.shared_expert_gate = None  # Qwen3.5-MoE's, set below
         if c.biased_experts:
             self.router = Dense(h, c.num_experts, ("embed", "router"), c, use_bias=True, rngs=rngs)
             self.experts = ClampedExperts(c, implementation=implementation, rngs=rngs)
@@ -190,6 +195,11 @@ class MoE(nnx.Module):
             up_proj=ExpertDense(h, f, ("embed", "mlp"), c, rngs=rngs),
             down_proj=ExpertDense(f, h, ("mlp", "embed"), c, rngs=rngs),
         )
+        shared = c.shared_expert_intermediate_size
+        if shared:
+            self.shared_expert = nnx.data(MLP(c, width=shared, rngs=rngs))
+            names = ("embed", "shared_gate")
+            self.shared_expert_gate = nnx.data(Dense(h, 1, names, c, use_bias=False, rngs=rngs))
 
     def __call__(
         self, x: jax.Array, routing: jax.Array | None = None, *, return_routing: bool = False
@@ -209,6 +219,9 @@ class MoE(nnx.Module):
             logits, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, experts=replayed
         )
         out = dispatch(flat, weights.astype(self.dtype), chosen, self.num_experts, experts)
+        if self.shared_expert is not None:
+            shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            out = out + shared
         high = v.compute_dtype(self.dtype)
         out, logits = out.reshape(*lead, h), logits.astype(high).reshape(*lead, self.num_experts)
         return (out, logits, chosen.reshape(*lead, self.top_k)) if return_routing else (out, logits)

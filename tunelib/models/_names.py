@@ -1,9 +1,10 @@
 """The names of the decoder's weights that other tools need: LoRA targets, PEFT module names."""
 
-PROJECTION_KERNELS = r"layers/.*_proj(_with_mqa)?/kernel"
+PROJECTION_KERNELS = r"layers/.*_proj(_[a-z]+)*/kernel"
 """A regular expression for the path of every attention and MLP projection kernel of a
-`Decoder` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`, and
-DeepSeek-V3's latent attention's `q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`),
+`Decoder` (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`,
+DeepSeek-V3's latent attention's `q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`,
+and a Gated DeltaNet's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `out_proj`),
 with stacked layers (`layers/self_attn/q_proj/kernel`) or not (`layers/0/...`): the usual LoRA
 and QLoRA targets, as in `tunelib.peft.LoraRule(pattern=PROJECTION_KERNELS)`. The embedding,
 norms, biases and `lm_head` are left out."""

@@ -19,6 +19,12 @@ TENSOR_PARALLEL_RULES: tuple[tuple[str, str | None], ...] = (
     ("experts", None),
     ("router", None),
     ("per_layer", None),
+    # Qwen3.5's Gated DeltaNet projections (its heads are split after a convolution over the
+    # fused q/k/v channels, so they stay whole) and its MoE's shared-expert gate.
+    ("linear_qkv", None),
+    ("linear_v", None),
+    ("linear_heads", None),
+    ("shared_gate", None),
 )
 # Expert parallelism over a mesh axis "expert" on top of the tensor parallelism above: each
 # device holds the weights of E / (expert axis size) experts (whole, or split over "model").

@@ -73,12 +73,13 @@ def ring_slots(window: int) -> int:
 
 def cache_groups(config: DecoderConfig, length: int, windowed: bool) -> list[CacheGroup]:
     """The cached layers of a cache of `length` slots, grouped by `(K, D, value width, slots)`
-    in order of first appearance. Layers sharing another's keys and values are left out. With
+    in order of first appearance. Layers sharing another's keys and values, and Gated DeltaNet
+    layers (which cache a state instead: `KVCache.conv`, `KVCache.recurrent`), are left out. With
     `windowed`, a sliding layer whose ring is shorter than `length` keeps a ring."""
     windows = layer_windows(config)
     groups: dict[tuple, list[int]] = {}
     for i, source in enumerate(config.kv_sources):
-        if source != i:
+        if source != i or config.linear_layers[i]:
             continue
         window = windows[i]
         ringed = windowed and window is not None and ring_slots(window) < length
