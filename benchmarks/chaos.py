@@ -3,20 +3,24 @@
 one involved; each against the same run uninterrupted.
 
     python benchmarks/chaos.py                  # SFT and GRPO, ~15 min on 2 busy CPU cores
+    python benchmarks/chaos.py --compile-cache both   # and again without the cache: ~30 min
     python benchmarks/chaos.py --size smoke     # SFT killed mid-checkpoint: the tests' run
 
 For each recipe it runs the recipe uninterrupted on 2 processes of 2 devices (GRPO: process
 0 trains, process 1 samples, `recipes/grpo_async.py`, taking turns: `--max-staleness 0`,
-with a weight push every step; with a staleness s >= 1 a restored run samples the batches
-that were in flight again, with the restored weights, so it does not end bit for bit as the
-uninterrupted run: 4.2e-4 apart in the weights, measured with s = 1), then the same command with
-`--resume auto` under the supervisor with the faults below, and reports: the faults that
+with a weight push every step), then the same command with `--resume auto` under the
+supervisor with the faults below, and reports: the faults that
 fired, the restarts, MTTR (mean, max), MTTI, badput by cause, goodput and capacity-aware
 goodput (the run's `result.json`, `kit.recovery`), and how the final weights compare with
 the uninterrupted run's: bit for bit when the process count never changed, within 1e-6
 (absolute, 1e-5 relative) when it did (the `lose` fault: the run goes on with 1 process
 and grows back to 2). GRPO starts from the uninterrupted SFT run's model. Prints a table
 and one JSON line (`--json-out` writes it to a file too).
+
+`--compile-cache run` (the default) lets every run keep JAX's compilation cache beside it, as
+the recipes do by default, so a restart loads its programs instead of compiling them;
+`none` passes the recipes `--compile-cache none`; `both` runs the faults twice, with and
+without, and reports the ratio of their MTTRs (`recovery_with_cache_over_without`).
 """
 
 import argparse
@@ -68,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the supervisor's: longer than any step, its evaluation and "
                              "compilation included, on this machine")  # fmt: skip
     parser.add_argument("--grace", type=float, default=2.0)
+    parser.add_argument("--compile-cache", choices=("run", "none", "both"), default="run",
+                        help="the restarted runs' compilation cache: each run's own (the "
+                             "recipes' default), none, or both in turn")  # fmt: skip
     parser.add_argument("--json-out", type=Path, default=None)
     return parser
 
@@ -118,17 +125,22 @@ def compare(chaos: Path, calm: Path, *, exact: bool) -> dict:
     return {"bit_for_bit": equal, "max_abs_diff": diff, "ok": equal if exact else close}
 
 
-def scenario(recipe: str, spec: dict, tmp: Path, flags, start: list[str]) -> dict:
-    calm, chaos = tmp / f"{recipe}-calm", tmp / f"{recipe}-chaos"
+def scenario(recipe: str, spec: dict, tmp: Path, flags, start: list[str], cache: str) -> dict:
+    """The recipe under its faults, with the compilation cache `cache` ("run" or "none"),
+    against its uninterrupted run (made by the first scenario of the recipe)."""
+    calm, chaos = tmp / f"{recipe}-calm", tmp / f"{recipe}-chaos-{cache}"
     args = [*spec["args"], *start]
-    launch(recipe, args, calm, faults=None, flags=flags)
-    log = launch(recipe, args, chaos, faults=spec["faults"], flags=flags)
+    if not (calm / "result.json").exists():
+        launch(recipe, args, calm, faults=None, flags=flags)
+    uncached = ["--compile-cache", "none"] if cache == "none" else []
+    log = launch(recipe, [*args, *uncached], chaos, faults=spec["faults"], flags=flags)
     events = [json.loads(line) for line in (chaos / "supervisor.jsonl").read_text().splitlines()]
     fired = [json.loads(line) for line in (chaos / "faults.jsonl").read_text().splitlines()]
     counts = {e["processes"] for e in events if e["event"] == "start"}
     result = json.loads((chaos / "result.json").read_text())
     recovery = result["recovery"]
     return {
+        "compile_cache": cache,
         "faults": spec["faults"],
         "fired": [f"{f['action']}@{f['where']} step {f['step']} rank {f['rank']}" for f in fired],
         "restarts": sum(e["event"] == "restart" for e in events),
@@ -141,7 +153,7 @@ def scenario(recipe: str, spec: dict, tmp: Path, flags, start: list[str]) -> dic
 
 
 def table(results: dict) -> str:
-    rows = ["| recipe | faults fired | restarts | MTTR mean / max (s) | MTTI (s) | badput: lost "
+    rows = ["| run | faults fired | restarts | MTTR mean / max (s) | MTTI (s) | badput: lost "
             "work / detection / restart / restore / recompile (s) | goodput | capacity "
             "goodput | final weights |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for recipe, r in results.items():
@@ -161,15 +173,26 @@ def main(argv=None) -> None:
     flags = _parser().parse_args(argv)
     if not flags.hang_timeout > 0:
         _parser().error(f"--hang-timeout must be > 0, got {flags.hang_timeout}")
-    results = {}
+    caches = ("run", "none") if flags.compile_cache == "both" else (flags.compile_cache,)
+    results, ratios = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for recipe, spec in SIZES[flags.size].items():
             start = ["--model", str(tmp / "sft-calm" / "model")] if recipe == "grpo" else []
-            results[recipe] = scenario(recipe, spec, tmp, flags, start)
+            for cache in caches:
+                name = recipe if cache == caches[0] else f"{recipe} (no cache)"
+                results[name] = scenario(recipe, spec, tmp, flags, start, cache)
+            if len(caches) == 2:
+                with_cache, without = (results[n]["mttr_seconds"]["mean"]
+                                       for n in (recipe, f"{recipe} (no cache)"))  # fmt: skip
+                ratios[recipe] = round(with_cache / without, 3) if without else None
     print(table(results))
+    for recipe, ratio in ratios.items():
+        print(f"{recipe}: MTTR with the compilation cache / without: {ratio}")
     out = {"benchmark": "chaos", "size": flags.size, "hang_timeout": flags.hang_timeout,
-           **results}  # fmt: skip
+           "compile_cache": flags.compile_cache, **results}  # fmt: skip
+    if ratios:
+        out["recovery_with_cache_over_without"] = ratios
     line = json.dumps(out)
     if flags.json_out is not None:
         flags.json_out.write_text(line)

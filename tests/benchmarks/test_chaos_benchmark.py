@@ -17,9 +17,10 @@ def test_smallest_settings_end_to_end(tmp_path):
         "chaos.py", "--size", "smoke", "--hang-timeout", "30", out=tmp_path, timeout=1200,
     )  # fmt: skip
     assert result["benchmark"] == "chaos" and list(result) == [
-        "benchmark", "size", "hang_timeout", "sft",
+        "benchmark", "size", "hang_timeout", "compile_cache", "sft",
     ]  # fmt: skip
     sft = result["sft"]
+    assert result["compile_cache"] == sft["compile_cache"] == "run"
     assert sft["fired"] == ["kill@checkpoint step 8 rank 1"]
     assert sft["causes"] == ["process 1 was killed by SIGKILL"] and sft["restarts"] == 1
     assert sft["process_counts"] == [2] and sft["weights"]["bit_for_bit"]
