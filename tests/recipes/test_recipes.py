@@ -497,6 +497,11 @@ GEMMA4 = dict(
     final_logit_softcapping=30.0,
 )
 
+# DeepSeek-V3 with a dense layer, then one of experts (its layers are never stacked: a third
+# layer would be compiled as well).
+DEEPSEEK = dict(num_hidden_layers=2)
+OVERRIDES = {"gemma4_text": GEMMA4, "deepseek_v3": DEEPSEEK}
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -514,8 +519,7 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     from tunelib.formats import load_hf_checkpoint
 
     _, transformers = hf_modules()
-    overrides = GEMMA4 if family == "gemma4_text" else {}
-    source = write_tiny_checkpoint(tmp_path / "model", family, seed=2, **overrides)
+    source = write_tiny_checkpoint(tmp_path / "model", family, seed=2, **OVERRIDES.get(family, {}))
     flags = ["--model", str(source), "--batch-size", "4", "--num-heldout", "8", *STEPS]
     # The random Gemma 4 is far from uniform (held-out loss 7.7 > log 320): 4 steps are not
     # always enough for its held-out loss to fall; 8 are.

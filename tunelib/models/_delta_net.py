@@ -130,7 +130,12 @@ def chunked_gated_delta_rule(
     key, value and log decay, which change nothing.
 
     Args:
-      q, k, v, g, beta, state: as `recurrent_gated_delta_rule`.
+      q: `[B, T, H, Dk]` queries, as `recurrent_gated_delta_rule`.
+      k: `[B, T, H, Dk]` keys.
+      v: `[B, T, H, Dv]` values.
+      g: `[B, T, H]` log decays.
+      beta: `[B, T, H]` writing strengths.
+      state: `[B, H, Dk, Dv]` state before the first token (None: zeros).
       chunk_size: $C$ (static), tokens per chunk (Hugging Face and FLA: 64).
 
     Returns:
