@@ -1,7 +1,7 @@
 r"""Side by side: a full fine-tune step, LoRA and QLoRA steps, and their naive versions.
 
     python benchmarks/peft.py                  # the `cpu` size: memory and time
-    python benchmarks/peft.py --size smoke --measure full,lora,qlora   # what the tests run
+    python benchmarks/peft.py --size smoke --measure full,qlora   # what the tests run
     python benchmarks/peft.py --size llama-1b  # memory of a Llama-3.2-1B-shaped decoder only
 
 Every variant takes one AdamW step on the token-mean NLL of a batch through the reference

@@ -51,7 +51,10 @@ def family_model(name: str, **overrides) -> Decoder:
     return Decoder(DecoderConfig(**{**BASE, **FAMILIES[name], **overrides}), rngs=nnx.Rngs(1))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# The layout holds the `Dense` kernels one array per layer, the same way in every family: the
+# families whose layers differ most (soft caps and two kinds of layer; two widths and shared
+# keys; experts) stand for Llama, Qwen3 and Gemma 3, whose layers hold a subset of theirs.
+@pytest.mark.parametrize("family", ["gemma2", "gemma4", "qwen3_moe"])
 def test_decoding_reads_the_same_weights_and_gives_the_same_bits(family):
     model = family_model(family)
     graphdef, state = nnx.split(model)
