@@ -2,14 +2,34 @@
 
 Their figures mean something only on a GPU (Pallas runs in its interpreter here); these tests
 check that each runs as a user runs it, checks what it claims to check, and refuses bad flags.
-(`nf4_matmul.py` is left to the GPU: its kernel's values and gradients against the
-dequantise-then-GEMM path are `tests/kernels/test_nf4_matmul.py`'s, in the interpreter.)
 """
 
 import numpy as np
 import pytest
 
 from tests.benchmarks._run import refusal, run_benchmark
+
+
+@pytest.mark.slow
+def test_nf4_matmul_smoke_size_end_to_end(tmp_path):
+    result, _ = run_benchmark(
+        "nf4_matmul.py", "--size", "smoke", "--repeats", "1", "--inner", "1", out=tmp_path
+    )
+    assert result["correct"] is True
+    assert [(c["n_in"], c["n_out"], c["m"]) for c in result["cases"]] == [
+        (128, 64, 16),
+        (128, 64, 48),
+    ]
+    for case in result["cases"]:
+        xla, pallas = case["variants"]["xla"], case["variants"]["pallas"]
+        # Both paths compute the same bfloat16 product: errors of bf16 rounding, not of a wrong
+        # decode (which gives about 1).
+        assert 0 < xla["relative_error"] < 1e-2 and 0 < pallas["relative_error"] < 1e-2
+        assert pallas["weight_bytes_read"] < xla["weight_bytes_read"]
+        for part in ("forward", "forward+backward"):
+            assert case[f"pallas_speedup_{part}"] == pytest.approx(
+                xla[f"{part}_ms"] / pallas[f"{part}_ms"]
+            )
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
-"""`benchmarks/sampler_anchors.py`'s refusals. Its runs need the anchors' environment (Tunix,
-transformers), which the tests do not build; tunelib's side of it is the sampler that
-`tests/benchmarks/test_sampler_benchmark.py` runs end to end, and `grpo_anchors.py`'s
-smoke test covers the anchors' shared path (the checkpoint, the worker process, the
-anchors skipped in one line)."""
+"""`benchmarks/sampler_anchors.py` at its smoke size, tunelib's side only: the anchors (Tunix,
+transformers) live in an environment of their own that the tests do not build, so their
+columns are left out with one line saying why; the path through the checkpoint, the
+worker process, the greedy check, the rounds and the step-time floor is the full run's."""
+
+import json
 
 import pytest
 
@@ -12,6 +13,30 @@ from tests.benchmarks._run import load_benchmark
 @pytest.fixture(scope="module")
 def bench():
     return load_benchmark("sampler_anchors.py", "sampler_anchors_benchmark")
+
+
+@pytest.mark.slow
+def test_smoke_size_without_anchors_times_tunelib_alone(bench, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    missing = tmp_path / "no-such-python"
+    argv = ["--size", "smoke", "--rounds", "1", "--anchors-python", str(missing)]
+    code = bench.main([*argv, "--json-out", str(out)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0, "\n".join(lines[-10:])
+    assert lines[0] == (
+        f"anchors skipped: --anchors-python {missing} does not exist; tunelib measured alone."
+    )
+    result = json.loads(lines[-1])
+    assert result == json.loads(out.read_text())
+    assert result["anchors_skipped"] and result["meets_target"] is None
+    assert result["logits_max_abs_diff"] == {} and result["tokens_agree"] is True
+    cases = [(row["mode"], row["batch"]) for row in result["table"]]
+    assert cases == [("greedy", 1), ("greedy", 2), ("top_p", 1), ("top_p", 2)]
+    for row in result["table"]:
+        assert set(row) >= {"tunelib", "step_ms", "floor_ms"} and "tunix" not in row
+        (seconds,) = row["seconds"]["tunelib"]
+        assert row["tunelib"] == pytest.approx(row["batch"] * 8 / seconds)
+        assert row["floor_ms"] > 0
 
 
 @pytest.mark.parametrize(
