@@ -101,6 +101,19 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+# Qwen3.5: Gated DeltaNet layers around a gated full-attention one; its MoE, a DeltaNet and
+# a full layer with experts and a gated shared expert.
+_QWEN3_5 = dict(
+    num_hidden_layers=3,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_conv_kernel_dim=3,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+)
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(rope_parameters=LLAMA3_ROPE, attention_bias=True, mlp_bias=True),
     "qwen2": dict(
@@ -169,31 +182,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         top_k_experts=2,
         moe_intermediate_size=32,
     ),
-    "qwen3_5_text": dict(
-        num_hidden_layers=3,
-        head_dim=16,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        linear_conv_kernel_dim=3,
-        linear_key_head_dim=8,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-    ),
+    "qwen3_5_text": _QWEN3_5,
     "qwen3_5_moe_text": dict(
+        _QWEN3_5,
         num_hidden_layers=2,
-        head_dim=16,
         layer_types=["linear_attention", "full_attention"],
-        linear_conv_kernel_dim=3,
-        linear_key_head_dim=8,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=24,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
     ),
     "gpt_oss": dict(
         head_dim=16,

@@ -201,10 +201,7 @@ def test_asynchronous_grpo_resumes_with_its_batches_in_flight_bit_for_bit(sft_ru
     whole = tmp_path / "whole"
     run("grpo", *flags, "--out", str(whole), processes=2, devices=1)
     assert logged(whole)["staleness"] == [0.0, 1.0, 1.0]
-    stopped = Path(shutil.copytree(whole, tmp_path / "stopped"))
-    for later in ("checkpoints/3", "model", "result.json"):
-        shutil.rmtree(stopped / later) if (stopped / later).is_dir() else (stopped / later).unlink()
-    assert checkpoint_steps(stopped) == [2]
+    stopped = stopped_at(whole, 2, tmp_path / "stopped")
     result = run("grpo", *flags, "--out", str(stopped), "--resume", processes=2, devices=1)
     assert result["restarts"] == 1
     got, want = logged(stopped), logged(whole)
