@@ -110,3 +110,15 @@ def tiny_gguf_file(tmp_path_factory):
 def _own_loop_model(request, doctest_namespace):
     if request.node.path.name == OWN_LOOP_PAGE:
         doctest_namespace["model_path"] = request.getfixturevalue("tiny_gguf_file")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with end-to-end (`slow`) tests run first, each kept whole (its module-scoped
+    fixtures made once): the two xdist workers start from the halves of this order and steal
+    from each other's queues when theirs run out, so the session ends on short tests that
+    balance the workers to within seconds, not on a recipe run that one worker waits for."""
+    def module(item):
+        return item.nodeid.split("::")[0]
+
+    slow = {module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: module(item) not in slow)

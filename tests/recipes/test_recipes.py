@@ -505,16 +505,19 @@ OVERRIDES = {"gemma4_text": GEMMA4, "deepseek_v3": DEEPSEEK}
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "gemma2", "gemma3_text", "gemma4_text", "gpt_oss", "deepseek_v3"]
+    "family",
+    ["qwen3_5_moe_text", "gemma2", "gemma3_text", "gemma4_text", "gpt_oss", "deepseek_v3"],
 )
 def test_recipes_on_the_newer_families(tmp_path, family):
     """SFT (LoRA on the projections: attention, MLP or experts) from a transformers
-    Qwen3-MoE, Gemma 2 (soft-capped logits in every head), Gemma 3, Gemma 4 (two widths of
+    Qwen3.5-MoE (a Gated DeltaNet layer, then a gated attention one, both with experts), Gemma 2 (soft-capped logits in every head), Gemma 3, Gemma 4 (two widths of
     layer, per-layer inputs), gpt-oss (sinks, biased experts) or DeepSeek-V3 (latent
     attention, grouped sigmoid routing) checkpoint, the SFT model, merged, loading in
     transformers with equal logits (every family's sampler is its model tests'); then DPO
     from the Gemma 2 run (soft caps in the fused head of both sides of a pair) and GRPO with
-    routing replay from the Qwen3-MoE run."""
+    routing replay from the Qwen3.5-MoE run (the sampler's cache holding the DeltaNet layer's
+    convolution and recurrent states beside the attention layer's keys and values). Qwen3-MoE's
+    recipes are `tests/recipes/test_tool_use.py`'s and the `moe` model size's."""
     from tests._hf import hf_logits, hf_modules, write_tiny_checkpoint
     from tunelib.formats import load_hf_checkpoint
 
@@ -528,7 +531,7 @@ def test_recipes_on_the_newer_families(tmp_path, family):
     assert sft["tuning"] == "lora" and np.isfinite(sft["final_loss"])
     assert sft["heldout_loss_after"] < sft["heldout_loss_before"]
     ours = load_hf_checkpoint(tmp_path / "sft" / "hf_model")
-    experts = {"qwen3_moe": 4, "gpt_oss": 4, "deepseek_v3": 8}
+    experts = {"qwen3_5_moe_text": 4, "gpt_oss": 4, "deepseek_v3": 8}
     assert ours.config.num_experts == experts.get(family, 0)
     tokens = np.random.default_rng(0).integers(0, 300, size=(2, 9))
     where = np.ones((2, 9), bool)
@@ -540,7 +543,7 @@ def test_recipes_on_the_newer_families(tmp_path, family):
         # Pairs from 16 prompts: the model's own wrong replies (chat messages) as rejected.
         dpo = run_recipe("dpo", *flags, "--num-prompts", "16", "--out", str(tmp_path / "dpo"))
         assert 0.0 <= dpo["heldout_reward_accuracy_after"] <= 1.0
-    if family != "qwen3_moe":
+    if family != "qwen3_5_moe_text":
         return
     # A mixture of experts: the sampler records each token's experts and the trainer routes
     # by them.
