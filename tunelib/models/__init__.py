@@ -34,6 +34,8 @@ from tunelib.models._grouped_matmul import (
 )
 from tunelib.models._moe import MoE, route
 from tunelib.models._names import PROJECTION_KERNELS, hf_module_name
+from tunelib.models._qwen_vision import QwenVisionEncoder
+from tunelib.models._qwen_vision_config import QwenVisionConfig
 from tunelib.models._rope import rope_frequencies
 from tunelib.models._sharding import (
     EXPERT_PARALLEL_RULES,
@@ -56,6 +58,8 @@ __all__ = [
     "KVCache",
     "MoE",
     "MultimodalEmbedder",
+    "QwenVisionConfig",
+    "QwenVisionEncoder",
     "VisionConfig",
     "VisionEncoder",
     "VisionLanguageModel",
