@@ -33,6 +33,7 @@ from tunelib.models._grouped_matmul import (
     grouped_matmul_p,
 )
 from tunelib.models._moe import MoE, route
+from tunelib.models._mrope import mrope_positions
 from tunelib.models._names import PROJECTION_KERNELS, hf_module_name
 from tunelib.models._qwen_vision import QwenVisionEncoder
 from tunelib.models._qwen_vision_config import QwenVisionConfig
@@ -70,6 +71,7 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_p",
     "hf_module_name",
+    "mrope_positions",
     "param_shardings",
     "recurrent_gated_delta_rule",
     "rope_frequencies",
