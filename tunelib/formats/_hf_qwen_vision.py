@@ -90,15 +90,21 @@ def qwen_vision_from_hf(name: str, tensor: np.ndarray, kernel: bool) -> np.ndarr
     return np.swapaxes(tensor, -1, -2) if kernel else tensor
 
 
+def qwen_vision_hf_shape(
+    name: str, shape: tuple[int, ...], kernel: bool, config: QwenVisionConfig
+) -> tuple[int, ...]:
+    """The shape of the Hugging Face tensor `name` of our parameter of `shape`."""
+    if name == _PATCH_KERNEL:
+        c = config
+        return (c.hidden_size, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+    return (*shape[:-2], shape[-1], shape[-2]) if kernel else tuple(shape)
+
+
 def qwen_vision_to_hf(
     name: str, value: np.ndarray, kernel: bool, config: QwenVisionConfig
 ) -> np.ndarray:
     """Our vision parameter as the Hugging Face tensor `name` holds it."""
-    if kernel:
-        value = np.swapaxes(value, -1, -2)
-    if name == _PATCH_KERNEL:
-        c = config
-        value = value.reshape(
-            c.hidden_size, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size
-        )
-    return np.ascontiguousarray(value)
+    value = np.swapaxes(value, -1, -2) if kernel else value
+    return np.ascontiguousarray(
+        value.reshape(qwen_vision_hf_shape(name, value.shape, False, config))
+    )
