@@ -191,8 +191,11 @@ def test_greedy_tokens_with_an_image_equal_generate(hf_vlm, loaded):
     )  # fmt: skip
     assert len(set(generated.tolist())) > 3  # not a degenerate repetition
     np.testing.assert_array_equal(np.asarray(out.tokens), np.stack([generated, generated]))
+    # One forward pass over each prompt (its image again) and its completion: the 3-D
+    # positions of the whole sequence continue where the sampler's delta did.
+    twice = {k: np.concatenate([inputs[k]] * 2) for k in ("pixel_values", "image_grid_thw")}
     logps = jax.jit(completion_logps, static_argnums=0)(
-        loaded.graphdef, loaded.params, prompt[None], where, out.tokens, out.where,
-        temperature=out.temperature, images=inputs,
+        loaded.graphdef, loaded.params, np.stack([prompt] * 2), np.concatenate([where] * 2),
+        out.tokens, out.where, temperature=out.temperature, images=twice,
     )  # fmt: skip
     np.testing.assert_allclose(logps, out.logps, atol=1e-4, rtol=0)

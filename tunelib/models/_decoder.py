@@ -735,7 +735,8 @@ class KVCache(NamedTuple):
         channels: its keys are the cached latent and the rotated key, and its values the
         latent's first `kv_lora_rank` channels).
       where: `[B, S]` True where a slot holds a real token.
-      lengths: `[B]` real tokens per row so far: the RoPE position of the next real token.
+      lengths: `[B]` the RoPE position of the next real token of each row: its real tokens
+        so far, or one past its largest position after an `extend` with `positions`.
       index: the next slot to write, a scalar shared by every row.
       conv: for a model with Gated DeltaNet layers (`DecoderConfig.linear_layers`), the
         last `K_c - 1` inputs of each one's convolution, `[L_n, B, K_c - 1, C]` in the

@@ -4,6 +4,7 @@ import dataclasses
 import math
 
 from tunelib.models._config import DTYPE_NAMES, HIDDEN_ACTS, Dtypes
+from tunelib.models._deepseek_config import check_positive_float, check_positive_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,11 +64,7 @@ class QwenVisionConfig(Dtypes):
             "out_hidden_size",
             "num_position_embeddings",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}.")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}.")
+            check_positive_int(getattr(self, name), name)
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) heads "
@@ -83,9 +80,7 @@ class QwenVisionConfig(Dtypes):
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}.")
         for name in ("rope_theta", "initializer_range"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}.")
+            check_positive_float(getattr(self, name), name)
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPE_NAMES:
                 raise ValueError(
