@@ -550,3 +550,62 @@ def tiny_gemma4_vlm(*, seed: int = 0, **text_overrides: Any) -> Any:
             elif name.endswith(("input_max", "output_max")):
                 buffer.fill_(1.0 + 2 * torch.rand(()).item())
     return model
+
+
+# A tiny Qwen3.5 vision-language model: a Gated DeltaNet then a gated full-attention layer
+# whose half-head RoPE is multimodal (interleaved sections 2, 1, 1 over its 4 pairs), and a
+# 2-layer vision encoder (patches of 4 pixels, 2 frames, merged 2x2, a 4 x 4 position grid).
+VISION_START_TOKEN, VISION_END_TOKEN, VIDEO_TOKEN = 311, 312, 313
+QWEN3_5_VLM_TEXT = dict(
+    {**COMMON, **FAMILIES["qwen3_5_text"]},
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+)
+QWEN3_5_VLM_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=4,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=16,
+    initializer_range=0.3,
+    rope_parameters={"rope_type": "axial", "rope_theta": 50.0},
+)
+# `tunelib.data.qwen_vl_image_inputs` options for this encoder.
+QWEN3_5_VLM_PIXELS = dict(
+    patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+)
+
+
+def tiny_qwen3_5_vlm(*, seed: int = 0) -> Any:
+    """A randomly initialised `Qwen3_5ForConditionalGeneration`, float32, eval mode, its norm
+    scales and biases randomised (as `tiny_hf_model` does)."""
+    torch, transformers = hf_modules()
+    config = transformers.Qwen3_5Config(
+        text_config=QWEN3_5_VLM_TEXT,
+        vision_config=QWEN3_5_VLM_VISION,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START_TOKEN,
+        vision_end_token_id=VISION_END_TOKEN,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+    return model

@@ -4,7 +4,7 @@
 (`config.json` and safetensors, one file or sharded) of the Llama, Mistral, Qwen2, Qwen3,
 Qwen3-MoE, Gemma 2, Gemma 3, Gemma 4 and gpt-oss families into and out of `tunelib.models.Decoder`;
 `config_from_hf` and `config_to_hf` convert the config alone; `load_hf_vision_language` and
-`save_hf_vision_language` do the same for Gemma 4's vision-language checkpoints
+`save_hf_vision_language` do the same for Gemma 4's and Qwen3.5's vision-language checkpoints
 (`tunelib.models.VisionLanguageModel`). `read_gguf`, `load_gguf`,
 `convert_gguf` and `save_gguf` read, load, convert and write llama.cpp's GGUF files, and
 `gguf_tokenizer` builds a file's tokenizer (`gguf_tokenizer_metadata` gives a tokenizer's

@@ -426,6 +426,10 @@ def config_to_hf(
         if model_type == "qwen3_5_moe_text":
             del out["intermediate_size"]
         out["rope_parameters"]["partial_rotary_factor"] = config.partial_rotary_factor
+        if config.mrope_section is not None:
+            out["rope_parameters"].update(
+                mrope_section=list(config.mrope_section), mrope_interleaved=True
+            )
     if model_type == "llama":
         out.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
     elif model_type in GEMMA_TYPES:
@@ -515,11 +519,12 @@ def _check_expressible(config: DecoderConfig, model_type: str) -> None:
                 f"model_type {model_type!r} cannot express layer_types with 'linear_attention' "
                 "layers; only qwen3_5_text and qwen3_5_moe_text can."
             )
-        if config.partial_rotary_factor != 1:
-            raise ValueError(
-                f"model_type {model_type!r} cannot express partial_rotary_factor="
-                f"{config.partial_rotary_factor!r}; only qwen3_5_text and qwen3_5_moe_text can."
-            )
+        for name, plain in (("partial_rotary_factor", 1), ("mrope_section", None)):
+            if getattr(config, name) != plain:
+                raise ValueError(
+                    f"model_type {model_type!r} cannot express {name}="
+                    f"{getattr(config, name)!r}; only qwen3_5_text and qwen3_5_moe_text can."
+                )
     else:
         need.update(sliding_window=None, mlp_bias=False)
     if not gemma4:

@@ -25,7 +25,7 @@ VISION_CHECKED: tuple[str, ...] = (
     "max_position_embeddings",
 )
 # The keys every transformers config carries, none of which changes the encoder's outputs.
-_GENERIC = frozenset(
+GENERIC_FIELDS = frozenset(
     {
         "model_type",
         "dtype",
@@ -91,7 +91,7 @@ def vision_config_to_hf(config: VisionConfig) -> dict[str, Any]:
 
 def unknown_vision_fields(hf: Mapping[str, Any]) -> list[str]:
     """The keys of a `vision_config` dict that are neither read, checked nor generic."""
-    known = {*VISION_READ, *VISION_CHECKED, *_GENERIC}
+    known = {*VISION_READ, *VISION_CHECKED, *GENERIC_FIELDS}
     return sorted(set(hf) - known)
 
 

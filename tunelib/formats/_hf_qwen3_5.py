@@ -40,8 +40,8 @@ LINEAR_FIELDS: tuple[str, ...] = (
     "linear_num_key_heads",
     "linear_num_value_heads",
 )
-# The multimodal RoPE's sections: text positions are equal on its three axes, so every
-# section rotates as plain RoPE does and these keys change nothing for a text model.
+# The multimodal RoPE: `mrope_section` is read (`DecoderConfig.mrope_section`); Qwen3.5
+# always interleaves its sections, so transformers does not read `mrope_interleaved`.
 _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -81,6 +81,7 @@ def qwen3_5_fields(
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = dict(hf.get(field) or {})
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    section = params.get("mrope_section")
     for key in _MROPE_KEYS:
         params.pop(key, None)
     rope_source[field] = params
@@ -96,6 +97,7 @@ def qwen3_5_fields(
         "rope_theta": theta,
         "rope_scaling": scaling,
         "partial_rotary_factor": partial,
+        "mrope_section": None if section is None else tuple(section),
         "use_qk_norm": True,
         "norm_offset": True,
         "attention_output_gate": True,

@@ -10,7 +10,9 @@ without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Fa
 Qwen3.5's linear-attention layer, `chunked_gated_delta_rule`, `recurrent_gated_delta_rule`,
 `causal_conv1d` and `gated_rms_norm` its pure functions; `VisionLanguageModel` puts Gemma 4's
 vision encoder (`VisionEncoder`, `VisionConfig`) and multimodal embedder
-(`MultimodalEmbedder`) in front of it, the images' soft tokens at the image tokens;
+(`MultimodalEmbedder`), or Qwen3.5's encoder and merger (`QwenVisionEncoder`,
+`QwenVisionConfig`), in front of it, the images' soft tokens at the image tokens (Qwen3.5's
+at the 3-D positions of `mrope_positions`);
 `param_shardings` and the rules place its parameters on a mesh.
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
@@ -33,7 +35,10 @@ from tunelib.models._grouped_matmul import (
     grouped_matmul_p,
 )
 from tunelib.models._moe import MoE, route
+from tunelib.models._mrope import mrope_positions
 from tunelib.models._names import PROJECTION_KERNELS, hf_module_name
+from tunelib.models._qwen_vision import QwenVisionEncoder
+from tunelib.models._qwen_vision_config import QwenVisionConfig
 from tunelib.models._rope import rope_frequencies
 from tunelib.models._sharding import (
     EXPERT_PARALLEL_RULES,
@@ -56,6 +61,8 @@ __all__ = [
     "KVCache",
     "MoE",
     "MultimodalEmbedder",
+    "QwenVisionConfig",
+    "QwenVisionEncoder",
     "VisionConfig",
     "VisionEncoder",
     "VisionLanguageModel",
@@ -66,6 +73,7 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_p",
     "hf_module_name",
+    "mrope_positions",
     "param_shardings",
     "recurrent_gated_delta_rule",
     "rope_frequencies",

@@ -220,6 +220,13 @@ class DecoderConfig(Dtypes):
         (Qwen3.5: 0.25): the first $r = \lfloor p D \rfloor$ channels, in pairs
         $(i, i + r/2)$, with the frequencies of a head of width $r$; the others pass. 1.0
         (the default) rotates every channel.
+      mrope_section: Qwen3.5's multimodal RoPE: None (plain RoPE), or $(s_t, s_h, s_w)$:
+        positions may then be `[3, B, T]` (temporal, height, width; `mrope_positions`), and
+        rotary pair $i$ turns by the height position where $i \bmod 3 = 1$ and $i < 3 s_h$,
+        by the width position where $i \bmod 3 = 2$ and $i < 3 s_w$, and by the temporal
+        one elsewhere (transformers' interleaved layout; its `mrope_interleaved` is not
+        read, as there). Text positions are equal on the three axes, so `[B, T]` positions
+        rotate as plain RoPE does.
       linear_conv_kernel_dim: $K_c$, the taps of the Gated DeltaNet layers' causal
         depthwise convolution (Qwen3.5: 4).
       linear_key_head_dim: $d_k$, the width of a Gated DeltaNet query/key head.
@@ -299,6 +306,7 @@ class DecoderConfig(Dtypes):
     shared_expert_intermediate_size: int = 0
     attention_output_gate: bool = False
     partial_rotary_factor: float | int = 1.0
+    mrope_section: tuple[int, int, int] | None = None
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
@@ -374,6 +382,7 @@ class DecoderConfig(Dtypes):
                     f"{name} must be one of {DTYPE_NAMES}, got {getattr(self, name)!r}."
                 )
         object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
+        self._check_mrope()
         self._check_experts()
         self._check_layer_types()
         self._check_gemma4()
@@ -618,6 +627,21 @@ class DecoderConfig(Dtypes):
         if self.layer_types is None:
             return (self.sliding_window is not None,) * self.num_hidden_layers
         return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    def _check_mrope(self) -> None:
+        section = self.mrope_section
+        if section is None:
+            return
+        if (
+            not isinstance(section, tuple)
+            or len(section) != 3
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in section)
+        ):
+            raise ValueError(
+                f"mrope_section must be None or a tuple of 3 ints >= 0, got {section!r}."
+            )
+        if self.rope_scaling is not None:
+            raise ValueError("mrope_section is supported with plain RoPE only (rope_scaling None).")
 
     def _check_experts(self) -> None:
         if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int):

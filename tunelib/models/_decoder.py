@@ -18,6 +18,7 @@ from tunelib.models._block import DecoderLayer
 from tunelib.models._config import DecoderConfig
 from tunelib.models._gated_delta_net import DeltaNetState
 from tunelib.models._layers import Dense, Embedding, RMSNorm
+from tunelib.models._mrope import mrope_angles, mrope_axes
 from tunelib.models._per_layer import PerLayer, is_per_layer, layer_at
 from tunelib.models._rope import rope_angles, rope_attention_factor, rope_frequencies
 from tunelib.models._routing import checked_routing
@@ -139,7 +140,7 @@ class Decoder(nnx.Module):
         self,
         tokens: Int[ArrayLike, "B T"],
         where: Mask[ArrayLike, "B T"] | None = None,
-        positions: Int[ArrayLike, "B T"] | None = None,
+        positions: Int[ArrayLike, "B T"] | Int[ArrayLike, "3 B T"] | None = None,
         segment_ids: Int[ArrayLike, "B T"] | None = None,
         *,
         return_router_logits: bool = False,
@@ -162,7 +163,9 @@ class Decoder(nnx.Module):
           positions: `[B, T]` integer RoPE positions. None means, per row, the number of real
             tokens before each position, `max(cumsum(where) - 1, 0)`, so a left-padded prompt
             gets positions 0, 1, ... on its real tokens; with `segment_ids`, the number of
-            real tokens before it in its own segment (positions restart at 0 in each).
+            real tokens before it in its own segment (positions restart at 0 in each). With
+            `config.mrope_section` they may be `[3, B, T]` (temporal, height, width:
+            `tunelib.models.mrope_positions`).
           segment_ids: `[B, T]` integer ids of packed sequences: 1, 2, ... for the sequences
             of a row, each a contiguous run of columns, and 0 on padding (a token of segment
             0 is padding whatever `where` says). A query attends only to keys of its own
@@ -221,8 +224,7 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = _default_positions(where, segment_ids)
         else:
-            positions = v.int_array(positions, "positions")
-            v.check_shape(positions, "positions", tokens.shape, f"tokens {tokens.shape}")
+            positions = _checked_positions(positions, tokens.shape, c)
         if routing is not None:
             routing = checked_routing(routing, c, tokens.shape)
         soft = _soft_inputs(embeddings, embeddings_where, tokens.shape, c.hidden_size)
@@ -302,6 +304,7 @@ class Decoder(nnx.Module):
         embeddings: Float[ArrayLike, "B T H"] | None = None,
         embeddings_where: Mask[ArrayLike, "B T"] | None = None,
         blocks: Int[ArrayLike, "B T"] | None = None,
+        positions: Int[ArrayLike, "B T"] | Int[ArrayLike, "3 B T"] | None = None,
     ) -> tuple[Float[Array, "B T H"], "KVCache"] | tuple[Array, "KVCache", Array]:
         """Hidden states of `T` new tokens per row, attending to the cache and each other.
 
@@ -331,6 +334,11 @@ class Decoder(nnx.Module):
           embeddings_where: `[B, T]` mask, required with `embeddings`.
           blocks: `[B, T]` block ids of the new tokens, -1 outside a block (see calling the
             model); a block lies within one call.
+          positions: `[B, T]` (or, with `config.mrope_section`, `[3, B, T]`) RoPE positions
+            of the new tokens instead of the default; the cache then continues from one past
+            the largest real one of each row (`cache.lengths`): the prefill of a prompt with
+            images at `tunelib.models.mrope_positions`, whose later tokens decode at their
+            count plus the row's delta, as transformers' Qwen3.5 does.
 
         Returns:
           The `[B, T, H]` final-norm hidden states of the new tokens and the updated cache;
@@ -352,7 +360,13 @@ class Decoder(nnx.Module):
         soft = _soft_inputs(embeddings, embeddings_where, tokens.shape, c.hidden_size)
         groups = _groups_of(c, cache)
         counts = jnp.cumsum(where, axis=-1, dtype=jnp.int32)
-        positions = cache.lengths[:, None] + jnp.maximum(counts - 1, 0)
+        if positions is None:
+            positions = cache.lengths[:, None] + jnp.maximum(counts - 1, 0)
+            lengths = cache.lengths + counts[:, -1]
+        else:
+            positions = _checked_positions(positions, tokens.shape, c)
+            top = jnp.where(where, positions if positions.ndim == 2 else positions.max(0), -1)
+            lengths = jnp.maximum(cache.lengths, top.max(axis=-1) + 1).astype(jnp.int32)
         key_where = jax.lax.dynamic_update_slice_in_dim(cache.where, where, cache.index, 1)
         query_slots = cache.index + jnp.arange(t)
         causal = jnp.arange(slots)[None, :] <= query_slots[:, None]  # [T, S]
@@ -378,7 +392,6 @@ class Decoder(nnx.Module):
             routing,
             soft,
         )
-        lengths = cache.lengths + counts[:, -1]
         cache = KVCache(keys, values, key_where, lengths, cache.index + t, *states)
         if not return_routing:
             return self.norm(x), cache
@@ -493,7 +506,12 @@ class Decoder(nnx.Module):
                 head_dim = c.rotary_dim
             frequencies = rope_frequencies(head_dim, theta=theta, scaling=scaling)
             scale = rope_attention_factor(scaling)
-            inputs[sliding] = (*rope_angles(positions, frequencies, high, scale), *mask)
+            if positions.ndim == 3:
+                axes = mrope_axes(c.mrope_section, len(frequencies))
+                angles = mrope_angles(positions, frequencies, axes, high)
+            else:
+                angles = rope_angles(positions, frequencies, high, scale)
+            inputs[sliding] = (*angles, *mask)
         embedding = self.embed_tokens.embedding[...]
         ids = jnp.where(where, tokens, 0)
         x = jnp.take(embedding, ids, axis=0)
@@ -717,7 +735,8 @@ class KVCache(NamedTuple):
         channels: its keys are the cached latent and the rotated key, and its values the
         latent's first `kv_lora_rank` channels).
       where: `[B, S]` True where a slot holds a real token.
-      lengths: `[B]` real tokens per row so far: the RoPE position of the next real token.
+      lengths: `[B]` the RoPE position of the next real token of each row: its real tokens
+        so far, or one past its largest position after an `extend` with `positions`.
       index: the next slot to write, a scalar shared by every row.
       conv: for a model with Gated DeltaNet layers (`DecoderConfig.linear_layers`), the
         last `K_c - 1` inputs of each one's convolution, `[L_n, B, K_c - 1, C]` in the
@@ -780,6 +799,16 @@ def _soft_inputs(embeddings, embeddings_where, shape, width):
     if embeddings_where is None:
         raise ValueError("embeddings needs embeddings_where, the [B, T] mask of where it is taken.")
     return embeddings, v.mask_array(embeddings_where, shape, "embeddings_where")
+
+
+def _checked_positions(positions: ArrayLike, shape: tuple[int, int], config) -> jax.Array:
+    """`positions` as an int array of shape `[B, T]`, or `[3, B, T]` under M-RoPE."""
+    positions = v.int_array(positions, "positions")
+    if positions.ndim == 3 and config.mrope_section is not None:
+        v.check_shape(positions, "positions", (3, *shape), f"[3, B, T] for tokens {shape}")
+    else:
+        v.check_shape(positions, "positions", shape, f"tokens {shape}")
+    return positions
 
 
 def _default_positions(where: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

@@ -19,6 +19,7 @@ from tunelib import _validation as v
 from tunelib._products import products_must_be_plain
 from tunelib.models._config import DecoderConfig
 from tunelib.models._per_layer import LayerWeight
+from tunelib.models._qwen_vision_config import QwenVisionConfig
 from tunelib.models._rope import apply_rope
 from tunelib.models._vision_config import VisionConfig
 from tunelib.models._windowed import (
@@ -30,7 +31,7 @@ from tunelib.models._windowed import (
 )
 
 # The configs the shared blocks (`kernel_init`, `RMSNorm`, `Dense`) read their dtypes from.
-AnyConfig = DecoderConfig | VisionConfig
+AnyConfig = DecoderConfig | VisionConfig | QwenVisionConfig
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 _BUCKET, _MAX_BUCKETS = 32, 8
 # The widest block of input features a float32 product on CPU accumulates in one run (`Dense`).

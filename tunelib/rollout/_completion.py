@@ -110,8 +110,8 @@ def completion_logps(
         to in the model's M mixture-of-experts layers (`Rollout.routing`, rows first);
         None (the default) routes by the router's own top-k.
       images: for a `tunelib.models.VisionLanguageModel`, the prompts' images as `sample`
-        takes them (`tunelib.data.gemma4_image_inputs`' `pixel_values` and
-        `image_position_ids`), encoded once per prompt; with groups they need
+        takes them (the arrays the model's `image_inputs` names), encoded once per
+        prompt; with groups they need
         `share_prompts`. None: text only.
 
     Returns:

@@ -100,24 +100,27 @@ def checked_prompts(
 def checked_images(
     graphdef: nnx.GraphDef, params: PyTree, images, prompt_tokens=None, prompt_where=None
 ) -> dict | None:
-    """The `pixel_values` and `image_position_ids` arrays of `images` (as
-    `tunelib.data.gemma4_image_inputs` returns them; other keys are left), or None; a
-    `ValueError` for images given to a model that reads none, and, when `images` holds
+    """The image arrays of `images` that the model reads (`VisionLanguageModel.image_inputs`:
+    Gemma 4's `pixel_values` and `image_position_ids` as `tunelib.data.gemma4_image_inputs`
+    returns them, Qwen3.5's `pixel_values` and `image_grid_thw` as
+    `tunelib.data.qwen_vl_image_inputs` does; other keys are left), or None; a `ValueError`
+    for images given to a model that reads none, and, when `images` holds
     `num_soft_tokens_per_image` and the prompts are known (not traced), for prompts whose
     image tokens are not as many as the images' soft tokens (a marker not expanded, an
     image too many or too few): the model would fill them with padding or drop features."""
     if images is None:
         return None
     model = shape_module(graphdef, params)
-    if not hasattr(model, "vision_tower"):
+    names = getattr(model, "image_inputs", None)
+    if names is None:
         raise ValueError(
             "images are given, but the model is not a tunelib.models.VisionLanguageModel."
         )
-    missing = {"pixel_values", "image_position_ids"} - set(images)
+    missing = set(names) - set(images)
     if missing:
         raise ValueError(
-            f"images must hold pixel_values and image_position_ids (as "
-            f"tunelib.data.gemma4_image_inputs returns them); {sorted(missing)} missing."
+            f"images must hold {' and '.join(names)} (as the model's image preprocessing in "
+            f"tunelib.data returns them); {sorted(missing)} missing."
         )
     counts = images.get("num_soft_tokens_per_image")
     known = not any(isinstance(x, jax.core.Tracer) for x in (prompt_tokens, prompt_where, counts))
@@ -133,9 +136,10 @@ def checked_images(
                 "image): expand each image's marker with tunelib.data.expand_image_tokens."
             )
     return {
-        "pixel_values": v.float_array(images["pixel_values"], "pixel_values"),
-        "image_position_ids": v.int_array(images["image_position_ids"], "image_position_ids"),
-    }
+        name: v.float_array(images[name], name) if name == "pixel_values" else
+        v.int_array(images[name], name)
+        for name in names
+    }  # fmt: skip
 
 
 def shape_module(graphdef: nnx.GraphDef, params: PyTree) -> nnx.Module:
@@ -216,8 +220,8 @@ def prefill(
     `cache_length` slots holding the prompts (`windowed`: `Decoder.init_cache`'s), each row
     repeated `group_size` times (a fork of one prefill); with `record_routing`, also the
     `[M, B * G, P, k]` experts each prompt token was routed to (`Decoder.extend`'s
-    `return_routing`), repeated as the cache is. `images` (`pixel_values` and
-    `image_position_ids` of a `VisionLanguageModel`) are encoded once, in the prefill."""
+    `return_routing`), repeated as the cache is. `images` (the arrays a
+    `VisionLanguageModel`'s `image_inputs` names) are encoded once, in the prefill."""
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(prompt_tokens.shape[0], cache_length, windowed=windowed)
     hidden, cache, *routing = model.extend(

@@ -339,8 +339,10 @@ def sample(
         (`benchmarks/windowed_cache.py` compares the two). A model without sliding layers,
         or a cache no longer than the window, is the same either way.
       images: for a `tunelib.models.VisionLanguageModel`, the images of the prompts as
-        `tunelib.data.gemma4_image_inputs` returns them (`pixel_values`,
-        `image_position_ids`; in the order their image tokens appear, prompt by prompt).
+        the model's preprocessing returns them (`image_inputs`: Gemma 4's `pixel_values`
+        and `image_position_ids` from `tunelib.data.gemma4_image_inputs`, Qwen3.5's
+        `pixel_values` and `image_grid_thw` from `tunelib.data.qwen_vl_image_inputs`; in
+        the order their image tokens appear, prompt by prompt).
         They are encoded once, in the prefill; with `group_size` G the prefilled cache,
         images included, is copied G ways like the text. None: text only.
 
@@ -354,7 +356,7 @@ def sample(
         token id outside the vocabulary (both checked when the prompts are concrete, not
         traced), a bad `group_size`, `record_routing` for a model without
         mixture-of-experts layers, or `images` for a model that reads none (or without
-        `pixel_values` and `image_position_ids`, or with `num_soft_tokens_per_image` that
+        the arrays it reads, or with `num_soft_tokens_per_image` that
         the prompts' image tokens do not add up to, when the prompts are concrete).
 
     Examples:
