@@ -24,12 +24,12 @@ from kit.runs import checkpoint_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow  # recipe runs
 
-# A small task and model; 40 steps, so a process can be killed mid-run.
+# A small task and model; 20 steps, with checkpoints to resume from on the way.
 SMALL = [
     "--num-train", "128", "--num-heldout", "12", "--batch-size", "8", "--no-progress",
     "--no-plots", "--eval-every", "20",
 ]  # fmt: skip
-SFT = [*SMALL, "--model-size", "student", "--steps", "40", "--checkpoint-every", "10"]
+SFT = [*SMALL, "--model-size", "student", "--steps", "20", "--checkpoint-every", "5"]
 # Per logged value: relative, or absolute for values near zero that are differences of terms
 # of order one (a GRPO loss), where one float32 rounding (1.2e-7 at 1) of a sum reduced in
 # another order (across processes, through Gloo) is all that may differ.
@@ -99,7 +99,7 @@ def params(folder: Path) -> list[np.ndarray]:
 def assert_same_run(a: Path, b: Path) -> None:
     """The same steps, logged values within `RTOL` and the same final weights."""
     got, want = logged(a), logged(b)
-    assert got.keys() == want.keys() and got["step"] == want["step"] == list(range(41))
+    assert got.keys() == want.keys() and got["step"] == want["step"] == list(range(21))
     for key in got:
         np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL, err_msg=key)
     for x, y in zip(params(a), params(b), strict=True):
@@ -142,19 +142,19 @@ def test_sft_on_two_processes_equals_one_process_of_four_devices(sft_runs):
     assert_same_run(sft_runs["2x2"], sft_runs["1x4"])
     two = sft_runs["2x2"]
     # Every process saved its data position; process 0 alone wrote the run's own files.
-    data = two / "checkpoints" / "40" / "data"
+    data = two / "checkpoints" / "20" / "data"
     assert sorted(p.name for p in data.glob("*.json")) == [
         "process_0-of-2.json", "process_1-of-2.json",
     ]  # fmt: skip
-    assert len(records(two)) == 41 and (two / "result.json").is_file()
+    assert len(records(two)) == 21 and (two / "result.json").is_file()
 
 
 def test_a_checkpoint_resumes_on_other_process_and_device_counts(sft_runs, tmp_path):
-    """Elastic restore: the checkpoint of step 30 that 2 processes of 2 devices left resumes
+    """Elastic restore: the checkpoint of step 15 that 2 processes of 2 devices left resumes
     on 1 process of 1 device; the run ends as the uninterrupted one of 1 process of 4 devices
     (to `RTOL`: the sums' order changes with the devices). (A process killed, then resumed,
     is `tests/benchmarks/test_chaos_benchmark.py`'s and `tests/recipes`'.)"""
-    out = stopped_at(sft_runs["2x2"], 30, tmp_path / "stopped")
+    out = stopped_at(sft_runs["2x2"], 15, tmp_path / "stopped")
     result = run("sft", *SFT, "--out", str(out), "--resume", devices=1)
     assert result["restarts"] == 1
     assert_same_run(out, sft_runs["1x4"])

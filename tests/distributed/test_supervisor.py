@@ -12,7 +12,7 @@ import pytest
 from tests._helpers import user_env
 from tunelib import launch
 
-# Steps of 0.2 s, its progress in `--out`: a rerun with `--resume auto` goes on from there.
+# Steps of 0.1 s, its progress in `--out`: a rerun with `--resume auto` goes on from there.
 # Ctrl-C (the supervisor growing the run) stops it after a step, with code 130.
 PROGRAM = """
 import sys, time
@@ -27,7 +27,7 @@ print(f"from step {start} on {runtime.process_count}", flush=True)
 distributed.inject_faults("start", start)
 try:  # (the supervisor sends Ctrl-C after every process's first beat only)
     for step in range(start + 1, STEPS + 1):
-        time.sleep(0.2)
+        time.sleep(0.1)
         if runtime.is_main:
             done.write_text(str(step))
             with open(out / "steps", "a") as f:
