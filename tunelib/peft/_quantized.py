@@ -8,6 +8,7 @@ model. Grouped products over stacked experts (`tunelib.models.grouped_matmul`) d
 An embedding lookup in a quantised table dequantises only the rows it takes.
 """
 
+import functools
 from collections.abc import Sequence
 from typing import Literal
 
@@ -87,8 +88,8 @@ def quantize_params(
         if isinstance(leaf, quax.ArrayValue):
             raise ValueError(f"{path_string(path)!r} is already quantised.")
         if format == "int8":
-            return int8_quantize(leaf, channel_axis=-1 if layout == "in_out" else -2)
-        return nf4_quantize(
+            return _int8_quantize(leaf, channel_axis=-1 if layout == "in_out" else -2)
+        return _nf4_quantize(
             leaf,
             block_size=block_size,
             double_quant=double_quant,
@@ -101,10 +102,19 @@ def quantize_params(
     )
 
 
+# Each weight quantised (and dequantised) by one compiled program per shape and options: run
+# op by op, every distinct shape would compile each of the quantiser's operations on its own.
+_int8_quantize = functools.partial(jax.jit, static_argnames="channel_axis")(int8_quantize)
+_nf4_quantize = functools.partial(
+    jax.jit, static_argnames=("block_size", "double_quant", "transpose", "matmul")
+)(nf4_quantize)
+_dequantize = jax.jit(lambda x: x.dequantize())
+
+
 def dequantize_params(params: PyTree) -> PyTree:
     """`params` with every quantised tensor replaced by its dense array."""
     return jax.tree.map(
-        lambda x: x.dequantize() if isinstance(x, Quantized) else x,
+        lambda x: _dequantize(x) if isinstance(x, Quantized) else x,
         params,
         is_leaf=lambda x: isinstance(x, Quantized),
     )
