@@ -115,6 +115,11 @@ def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str
     lead = shape[:-2]
     positions = [keys.index("experts") + 1] if "experts" in keys else []
     if len(lead) > len(positions):
+        if len(keys) > 1 and keys[1].isdigit():
+            raise ValueError(
+                f"{path!r} stacks layers scanned by groups, which its path does not name "
+                "(DecoderConfig.layer_stacks); use the model with scan_layers=False."
+            )
         positions.insert(0, 1)
     if len(shape) < 2 or len(lead) != len(positions):
         raise ValueError(
