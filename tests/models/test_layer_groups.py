@@ -14,7 +14,7 @@ from tests._helpers import raises_naming
 from tests.models.test_deepseek import CONFIG as DEEPSEEK
 from tests.models.test_gemma4 import DENSE
 from tunelib import peft
-from tunelib.formats import load_hf_checkpoint, save_hf_checkpoint
+from tunelib.formats import load_hf_checkpoint, read_peft_lora, save_hf_checkpoint
 from tunelib.models import Decoder, DecoderConfig, param_shardings
 from tunelib.models._layer_runs import LayerRun, layer_runs
 from tunelib.rollout import SamplingConfig, completion_logps, sample
@@ -226,10 +226,19 @@ def test_lora_on_the_stacks_equals_lora_on_the_layers_and_every_stack_is_sharded
     got, want = hidden(scanned, scanned_adapters), hidden(unrolled, adapters)
     assert np.abs(want - hidden(unrolled, jax.tree.map(jnp.zeros_like, adapters))).max() > 0.1
     np.testing.assert_allclose(got, want, atol=1e-5)
-    # A stack's path does not say which layers it holds: PEFT export refuses it.
+    # A stack's path does not say which layers it holds: PEFT export needs layer_stacks, and
+    # then writes the unrolled model's adapters, which import back into the stacks.
     scanned_params = nnx.to_pure_dict(nnx.state(scanned, nnx.Param))
-    with raises_naming("scan_layers"):
-        peft.export_peft(tmp_path, scanned_adapters, scanned_params)
+    with raises_naming("layer_stacks"):
+        peft.export_peft(tmp_path / "refused", scanned_adapters, scanned_params)
+    stacks = scanned.config.layer_stacks
+    peft.export_peft(tmp_path / "scanned", scanned_adapters, scanned_params, layer_stacks=stacks)
+    peft.export_peft(tmp_path / "unrolled", adapters, params)
+    written = [read_peft_lora(tmp_path / name) for name in ("scanned", "unrolled")]
+    assert written[0][0] == written[1][0]  # the config, target modules included
+    jax.tree.map(np.testing.assert_array_equal, written[0][1], written[1][1])
+    back = peft.import_peft(tmp_path / "unrolled", scanned_params, layer_stacks=stacks)
+    jax.tree.map(np.testing.assert_allclose, back, scanned_adapters)
     graphdef, state = nnx.split(scanned)
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     shardings = param_shardings(graphdef, nnx.to_pure_dict(state), mesh)
