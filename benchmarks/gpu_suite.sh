@@ -86,6 +86,8 @@ part sampler-per-layer 330 python3 "$bench/sampler_roofline.py" --layout per_lay
     --batches 1,8,32 --json-out "$out/sampler_per_layer.json"
 part windowed-cache 330 python3 "$bench/windowed_cache.py" --size gemma3-1b --repeats 2 \
     --json-out "$out/windowed_cache.json"
+part layer-groups 240 python3 "$bench/gemma4_layer_groups.py" --repeats 2 \
+    --json-out "$out/layer_groups.json"
 part logprobs-llama3 220 python3 "$bench/logprobs.py" --size llama3-8b --n 8192 \
     --json-out "$out/logprobs_llama3.json"
 part parity-replay 60 bash -c 'parity gpu_replay --replay "$cpu"'

@@ -62,12 +62,13 @@ class Tuning:
         config = model.config
         if config.num_experts and (config.parallel_moe or config.biased_experts):
             return
+        stacks = config.layer_stacks  # the layers of each stack, if scanned by groups
         if placed.process_count == 1:
-            peft.export_peft(folder / "peft_adapter", trainable, self.base)
+            peft.export_peft(folder / "peft_adapter", trainable, self.base, layer_stacks=stacks)
             return
         trainable, base = placed.fetch(trainable), placed.fetch(self.base)  # on every host
         if placed.is_main:  # then one writer
-            peft.export_peft(folder / "peft_adapter", trainable, base)
+            peft.export_peft(folder / "peft_adapter", trainable, base, layer_stacks=stacks)
         placed.barrier("peft adapter written")
 
 

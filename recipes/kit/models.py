@@ -157,8 +157,8 @@ def _tokenizer(folder: Path):
 
 def load_model(path: Path) -> Model:
     """The model in `path` (checked with `model_folder` first). A pretrained model's layers
-    are stacked (`scan_layers`) when they are all of one shape: one layer is compiled, not
-    thirty."""
+    are stacked (`scan_layers`) when its config allows (`DecoderConfig.stackable`): one layer
+    is compiled, not thirty, or one pattern of layers where their shapes differ."""
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx

@@ -231,8 +231,10 @@ def test_layer_kinds_scan_and_config_errors():
     assert dense(np.ones((2, 3), np.int32), return_router_logits=True)[1].shape == (0, 2, 3, 1)
     with raises_naming("num_experts_per_tok", "num_experts"):
         DecoderConfig(**{**CONFIG, "num_experts_per_tok": 5})
-    with raises_naming("scan_layers", "mlp_only_layers"):
-        DecoderConfig(**CONFIG, mlp_only_layers=[0], scan_layers=True)
+    # Dense and mixture-of-experts layers are scanned by groups (`test_layer_groups`).
+    mixed = DecoderConfig(**CONFIG, mlp_only_layers=[0], scan_layers=True)
+    mixed = Decoder(mixed, rngs=nnx.Rngs(0))
+    assert mixed(np.ones((2, 3), np.int32), return_router_logits=True)[1].shape == (1, 2, 3, 4)
     with raises_naming("mlp_only_layers"):
         DecoderConfig(**CONFIG, mlp_only_layers=[2])
 

@@ -102,6 +102,9 @@ def abstract_params(config: DecoderConfig) -> tuple[nnx.GraphDef, PyTree[jax.Sha
 def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
     """Every parameter with its Hugging Face tensor names (see `docs/models.md`)."""
     out = []
+    # Layers of several shapes scanned by groups: `layers/<s>/...` stacks the layers of
+    # `stacks[s]`, `[R_s, ...]` (`DecoderConfig.layer_stacks`).
+    stacks = config.layer_stacks if config.scan_layers else ()
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = tuple(k.key for k in keypath)
         *modules, name = path
@@ -113,7 +116,7 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
         # Axes that index separate tensors, as (position in the module path, size).
         split = []
         if config.scan_layers and modules[0] == "layers":
-            split.append((1, config.num_hidden_layers))
+            split.append((1, len(stacks[modules[1]]) if len(stacks) > 1 else len(stacks[0])))
         if "experts" in modules and not fused_experts:
             split.append((modules.index("experts") + 1, config.num_experts))
         module_paths = []
@@ -121,6 +124,8 @@ def weights_of(params: PyTree, config: DecoderConfig) -> list[_Weight]:
             module = list(modules)
             for (position, _), i in sorted(zip(split, index, strict=True), reverse=True):
                 module.insert(position, i)
+            if len(stacks) > 1 and module[0] == "layers":  # [layers, r, s, ...]: one layer
+                module[1:3] = [stacks[module[2]][module[1]]]
             module_paths.append(module)
         if bare:
             named = [(m if fused_experts else [*m, name]) for m in module_paths]

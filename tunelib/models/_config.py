@@ -12,6 +12,7 @@ from tunelib.models._deepseek_config import (
     check_positive_int,
     check_sigmoid_routing,
 )
+from tunelib.models._layer_runs import LayerRun, layer_runs
 
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
@@ -238,7 +239,12 @@ class DecoderConfig(Dtypes):
         parallel form (`tunelib.models.chunked_gated_delta_rule`); it changes the order of
         float32 sums, not the result (Hugging Face: 64).
       scan_layers: ours: store the layers stacked on a leading "layers" axis and run them
-        with `nnx.scan` (one compiled layer instead of $L$).
+        with `nnx.scan` (one compiled layer instead of $L$). Layers of several shapes
+        (Gemma 4's sliding and full layers, dense and mixture-of-experts layers) are scanned
+        by groups: a repeated pattern of $p$ layers keeps one stack per position and is one
+        scan whose body runs the $p$ layers (`layer_runs`); a fixed number of layer bodies is
+        compiled, whatever the depth. Not with Gated DeltaNet layers,
+        `num_kv_shared_layers` or `hidden_size_per_layer_input`.
       remat: ours: recompute each layer's activations in the backward pass (`nnx.remat`).
       dtype: ours: the compute dtype of matmuls and the residual stream, one of
         "float32", "bfloat16", "float16", "float64". RMSNorm statistics, RoPE and softmax
@@ -561,20 +567,42 @@ class DecoderConfig(Dtypes):
                 raise ValueError(
                     f"rope_scaling['partial_rotary_factor'] must be in (0, 1], got {partial}."
                 )
-        if self.scan_layers and len(set(self.layer_shapes)) > 1:
+        if self.scan_layers and self.num_kv_shared_layers:
             raise ValueError(
-                "scan_layers needs every layer to have one shape, but head widths, key/value "
-                "heads, shared keys and values or MLP widths differ between layers here; use "
-                "scan_layers=False."
+                "scan_layers does not support num_kv_shared_layers > 0 (layers attending over "
+                "another layer's keys and values); use scan_layers=False."
             )
         if self.scan_layers and self.hidden_size_per_layer_input:
             raise ValueError("scan_layers does not support hidden_size_per_layer_input > 0.")
 
     @property
     def stackable(self) -> bool:
-        """Whether the layers can be stacked (`scan_layers=True`): all of one shape and kind,
-        with no per-layer inputs."""
-        return len(set(self.layer_shapes)) == 1 and not self.hidden_size_per_layer_input
+        """Whether the layers can be stacked (`scan_layers=True`, by groups where their
+        shapes differ): no Gated DeltaNet layers, shared keys and values or per-layer
+        inputs."""
+        return not (
+            any(self.linear_layers) or self.num_kv_shared_layers or self.hidden_size_per_layer_input
+        )
+
+    @property
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        """The runs `scan_layers` scans the layers in: one run of period 1 (one stack of
+        every layer) when all are of one shape; else the prefix, repeated pattern and rest of
+        the layers' shapes and kinds (sliding or full) that compile the fewest layer bodies.
+        A `LayerRun` is `(start, period, repeats)`: position `j` of repeat `r` is layer
+        `start + r * period + j`."""
+        shapes = self.layer_shapes
+        if len(set(shapes)) == 1:
+            return (LayerRun(0, 1, self.num_hidden_layers),)
+        return layer_runs(tuple(zip(shapes, self.sliding_layers, strict=True)))
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[int, ...], ...]:
+        """The layers each stack of a `scan_layers` model holds, in stack order, one stack per
+        position of each run (`layer_runs`). The parameters are `layers/<name>` `[L, ...]`
+        when there is one stack (every layer of one shape), else `layers/<s>/<name>`
+        `[R_s, ...]` for stack `s`."""
+        return tuple(run.members(j) for run in self.layer_runs for j in range(run.period))
 
     @property
     def layer_head_dims(self) -> tuple[int, ...]:
@@ -670,12 +698,6 @@ class DecoderConfig(Dtypes):
                 f"{list(layers)}."
             )
         object.__setattr__(self, "mlp_only_layers", layers)
-        if self.scan_layers and len(set(self.moe_layers)) > 1:
-            raise ValueError(
-                "scan_layers needs every layer to be of one kind, but decoder_sparse_step="
-                f"{self.decoder_sparse_step} and mlp_only_layers={list(layers)} mix "
-                "mixture-of-experts and dense layers; use scan_layers=False."
-            )
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:

@@ -19,12 +19,12 @@ from tunelib.models._config import DecoderConfig
 from tunelib.models._gated_delta_net import DeltaNetState
 from tunelib.models._layers import Dense, Embedding, RMSNorm
 from tunelib.models._mrope import mrope_angles, mrope_axes
-from tunelib.models._per_layer import PerLayer, is_per_layer, layer_at
+from tunelib.models._per_layer import PerLayer
 from tunelib.models._rope import rope_angles, rope_attention_factor, rope_frequencies
 from tunelib.models._routing import checked_routing
+from tunelib.models._scanned import run_stacks, stacked_layers, stacks_of
 from tunelib.models._windowed import (
     CacheGroup,
-    KindCaches,
     LayerCache,
     cache_groups,
     ring_key_slots,
@@ -121,7 +121,7 @@ class Decoder(nnx.Module):
             )
             self.per_layer_projection_norm = RMSNorm(p, "per_layer", c, rngs=rngs)
         if c.scan_layers:
-            self.layers = _stacked_layers(c, rngs)
+            self.layers = stacked_layers(c, rngs)
         else:
             self.layers = nnx.List(
                 [DecoderLayer(c, i, rngs=rngs) for i in range(c.num_hidden_layers)]
@@ -445,14 +445,17 @@ class Decoder(nnx.Module):
         if not self.config.scan_layers or products_must_be_plain():
             return params
         params = jax.tree.map(lambda x: x, params)  # new dicts, the same arrays
-        for path, module in nnx.iter_modules(self.layers):
-            if not isinstance(module, Dense):
-                continue
-            node = params["layers"]
-            for key in path:
-                node = node[key]
-            if isinstance(node["kernel"], jax.Array):
-                node["kernel"] = PerLayer.unstack(node["kernel"])
+        stacks = stacks_of(self.config, self.layers)
+        roots = [params["layers"]] if len(stacks) == 1 else list(params["layers"].values())
+        for root, stack in zip(roots, stacks, strict=True):
+            for path, module in nnx.iter_modules(stack):
+                if not isinstance(module, Dense):
+                    continue
+                node = root
+                for key in path:
+                    node = node[key]
+                if isinstance(node["kernel"], jax.Array):
+                    node["kernel"] = PerLayer.unstack(node["kernel"])
         return params
 
     def _masks(self, allowed, fill, query_slots, key_slots) -> dict[bool, tuple]:
@@ -534,85 +537,8 @@ class Decoder(nnx.Module):
                 run, x, inputs, per_layer, keys, values, index, groups, routing, linear
             )
 
-        # Stacked layers (one shape) of both kinds pick their inputs by a per-layer index into
-        # a stack; with one kind every layer takes the same inputs. A windowed cache of both
-        # kinds is two groups (a full cache and a ring, `KindCaches`): each kind's masks are
-        # its own shape, and each layer writes its kind's cache at its index among its kind.
-        kinds = sorted(inputs)
-        kind_ids = jnp.asarray([kinds.index(s) for s in c.sliding_layers], jnp.int32)
-        ringed = [g.window is not None for g in groups or ()]
-        by_kind = [ringed.index(k) for k in kinds] if len(ringed) == 2 else None
-        if len(kinds) == 1:
-            (table,) = inputs.values()
-
-            def pick(table, kind):
-                return table
-        elif by_kind is None:
-            table = jax.tree.map(lambda *parts: jnp.stack(parts), *(inputs[k] for k in kinds))
-
-            def pick(table, kind):
-                return jax.tree.map(lambda x: x[kind], table)
-        else:
-            rope = jax.tree.map(lambda *parts: jnp.stack(parts), *(inputs[k][:2] for k in kinds))
-            table = (rope, *zip(*(inputs[k][2:] for k in kinds), strict=True))
-
-            def pick(table, kind):
-                rope, allowed, fill = table
-                return (*jax.tree.map(lambda x: x[kind], rope), allowed, fill)
-
-        def through(carry, layer, table, i, kind, index, routing):
-            x, arrays = carry
-            cos, sin, allowed, fill = pick(table, kind)
-            layer_cache = None if arrays is None else _layer_cache(arrays, i, kind, index)
-            x, layer_cache, routed, _ = run(
-                layer, x, cos, sin, allowed, fill, layer_cache, None, None, routing
-            )
-            return (x, None if arrays is None else _arrays_of(layer_cache)), routed
-
-        def _layer_cache(arrays, i, kind, index):
-            if by_kind is None:
-                return LayerCache(*arrays[0], i, index, ring=ringed[0])
-            caches = tuple(LayerCache(*arrays[g], i[1], index, ring=ringed[g]) for g in by_kind)
-            return KindCaches(caches, kind)
-
-        def _arrays_of(layer_cache):
-            if by_kind is None:
-                return ((layer_cache.keys, layer_cache.values),)
-            arrays = [None] * 2
-            for g, kind_cache in zip(by_kind, layer_cache.caches, strict=True):
-                arrays[g] = (kind_cache.keys, kind_cache.values)
-            return tuple(arrays)
-
-        # Each layer's index in the stack and, with two groups, among the layers of its kind.
-        layer_ids = jnp.arange(c.num_hidden_layers)
-        if by_kind is not None:
-            among = [g.members.index(i) for i in range(c.num_hidden_layers) for g in groups
-                     if i in g.members]  # fmt: skip
-            layer_ids = (layer_ids, jnp.asarray(among, layer_ids.dtype))
-        arrays = None if keys is None else tuple(zip(keys, values, strict=True))
-        carry = (x, arrays)
-        graphdef, state = nnx.split(self.layers)
-        if any(map(is_per_layer, jax.tree.leaves(state, is_leaf=is_per_layer))):
-            # Parameters of `decoding_layout`: each step builds its layer from `state`, reading
-            # the per-layer weights in place (`_per_layer`).
-            def select(carry, xs):
-                i, kind, layer_routing = xs
-                at = i if by_kind is None else i[0]
-                layer = nnx.merge(graphdef, layer_at(state, at))
-                return through(carry, layer, table, i, kind, index, layer_routing)
-
-            carry, routed = jax.lax.scan(select, carry, (layer_ids, kind_ids, routing))
-        else:
-            scan = nnx.scan(
-                through,
-                in_axes=(nnx.Carry, 0, None, 0, 0, None, 0),
-                out_axes=(nnx.Carry, 0),
-                transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )
-            carry, routed = scan(carry, self.layers, table, layer_ids, kind_ids, index, routing)
-        x, arrays = carry
-        new = None if arrays is None else tuple(map(tuple, zip(*arrays, strict=True)))
-        return x, new, routed
+        cached = None if cache is None else (keys, values, index, groups)
+        return run_stacks(c, self.layers, run, x, inputs, cached, routing)
 
     def _loop(self, run, x, inputs, per_layer, keys, values, index, groups, routing, linear):
         """The layers one after another, each reading and writing its cache group's slot and
@@ -850,14 +776,3 @@ def _attention_mask(
 def _in_window(query_slots: jax.Array, key_slots: jax.Array, window: int) -> jax.Array:
     """`[T, S]`: True where key slot s lies less than `window` slots before query slot t."""
     return key_slots[None, :] > query_slots[:, None] - window
-
-
-def _stacked_layers(config: DecoderConfig, rngs: nnx.Rngs) -> DecoderLayer:
-    """`num_hidden_layers` independently initialised layers stacked on a leading axis."""
-
-    @nnx.split_rngs(splits=config.num_hidden_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(config, 0, rngs=rngs)
-
-    return create(rngs)

@@ -6,7 +6,7 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,16 +105,29 @@ def restore_adapters(directory: str | os.PathLike) -> dict:
 # ----------------------------------------------------------------------------- PEFT
 
 
-def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str]) -> list[str]:
+def _modules(
+    path: str,
+    shape: tuple[int, ...],
+    module_name: Callable[[str], str],
+    layer_stacks: Sequence[Sequence[int]] | None = None,
+) -> list[str]:
     """The module names of a weight `[..., in, out]`, one per index of its leading axes, in
     row-major order: a stacked `[L, ...]` weight gets the layer index after the path's first
     key (where `nnx.scan` stacks it), and stacked experts (`.../experts/<name>/kernel`,
     `[E, ...]` or `[L, E, ...]`) the expert index after "experts", as PEFT named each
-    expert's module in the per-expert layout."""
+    expert's module in the per-expert layout. A stack of layers scanned by groups,
+    `layers/<s>/...` `[R_s, ...]`, holds the layers `layer_stacks[s]`."""
     keys = path.split("/")
     lead = shape[:-2]
     positions = [keys.index("experts") + 1] if "experts" in keys else []
+    grouped = False
     if len(lead) > len(positions):
+        grouped = len(keys) > 1 and keys[1].isdigit()
+        if grouped and layer_stacks is None:
+            raise ValueError(
+                f"{path!r} stacks layers scanned by groups, which its path does not name: "
+                "give layer_stacks (DecoderConfig.layer_stacks)."
+            )
         positions.insert(0, 1)
     if len(shape) < 2 or len(lead) != len(positions):
         raise ValueError(
@@ -125,6 +138,8 @@ def _modules(path: str, shape: tuple[int, ...], module_name: Callable[[str], str
         named = list(keys)
         for position, i in sorted(zip(positions, index, strict=True), reverse=True):
             named.insert(position, str(i))
+        if grouped:  # layers, r, s, ...: the stack's r-th layer
+            named[1:3] = [str(layer_stacks[int(named[2])][int(named[1])])]
         names.append(module_name("/".join(named)))
     return names
 
@@ -152,6 +167,7 @@ def export_peft(
     *,
     module_name: Callable[[str], str] = hf_module_name,
     base_model_name_or_path: str | None = None,
+    layer_stacks: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """Write adapters in the Hugging Face PEFT format: `adapter_config.json` and
     `adapter_model.safetensors`.
@@ -174,6 +190,9 @@ def export_peft(
       module_name: maps an unstacked `/`-joined weight path to its Hugging Face module name;
         the default is `tunelib.models.hf_module_name`, for `tunelib.models.Decoder`.
       base_model_name_or_path: recorded in the config for `peft.PeftModel.from_pretrained`.
+      layer_stacks: for a model whose layers are scanned by groups, the layers each stack
+        `layers/<s>/...` holds (`DecoderConfig.layer_stacks`); without it such a stack is
+        refused, since its path does not name its layers. Other models ignore it.
     """
     found = check_adapters(params, adapters)
     if not found:
@@ -192,7 +211,8 @@ def export_peft(
     ranks, alphas, dropouts = {}, {}, Counter()
     for path, adapter in found.items():
         lora_a, lora_b = _factors(adapter)
-        names = _modules(path, (*adapter.a.shape[:-1], adapter.b.shape[-1]), module_name)
+        shape = (*adapter.a.shape[:-1], adapter.b.shape[-1])
+        names = _modules(path, shape, module_name, layer_stacks)
         parts = zip(
             names,
             lora_a.reshape(-1, *lora_a.shape[-2:]),
@@ -211,21 +231,23 @@ def export_peft(
         "lora_alpha": alpha,
         "lora_dropout": dropouts.most_common(1)[0][0],
         "use_rslora": next(iter(found.values())).rslora,
-        "target_modules": _target_modules(set(ranks), params, module_name),
+        "target_modules": _target_modules(set(ranks), params, module_name, layer_stacks),
         "rank_pattern": {re.escape(n): k for n, k in ranks.items() if k != r},
         "alpha_pattern": {re.escape(n): k for n, k in alphas.items() if k != alpha},
     }
     write_peft_lora(directory, factors, config)
 
 
-def _target_modules(adapted: set[str], params: PyTree, module_name) -> list[str] | str:
+def _target_modules(
+    adapted: set[str], params: PyTree, module_name, layer_stacks
+) -> list[str] | str:
     weights = array_leaves(params)
     fused = _fused_expert_weights(weights)
     every = [
         name
         for path, leaf in weights.items()
         if 2 <= len(leaf.shape) <= 4 and path not in fused
-        for name in _modules(path, tuple(leaf.shape), module_name)
+        for name in _modules(path, tuple(leaf.shape), module_name, layer_stacks)
     ]
     suffixes = sorted({name.rsplit(".", 1)[-1] for name in adapted})
     covered = {name for name in every if name.rsplit(".", 1)[-1] in suffixes}
@@ -248,6 +270,7 @@ def import_peft(
     *,
     module_name: Callable[[str], str] = hf_module_name,
     layout: str = "in_out",
+    layer_stacks: Sequence[Sequence[int]] | None = None,
 ) -> dict:
     """Adapters read from a Hugging Face PEFT LoRA directory, for the weights of `params`.
 
@@ -265,6 +288,7 @@ def import_peft(
       params: the base parameters the adapters are for.
       module_name: as in `export_peft`.
       layout: how the weights of `params` are applied, as in `LoraRule`.
+      layer_stacks: as in `export_peft`, for a model whose layers are scanned by groups.
 
     Returns:
       A nested dict of `LoraAdapter`s keyed like `params` (as `init_lora` returns).
@@ -275,7 +299,7 @@ def import_peft(
     fused = _fused_expert_weights(weights)
     for path, leaf in weights.items():
         if 2 <= len(leaf.shape) <= 4 and path not in fused:
-            names = _modules(path, tuple(leaf.shape), module_name)
+            names = _modules(path, tuple(leaf.shape), module_name, layer_stacks)
             for i, name in enumerate(names):
                 where[name] = (path, i)
     unknown = sorted(set(factors) - set(where))
