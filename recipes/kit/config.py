@@ -218,7 +218,7 @@ class VisionTask(Config):
         "the built-in task: arithmetic problems, or pictures of circles and squares to count "
         "(vision_counting: a new model is a tiny Gemma 4 vision-language model)",
     )
-    image_size: int = flag(32, "vision_counting: the side of the pictures in pixels (>= 32)")
+    image_size: int = flag(64, "vision_counting: the side of the pictures in pixels (>= 32)")
     max_count: int = flag(4, "vision_counting: the most shapes of one kind in a picture")
 
     def check(self) -> None:

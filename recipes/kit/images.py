@@ -37,9 +37,10 @@ from kit.errors import UserError
 # `completion`; RL: `prompt`).
 CONVERSATIONS = ("messages", "prompt", "completion")
 
-# The pixels of the tiny model's task: patches of 4 pixels, 2 x 2 of them pooled into a soft
-# token, so a picture of 32 x 32 pixels is 16 soft tokens.
-PATCH_SIZE, POOLING = 4, 2
+# The pixels of the tiny model's task: patches of 8 pixels, 2 x 2 of them pooled into a soft
+# token, so a picture of 64 x 64 pixels (at most 16 soft tokens: any picture is resized to
+# about that many pixels) is 16 soft tokens, one per cell of the counting task's 4 x 4 grid.
+PATCH_SIZE, POOLING = 8, 2
 
 
 @dataclasses.dataclass(frozen=True)

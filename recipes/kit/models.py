@@ -36,15 +36,16 @@ MODEL_SIZES = {
 
 
 # The tiny Gemma 4 vision-language model of the built-in vision task (`--task
-# vision_counting`): a two-layer Gemma 4 text stack (one sliding, one full layer) the size of
-# "base", and a two-layer vision encoder whose 4-pixel patches, pooled 2 x 2, make a 32-pixel
-# picture 16 soft tokens. Its vocabulary is the character tokenizer's and three more ids: the
-# image token and the begin- and end-of-image tokens.
+# vision_counting`): a two-layer Gemma 4 text stack (one sliding, one full layer, the window
+# longer than a prompt) the size of "base", and a two-layer vision encoder whose 8-pixel
+# patches, pooled 2 x 2, make a 64-pixel picture 16 soft tokens (`kit.images`). Its
+# vocabulary is the character tokenizer's and three more ids: the image token and the
+# begin- and end-of-image tokens.
 VISION_TEXT = {
     "model_type": "gemma4_text", "hidden_size": 128, "intermediate_size": 384,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
     "global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"],
-    "sliding_window": 32, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+    "sliding_window": 128, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
     "max_position_embeddings": 256, "final_logit_softcapping": None,
     "rope_parameters": {
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
