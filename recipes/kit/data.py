@@ -128,18 +128,27 @@ def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
     )  # fmt: skip
 
 
-def _file(config, kind: str, tokenizer) -> Task:
-
+def _read(config, kind: str, reader: Callable) -> list:
+    """`--data`'s records of `kind`, read by `reader` (`tunelib.data.read_records` or
+    `read_image_records`): an invalid record stops the run in one line naming it, or is
+    skipped and counted with `--skip-invalid`."""
     path = config.data
     on_invalid = "skip" if config.skip_invalid else "raise"
     try:
-        records, report = read_records(path, kind=kind, on_invalid=on_invalid)
+        records, report = reader(path, kind=kind, on_invalid=on_invalid)
     except RecordError as error:
         raise UserError(f"--data {path}: {error} (--skip-invalid drops invalid records)") from None
     except (ValueError, OSError) as error:  # the message names the file
         raise UserError(f"--data: {str(error).rstrip('.')}") from None
     if report.num_skipped:
         print(f"--data {path}: kept {report.kept} records, skipped {dict(report.skipped)}")
+    return records
+
+
+def _file(config, kind: str, tokenizer) -> Task:
+
+    path = config.data
+    records = _read(config, kind, read_records)
     if not records:
         raise UserError(f"--data {path} holds no valid {kind} record")
     held = min(config.num_heldout, len(records) // 5)
@@ -194,15 +203,7 @@ def _image_file(config, kind: str, tokenizer, layout) -> Task:
     missing or undecodable image, or images that do not match the image parts, stops the run
     in one line naming the record (or is skipped with `--skip-invalid`)."""
     path = config.data
-    on_invalid = "skip" if config.skip_invalid else "raise"
-    try:
-        records, report = read_image_records(path, kind=kind, on_invalid=on_invalid)
-    except RecordError as error:
-        raise UserError(f"--data {path}: {error} (--skip-invalid drops invalid records)") from None
-    except (ValueError, OSError) as error:  # the message names the file
-        raise UserError(f"--data: {str(error).rstrip('.')}") from None
-    if report.num_skipped:
-        print(f"--data {path}: kept {report.kept} records, skipped {dict(report.skipped)}")
+    records = _read(config, kind, read_image_records)
     held = min(config.num_heldout, len(records) // 5)
     heldout, train = records[:held], records[held:]
     problems = heldout if kind == "rl" else []
