@@ -76,16 +76,9 @@ class ImageLayout:
             vision.get("pooling_kernel_size", 3), max_soft_tokens,
         )  # fmt: skip
 
-    def preprocessor_config(self) -> dict:
-        """What `of_checkpoint` reads back from `preprocessor_config.json`."""
-        return {
-            "patch_size": self.patch_size,
-            "pooling_kernel_size": self.pooling_kernel_size,
-            "max_soft_tokens": self.max_soft_tokens,
-        }
-
     def options(self) -> dict:
-        """`tunelib.data.gemma4_image_inputs`' options."""
+        """`tunelib.data.gemma4_image_inputs`' options; also what is saved in a model's
+        `preprocessor_config.json` (`of_checkpoint` reads `max_soft_tokens` back)."""
         return {
             "patch_size": self.patch_size,
             "pooling_kernel_size": self.pooling_kernel_size,

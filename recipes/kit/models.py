@@ -374,5 +374,5 @@ def _save_vision_language(folder: Path, model: Model, params: dict, *, main: boo
     )  # fmt: skip
     if hasattr(model.tokenizer, "save"):
         model.tokenizer.save(folder)
-    text = json.dumps(model.images.preprocessor_config(), indent=2)
+    text = json.dumps(model.images.options(), indent=2)
     (folder / "preprocessor_config.json").write_text(text)
