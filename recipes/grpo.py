@@ -8,10 +8,15 @@
     python recipes/grpo.py --reward my_rewards.py:score          # a reward function of your own
     python recipes/grpo.py --reward-model runs/reward_model-seed0  # RLHF: a learned reward
     python recipes/grpo.py --model HF_CHECKPOINT --data problems.jsonl   # your model and prompts
+    python recipes/grpo.py --task vision_counting   # count shapes in pictures (Gemma 4, images)
     python -m tunelib.launch -n 2 recipes/grpo_async.py --max-staleness 1   # one samples
 
 The data: prompts with answers (the built-in task's "12+7=" and "19", or a file's
-`prompt`/`answer` records, the prompt a string or chat messages). Each step samples
+`prompt`/`answer` records, the prompt a string or chat messages). With images (the built-in
+vision task's "How many circles are there?" of a picture and "3", or a file's `images`,
+`prompt`, `answer` records) the model is a Gemma 4 vision-language model: the sampler
+encodes a prompt's images once, into the KV cache its G completions share, and the
+trainer's log-probs read them the same way. Each step samples
 `--group-size` completions of each of `--batch-size` prompts with the KV-cache sampler of
 `tunelib.rollout` and scores them: 1 for the right answer (the task's verifier; exact match for
 a file) plus `--format-weight` for a well-formed one on the built-in task, or your own

@@ -46,6 +46,11 @@ class GRPOAsyncConfig(GRPOConfig):
                 "--keep-best runs with recipes/grpo.py; with --max-staleness the trained "
                 "weights live on the trainer alone: keep the final model, or its checkpoints"
             )
+        if self.reads_images():
+            raise UserError(
+                "records with images train with recipes/grpo.py; the disaggregated recipe "
+                "exchanges text rollouts only"
+            )
 
 
 def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:

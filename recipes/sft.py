@@ -6,13 +6,18 @@
     python recipes/sft.py --model runs/sft-minus --lora-rank 16 [--qlora]   # LoRA on a model
     python recipes/sft.py --model HF_CHECKPOINT --data chats.jsonl          # your model and data
     python recipes/sft.py --config sft.toml    # flags from a TOML file (flags override it)
+    python recipes/sft.py --task vision_counting   # count shapes in pictures: Gemma 4 with images
 
 The data: records of a prompt and its completion (the built-in task's "12+7=" and "19", or a
 file's chat `messages` / `prompt`-`completion` records), tokenized with the model's own
-tokenizer and chat template. The loss: the mean negative log-likelihood of the completion
-tokens (and EOS), from the fused log-prob head, so no `[B, T, V]` logits exist. The step: one
-Optax update of the weights, or of LoRA adapters on the frozen base with `--lora-rank`.
-Held-out: the loss, and the greedy accuracy where the records have answers.
+tokenizer and chat template. With images (`--task vision_counting`: "How many circles are
+there?" of a picture, on a tiny Gemma 4 vision-language model; or a file of image records,
+`{"images": [...], "messages": [...]}`), each image's soft tokens sit in the prompt, and the
+batch carries the pixels that the vision encoder turns into them. The loss: the mean
+negative log-likelihood of the completion tokens (and EOS), from the fused log-prob head, so
+no `[B, T, V]` logits exist. The step: one Optax update of the weights, or of LoRA adapters
+on the frozen base with `--lora-rank`. Held-out: the loss, and the greedy accuracy where the
+records have answers.
 """
 
 import dataclasses
@@ -20,13 +25,13 @@ from pathlib import Path
 from typing import Literal
 
 import kit
-from kit.config import MODELS, DataFile, Lora, Run, Start, Task, flag
+from kit.config import MODELS, DataFile, Lora, Run, Start, Task, VisionTask, flag
 from kit.errors import UserError
 from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
-class SFTConfig(Run, Task, DataFile, Start, Lora):
+class SFTConfig(Run, Task, VisionTask, DataFile, Start, Lora):
     RECIPE = "sft"
     LEARNING_RATE = 3e-3
     LORA_LEARNING_RATE = 3e-3
@@ -45,7 +50,7 @@ class SFTConfig(Run, Task, DataFile, Start, Lora):
 
     def check(self) -> None:
         super().check()
-        if self.data is not None and self.model is None:
+        if self.data is not None and self.model is None and not self.reads_images():
             raise UserError("--data needs --model: a model whose tokenizer reads the file's text")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise UserError(f"--label-smoothing must lie in [0, 1), got {self.label_smoothing}")
@@ -60,13 +65,15 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import logprobs, losses, peft
 
-    from kit import data, evaluate, loop, lora, models, optim, parallel
+    from kit import data, evaluate, images, loop, lora, models, optim, parallel
 
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
-    model = models.start_model(config.model, config.model_size, config.seed)
+    model = models.start_model(
+        config.model, config.model_size, config.seed, images=config.reads_images()
+    )
     model = models.with_remat(model, config.remat)
-    task = data.load_task(config, "sft", model.tokenizer)
+    task = data.load_task(config, "sft", model.tokenizer, images=model.images)
     tuning = lora.tuning(
         model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
         dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,
@@ -78,7 +85,8 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         """The token mean of the completion tokens' negative log-likelihood."""
         model = nnx.merge(graphdef, params)
         packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
-        hidden = model(batch["tokens"], where=batch["attention_where"], **packed)
+        pixels = images.model_inputs(batch)  # the batch's images, if it has any
+        hidden = model(batch["tokens"], where=batch["attention_where"], **packed, **pixels)
         if config.label_smoothing or config.z_loss_weight:  # these need every logit
             per_token = losses.nll_loss(
                 model.unembed(hidden),

@@ -12,6 +12,7 @@
 - `chain`: the SFT runs a recipe trains first (its start, a teacher, a baseline).
 - `models`: the start model (new, a recipe's `model/`, a Hugging Face checkpoint) and saving.
 - `data`: the built-in task or a data file, as records and batches.
+- `images`: records with images laid out for a Gemma 4 vision-language model.
 - `lora`: full fine-tuning or LoRA / QLoRA adapters.
 - `optim`: the optimizer.
 - `evaluate`: greedy accuracy, held-out means, and an RL recipe's sampled metrics (pass@k,

@@ -73,6 +73,8 @@ def sft_flags(config, **values) -> list[str]:
         "max_digits": config.max_digits, "operations": config.operations,
         "logprobs": config.logprobs,
     }  # fmt: skip
+    if getattr(config, "task", "arithmetic") != "arithmetic":  # the built-in vision task
+        task.update(task=config.task, image_size=config.image_size, max_count=config.max_count)
     if config.devices is not None:
         task["devices"] = config.devices
     task.update(values)
@@ -82,11 +84,13 @@ def sft_flags(config, **values) -> list[str]:
 
 
 def sft_start(config) -> tuple[Path, float | None]:
-    """The start model of DPO and GRPO: `--model`, or this seed's SFT run, trained first
-    (on this run's task, for `--sft-steps`) when it is not there."""
+    """The start model of DPO and GRPO: `--model`, or this seed's SFT run (of the vision
+    task: `runs/sft-vision_counting-seed<seed>`), trained first (on this run's task, for
+    `--sft-steps`) when it is not there."""
     steps = {} if config.sft_steps is None else {"steps": config.sft_steps}
+    name = "sft" + (config.task_suffix() if hasattr(config, "task_suffix") else "")
     return ensure_model(
-        config.model, default_out("sft", config.seed), sft_flags(config, **steps),
+        config.model, default_out(name, config.seed), sft_flags(config, **steps),
         what="SFT model",
     )  # fmt: skip
 

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
+import json
 import math
 import operator
 import re
@@ -204,6 +205,67 @@ class Task(Config):
         at_least("max_digits", self.max_digits, 1)
         at_least("num_train", self.num_train, 1)
         at_least("num_heldout", self.num_heldout, 0)
+
+
+@dataclasses.dataclass(kw_only=True)
+class VisionTask(Config):
+    """The built-in vision task: pictures of circles and squares to count."""
+
+    GROUP: typing.ClassVar[str] = "built-in vision task"
+
+    task: Literal["arithmetic", "vision_counting"] = flag(
+        "arithmetic",
+        "the built-in task: arithmetic problems, or pictures of circles and squares to count "
+        "(vision_counting: a new model is a tiny Gemma 4 vision-language model)",
+    )
+    image_size: int = flag(64, "vision_counting: the side of the pictures in pixels (>= 32)")
+    max_count: int = flag(4, "vision_counting: the most shapes of one kind in a picture")
+
+    def check(self) -> None:
+        super().check()
+        at_least("image_size", self.image_size, 32)
+        if not 1 <= self.max_count <= 8:
+            raise UserError(f"--max-count must lie in 1..8, got {self.max_count}")
+        if self.task != "arithmetic" and getattr(self, "data", None) is not None:
+            raise UserError(
+                f"--task {self.task} is a built-in task and --data a file of your own: pass one"
+            )
+        if self.reads_images() and getattr(self, "packing", False):
+            raise UserError("--packing packs text only; records with images are not packed")
+
+    def reads_images(self) -> bool:
+        """Whether the run's records have images: the vision task, or `--data` of image
+        records (`holds_images`)."""
+        data = getattr(self, "data", None)
+        return self.task != "arithmetic" or (data is not None and holds_images(data))
+
+    def task_suffix(self) -> str:
+        """`-<task>` for a built-in task other than arithmetic, in the default run folder."""
+        return "" if self.task == "arithmetic" else f"-{self.task}"
+
+    def run_name(self) -> str:
+        return super().run_name() + self.task_suffix()
+
+
+def holds_images(path: Path) -> bool:
+    """Whether a data file holds image records: its first record has an `images` field (a
+    column of that name in Parquet). A file that cannot be read says no here; the records'
+    reader then says why."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return "images" in pq.read_schema(path).names
+        with path.open(encoding="utf-8") as f:
+            if suffix == ".jsonl":
+                first = json.loads(next((line for line in f if line.strip()), "null"))
+            else:
+                first = json.load(f)
+                first = first[0] if isinstance(first, list) and first else first
+    except (OSError, ValueError):  # ValueError: JSON and Unicode errors, a bad Parquet file
+        return False
+    return isinstance(first, dict) and "images" in first
 
 
 @dataclasses.dataclass(kw_only=True)

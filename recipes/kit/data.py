@@ -3,12 +3,15 @@
 Either way a task is records in the usual shapes (`prompt`/`completion`, `messages`,
 `prompt`/`chosen`/`rejected`, `prompt`/`answer`) and the start model's tokenizer, so the
 recipes never ask where their data came from: `tunelib.data`'s pipelines take both.
+Records with images (the built-in vision task, `--task vision_counting`, or a file of image
+records) add an `images` list, and their batches carry the pixels (`kit.images`).
 """
 
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import grain
 import jax.numpy as jnp
 
 from tunelib.data import (
@@ -18,11 +21,14 @@ from tunelib.data import (
     preference_dataset,
     preference_pairs,
     problem_in_words,
+    read_image_records,
     read_records,
     sft_dataset,
     verify_answer,
 )
 
+from kit import images as pictures
+from kit.config import holds_images
 from kit.errors import UserError
 
 
@@ -47,6 +53,8 @@ class Task:
       prompt_length: tokens of a (left-padded) prompt for sampling.
       max_new_tokens: tokens a completion may have when sampling.
       pack_length: the width of a packed row (`--packing`): several sequences share it.
+      images: for records with images, the model's `kit.images.ImageLayout`; else None.
+      slots: the most images of a record (the image slots of a batch's rows).
     """
 
     name: str
@@ -59,6 +67,8 @@ class Task:
     prompt_length: int
     max_new_tokens: int
     pack_length: int
+    images: object = None
+    slots: int = 0
 
 
 def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
@@ -118,18 +128,27 @@ def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
     )  # fmt: skip
 
 
-def _file(config, kind: str, tokenizer) -> Task:
-
+def _read(config, kind: str, reader: Callable) -> list:
+    """`--data`'s records of `kind`, read by `reader` (`tunelib.data.read_records` or
+    `read_image_records`): an invalid record stops the run in one line naming it, or is
+    skipped and counted with `--skip-invalid`."""
     path = config.data
     on_invalid = "skip" if config.skip_invalid else "raise"
     try:
-        records, report = read_records(path, kind=kind, on_invalid=on_invalid)
+        records, report = reader(path, kind=kind, on_invalid=on_invalid)
     except RecordError as error:
         raise UserError(f"--data {path}: {error} (--skip-invalid drops invalid records)") from None
     except (ValueError, OSError) as error:  # the message names the file
         raise UserError(f"--data: {str(error).rstrip('.')}") from None
     if report.num_skipped:
         print(f"--data {path}: kept {report.kept} records, skipped {dict(report.skipped)}")
+    return records
+
+
+def _file(config, kind: str, tokenizer) -> Task:
+
+    path = config.data
+    records = _read(config, kind, read_records)
     if not records:
         raise UserError(f"--data {path} holds no valid {kind} record")
     held = min(config.num_heldout, len(records) // 5)
@@ -142,11 +161,80 @@ def _file(config, kind: str, tokenizer) -> Task:
     )  # fmt: skip
 
 
-def load_task(config, kind: str, tokenizer, *, num_train: int | None = None) -> Task:
+def _laid_out(name: str, kind: str, tokenizer, layout, records: list, problems: list) -> dict:
+    """The widths of an image task: `max_length` of its SFT sequences, `prompt_length` of
+    its prompts, `slots` (see `kit.images.lengths`)."""
+    widths = pictures.lengths(records, tokenizer, layout, kind=kind, name=name)
+    asked = pictures.lengths(problems, tokenizer, layout, kind="rl", name=name)
+    return {
+        "max_length": widths["max_length"],
+        "prompt_length": max(widths["prompt_length"], asked["prompt_length"]),
+        "slots": max(widths["slots"], asked["slots"]),
+    }
+
+
+def _vision_counting(config, kind: str, tokenizer, layout, num_train: int) -> Task:
+    """The built-in vision task: "How many circles are there?" of a picture, answered with
+    the number ("3", then EOS, for a model without a chat template; the last number of a
+    chat model's reply)."""
+    train, heldout = pictures.counting_task(
+        seed=config.seed, num_train=num_train, num_heldout=config.num_heldout,
+        size=config.image_size, max_count=config.max_count,
+    )  # fmt: skip
+    problems = heldout
+    if kind == "sft":
+        train, heldout = [pictures.as_sft(r) for r in train], [pictures.as_sft(r) for r in heldout]
+    chat = tokenizer.chat_template is not None
+    read = "last_number" if chat else "exact"
+
+    def correct(text: str, problem: dict) -> bool:
+        return verify_answer(text, problem["answer"], read=read)
+
+    widths = _laid_out("vision_counting", kind, tokenizer, layout, train + heldout, problems)
+    max_new_tokens = 3 + (16 if chat else 0)  # one digit and EOS, with room
+    return Task(
+        "vision_counting", tokenizer, train, heldout, problems, correct, widths["max_length"],
+        widths["prompt_length"], max_new_tokens, widths["max_length"], layout, widths["slots"],
+    )  # fmt: skip
+
+
+def _image_file(config, kind: str, tokenizer, layout) -> Task:
+    """`--data`'s image records (`tunelib.data.read_image_records`), each checked: a
+    missing or undecodable image, or images that do not match the image parts, stops the run
+    in one line naming the record (or is skipped with `--skip-invalid`)."""
+    path = config.data
+    records = _read(config, kind, read_image_records)
+    held = min(config.num_heldout, len(records) // 5)
+    heldout, train = records[:held], records[held:]
+    problems = heldout if kind == "rl" else []
+    widths = _laid_out(f"--data {path}", kind, tokenizer, layout, records, [])
+    max_new_tokens = getattr(config, "max_new_tokens", config.max_length)
+    return Task(
+        str(path), tokenizer, train, heldout, problems, exact_match, widths["max_length"],
+        widths["prompt_length"], max_new_tokens, widths["max_length"], layout, widths["slots"],
+    )  # fmt: skip
+
+
+def load_task(config, kind: str, tokenizer, *, num_train: int | None = None, images=None) -> Task:
     """The task of `kind` ("sft", "preference" or "rl"): `--data`'s records, or the
-    built-in arithmetic task with `num_train` training problems (default `--num-train`)."""
+    built-in arithmetic task with `num_train` training problems (default `--num-train`), or
+    the built-in vision task (`--task vision_counting`). Records with images need a model
+    that reads them (`images`, its `kit.images.ImageLayout`); a `UserError` otherwise."""
     data: Path | None = getattr(config, "data", None)
-    if data is not None:
+    vision = getattr(config, "task", "arithmetic") != "arithmetic"
+    with_images = vision or (data is not None and holds_images(data))
+    if with_images and images is None:
+        what = f"--task {config.task}:" if vision else f"--data {data}: record 0 has images, but"
+        raise UserError(
+            f"{what} the model reads text only; give a Gemma 4 vision-language model "
+            "(recipes/sft.py --task vision_counting trains one, or a Hugging Face gemma4 "
+            "checkpoint)"
+        )
+    if vision:
+        task = _vision_counting(config, kind, tokenizer, images, num_train or config.num_train)
+    elif with_images:
+        task = _image_file(config, kind, tokenizer, images)
+    elif data is not None:
         task = _file(config, kind, tokenizer)
     else:
         task = _arithmetic(config, kind, tokenizer, num_train or config.num_train)
@@ -168,6 +256,11 @@ def batches(task: Task, config, placement, *, kind: str, packing: bool = False):
     """The endless, shuffled training batches of `task` (a checkpointable Grain iterator):
     this process's rows of each, `placement.rows` makes the global batch of them."""
 
+    if task.images is not None:  # records with images: shuffled, laid out batch by batch
+        index, count = placement.shard
+        order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
+        rows = order.batch(config.batch_size // count)[index::count]
+        return iter(rows.map(lambda chosen: _image_rows(task, chosen)).to_iter_dataset())
     dataset = sft_dataset if kind == "sft" else preference_dataset
     on_invalid = "skip" if getattr(config, "skip_invalid", False) else "raise"
     try:
@@ -192,6 +285,13 @@ def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
 
     if not task.heldout:
         return []
+    if task.images is not None:
+        b = config.batch_size
+        return [
+            placement.global_rows(_image_rows(task, range(i, min(i + b, len(task.heldout))),
+                                              task.heldout), pad=True)
+            for i in range(0, len(task.heldout), b)
+        ]  # fmt: skip
     dataset = sft_dataset if kind == "sft" else preference_dataset
     return [
         placement.global_rows(batch, pad=True)
@@ -202,11 +302,31 @@ def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
     ]  # fmt: skip
 
 
+def _image_rows(task: Task, chosen, records: list | None = None) -> dict:
+    """SFT rows of the records numbered `chosen` (of `task.train` by default), with their
+    images."""
+    records = task.train if records is None else records
+    return pictures.sft_rows(
+        [records[int(i)] for i in chosen], task.tokenizer, task.images,
+        length=task.max_length, slots=task.slots,
+    )  # fmt: skip
+
+
 def prompts(task: Task, records: list[dict]):
     """Left-padded `(tokens, where)` of the records' prompts, `task.prompt_length` wide."""
 
     return encode_prompts(
         [r["prompt"] for r in records], task.tokenizer, max_length=task.prompt_length
+    )
+
+
+def prompt_inputs(task: Task, records: list[dict]) -> tuple:
+    """`(tokens, where, images)`: the records' prompts as `prompts` lays them out, and for
+    records with images their `[B, M, ...]` pixels (`kit.images.pixels`), else None."""
+    if task.images is None:
+        return (*prompts(task, records), None)
+    return pictures.prompt_rows(
+        records, task.tokenizer, task.images, length=task.prompt_length, slots=task.slots
     )
 
 

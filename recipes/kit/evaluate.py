@@ -11,7 +11,8 @@ import numpy as np
 
 from tunelib import metrics, rollout
 
-from kit.data import Task, prompts
+from kit.data import Task, prompt_inputs
+from kit.images import model_inputs
 
 
 def greedy_config(task: Task, vocab_size: int):
@@ -47,15 +48,17 @@ def _sampled(graphdef, params, task: Task, records, sampling, placed, key, group
     key = jax.random.key(0) if key is None else key
     for first in range(0, len(records), 512):
         chunk = records[first : first + 512]
-        tokens, where = prompts(task, chunk)
-        if placed is not None:  # split over the devices, with copies of a prompt to fill them
-            extra = -len(chunk) % placed.num_devices
-            filled = [np.concatenate([x, np.repeat(x[:1], extra, 0)]) for x in (tokens, where)]
-            tokens, where = placed.global_rows(tuple(filled))
+        # Split over the devices, with copies of a prompt to fill them.
+        extra = 0 if placed is None else -len(chunk) % placed.num_devices
+        tokens, where, pixels = prompt_inputs(task, chunk + chunk[:1] * extra)
+        if placed is not None:
+            tokens, where, pixels = placed.global_rows((tokens, where, pixels))
+        images = None if pixels is None else model_inputs(pixels)
         chunk_key = jax.random.fold_in(key, first)  # each chunk samples afresh
         out = rollout.sample(
-            graphdef, params, tokens, where, chunk_key, sampling, group_size=group_size
-        )
+            graphdef, params, tokens, where, chunk_key, sampling, group_size=group_size,
+            images=images,
+        )  # fmt: skip
         fetch = placed.fetch if placed is not None else np.asarray
         rows = len(chunk) * group_size
         yield tuple(fetch(x)[:rows] for x in (out.tokens, out.where, out.logps))

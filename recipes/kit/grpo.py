@@ -24,6 +24,10 @@ from tunelib import advantages, losses, metrics, peft, rollout
 from kit import data, evaluate, goodput, loop, lora, models, optim, plan, reward_model
 from kit.errors import UserError
 from kit.grpo_config import MODES, load_reward
+from kit.images import model_inputs
+
+# The built-in tasks, whose answers are numbers: `--format-weight` rewards well-formed ones.
+BUILT_IN = ("arithmetic", "vision_counting")
 
 
 def well_formed(text: str, truncated: bool) -> bool:
@@ -45,6 +49,11 @@ def batch_template(
     """Zeros shaped like this process's rows of a batch of scored rollouts (`Sampler`'s),
     the trainer's side of the disaggregated exchange; with `routing` = `(M, k)` (MoE layers,
     experts per token), the batch's recorded routing too (`--replay-routing`)."""
+    if task.images is not None:
+        raise UserError(
+            "records with images train with recipes/grpo.py, without --plan, --device-memory "
+            "or --max-staleness: their rollouts carry pixels, which those do not plan for"
+        )
     rows = batch_size * group_size
     recorded = {}
     if routing is not None:
@@ -123,7 +132,7 @@ class Sampler:
                     f"{prompt!r}: a reward must be a finite number"
                 )
             return score
-        weight = self.format_weight if self.task.name == "arithmetic" else 0.0
+        weight = self.format_weight if self.task.name in BUILT_IN else 0.0
         return self.task.correct(text, record) + weight * well_formed(text, truncated)
 
     def __call__(self, policy, indices, key, *, version: int) -> dict:
@@ -132,11 +141,13 @@ class Sampler:
         NumPy arrays, with the rollout's stamp (`version`, `fingerprint`)."""
         placement, group, task = self.placement, self.group_size, self.task
         records = [task.train[i] for i in indices]
-        prompt_tokens, prompt_where = data.prompts(task, records)
+        prompt_tokens, prompt_where, pixels = data.prompt_inputs(task, records)
         prompts = placement.rows((prompt_tokens, prompt_where))
+        # A prompt's images are encoded once, into the KV cache its group shares.
+        images = None if pixels is None else model_inputs(placement.rows(pixels))
         out = rollout.sample(
             self.graphdef, policy, *prompts, key, self.sampling, group_size=group,
-            policy_version=version, record_routing=self.record_routing,
+            policy_version=version, record_routing=self.record_routing, images=images,
         )  # fmt: skip
         tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
@@ -154,6 +165,7 @@ class Sampler:
         recorded = {} if out.routing is None else {"routing": placement.local(out.routing)}
         return {
             **recorded,  # [B G, P + N, M, k]: the experts each token was routed to
+            **(pixels or {}),  # [B, M, ...]: the prompts' images
             "prompt_tokens": prompt_tokens,  # [B, P]; completion_logps repeats them per group
             "prompt_where": prompt_where,
             "tokens": tokens,
@@ -281,6 +293,7 @@ class Learner:
             self.graphdef, params, batch["prompt_tokens"], batch["prompt_where"],
             batch["tokens"], batch["where"], temperature=self.config.temperature,
             with_entropy=True, implementation=self.config.logprobs, routing=routing,
+            images=model_inputs(batch) or None,
         )  # fmt: skip
 
     def loss(self, trainable, frozen, batch, dropout_key):
@@ -430,7 +443,9 @@ def setup(config, model, placement) -> Setup:
     the sampler and the learner of a GRPO run."""
     vocab_size = model.config.vocab_size
     routing = models.replayed_routing(model.config, config.replay_routing)
-    task = data.load_task(config, "rl", model.tokenizer, num_train=config.num_prompts)
+    task = data.load_task(
+        config, "rl", model.tokenizer, num_train=config.num_prompts, images=model.images
+    )
     tuning = lora.tuning(
         model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
         dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,

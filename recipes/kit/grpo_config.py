@@ -22,6 +22,7 @@ from kit.config import (
     Run,
     SFTStart,
     Task,
+    VisionTask,
     at_least,
     flag,
 )
@@ -85,7 +86,7 @@ def _load_reward(spec: str) -> Callable[[str, dict], float]:
 
 
 @dataclasses.dataclass(kw_only=True)
-class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation, RoutingReplay):
+class GRPOConfig(Run, Task, VisionTask, DataFile, SFTStart, Lora, RLEvaluation, RoutingReplay):
     RECIPE = "grpo"
     LEARNING_RATE = 1e-4
     LORA_LEARNING_RATE = 1e-3
@@ -131,7 +132,7 @@ class GRPOConfig(Run, Task, DataFile, SFTStart, Lora, RLEvaluation, RoutingRepla
     max_entropy_weight: float = flag(0.005, "with --target-entropy: the weight's upper bound")
 
     def run_name(self) -> str:
-        return "grpo" if self.mode == "grpo" else f"grpo-{self.mode}"
+        return ("grpo" if self.mode == "grpo" else f"grpo-{self.mode}") + self.task_suffix()
 
     def stale(self) -> bool:
         """Whether rollouts may come from older weights than the trained ones."""

@@ -35,6 +35,31 @@ MODEL_SIZES = {
 }  # fmt: skip
 
 
+# The tiny Gemma 4 vision-language model of the built-in vision task (`--task
+# vision_counting`): a two-layer Gemma 4 text stack (one sliding, one full layer, the window
+# longer than a prompt) the size of "base", and a two-layer vision encoder whose 8-pixel
+# patches, pooled 2 x 2, make a 64-pixel picture 16 soft tokens (`kit.images`). Its
+# vocabulary is the character tokenizer's and three more ids: the image token and the
+# begin- and end-of-image tokens.
+VISION_TEXT = {
+    "model_type": "gemma4_text", "hidden_size": 128, "intermediate_size": 384,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 128, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+    "max_position_embeddings": 256, "final_logit_softcapping": None,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                           "rope_theta": 1e4},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+}  # fmt: skip
+VISION_ENCODER = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+    "position_embedding_size": 16,
+}  # fmt: skip
+VISION_SOFT_TOKENS = 16
+
 # Models found by name in the package that installs them: (package, file, how to install it).
 INSTALLED_MODELS = {
     "smollm2": (
@@ -115,6 +140,8 @@ class Model:
       folder: the folder or GGUF file it was loaded from, or None for a new model.
       hf_config: the Hugging Face `config.json` when it came from one or from a GGUF file
         (the run then also saves a Hugging Face checkpoint), else None.
+      images: for a vision-language model (a `tunelib.models.VisionLanguageModel`, whose
+        `config` is its language model's), its `kit.images.ImageLayout`; None otherwise.
     """
 
     config: object
@@ -123,6 +150,7 @@ class Model:
     tokenizer: object
     folder: Path | None = None  # the folder or GGUF file
     hf_config: dict | None = None
+    images: object = None  # a kit.images.ImageLayout
 
 
 def new_model(tokenizer, size: str, seed: int) -> Model:
@@ -140,6 +168,54 @@ def new_model(tokenizer, size: str, seed: int) -> Model:
     )
     graphdef, state = nnx.split(Decoder(config, rngs=nnx.Rngs(seed)))
     return Model(config, graphdef, nnx.to_pure_dict(state), tokenizer)
+
+
+def new_vision_model(tokenizer, seed: int) -> Model:
+    """A freshly initialised tiny Gemma 4 vision-language model (`VISION_TEXT`,
+    `VISION_ENCODER`) for `tokenizer`'s vocabulary and its three image tokens."""
+    from flax import nnx
+
+    from tunelib.formats import config_from_hf
+    from tunelib.models import VisionConfig, VisionLanguageModel
+
+    from kit.images import PATCH_SIZE, POOLING, ImageLayout
+
+    ids = range(tokenizer.vocab_size, tokenizer.vocab_size + 3)
+    layout = ImageLayout(*ids, PATCH_SIZE, POOLING, VISION_SOFT_TOKENS)
+    text = {
+        **VISION_TEXT, "vocab_size": tokenizer.vocab_size + 3, "pad_token_id": tokenizer.pad_id,
+        "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+    }  # fmt: skip
+    vision = VisionConfig(**VISION_ENCODER, patch_size=PATCH_SIZE, pooling_kernel_size=POOLING)
+    model = VisionLanguageModel(
+        config_from_hf(text), vision, image_token_id=layout.image_token_id,
+        pad_token_id=tokenizer.pad_id, bidirectional=True, rngs=nnx.Rngs(seed),
+    )  # fmt: skip
+    graphdef, state = nnx.split(model)
+    hf_config = {
+        "image_token_id": layout.image_token_id, "boi_token_id": layout.boi_token_id,
+        "eoi_token_id": layout.eoi_token_id,
+    }  # fmt: skip
+    return Model(
+        model.config, graphdef, nnx.to_pure_dict(state), tokenizer, hf_config=hf_config,
+        images=layout,
+    )  # fmt: skip
+
+
+def _vision_language(folder: Path, hf_config: dict) -> Model:
+    """The Gemma 4 vision-language checkpoint in `folder`."""
+    from tunelib.formats import load_hf_vision_language
+
+    from kit.images import ImageLayout
+
+    try:
+        checkpoint = load_hf_vision_language(folder)
+    except ValueError as error:  # the message names the field or tensor
+        raise UserError(f"--model {folder}: {error}") from None
+    return Model(
+        checkpoint.config, checkpoint.graphdef, checkpoint.params, _tokenizer(folder), folder,
+        checkpoint.hf_config, ImageLayout.of_checkpoint(hf_config, folder),
+    )  # fmt: skip
 
 
 def _tokenizer(folder: Path):
@@ -179,8 +255,10 @@ def load_model(path: Path) -> Model:
             checkpoint.hf_config,
         )  # fmt: skip
     if _is_hf_checkpoint(folder):
+        hf_config = json.loads((folder / "config.json").read_text())
+        if hf_config.get("model_type") == "gemma4":
+            return _vision_language(folder, hf_config)
         try:
-            hf_config = json.loads((folder / "config.json").read_text())
             stack = config_from_hf(hf_config).stackable
             checkpoint = load_hf_checkpoint(folder, scan_layers=stack)
         except ValueError as error:  # the message names the field or tensor
@@ -199,13 +277,15 @@ def load_model(path: Path) -> Model:
     return Model(config, graphdef, params, _tokenizer(folder), folder)
 
 
-def start_model(path: Path | None, size: str, seed: int) -> Model:
+def start_model(path: Path | None, size: str, seed: int, *, images: bool = False) -> Model:
     """The model in `path`, or a new one of `size` for the built-in task's character
-    tokenizer when `path` is None."""
+    tokenizer when `path` is None (with `images`, the tiny vision-language model)."""
     if path is not None:
         return load_model(path)
     from tunelib.data import CharTokenizer
 
+    if images:
+        return new_vision_model(CharTokenizer(), seed)
     return new_model(CharTokenizer(), size, seed)
 
 
@@ -228,6 +308,8 @@ def with_remat(model: Model, remat: bool) -> Model:
     `model` itself. Only the graph changes: the parameters are the same arrays."""
     if not remat or model.config.remat:
         return model
+    if model.images is not None:
+        raise UserError("--remat is not supported for vision-language models yet")
     from flax import nnx
 
     from tunelib.models import Decoder
@@ -254,6 +336,9 @@ def save_model(folder: Path, model: Model, params: dict) -> None:
     from kit import parallel
 
     folder = folder.resolve()
+    if model.images is not None:
+        _save_vision_language(folder, model, params, main=parallel.is_main())
+        return
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(folder / "params", params, force=True)
     if parallel.is_main():
@@ -270,3 +355,24 @@ def save_model(folder: Path, model: Model, params: dict) -> None:
             copy_files_from=model.folder if from_folder else None, overwrite=True,
             tokenizer=None if from_folder else model.tokenizer,  # a GGUF file's
         )  # fmt: skip
+
+
+def _save_vision_language(folder: Path, model: Model, params: dict, *, main: bool) -> None:
+    """A vision-language model as a Hugging Face Gemma 4 checkpoint in `folder`, with its
+    tokenizer and `preprocessor_config.json` (written by process 0)."""
+    import jax
+
+    from tunelib.formats import save_hf_vision_language
+
+    params = jax.device_get(params)
+    if not main:
+        return
+    copied = model.folder if model.folder is not None and model.folder.is_dir() else None
+    save_hf_vision_language(
+        folder, model.graphdef, params, hf_config=model.hf_config, overwrite=True,
+        copy_files_from=copied,
+    )  # fmt: skip
+    if hasattr(model.tokenizer, "save"):
+        model.tokenizer.save(folder)
+    text = json.dumps(model.images.options(), indent=2)
+    (folder / "preprocessor_config.json").write_text(text)
