@@ -79,15 +79,6 @@ def pytest_unconfigure(config):
         del os.environ[_CACHE_VARIABLE]
 
 
-def pytest_collection_modifyitems(items):
-    """The long end-to-end runs (marked `slow`) first, the rest in their usual order.
-
-    pytest-xdist's two workers then start on the runs of a minute or more and fill in with
-    the short tests, instead of one worker finishing a recipe run alone at the end while the
-    other waits. The order changes when a test runs, never what it checks."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 # docs/own_loop.md runs on the GGUF file named `model_path`: in the suite's doctests a tiny
 # file of SmolLM2's layout (Q8_0 blocks, byte-level BPE, ChatML), written once per process.
 OWN_LOOP_PAGE = "own_loop.md"
@@ -112,11 +103,14 @@ def _own_loop_model(request, doctest_namespace):
         doctest_namespace["model_path"] = request.getfixturevalue("tiny_gguf_file")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Modules with end-to-end (`slow`) tests run first, each kept whole (its module-scoped
-    fixtures made once): the two xdist workers start from the halves of this order and steal
-    from each other's queues when theirs run out, so the session ends on short tests that
-    balance the workers to within seconds, not on a recipe run that one worker waits for."""
+def pytest_collection_modifyitems(items):
+    """The modules with long end-to-end runs (marked `slow`) first, each kept whole (its
+    module-scoped fixtures made once), the rest in their usual order.
+
+    pytest-xdist's two workers then start on the runs of a minute or more and fill in with
+    the short tests, instead of one worker finishing a recipe run alone at the end while the
+    other waits. The order changes when a test runs, never what it checks."""
+
     def module(item):
         return item.nodeid.split("::")[0]
 

@@ -510,8 +510,9 @@ OVERRIDES = {"gemma4_text": GEMMA4, "deepseek_v3": DEEPSEEK}
 )
 def test_recipes_on_the_newer_families(tmp_path, family):
     """SFT (LoRA on the projections: attention, MLP or experts) from a transformers
-    Qwen3.5-MoE (a Gated DeltaNet layer, then a gated attention one, both with experts), Gemma 2 (soft-capped logits in every head), Gemma 3, Gemma 4 (two widths of
-    layer, per-layer inputs), gpt-oss (sinks, biased experts) or DeepSeek-V3 (latent
+    Qwen3.5-MoE (a Gated DeltaNet layer, then a gated attention one, both with experts),
+    Gemma 2 (soft-capped logits in every head), Gemma 3, Gemma 4 (two widths of layer,
+    per-layer inputs), gpt-oss (sinks, biased experts) or DeepSeek-V3 (latent
     attention, grouped sigmoid routing) checkpoint, the SFT model, merged, loading in
     transformers with equal logits (every family's sampler is its model tests'); then DPO
     from the Gemma 2 run (soft caps in the fused head of both sides of a pair) and GRPO with
