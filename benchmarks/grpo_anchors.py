@@ -234,6 +234,7 @@ class TunelibWorker:
         task = SimpleNamespace(
             name="ids", tokenizer=model.tokenizer, prompt_length=args.prompt_length,
             train=[{"prompt": p, "answer": ""} for p in prompts], correct=lambda text, r: False,
+            images=None, slots=0,
         )  # fmt: skip
         tuning = lora.tuning(model, placement, rank=0)
         frozen = {"base": tuning.base, "reference": model.params}

@@ -62,7 +62,9 @@ class Tuning:
         config = model.config
         if config.num_experts and (config.parallel_moe or config.biased_experts):
             return
-        stacks = config.layer_stacks  # the layers of each stack, if scanned by groups
+        # The layers each stack holds, when they are scanned (by groups where shapes differ);
+        # unrolled layers are named by their paths.
+        stacks = config.layer_stacks if config.scan_layers else None
         if placed.process_count == 1:
             peft.export_peft(folder / "peft_adapter", trainable, self.base, layer_stacks=stacks)
             return

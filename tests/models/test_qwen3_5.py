@@ -24,6 +24,7 @@ from tests._hf import (
     undocumented_config_fields,
     write_tiny_checkpoint,
 )
+from tests.models.test_moe import expert_parallel_equals_one_device
 from tunelib import peft
 from tunelib.formats import config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from tunelib.models import (
@@ -394,8 +395,8 @@ def test_decoding_equals_the_forward_and_generate(checkpoint):
 
 def test_moe_matches_transformers_and_transformers_reloads_our_save(tmp_path):
     """Qwen3.5-MoE (a DeltaNet and a full layer, each with four experts, top 2, and a gated
-    shared expert): padded-batch logits within 1e-4, and our save loads in transformers with
-    equal weights and logits."""
+    shared expert): padded-batch logits within 1e-4, 20 greedy tokens from the sampler equal
+    `generate`'s, and our save loads in transformers with equal weights and logits."""
     directory = write_tiny_checkpoint(tmp_path / "hf", "qwen3_5_moe_text", tokenizer=False)
     reference = model_class("qwen3_5_moe_text").from_pretrained(directory).eval()
     expected = hf_logits(reference, TOKENS, WHERE)
@@ -407,9 +408,33 @@ def test_moe_matches_transformers_and_transformers_reloads_our_save(tmp_path):
     error = np.abs(logits - expected)[WHERE].max()
     assert error < 1e-4, error
     assert np.abs(expected[WHERE]).max() > 1.0
+    rows, where = TOKENS[[0, 2]], WHERE[[0, 2]]
+    generated = hf_greedy(reference, rows, where, 20)
+    rollout = sample(loaded.graphdef, loaded.params, rows, where, jax.random.key(0),
+                     SamplingConfig(max_new_tokens=20, temperature=0.0))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(rollout.tokens), generated)
     ours = save_hf_checkpoint(tmp_path / "ours", loaded.graphdef, loaded.params,
                               hf_config=loaded.hf_config)  # fmt: skip
     assert_reloads_equal("qwen3_5_moe_text", ours, reference, TOKENS, WHERE)
+
+
+def test_moe_expert_parallel_sharding_equals_one_device():
+    """8 devices: a Qwen3.5-MoE DeltaNet layer's experts over "expert" (4), widths and heads
+    (the DeltaNet projections' included) over "model" (2), in float64 as the other families'
+    tests; every weight gets a gradient."""
+    with jax.enable_x64(True):
+        fields = dict(CONFIG, num_hidden_layers=1, layer_types=("linear_attention",),
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                      norm_topk_prob=True, shared_expert_intermediate_size=24)  # fmt: skip
+        config = DecoderConfig(**fields, dtype="float64", param_dtype="float64")
+        graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+        grads = expert_parallel_equals_one_device(
+            graphdef, params, np.asarray(TOKENS[:, :8] % 40),
+            lambda s: s["layers"][0]["mlp"]["experts"]["gate_proj"]["kernel"],
+            rtol=1e-10, atol=1e-12,
+        )  # fmt: skip
+    for path, grad in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads)):
+        assert np.asarray(grad).any(), jax.tree_util.keystr(path)
 
 
 def test_lora_adapts_the_delta_net_projections():

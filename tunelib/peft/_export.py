@@ -243,12 +243,13 @@ def _target_modules(
 ) -> list[str] | str:
     weights = array_leaves(params)
     fused = _fused_expert_weights(weights)
-    every = [
-        name
-        for path, leaf in weights.items()
-        if 2 <= len(leaf.shape) <= 4 and path not in fused
-        for name in _modules(path, tuple(leaf.shape), module_name, layer_stacks)
-    ]
+    every = []
+    for path, leaf in weights.items():
+        if 2 <= len(leaf.shape) <= 4 and path not in fused:
+            try:
+                every += _modules(path, tuple(leaf.shape), module_name, layer_stacks)
+            except ValueError:  # not a product's weight (a convolution's `[C, 1, K]`): never
+                continue  # adapted (the adapted ones were named above), so not a target
     suffixes = sorted({name.rsplit(".", 1)[-1] for name in adapted})
     covered = {name for name in every if name.rsplit(".", 1)[-1] in suffixes}
     if covered == adapted:
