@@ -233,8 +233,9 @@ def _tokenizer(folder: Path):
 
 def load_model(path: Path) -> Model:
     """The model in `path` (checked with `model_folder` first). A pretrained model's layers
-    are stacked (`scan_layers`) when its config allows (`DecoderConfig.stackable`): one layer
-    is compiled, not thirty, or one pattern of layers where their shapes differ."""
+    are stacked (`scan_layers`) when its config allows (`DecoderConfig.stackable`) and that
+    compiles fewer layer bodies: one layer, not thirty, or one pattern of layers where their
+    shapes differ."""
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
@@ -259,7 +260,10 @@ def load_model(path: Path) -> Model:
         if hf_config.get("model_type") == "gemma4":
             return _vision_language(folder, hf_config)
         try:
-            stack = config_from_hf(hf_config).stackable
+            config = config_from_hf(hf_config)
+            # Scanned when that compiles fewer layer bodies than the layers (nothing repeats in
+            # a small model of layers of different shapes: unrolled, it compiles faster).
+            stack = config.stackable and len(config.layer_stacks) < config.num_hidden_layers
             checkpoint = load_hf_checkpoint(folder, scan_layers=stack)
         except ValueError as error:  # the message names the field or tensor
             raise UserError(f"--model {folder}: {error}") from None
