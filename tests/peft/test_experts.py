@@ -77,12 +77,11 @@ def model_and_adapters(scan_layers: bool, fields=CONFIG, rules=RULES):
     config = DecoderConfig(**fields, scan_layers=scan_layers)
     graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
-    # Nonzero B everywhere, so the low-rank path counts in every product (made in one program:
-    # op by op, each adapter's shape would compile its own).
-    adapters = jax.jit(lambda p: jax.tree.map(
-        lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape),
-        peft.init_lora(p, rules, key=jax.random.key(1)),
-    ))(params)  # fmt: skip
+    adapters = peft.init_lora(params, rules, key=jax.random.key(1))
+    # Nonzero B everywhere, so the low-rank path counts in every product.
+    adapters = jax.tree.map(
+        lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape), adapters
+    )
     return graphdef, params, adapters
 
 
