@@ -97,6 +97,12 @@ class GRPOConfig(Run, Task, VisionTask, DataFile, SFTStart, Lora, RLEvaluation, 
     mode: Literal["grpo", "dapo", "dr_grpo"] = flag("grpo", "the algorithm's defaults")
     group_size: int = flag(8, "completions per prompt, G")
     temperature: float = flag(1.0, "sampling temperature (> 0: the G completions must differ)")
+    decoding_layout: Literal["stacked", "per_layer"] = flag(
+        "stacked",
+        "how the rollouts' decode steps read a stacked model's layers: per_layer reads each "
+        "layer's weights in place (faster steps on CPU, a longer compile, the weights held "
+        "twice while sampling; slower on a GPU); LoRA and quantised bases always scan",
+    )
     epsilon_low: float = flag(0.2, "lower clip bound of the ratio")
     epsilon_high: float | None = flag(None, "upper clip bound (default: the mode's)")
     kl_coef: float | None = flag(

@@ -416,9 +416,9 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 @pytest.mark.slow
 def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, monkeypatch):
-    """SFT, DPO and GRPO from a transformers checkpoint on JSON-lines files; the fine-tuned
-    checkpoints (LoRA merged, or the PEFT adapter on the base) load in transformers; a chat
-    with the result."""
+    """SFT, DPO and GRPO (its rollouts in the per-layer decoding layout) from a transformers
+    checkpoint on JSON-lines files; the fine-tuned checkpoints (LoRA merged, or the PEFT
+    adapter on the base) load in transformers; a chat with the result."""
     from tests._hf import hf_logits, hf_modules, write_chat_jsonl, write_tiny_checkpoint
     from tunelib.formats import load_hf_checkpoint
 
@@ -469,11 +469,15 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, m
             for a in range(20)
         ],
     )
+    # The scanned model's rollouts decode its layers in place: the trainer's first log-probs
+    # are still the sampler's.
     grpo = run_recipe(
         "grpo", *flags, "--data", str(problems), "--steps", "2", "--group-size", "2",
-        "--max-new-tokens", "6", "--out", str(tmp_path / "grpo"),
+        "--max-new-tokens", "6", "--decoding-layout", "per_layer",
+        "--out", str(tmp_path / "grpo"),
     )  # fmt: skip
     assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()
+    assert records_of(tmp_path / "grpo")[1]["mismatch_kl"] < 1e-6
 
     # A chat on standard input, two turns.
     capsys.readouterr()
