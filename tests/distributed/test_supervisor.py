@@ -81,6 +81,7 @@ def test_bad_settings_are_refused_in_one_line_with_nothing_written(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["program.py"]
 
 
+@pytest.mark.slow
 def test_hangs_are_detected_within_their_timeouts_and_the_run_recovers(tmp_path):
     """A process stuck in its start-up (before its first heartbeat, which `--hang-timeout`
     does not watch) is hung `--start-timeout` seconds after it started; on the next attempt
@@ -110,6 +111,7 @@ def test_hangs_are_detected_within_their_timeouts_and_the_run_recovers(tmp_path)
     assert [s for s, _ in steps] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
+@pytest.mark.slow
 def test_capacity_lost_goes_on_with_fewer_processes_and_grows_back(tmp_path):
     """Process 1's capacity is lost after step 2 for 2 s: the run goes on with 1 process
     (>= --min-processes), then is stopped after a step and grows back to 2."""

@@ -157,6 +157,7 @@ def float64_logits(tokens: np.ndarray, where: np.ndarray) -> np.ndarray:
     return logits
 
 
+@pytest.mark.slow
 def test_smollm2_loads_and_answers_as_in_transformers():
     """The model's shape, its logits against transformers' and its greedy tokens.
 

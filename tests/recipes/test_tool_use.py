@@ -240,6 +240,7 @@ def test_sft_never_trains_on_observations():
     np.testing.assert_allclose(np.asarray(scored)[before], np.asarray(rescored)[before], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_recipe_trains_end_to_end(tmp_path):
     """A capped run: SFT steps lower the demonstrations' loss, the GRPO steps sample
     episodes and log their tool use, and the result holds the table's numbers."""

@@ -55,6 +55,7 @@ def metrics_of(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sft_then_grpo_from_its_checkpoint_on_image_records(image_files, small_model, tmp_path):
     """SFT trains a Gemma 4 checkpoint on the image records, through its vision encoder
     (whose weights move: the images reached the model); GRPO starts from its checkpoint,
