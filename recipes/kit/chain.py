@@ -75,6 +75,8 @@ def sft_flags(config, **values) -> list[str]:
     }  # fmt: skip
     if getattr(config, "task", "arithmetic") != "arithmetic":  # the built-in vision task
         task.update(task=config.task, image_size=config.image_size, max_count=config.max_count)
+        if config.max_distractors is not None:
+            task["max_distractors"] = config.max_distractors
     if config.devices is not None:
         task["devices"] = config.devices
     task.update(values)

@@ -220,12 +220,19 @@ class VisionTask(Config):
     )
     image_size: int = flag(64, "vision_counting: the side of the pictures in pixels (>= 32)")
     max_count: int = flag(4, "vision_counting: the most shapes of one kind in a picture")
+    max_distractors: int | None = flag(
+        None,
+        "vision_counting: the most shapes of the kind not asked for (default --max-count; "
+        "0: only the asked shape is drawn)",
+    )
 
     def check(self) -> None:
         super().check()
         at_least("image_size", self.image_size, 32)
         if not 1 <= self.max_count <= 8:
             raise UserError(f"--max-count must lie in 1..8, got {self.max_count}")
+        if self.max_distractors is not None and not 0 <= self.max_distractors <= 8:
+            raise UserError(f"--max-distractors must lie in 0..8, got {self.max_distractors}")
         if self.task != "arithmetic" and getattr(self, "data", None) is not None:
             raise UserError(
                 f"--task {self.task} is a built-in task and --data a file of your own: pass one"

@@ -180,6 +180,7 @@ def _vision_counting(config, kind: str, tokenizer, layout, num_train: int) -> Ta
     train, heldout = pictures.counting_task(
         seed=config.seed, num_train=num_train, num_heldout=config.num_heldout,
         size=config.image_size, max_count=config.max_count,
+        max_distractors=config.max_distractors,
     )  # fmt: skip
     problems = heldout
     if kind == "sft":

@@ -92,12 +92,15 @@ class ImageLayout:
         return size[0] * size[1] // (self.patch_size * self.pooling_kernel_size) ** 2
 
 
-def counting_task(*, seed: int, num_train: int, num_heldout: int, size: int, max_count: int):
+def counting_task(
+    *, seed: int, num_train: int, num_heldout: int, size: int, max_count: int,
+    max_distractors: int | None = None,
+):  # fmt: skip
     """`(train, heldout)` RL records of `tunelib.data.vision_counting_split`'s counting
     question ("How many circles are there?"), pictures of `size` pixels."""
     return vision_counting_split(
         seed=seed, num_train=num_train, num_heldout=num_heldout, size=size,
-        max_count=max_count, questions=("count",),
+        max_count=max_count, max_distractors=max_distractors, questions=("count",),
     )  # fmt: skip
 
 

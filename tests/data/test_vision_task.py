@@ -125,6 +125,24 @@ def test_questions_and_counts_are_kept():
     assert set(VISION_QUESTIONS) == {"count", "sum"}
 
 
+@pytest.mark.parametrize("max_distractors", [0, 1])
+def test_distractors_are_bounded(max_distractors):
+    """`max_distractors` bounds the shapes not asked for (0: the asked shape only), read off
+    the pixels; the asked shape still occurs 1 to `max_count` times."""
+    train, _ = vision_counting_split(
+        num_train=40, num_heldout=0, questions=("count",), max_count=3,
+        max_distractors=max_distractors,
+    )  # fmt: skip
+    others, asked = set(), set()
+    for problem in train:
+        counts = count_shapes(problem["images"][0])
+        shape = "circle" if "circles" in question(problem) else "square"
+        assert problem["answer"] == str(counts[shape])
+        asked.add(counts[shape])
+        others.add(counts["square" if shape == "circle" else "circle"])
+    assert asked == {1, 2, 3} and others == set(range(max_distractors + 1))
+
+
 def test_records_check_and_round_trip(tmp_path):
     train, heldout = vision_counting_split(num_train=3, num_heldout=2, seed=2, size=32)
     _, report = validate_image_records(train + heldout, kind="rl")
@@ -142,5 +160,7 @@ def test_bad_arguments_are_named():
         vision_counting_split(num_train=1, num_heldout=0, size=16)
     with raises_naming("max_count"):
         vision_counting_split(num_train=1, num_heldout=0, max_count=9)
+    with raises_naming("max_distractors"):
+        vision_counting_split(num_train=1, num_heldout=0, max_distractors=-1)
     with raises_naming("questions", "'count'"):
         vision_counting_split(num_train=1, num_heldout=0, questions=("colour",))

@@ -51,12 +51,14 @@ def _draw_digit(draw: PIL.ImageDraw.ImageDraw, digit: int, box: tuple, colour: t
         draw.rectangle((left, top, right - 1, bottom - 1), fill=colour)
 
 
-def _count_problem(rng: random.Random, size: int, max_count: int) -> tuple[tuple, str, str]:
+def _count_problem(
+    rng: random.Random, size: int, max_count: int, max_distractors: int
+) -> tuple[tuple, str, str]:
     """Circles and squares in distinct grid cells; the question asks for one of the shapes."""
     asked = rng.choice(_SHAPES)
     counts = {asked: rng.randint(1, max_count)}
     other = _SHAPES[1 - _SHAPES.index(asked)]
-    counts[other] = rng.randint(0, max_count)
+    counts[other] = rng.randint(0, max_distractors)
     cells = rng.sample(range(_GRID * _GRID), counts[asked] + counts[other])
     cell = size // _GRID
     shapes = []
@@ -107,6 +109,7 @@ def vision_counting_split(
     seed: int = 0,
     size: int = 64,
     max_count: int = 4,
+    max_distractors: int | None = None,
     questions: Sequence[str] = VISION_QUESTIONS,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     r"""Disjoint train and held-out sets of pictures with a question and an integer answer.
@@ -116,7 +119,9 @@ def vision_counting_split(
     * `"count"`: circles and squares, each in its own cell of a 4 x 4 grid (a random radius,
       place in the cell and colour; no two shapes touch); "How many circles are there?"
       (or squares), with $1 \le n_{\mathrm{asked}} \le$ `max_count` and
-      $0 \le n_{\mathrm{other}} \le$ `max_count`; the answer is $n_{\mathrm{asked}}$;
+      $0 \le n_{\mathrm{other}} \le$ `max_distractors` (the shapes not asked for, by
+      default up to `max_count`; with `max_distractors=0` the picture holds the asked shape
+      only, and counting it is counting what is drawn); the answer is $n_{\mathrm{asked}}$;
     * `"sum"`: two digits $a, b \in \{0, \dots, 9\}$ drawn as on a seven-segment display,
       one in each half of the picture at a random place and colour; "What is the sum of
       the two numbers shown?", the answer $a + b$.
@@ -136,6 +141,8 @@ def vision_counting_split(
       seed: the split is a deterministic function of `seed` and the other arguments.
       size: the side of the pictures in pixels, >= 32.
       max_count: the most shapes of one kind in a picture, 1 to 8.
+      max_distractors: the most shapes of the kind not asked for, 0 to 8 (None:
+        `max_count`).
       questions: a non-empty subset of `("count", "sum")`.
 
     Returns:
@@ -145,8 +152,8 @@ def vision_counting_split(
       `write_image_records` saves them as PNG files and JSON lines.
 
     Raises:
-      ValueError: for a negative count, a `size` below 32, a `max_count` outside 1..8 or
-        unknown questions.
+      ValueError: for a negative count, a `size` below 32, a `max_count` outside 1..8, a
+        `max_distractors` outside 0..8 or unknown questions.
 
     Examples:
       >>> from tunelib.data import vision_counting_split
@@ -167,6 +174,11 @@ def vision_counting_split(
         raise ValueError(f"size must be >= 32 pixels, got {size}.")
     if not 1 <= max_count <= _GRID * _GRID // 2:
         raise ValueError(f"max_count must be in 1..{_GRID * _GRID // 2}, got {max_count}.")
+    max_distractors = max_count if max_distractors is None else max_distractors
+    if not 0 <= max_distractors <= _GRID * _GRID // 2:
+        raise ValueError(
+            f"max_distractors must be in 0..{_GRID * _GRID // 2}, got {max_distractors}."
+        )
     questions = tuple(questions)
     if not questions or any(q not in VISION_QUESTIONS for q in questions):
         raise ValueError(
@@ -177,7 +189,7 @@ def vision_counting_split(
     problems = []
     while len(problems) < num_heldout + num_train:
         if rng.choice(questions) == "count":
-            key, question, answer = _count_problem(rng, size, max_count)
+            key, question, answer = _count_problem(rng, size, max_count, max_distractors)
         else:
             key, question, answer = _sum_problem(rng, size)
         if key in seen:
