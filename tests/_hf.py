@@ -473,6 +473,26 @@ def write_chat_jsonl(path: Path, num_records: int, *, seed: int = 0) -> Path:
     return path
 
 
+def hf_greedy_with_images(
+    model: Any, prompt: np.ndarray, images: dict, image_token: int, count: int
+) -> np.ndarray:
+    """`count` tokens a vision-language `model`'s `generate` decodes greedily after one
+    prompt `[P]` whose image tokens are `image_token`, the images' arrays given by name
+    (`pixel_values` and the family's own), with stop tokens off."""
+    torch, _ = hf_modules()
+    model.generation_config.eos_token_id = None  # all `count` tokens, as with no stop tokens
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=torch.tensor(prompt[None], dtype=torch.long),
+            attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+            **{name: torch.tensor(array) for name, array in images.items()},
+            mm_token_type_ids=torch.tensor((prompt[None] == image_token).astype(np.int64)),
+            max_new_tokens=count,
+            do_sample=False,
+        )
+    return generated[0, len(prompt) :].numpy()
+
+
 def hf_logits(model: Any, tokens: np.ndarray, where: np.ndarray) -> np.ndarray:
     """`model`'s logits with tunelib's default positions (real tokens counted): float32, or
     float64 for a float64 model."""

@@ -14,6 +14,7 @@ from tests._hf import (
     QWEN3_5_VLM_PIXELS,
     VISION_END_TOKEN,
     VISION_START_TOKEN,
+    hf_greedy_with_images,
     hf_modules,
     tiny_qwen3_5_vlm,
 )
@@ -169,20 +170,10 @@ def test_greedy_tokens_with_an_image_equal_generate(hf_vlm, loaded):
     of a group; the trainer's recomputation over prompt and completion in one pass gives the
     sampler's log-probs (to the float32 rounding of the Gated DeltaNet's chunked form against
     its recurrent one)."""
-    torch, _ = hf_modules()
     inputs = qwen_vl_image_inputs(random_images()[:1], **QWEN3_5_VLM_PIXELS)
     prompt = image_prompt([5, 6, IMAGE_TOKEN, 7, 8], inputs["num_soft_tokens_per_image"])
-    hf_vlm.generation_config.eos_token_id = None  # all 20 tokens, as with no stop tokens
-    with torch.no_grad():
-        generated = hf_vlm.generate(
-            input_ids=torch.tensor(prompt[None], dtype=torch.long),
-            attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-            pixel_values=torch.tensor(inputs["pixel_values"]),
-            image_grid_thw=torch.tensor(inputs["image_grid_thw"]),
-            mm_token_type_ids=torch.tensor((prompt[None] == IMAGE_TOKEN).astype(np.int64)),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-        )[0, len(prompt) :].numpy()
+    images = {name: inputs[name] for name in ("pixel_values", "image_grid_thw")}
+    generated = hf_greedy_with_images(hf_vlm, prompt, images, IMAGE_TOKEN, NEW_TOKENS)
     config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_tokens=())
     where = np.ones((1, len(prompt)), bool)
     out = sample(

@@ -13,7 +13,7 @@ from tests._hf import (
     EOI_TOKEN,
     GEMMA4_VLM_PIXELS,
     IMAGE_TOKEN,
-    hf_modules,
+    hf_greedy_with_images,
     tiny_gemma4_vlm,
 )
 from tests.models.test_vision import random_images
@@ -34,24 +34,14 @@ def models(tmp_path_factory):
 
 
 def test_greedy_tokens_with_an_image_equal_generate_in_every_completion_of_a_group(models):
-    torch, _ = hf_modules()
     hf_vlm, loaded = models
     inputs = gemma4_image_inputs(random_images()[:1], **GEMMA4_VLM_PIXELS)
     prompt, _ = expand_image_tokens(
         [5, 6, IMAGE_TOKEN, 7, 8], inputs["num_soft_tokens_per_image"],
         image_token_id=IMAGE_TOKEN, boi_token_id=BOI_TOKEN, eoi_token_id=EOI_TOKEN,
     )  # fmt: skip
-    hf_vlm.generation_config.eos_token_id = None  # all 20 tokens, as with no stop tokens
-    with torch.no_grad():
-        generated = hf_vlm.generate(
-            input_ids=torch.tensor(prompt[None], dtype=torch.long),
-            attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-            pixel_values=torch.tensor(inputs["pixel_values"]),
-            image_position_ids=torch.tensor(inputs["image_position_ids"]),
-            mm_token_type_ids=torch.tensor((prompt[None] == IMAGE_TOKEN).astype(np.int64)),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-        )[0, len(prompt) :].numpy()
+    images = {name: inputs[name] for name in ("pixel_values", "image_position_ids")}
+    generated = hf_greedy_with_images(hf_vlm, prompt, images, IMAGE_TOKEN, NEW_TOKENS)
     config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_tokens=())
     out = sample(
         loaded.graphdef, loaded.params, prompt[None], np.ones((1, len(prompt)), bool),
