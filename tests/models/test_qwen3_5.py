@@ -35,6 +35,7 @@ from tunelib.models import (
     chunked_gated_delta_rule,
     gated_rms_norm,
     recurrent_gated_delta_rule,
+    unit_lower_inverse,
 )
 from tunelib.rollout import SamplingConfig, sample
 
@@ -240,7 +241,7 @@ def test_chunked_equals_recurrent_in_float64_and_decodes_on():
 
 
 def test_chunked_gradients_equal_the_recurrent_ones_in_float64():
-    """Training differentiates the chunked form (through its triangular solves): its
+    """Training differentiates the chunked form (through its triangular inverse): its
     gradients with respect to every input, the initial state included, equal the
     recurrence's."""
     with jax.enable_x64(True):
@@ -261,6 +262,34 @@ def test_chunked_gradients_equal_the_recurrent_ones_in_float64():
         got = jax.jit(jax.grad(loss, argnums), static_argnums=0)(chunked, *inputs)
         for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), got, expected, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-10, err_msg=name)
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 13])
+def test_unit_lower_inverse_equals_numpy_in_float64(size):
+    """Sizes that are and are not powers of two; what is on and above the diagonal is not
+    read; a batch of matrices is inverted one by one."""
+    rng = np.random.default_rng(size)
+    a = rng.normal(size=(2, 3, size, size)) / 2
+    unit = np.tril(a, -1) + np.eye(size)
+    with jax.enable_x64(True):
+        got = np.asarray(jax.jit(unit_lower_inverse)(jnp.asarray(a)))
+    np.testing.assert_allclose(got, np.linalg.inv(unit), rtol=1e-12, atol=1e-12)
+    assert got.dtype == np.float64
+
+
+def test_the_chunked_rule_and_its_gradient_call_no_lapack():
+    """jaxlib 0.10's batched LAPACK triangular solve waits on XLA's CPU thread pool from a
+    thread of that pool: two of them at once hung a GRPO step on a 2-core machine. The rule,
+    forward and backward, must lower to matrix products only."""
+
+    def loss(*x):
+        out, state = chunked_gated_delta_rule(*x, chunk_size=4)
+        return jnp.sum(out) + jnp.sum(state)
+
+    text = jax.jit(jax.value_and_grad(loss, range(6))).lower(*delta_inputs(0)).as_text()
+    assert "dot_general" in text
+    for name in ("lapack", "triangular_solve", "custom_call"):
+        assert name not in text, name
 
 
 def test_new_values_do_not_recompile():

@@ -8,9 +8,9 @@ without `[B, T, V]` logits. `DecoderConfig` uses the field names of a Hugging Fa
 `MoE`, `route` and `grouped_matmul` are its mixture-of-experts layer, `route_grouped` and
 `expert_bias_update` DeepSeek-V3's routing and its balancing rule; `GatedDeltaNet` is
 Qwen3.5's linear-attention layer, `chunked_gated_delta_rule`, `recurrent_gated_delta_rule`,
-`causal_conv1d` and `gated_rms_norm` its pure functions; `VisionLanguageModel` puts Gemma 4's
-vision encoder (`VisionEncoder`, `VisionConfig`) and multimodal embedder
-(`MultimodalEmbedder`), or Qwen3.5's encoder and merger (`QwenVisionEncoder`,
+`causal_conv1d`, `gated_rms_norm` and `unit_lower_inverse` its pure functions;
+`VisionLanguageModel` puts Gemma 4's vision encoder (`VisionEncoder`, `VisionConfig`) and
+multimodal embedder (`MultimodalEmbedder`), or Qwen3.5's encoder and merger (`QwenVisionEncoder`,
 `QwenVisionConfig`), in front of it, the images' soft tokens at the image tokens (Qwen3.5's
 at the 3-D positions of `mrope_positions`);
 `param_shardings` and the rules place its parameters on a mesh.
@@ -27,6 +27,7 @@ from tunelib.models._delta_net import (
     chunked_gated_delta_rule,
     gated_rms_norm,
     recurrent_gated_delta_rule,
+    unit_lower_inverse,
 )
 from tunelib.models._gated_delta_net import GatedDeltaNet
 from tunelib.models._grouped_matmul import (
@@ -79,6 +80,7 @@ __all__ = [
     "rope_frequencies",
     "route",
     "route_grouped",
+    "unit_lower_inverse",
 ]
 
 # The Hugging Face and GGUF formats moved to `tunelib.formats`; served from here until 0.3.0.

@@ -105,6 +105,61 @@ def recurrent_gated_delta_rule(
     return jnp.moveaxis(out, 0, 1), state
 
 
+def unit_lower_inverse(a: Float[ArrayLike, "*B C C"]) -> Float[Array, "*B C C"]:
+    r"""The inverse of unit lower-triangular matrices, by doubling blocks: matrix products only.
+
+    With $L = \begin{pmatrix} L_{11} & 0 \\ L_{21} & L_{22} \end{pmatrix}$,
+    $L^{-1} = \begin{pmatrix} L_{11}^{-1} & 0 \\ -L_{22}^{-1} L_{21} L_{11}^{-1} &
+    L_{22}^{-1} \end{pmatrix}$; starting from the $1 \times 1$ blocks (ones), each of
+    $\lceil \log_2 C \rceil$ rounds inverts the diagonal blocks of twice the size from
+    the last round's. The entries above the diagonal and on it are not read (taken as 0
+    and 1); $C$ is padded with the identity to a power of two.
+
+    This replaces a batched `jax.scipy.linalg.solve_triangular`: on CPU, jaxlib 0.10's
+    LAPACK triangular solve splits its batch over XLA's thread pool and waits on it from a
+    thread of that pool, so two solves running at once on a 2-thread pool wait on each
+    other for ever. Matrix products have no such wait, and are what an accelerator runs
+    fastest.
+
+    Args:
+      a: `[..., C, C]` unit lower-triangular matrices.
+
+    Returns:
+      Their `[..., C, C]` inverses, in the dtype of `a`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from tunelib.models import unit_lower_inverse
+      >>> a = jnp.array([[1.0, 0.0, 0.0], [2.0, 1.0, 0.0], [3.0, 4.0, 1.0]])
+      >>> print(unit_lower_inverse(a))
+      [[ 1.  0.  0.]
+       [-2.  1.  0.]
+       [ 5. -4.  1.]]
+    """
+    a = jnp.asarray(a)
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"a must be [..., C, C] square matrices, got shape {a.shape}.")
+    c = a.shape[-1]
+    n = 1 << max(c - 1, 0).bit_length()
+    a = jnp.tril(a, -1)
+    a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, n - c), (0, n - c)])
+    batch = a.shape[:-2]
+    inverse = jnp.ones((*batch, n, 1, 1), a.dtype)  # the inverses of the diagonal blocks
+    size = 1
+    while size < n:
+        blocks = n // (2 * size)
+        tiles = a.reshape(*batch, blocks, 2 * size, blocks, 2 * size)
+        diagonal = jnp.moveaxis(jnp.diagonal(tiles, axis1=-4, axis2=-2), -1, -3)
+        lower = diagonal[..., size:, :size]  # L21 of each pair, [..., blocks, size, size]
+        first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        corner = -(second @ lower @ first)
+        top = jnp.concatenate([first, jnp.zeros_like(first)], axis=-1)
+        bottom = jnp.concatenate([corner, second], axis=-1)
+        inverse = jnp.concatenate([top, bottom], axis=-2)
+        size *= 2
+    return inverse[..., 0, :c, :c]
+
+
 def chunked_gated_delta_rule(
     q: Float[ArrayLike, "B T H Dk"],
     k: Float[ArrayLike, "B T H Dk"],
@@ -122,7 +177,8 @@ def chunked_gated_delta_rule(
     $\Gamma_{ij} = e^{\gamma_i - \gamma_j}$ for $j \le i$ (0 above), the chunk's
     $C$ updates unroll into the WY form: $(I + A)\,U = \mathrm{diag}(\beta) V$ and
     $(I + A)\,W = \mathrm{diag}(\beta e^{\gamma}) K$ with $A$ the strictly lower part of
-    $\mathrm{diag}(\beta) K K^\top \odot \Gamma$ (two unit-triangular solves). With the
+    $\mathrm{diag}(\beta) K K^\top \odot \Gamma$ (one unit-triangular inverse,
+    `unit_lower_inverse`, applied to both). With the
     state $S$ (transposed) before the chunk, $\tilde U = U - W S$ are the values the chunk
     writes, its outputs are $\mathrm{diag}(e^{\gamma}) Q S + (Q K^\top \odot \Gamma)\tilde U$
     and the state after it is $e^{\gamma_C} S + (\mathrm{diag}(e^{\gamma_C - \gamma}) K)^\top
@@ -184,11 +240,9 @@ def chunked_gated_delta_rule(
         strictly, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0
     )
 
-    def solve(rhs):
-        return jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-
-    u = solve(v * beta[..., None])
-    w = solve(k_beta * jnp.exp(gamma)[..., None])
+    inverse = unit_lower_inverse(system)
+    u = inverse @ (v * beta[..., None])
+    w = inverse @ (k_beta * jnp.exp(gamma)[..., None])
     attention = jnp.einsum("...ik,...jk->...ij", q, k) * decay
     q_decayed = q * jnp.exp(gamma)[..., None]
     k_decayed = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
