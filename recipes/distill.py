@@ -174,8 +174,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     # Greedy accuracy, and with --eval-samples k the student's k samples at
     # --sample-temperature: pass@1, pass@k, maj@k, entropy and diversity (kit.evaluate).
     evaluate_fn = evaluate.for_rl(
-        config, student.graphdef, vocab_size, lambda params: params, task, sampling, placement
-    )
+        config, student.graphdef, vocab_size, lambda params: params, task, sampling, placement,
+        run,
+    )  # fmt: skip
     # A warning line at the signs of entropy collapse; with --keep-best, the best model kept.
     watcher, best = watch.watcher(
         config, run, lambda folder, params: models.save_model(folder / "model", student, params),
@@ -208,6 +209,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         ),
         "accuracy_before": before,
         "accuracy_after": after,
+        **evaluate.paired_headline(run),
         **loop.before_and_after(run, *evaluate.SAMPLED),  # with --eval-samples
         **(best.headline() if best else {}),
     }

@@ -92,7 +92,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         return learner.learn({**state, "rng": rng}, rows, dropout_key, version=version)
 
     evaluate_fn = evaluate.for_rl(
-        config, graphdef, vocab_size, tuning.policy, task, sampling, placement
+        config, graphdef, vocab_size, tuning.policy, task, sampling, placement, run
     )
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory

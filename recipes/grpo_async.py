@@ -117,7 +117,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         return state, {**out, "weight_push_mb_per_s": rate / 1e6} if trainer else {}
 
     rl_evaluate = evaluate.for_rl(
-        config, graphdef, vocab_size, tuning.policy, task, sampling, placement
+        config, graphdef, vocab_size, tuning.policy, task, sampling, placement, run
     )
 
     def evaluate_fn(trainable):

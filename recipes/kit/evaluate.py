@@ -1,9 +1,19 @@
-"""Held-out evaluation: greedy accuracy with the task's verifier, and token-mean losses.
+r"""Held-out evaluation: greedy accuracy with the task's verifier, and token-mean losses.
 
 Sampling is split by rows over the run's devices (`kit.parallel`), in every process; each
 process decodes every completion, so all compute the same accuracy.
+
+An RL run also compares each evaluation with its first, problem by problem: the problems the
+policy now answers right that the starting policy got wrong (`turned_right`) and the reverse
+(`turned_wrong`). Both accuracies are measured on the same problems, so the noise of their
+difference is the paired (McNemar) standard error, $\sqrt{(b + c)/n - (b - c)^2/n^2} /
+\sqrt{n}$ for $b$ turned right and $c$ turned wrong of $n$, which `paired_headline` reports
+beside the accuracies; it is smaller than two independent binomial errors when the two
+policies agree on most problems.
 """
 
+import json
+import math
 from collections.abc import Callable
 
 import jax
@@ -123,20 +133,42 @@ def sample_metrics(tokens, where, logps, correct, answers: list, *, k: int) -> d
 
 def rl_metric_names(config) -> list[str]:
     """The names `for_rl`'s evaluation logs under `config`."""
-    return ["accuracy", *(SAMPLED if config.eval_samples else ())]
+    return ["accuracy", "turned_right", "turned_wrong", *(SAMPLED if config.eval_samples else ())]
 
 
 def for_rl(
-    config, graphdef, vocab_size: int, policy_of: Callable, task: Task, sampling, placed
+    config, graphdef, vocab_size: int, policy_of: Callable, task: Task, sampling, placed, run
 ) -> Callable[[dict], dict]:
     """The held-out evaluation of an RL recipe, `evaluate(trainable) -> metrics`: greedy
-    `accuracy`, and with `--eval-samples k` the metrics of `samples` drawn with `sampling`,
-    on the policy the sampler runs, `policy_of(trainable)` (`kit.lora.Tuning.policy`:
-    adapters beside the base, never merged)."""
+    `accuracy`, the problems `turned_right` and `turned_wrong` since the first evaluation,
+    and with `--eval-samples k` the metrics of `samples` drawn with `sampling`, on the policy
+    the sampler runs, `policy_of(trainable)` (`kit.lora.Tuning.policy`: adapters beside the
+    base, never merged). The first evaluation's grades are kept in the folder of `run`
+    (`kit.runs.RunFolder`; written by process 0), where a resumed run reads them; a resumed
+    run without them logs NaN for the two counts."""
+    path = run.path / START_GRADES
+    start: list[np.ndarray | None] = []
+
+    def first_grades(now: np.ndarray) -> np.ndarray | None:
+        if not start and run.resume:  # the run's first evaluation was an earlier process's
+            start.append(np.array(json.loads(path.read_text()), bool) if path.is_file() else None)
+        if not start:  # this is the run's first evaluation, before the first step
+            if jax.process_index() == 0:
+                path.write_text(json.dumps(now.astype(int).tolist()))
+            start.append(now)
+        first = start[0]
+        return first if first is not None and first.shape == now.shape else None
 
     def evaluate(trainable) -> dict:
         policy = policy_of(trainable)
-        out = {"accuracy": accuracy(graphdef, policy, task, vocab_size, placed)}
+        if not task.problems:
+            out = dict.fromkeys(("accuracy", "turned_right", "turned_wrong"), float("nan"))
+        else:
+            now = graded(graphdef, policy, task, vocab_size, placed)
+            first = first_grades(now)
+            out = {"accuracy": float(now.mean())}
+            out["turned_right"] = float("nan") if first is None else float(np.sum(now & ~first))
+            out["turned_wrong"] = float("nan") if first is None else float(np.sum(first & ~now))
         if config.eval_samples:
             out.update(samples(graphdef, policy, task, sampling, placed, k=config.eval_samples))
         return out
@@ -144,14 +176,43 @@ def for_rl(
     return evaluate
 
 
-def accuracy(graphdef, params, task: Task, vocab_size: int, placed) -> float:
-    """The share of held-out problems whose greedy completion the verifier accepts (sampled
-    on the devices of `placed`, see `completions`)."""
-    if not task.problems:
-        return float("nan")
+def graded(graphdef, params, task: Task, vocab_size: int, placed) -> np.ndarray:
+    """Whether the verifier accepts the greedy completion of each held-out problem, `[n]`
+    booleans in the order of `task.problems` (sampled on the devices of `placed`, see
+    `completions`)."""
     greedy = greedy_config(task, vocab_size)
     texts = completions(graphdef, params, task, task.problems, greedy, placed)
-    return float(np.mean([task.correct(t, r) for t, r in zip(texts, task.problems, strict=True)]))
+    return np.array([task.correct(t, r) for t, r in zip(texts, task.problems, strict=True)], bool)
+
+
+def accuracy(graphdef, params, task: Task, vocab_size: int, placed) -> float:
+    """The share of held-out problems whose greedy completion the verifier accepts."""
+    if not task.problems:
+        return float("nan")
+    return float(graded(graphdef, params, task, vocab_size, placed).mean())
+
+
+# The run folder's file of the first evaluation's grades, one 0 or 1 per held-out problem.
+START_GRADES = "heldout_start.json"
+
+
+def paired_headline(run) -> dict:
+    """The result line's paired comparison of the last evaluation with the first:
+    `heldout_turned_right`, `heldout_turned_wrong` and `heldout_paired_se` (the standard
+    error of `accuracy_after - accuracy_before`, module docstring); `{}` when the run did
+    not log them (no held-out problems, or a run resumed from a folder without its
+    `heldout_start.json`)."""
+    last = [r for r in run.records() if "turned_right" in r]
+    if not last or not all(math.isfinite(last[-1][k]) for k in ("turned_right", "turned_wrong")):
+        return {}
+    right, wrong = int(last[-1]["turned_right"]), int(last[-1]["turned_wrong"])
+    n = len(json.loads((run.path / START_GRADES).read_text()))
+    spread = (right + wrong) / n - ((right - wrong) / n) ** 2
+    return {
+        "heldout_turned_right": right,
+        "heldout_turned_wrong": wrong,
+        "heldout_paired_se": round(math.sqrt(max(spread, 0.0) / n), 4),
+    }
 
 
 def weighted_mean(metric: Callable, batches: list, weight: Callable) -> float:

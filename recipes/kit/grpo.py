@@ -473,12 +473,13 @@ def setup(config, model, placement) -> Setup:
 
 def headline(run, config, tuning) -> dict:
     """The result line's figures of a GRPO run: its mode and tuning, the held-out accuracy
-    (and sampled metrics) before and after, the last step's reward and entropy."""
+    before and after with the problems turned right and wrong (and the sampled metrics),
+    the last step's reward and entropy."""
     records = run.records()
     accuracy = [r["accuracy"] for r in records if "accuracy" in r]
     return {
         "mode": config.mode, **tuning.headline(), "accuracy_before": accuracy[0],
         "accuracy_after": accuracy[-1], "final_reward": records[-1]["reward"],
-        "final_entropy": records[-1]["entropy"],
+        "final_entropy": records[-1]["entropy"], **evaluate.paired_headline(run),
         **loop.before_and_after(run, *evaluate.SAMPLED),  # with --eval-samples
     }  # fmt: skip

@@ -72,6 +72,7 @@ RUN_ENTRIES = (
     "badput.json",
     "goodput.png",
     "attempts.jsonl",
+    "heldout_start.json",
 )
 
 

@@ -478,6 +478,11 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, m
     )  # fmt: skip
     assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()
     assert records_of(tmp_path / "grpo")[1]["mismatch_kl"] < 1e-6
+    # The held-out problems turned right and wrong account for the change in accuracy.
+    n = len(json.loads((tmp_path / "grpo" / "heldout_start.json").read_text()))
+    turned = grpo["heldout_turned_right"] - grpo["heldout_turned_wrong"]
+    assert grpo["accuracy_after"] - grpo["accuracy_before"] == pytest.approx(turned / n)
+    assert grpo["heldout_paired_se"] >= 0.0
 
     # A chat on standard input, two turns.
     capsys.readouterr()
