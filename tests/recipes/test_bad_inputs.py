@@ -290,6 +290,7 @@ def test_a_reward_that_returns_nan_names_the_prompt_and_the_command_can_run_agai
         assert sorted(p.name for p in (tmp_path / "runs" / "nan").iterdir()) == [
             "checkpoints",
             "config.toml",
+            "heldout_start.json",
             "metrics.jsonl",
         ]
 
