@@ -7,6 +7,7 @@ tests never skip: without the file they fail.
 """
 
 import copy
+import dataclasses
 import functools
 import importlib.util
 from pathlib import Path
@@ -20,6 +21,7 @@ from tests._hf import hf_logits, hf_modules
 from tunelib import rollout
 from tunelib.data import render_chat_template
 from tunelib.formats import gguf_tokenizer, load_gguf
+from tunelib.models import Decoder
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 47 + 38?"}],
@@ -146,12 +148,15 @@ def chat_prompts(tokenizer, conversations=CONVERSATIONS) -> tuple[np.ndarray, np
     return tokens, where
 
 
-def float64_logits(tokens: np.ndarray, where: np.ndarray) -> np.ndarray:
-    """tunelib's float64 logits of the file at the real positions `[N, V]`."""
+def float64_logits(ours, tokens: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """tunelib's float64 logits at the real positions `[N, V]`: the weights of `ours` (the
+    file dequantised into float32, as transformers' loader does too) in float64, every
+    operation in float64."""
+    config = dataclasses.replace(ours.config, dtype="float64", param_dtype="float64")
     with jax.enable_x64(True):
-        ours64 = load_gguf(smollm2_file(), scan_layers=True, dtype="float64",
-                           param_dtype="float64")  # fmt: skip
-        decoder = nnx.merge(ours64.graphdef, ours64.params)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+        params = jax.tree.map(lambda x: jax.numpy.asarray(x, "float64"), ours.params)
+        decoder = nnx.merge(graphdef, params)
         logits = np.asarray(decoder.unembed(decoder(tokens, where=where)))[where]
     assert logits.dtype == np.float64
     return logits
@@ -188,7 +193,7 @@ def test_smollm2_loads_and_answers_as_in_transformers():
     tokens, where = chat_prompts(tokenizer, CONVERSATIONS + VARIED_CONVERSATIONS)
     assert where.sum(axis=1).min() < tokens.shape[1]  # the batch is padded
     model = transformers_smollm2()
-    truth = float64_logits(tokens, where)
+    truth = float64_logits(ours, tokens, where)
     exact = hf_logits(float64_throughout(model), tokens, where)[where]
     assert exact.dtype == np.float64
     assert np.abs(truth - exact).max() < 1e-9
