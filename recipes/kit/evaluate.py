@@ -201,12 +201,14 @@ def paired_headline(run) -> dict:
     `heldout_turned_right`, `heldout_turned_wrong` and `heldout_paired_se` (the standard
     error of `accuracy_after - accuracy_before`, module docstring); `{}` when the run did
     not log them (no held-out problems, or a run resumed from a folder without its
-    `heldout_start.json`)."""
+    `heldout_start.json`) or the file is gone."""
     last = [r for r in run.records() if "turned_right" in r]
-    if not last or not all(math.isfinite(last[-1][k]) for k in ("turned_right", "turned_wrong")):
+    start = run.path / START_GRADES
+    counts = ("turned_right", "turned_wrong")
+    if not last or not all(math.isfinite(last[-1][k]) for k in counts) or not start.is_file():
         return {}
     right, wrong = int(last[-1]["turned_right"]), int(last[-1]["turned_wrong"])
-    n = len(json.loads((run.path / START_GRADES).read_text()))
+    n = len(json.loads(start.read_text()))
     spread = (right + wrong) / n - ((right - wrong) / n) ** 2
     return {
         "heldout_turned_right": right,

@@ -66,3 +66,5 @@ def test_the_paired_standard_error_is_mcnemars(tmp_path, right, wrong):
     assert got["heldout_paired_se"] == pytest.approx(expected, abs=5e-5)
     nan = {"step": 20, "turned_right": float("nan"), "turned_wrong": float("nan")}
     assert evaluate.paired_headline(run_in(tmp_path, records=[*records, nan])) == {}
+    (tmp_path / evaluate.START_GRADES).unlink()  # removed by hand after the run
+    assert evaluate.paired_headline(run_in(tmp_path, records=records)) == {}
