@@ -183,14 +183,6 @@ def interpreters(anchors: Path | None, libraries: tuple[str, ...], modules: str)
     return {libraries[0]: sys.executable} | dict.fromkeys(libraries[1:], str(anchors)), None
 
 
-def print_result(result: dict, json_out: Path | None) -> None:
-    """The result's JSON line, printed last, and written to `json_out` too when given."""
-    line = json.dumps(result)
-    print(line)
-    if json_out is not None:
-        json_out.write_text(line + "\n")
-
-
 def anchors_missing(python: Path | None, modules: str) -> str | None:
     """Why the anchors cannot run (`python` cannot import `modules`, "a, b"), or None."""
     if python is None:

@@ -81,3 +81,11 @@ def relative_error(ours: dict, reference: dict) -> float:
 def ratio(a, b):
     """`a / b`, or None when either is missing (a variant failed) or `b` is 0."""
     return None if a is None or b is None or b == 0 else a / b
+
+
+def print_result(result: dict, json_out: Path | None) -> None:
+    """The result's JSON line, printed last, and written to `json_out` too when given."""
+    line = json.dumps(result)
+    print(line)
+    if json_out is not None:
+        json_out.write_text(line + "\n")

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _measure import ratio, worker_result
+from _measure import print_result, ratio, worker_result
 
 LAYOUTS = {"grouped": True, "unrolled": False}
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 32, 32
@@ -183,10 +183,7 @@ def main(argv=None) -> int:
         "max_logp_difference": difference,
         "layouts": rows, "unrolled_over_grouped": over,
     }  # fmt: skip
-    line = json.dumps(result)
-    if args.json_out is not None:
-        args.json_out.write_text(line)
-    print(line)
+    print_result(result, args.json_out)
     return 0
 
 

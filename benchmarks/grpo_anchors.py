@@ -108,13 +108,14 @@ from _anchors import (
     claim_stdout,
     interpreters,
     load_average,
-    print_result,
     reply,
     started,
     tunix_qwen3,
     tunix_version,
     write_checkpoint,
 )
+
+from _measure import print_result
 
 LIBRARIES = ("tunelib", "trl", "tunix")
 PHASES = ("rollout", "logprobs", "update")

@@ -78,13 +78,14 @@ from _anchors import (
     IdTokenizer,
     interpreters,
     load_average,
-    print_result,
     reply,
     started,
     tunix_qwen3,
     tunix_version,
     write_checkpoint,
 )
+
+from _measure import print_result
 
 LIBRARIES = ("tunelib", "tunix", "hf")
 MODES = ("greedy", "top_p")
