@@ -1,6 +1,7 @@
 """Run folders that never lose work: the lock, failed starts, damaged files and checkpoints,
 `--resume auto`, and a run killed before its model was saved."""
 
+import gc
 import json
 import os
 import signal
@@ -278,10 +279,12 @@ def test_with_no_intact_checkpoint_resume_is_one_line(tmp_path):
     assert sorted(os.listdir(folder)) == ["2", "4"]
 
 
-def _opens_then(outcome: str):
-    """A recipe's `train` that opens its run folder, then ends as `outcome` says."""
+def _opens_then(outcome: str, seen: list):
+    """A recipe's `train` that opens its run folder, then ends as `outcome` says; it notes the
+    garbage collector's thresholds in `seen`."""
 
     def train(config, run):
+        seen.append(gc.get_threshold())
         run.open(config)
         assert (run.path / LOCK_FILE).exists()
         if outcome == "done":
@@ -302,20 +305,25 @@ def _opens_then(outcome: str):
     [("done", None), ("bad input", 2), ("crash", RuntimeError), ("SIGTERM", 143), ("Ctrl-C", 130)],
 )
 def test_the_lock_is_released_on_every_exit(tmp_path, outcome, status):
+    """The lock, the SIGTERM handler and the garbage collector's thresholds (the recipe's
+    own while it trains) are the caller's again after every exit."""
     import kit
 
     sft = recipe_module("sft")
     argv = ["--out", str(tmp_path / "run"), "--steps", "4"]
-    handler = signal.getsignal(signal.SIGTERM)
+    handler, thresholds, seen = signal.getsignal(signal.SIGTERM), gc.get_threshold(), []
+    train = _opens_then(outcome, seen)
+    assert thresholds != kit.cli.GC_THRESHOLDS
     if status is None:
-        kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+        kit.cli.main(sft.SFTConfig, train, sft.__doc__, argv=argv)
     elif status is RuntimeError:
         with pytest.raises(RuntimeError):
-            kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+            kit.cli.main(sft.SFTConfig, train, sft.__doc__, argv=argv)
     else:
         with pytest.raises(SystemExit) as stop:
-            kit.cli.main(sft.SFTConfig, _opens_then(outcome), sft.__doc__, argv=argv)
+            kit.cli.main(sft.SFTConfig, train, sft.__doc__, argv=argv)
         assert stop.value.code == status
     assert (tmp_path / "run" / "config.toml").exists()
     assert not (tmp_path / "run" / LOCK_FILE).exists()
     assert signal.getsignal(signal.SIGTERM) is handler
+    assert seen == [kit.cli.GC_THRESHOLDS] and gc.get_threshold() == thresholds
