@@ -13,10 +13,10 @@ optimisations, fusion included, still run, so results differ from a fully optimi
 most in the order of a reduction); the CPU backend emits fused kernels with its older
 elemental emitter, which compiles small programs two to three times faster than the MLIR
 fusion emitters (`--xla_cpu_use_fusion_emitters=false`); it generates each program's machine
-code as one LLVM module instead of splitting it for parallel codegen threads, which the two
-xdist workers on two cores cannot use (`--xla_cpu_parallel_codegen_split_count=1`: 17 % off
-`tests/losses` and `tests/models`); and programs that took long to compile are shared through
-the session's compilation cache between the two xdist workers and the recipe runs.
+code as one LLVM module instead of splitting it for parallel codegen threads, which the
+xdist workers (one more than the cores) cannot use (`--xla_cpu_parallel_codegen_split_count=1`:
+17 % off `tests/losses` and `tests/models`); and programs that took long to compile are shared
+through the session's compilation cache between the xdist workers and the recipe runs.
 
 Tracing and lowering those programs allocate many short-lived Python objects, and at Python's
 default thresholds the garbage collector ran thousands of times over a heap that the imports
@@ -83,10 +83,11 @@ def pytest_configure(config):
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the suite's setting): one worker more than the cores this process may use.
-    A fifth of the suite waits, not computes: on the recipe and benchmark processes it starts,
-    on sleeps of the supervisor's hang tests. On 2 cores, 3 workers ran the whole suite in
-    680 s against 733 s for 2."""
-    return len(os.sched_getaffinity(0)) + 1
+    Part of the suite waits instead of computing (on the recipe and benchmark processes it
+    starts, on the supervisor tests' sleeps): with 2 workers on 2 cores it kept 1.87 cores
+    busy on average; 3 workers ran it in 680 s against 733 s."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return (len(cores) if cores else os.cpu_count() or 1) + 1
 
 
 def pytest_collection_finish(session):
@@ -129,9 +130,9 @@ def pytest_collection_modifyitems(items):
     """The modules with long end-to-end runs (marked `slow`) first, each kept whole (its
     module-scoped fixtures made once), the rest in their usual order.
 
-    pytest-xdist's two workers then start on the runs of a minute or more and fill in with
+    pytest-xdist's workers then start on the runs of a minute or more and fill in with
     the short tests, instead of one worker finishing a recipe run alone at the end while the
-    other waits. The order changes when a test runs, never what it checks."""
+    others wait. The order changes when a test runs, never what it checks."""
 
     def module(item):
         return item.nodeid.split("::")[0]
