@@ -78,7 +78,6 @@ def pytest_configure(config):
 
         jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 
 
 def pytest_xdist_auto_num_workers(config):
