@@ -36,10 +36,10 @@ PEER_WAIT_SECONDS = 30.0
 
 # Tracing and lowering a step allocate hundreds of thousands of short-lived objects, and at
 # Python's default thresholds (700, 10, 10) the collector runs thousands of times while they
-# do, each time over the young objects of a heap that JAX, Flax and Orbax make large: 10 to
+# do, every hundredth time over every object the imports of JAX, Flax and Orbax left: 10 to
 # 15 % of a short run (the `student` SFT of 20 steps, its compilation 2 of its 5 s, took
-# 5.0-5.3 s, and 4.3-4.5 s with these; the same peak memory). A run's steps allocate little,
-# so the thresholds change its start, not its step time. Restored when `main` returns.
+# 5.0-5.3 s, and 4.3-4.5 s with these; the same peak memory). Compiled steps allocate
+# little, so it is the start that is shorter. Restored when `main` returns.
 GC_THRESHOLDS = (10_000, 10, 10)
 
 
