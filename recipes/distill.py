@@ -122,8 +122,8 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     task = dataclasses.replace(task, train=transfer)
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
 
-    def loss_fn(params, batch):
-        teacher_model = nnx.merge(teacher.graphdef, teacher.params)
+    def loss_fn(params, batch, teacher_params):
+        teacher_model = nnx.merge(teacher.graphdef, teacher_params)
         teacher_hidden = jax.lax.stop_gradient(
             teacher_model(batch["tokens"], where=batch["attention_where"])
         )
@@ -168,7 +168,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
             with goodput.phase("rollout"):
                 rows = jax.block_until_ready(student_rows(state["params"], rows, sample_key))
         state = {**state, "rng": rng, "step": state["step"] + 1}
-        state, out = update(state, {**rows, "sampled": jnp.asarray(sampled)})
+        state, out = update(state, {**rows, "sampled": jnp.asarray(sampled)}, teacher.params)
         return state, {**out, "on_policy": float(sampled)}
 
     # Greedy accuracy, and with --eval-samples k the student's k samples at
@@ -186,7 +186,8 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     def pieces(state, rows):  # a step's jitted parts, for --plan and --device-memory
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
         sampled = jax.ShapeDtypeStruct((), bool)
-        out = {"update": kit.plan.Piece(update, (state, {**rows, "sampled": sampled}), (1,))}
+        batch = {**rows, "sampled": sampled}
+        out = {"update": kit.plan.Piece(update, (state, batch, teacher.params), (1,))}
         if config.on_policy:
             out["rollout"] = kit.plan.Piece(student_rows, (state["params"], rows, key), (1,))
         return out

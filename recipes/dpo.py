@@ -91,7 +91,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         )  # fmt: skip
 
     def loss_fn(trainable, frozen, batch, dropout_key):
-        params = tuning.params(trainable, dropout_key)
+        params = tuning.params(trainable, frozen["base"], dropout_key)
         policy = peft.lora(sequence_logps)(params, batch)
         ref = jax.lax.stop_gradient(peft.lora(sequence_logps)(frozen["reference"], batch))
         real, beta = policy.real, config.beta
@@ -127,12 +127,14 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         return state, {"loss": loss, **out}
 
     heldout = data.heldout_batches(task, config, placement, kind="preference")
-    heldout_metrics = jax.jit(lambda trainable, batch: loss_fn(trainable, frozen, batch, None)[1])
+    metrics_of = jax.jit(
+        lambda trainable, frozen, batch: loss_fn(trainable, frozen, batch, None)[1]
+    )
 
     def evaluate_fn(trainable):
         out = {
             "heldout_reward_accuracy": evaluate.weighted_mean(
-                lambda b: heldout_metrics(trainable, b)["reward_accuracy"],
+                lambda b: metrics_of(trainable, frozen, b)["reward_accuracy"],
                 heldout,
                 lambda b: b["chosen"]["where"].any(axis=1).sum(),  # pairs, not padding
             )

@@ -107,12 +107,12 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         return losses.aggregate(per_token, mode="token_mean", where=batch["where"]).mean()
 
     @jax.jit
-    def train_step(state, batch):
+    def train_step(state, batch, base):
         rng, dropout_key = loop.step_keys(state["rng"], "dropout")
         dropout_key = dropout_key if config.lora_dropout else None
 
         def objective(trainable):  # the weights, or the adapters on the frozen base
-            return peft.lora(loss_fn)(tuning.params(trainable, dropout_key), batch)
+            return peft.lora(loss_fn)(tuning.params(trainable, base, dropout_key), batch)
 
         loss, grads = jax.value_and_grad(objective)(state["params"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -139,7 +139,8 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     state = loop.train(
         run, config, placement, state=state,
-        step_fn=train_step, evaluate=evaluate_fn,
+        # The frozen base (None without LoRA) is the step's argument, not a constant in it.
+        step_fn=lambda state, batch: train_step(state, batch, tuning.base), evaluate=evaluate_fn,
         batches=data.batches(task, config, placement, kind="sft", packing=config.packing),
     )  # fmt: skip
     if isinstance(state, Planned):  # --plan: the step compiled, never run

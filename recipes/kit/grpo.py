@@ -300,7 +300,7 @@ class Learner:
 
     def loss(self, trainable, frozen, batch, dropout_key):
         forward = peft.lora(self.completion_logps)
-        params = self.tuning.params(trainable, dropout_key)
+        params = self.tuning.params(trainable, frozen["base"], dropout_key)
         token_logps, entropy = forward(params, batch, batch.get("routing"))
         ref_logps = None
         if self.config.kl_coef:  # without the penalty, no forward pass of the reference
@@ -322,9 +322,10 @@ class Learner:
         params = optax.apply_updates(state["params"], updates)
         return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **out}
 
-    def _prox_logps(self, trainable, batch):
+    def _prox_logps(self, frozen, trainable, batch):
         forward = peft.lora(self.completion_logps)
-        return forward(self.tuning.params(trainable), batch, batch.get("routing"))[0]
+        params = self.tuning.params(trainable, frozen["base"])
+        return forward(params, batch, batch.get("routing"))[0]
 
     def batch(self, rows: dict) -> dict:
         """The global batch of this process's rows, with its rewards, mask and advantages."""
@@ -370,7 +371,9 @@ class Learner:
             batch["entropy_weight"] = state["entropy_control"].entropy_weight
         if config.is_correction == "tis":  # the trainer's log-probs before the update
             with goodput.phase("logprobs"):
-                batch["old"] = jax.block_until_ready(self.prox_logps(state["params"], batch))
+                batch["old"] = jax.block_until_ready(
+                    self.prox_logps(self.frozen, state["params"], batch)
+                )
             batch["is_weights"] = losses.truncated_importance_weights(
                 batch["old"], batch["logps"], cap=config.is_cap, where=batch["where"]
             )

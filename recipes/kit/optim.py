@@ -41,12 +41,16 @@ def updates_made(opt_state) -> int:
 
 def update_step(loss_fn, optimizer):
     """The jitted step of a recipe that trains every weight with one loss:
-    `step(state, batch) -> (state, {"loss": ..., **aux})` for `loss_fn(params, batch) ->
-    (loss, aux)`."""
+    `step(state, batch, *frozen) -> (state, {"loss": ..., **aux})` for
+    `loss_fn(params, batch, *frozen) -> (loss, aux)`. Frozen weights (a teacher) are
+    `frozen`, the step's arguments: weights the loss closed over would be compiled into the
+    program as constants."""
 
     @jax.jit
-    def step(state, batch):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+    def step(state, batch, *frozen):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], batch, *frozen
+        )
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {**state, "params": params, "opt_state": opt_state}, {"loss": loss, **aux}

@@ -1,9 +1,11 @@
 """Running the recipes in the tests: as a user runs them (a process of their own), without
 JAX where nothing should need it, or in this process where only the errors matter."""
 
+import contextlib
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from tests._helpers import load_script, user_env
@@ -11,6 +13,30 @@ from tests._helpers import load_script, user_env
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 if str(RECIPES) not in sys.path:
     sys.path.insert(0, str(RECIPES))
+
+# A recipe's jitted functions take the weights they read as arguments: weights closed over
+# would be compiled into the program as constants (`kit.lora.Tuning.params`). A recipe run
+# here fails when one of its programs captures more bytes of constants than this (JAX's
+# warning, made an error); the test models' smallest weight matrix is 65,536 bytes.
+CAPTURED_CONSTANTS_LIMIT = 20_000
+_CAPTURED = "A large amount of constants were captured"
+
+
+@contextlib.contextmanager
+def no_captured_weights():
+    """In this process: JAX's captured-constants warning at `CAPTURED_CONSTANTS_LIMIT`
+    bytes, raised as an error."""
+    import jax
+
+    before = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", CAPTURED_CONSTANTS_LIMIT)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=_CAPTURED)
+            yield
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", before)
+
 
 # Runs a recipe with `import jax` (and everything that would bring it in) made impossible.
 _WITHOUT_JAX = """
@@ -38,6 +64,8 @@ def run_without_jax(
 def run_recipe_process(recipe: str, *args: str, timeout: float = 300, cwd=None, env=None):
     """`python recipes/<recipe>.py ARGS` as a user runs it (one CPU device)."""
     environment = user_env(compilation_cache=True)
+    environment["JAX_CAPTURED_CONSTANTS_WARN_BYTES"] = str(CAPTURED_CONSTANTS_LIMIT)
+    environment["PYTHONWARNINGS"] = f"error:{_CAPTURED}"
     environment.update(env or {})
     return subprocess.run(
         [sys.executable, str(RECIPES / f"{recipe}.py"), *args],
@@ -68,7 +96,8 @@ def recipe_main(recipe: str, argv: list[str]):
         if isinstance(v, type) and getattr(v, "RECIPE", None) == recipe
     )
     train = module.generate if recipe == "generate" else module.train
-    return kit.cli.main(config_type, train, module.__doc__, argv=argv)
+    with no_captured_weights():
+        return kit.cli.main(config_type, train, module.__doc__, argv=argv)
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
