@@ -106,13 +106,14 @@ def _tuning(model, rank, alpha, dropout, qlora, seed) -> Tuning:
     params = model.params
     if not rank:
         return Tuning(params, None, "full")
-    rule = peft.LoraRule(
-        pattern=PROJECTION_KERNELS, rank=rank, alpha=alpha or 2.0 * rank, dropout=dropout
-    )
+    # A vision-language model's language model holds the projections; its vision encoder
+    # stays frozen.
+    targets = f"language_model/{PROJECTION_KERNELS}" if model.images else PROJECTION_KERNELS
+    rule = peft.LoraRule(pattern=targets, rank=rank, alpha=alpha or 2.0 * rank, dropout=dropout)
     adapters = peft.init_lora(params, [rule], key=jax.random.key(seed + 1))
     if not qlora:
         return Tuning(adapters, params, "lora")
     if model.folder is not None and model.folder.is_file():  # a GGUF file: keep its blocks
         base = peft.gguf_base(model.folder, scan_layers=model.config.scan_layers).params
         return Tuning(adapters, base, "qlora-gguf")
-    return Tuning(adapters, peft.quantize_params(params, [PROJECTION_KERNELS]), "qlora")
+    return Tuning(adapters, peft.quantize_params(params, [targets]), "qlora")
