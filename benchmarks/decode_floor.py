@@ -25,7 +25,9 @@ the two samplers reversed every other round; medians of `--repeats` rounds):
 - `floor`: the decode step's weight products alone, as plain dense dots of the same shapes
   on the model's own weights (each layer's q, k, v, o, gate, up and down projections and
   the unembedding), chained so none can be skipped, in one jitted call. The bytes those
-  weights occupy are what a step must read at batch 1.
+  weights occupy are what a step must read at batch 1;
+- `merged floor`: the same products with each layer's q, k and v kernels in one matrix and
+  its gate and up kernels in one (fewer, wider dots, as merged projections make them).
 
 A sampler's decode step is `(t_N - t_1) / (N - 1)`, from calls that draw N and 1 tokens
 (the latter is the prefill and one draw). Before timing, both samplers' tokens must be equal
@@ -87,7 +89,8 @@ def model_file() -> Path:
 def worker(args: argparse.Namespace) -> None:
     """Load the model, then answer one JSON command a line on stdin with one JSON line:
     `{"prepare": B}` (compile and run both sampler calls and the floor; their tokens and
-    compile seconds), `{"time": B, "n": N}` (one sampler call's seconds; `n` 0: the floor's)."""
+    compile seconds), `{"time": B, "n": N}` (one sampler call's seconds; `n` 0: the floor's,
+    -1: the merged floor's)."""
     import time
 
     import jax
@@ -108,11 +111,15 @@ def worker(args: argparse.Namespace) -> None:
     jax.monitoring.register_event_duration_secs_listener(listen)
     weights = floor_weights(params, config)
     floor = jax.jit(floor_products)
+    merged_weights = merged_floor_weights(weights)
+    merged = jax.jit(merged_floor_products)
     calls = {}
 
     def call(batch: int, n: int):
         if n == 0:
             return floor(weights, jnp.ones((batch, config.hidden_size), jnp.float32))
+        if n == -1:
+            return merged(merged_weights, jnp.ones((batch, config.hidden_size), jnp.float32))
         tokens, where = calls[batch]
         return sample(
             graphdef, params, tokens, where, jax.random.key(0),
@@ -133,6 +140,7 @@ def worker(args: argparse.Namespace) -> None:
             call(batch, 1).block_until_ready()
             compile_s = seconds["compile"]
             call(batch, 0).block_until_ready()
+            call(batch, -1).block_until_ready()
             reply = {"tokens": out.tolist(), "compile_s": compile_s}
         else:
             start = time.perf_counter()
@@ -164,6 +172,30 @@ def floor_products(weights: list, x):
         a = x @ q
         kv = (x @ k).sum(-1, keepdims=True) + (x @ v).sum(-1, keepdims=True)
         x = x + (a @ o) + ((x @ gate) * (x @ up)) @ down + kv
+    return x @ head
+
+
+def merged_floor_weights(weights: list) -> list:
+    """`floor_weights` with each layer's q, k, v kernels as one matrix and its gate and up
+    kernels as one."""
+    import jax.numpy as jnp
+
+    *layers, head = weights
+    merged = [
+        [jnp.concatenate([q, k, v], axis=1), o, jnp.concatenate([gate, up], axis=1), down]
+        for q, k, v, o, gate, up, down in layers
+    ]
+    return [*merged, head]
+
+
+def merged_floor_products(weights: list, x):
+    """`floor_products` on `merged_floor_weights`: two wide dots a layer where it has five."""
+    *layers, head = weights
+    for qkv, o, gate_up, down in layers:
+        y, z = x @ qkv, x @ gate_up
+        queries, width = o.shape[0], down.shape[0]
+        kv = y[:, queries:].sum(-1, keepdims=True)
+        x = x + (y[:, :queries] @ o) + (z[:, :width] * z[:, width:]) @ down + kv
     return x @ head
 
 
@@ -223,7 +255,7 @@ def main(argv=None) -> None:
         print(f"the two samplers' tokens differ at batches {mismatch}", file=sys.stderr)
         raise SystemExit(1)
     keys = [(v, b, m) for b in args.batches for v in VARIANTS for m in (n, 1)]
-    keys += [("floor", b, 0) for b in args.batches]
+    keys += [(f, b, m) for b in args.batches for f, m in (("floor", 0), ("merged", -1))]
     times = {key: [] for key in keys}
     load = [os.getloadavg()[0]]
     for round_ in range(args.repeats):
@@ -232,13 +264,15 @@ def main(argv=None) -> None:
             for m in (n, 1):
                 for v in order:
                     times[v, batch, m].append(workers[v].ask(time=batch, n=m)["seconds"])
-            times["floor", batch, 0].append(workers["per_layer"].ask(time=batch, n=0)["seconds"])
+            for f, m in (("floor", 0), ("merged", -1)):
+                times[f, batch, m].append(workers["per_layer"].ask(time=batch, n=m)["seconds"])
     load.append(os.getloadavg()[0])
     for w in workers.values():
         w.close()
 
     print(
-        f"{'B':>4} {'floor ms':>9} {'stacked ms/step':>16} {'per-layer ms/step':>18} "
+        f"{'B':>4} {'floor ms':>9} {'merged ms':>10} {'stacked ms/step':>16} "
+        f"{'per-layer ms/step':>18} "
         f"{'speed-up':>9} {'per-layer/floor':>16} {'compile s, stacked / per-layer':>31}"
     )
     for batch in args.batches:
@@ -246,9 +280,11 @@ def main(argv=None) -> None:
         one = {key[0]: statistics.median(times[key]) for key in times if key[1:] == (batch, 1)}
         step = {v: (med[v] - one[v]) / (n - 1) * 1e3 for v in VARIANTS}
         floor = statistics.median(times["floor", batch, 0]) * 1e3
+        merged = statistics.median(times["merged", batch, -1]) * 1e3
         c = compile_s[batch]
         out["batches"][str(batch)] = {
             "floor_ms": floor,
+            "merged_floor_ms": merged,
             "step_ms": step,
             "call_s": {v: med[v] for v in VARIANTS},
             "prefill_s": {v: one[v] for v in VARIANTS},
@@ -257,7 +293,8 @@ def main(argv=None) -> None:
             "per_layer_over_floor": step["per_layer"] / floor,
             "runs_s": {f"{k[0]}/{k[2]}": times[k] for k in times if k[1] == batch},
         }
-        print(f"{batch:>4} {floor:>9.2f} {step['stacked']:>16.2f} {step['per_layer']:>18.2f} "
+        print(f"{batch:>4} {floor:>9.2f} {merged:>10.2f} {step['stacked']:>16.2f} "
+              f"{step['per_layer']:>18.2f} "
               f"{step['stacked'] / step['per_layer']:>8.2f}x {step['per_layer'] / floor:>15.2f}x "
               f"{c['stacked']:>15.1f} / {c['per_layer']:<15.1f}")  # fmt: skip
     import jax

@@ -27,6 +27,7 @@ def test_smallest_settings_time_both_samplers_and_the_floor(tmp_path):
     batch = result["batches"]["2"]
     assert set(batch["step_ms"]) == set(batch["compile_s"]) == {"per_layer", "stacked"}
     assert batch["floor_ms"] > 0 and all(s > 0 for s in batch["compile_s"].values())
+    assert batch["merged_floor_ms"] > 0
     assert len(batch["runs_s"]["per_layer/3"]) == 1
     assert "floor reads" in output
 
