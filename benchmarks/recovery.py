@@ -238,12 +238,12 @@ def table(result: dict, recipes: tuple[str, ...]) -> str:
     ]
     for recipe in recipes:
         r = result[recipe]
-        costs = [
+        figures = [
             r.get(k, "-") for k in ("step_s", "checkpoint_cost_sync_s", "checkpoint_cost_async_s")
         ]
         rows.append(
             f"| {recipe} | {r['recovery_cache_s']} | {r['recovery_no_cache_s']} | "
-            f"{r['cache_over_no_cache']} | {' | '.join(map(str, costs))} |"
+            f"{r['cache_over_no_cache']} | {' | '.join(map(str, figures))} |"
         )
     return "\n".join(rows)
 
