@@ -91,6 +91,7 @@ class Sampler:
     vocab_size: int = 0
     record_routing: bool = False  # --replay-routing: each token's experts, for the trainer
     layout: str = "stacked"  # --decoding-layout
+    products: str = "blocked"  # --decoding-products
 
     def __post_init__(self):
         user = load_reward(self.reward) if self.reward is not None else None
@@ -149,7 +150,7 @@ class Sampler:
         out = rollout.sample(
             self.graphdef, policy, *prompts, key, self.sampling, group_size=group,
             policy_version=version, record_routing=self.record_routing, images=images,
-            layout=self.layout,
+            layout=self.layout, products=self.products,
         )  # fmt: skip
         tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
@@ -466,6 +467,7 @@ def setup(config, model, placement) -> Setup:
         format_weight=config.format_weight, reward=config.reward,
         reward_model=config.reward_model, vocab_size=vocab_size,
         record_routing=config.replay_routing, layout=config.decoding_layout,
+        products=config.decoding_products,
     )  # fmt: skip
     learner = Learner(
         model.graphdef, tuning, frozen, optimizer, placement, config, rollouts.max_new_tokens,

@@ -103,6 +103,11 @@ class GRPOConfig(Run, Task, VisionTask, DataFile, SFTStart, Lora, RLEvaluation, 
         "layer's weights in place (faster steps on CPU, a longer compile, the weights held "
         "twice while sampling; slower on a GPU); LoRA and quantised bases always scan",
     )
+    decoding_products: Literal["blocked", "plain"] = flag(
+        "blocked",
+        "how the rollouts' float32 products add up on CPU: blocked as the trainer's, or plain "
+        "(one dot each: faster decode steps at many rows, logits rounded as XLA's dot does)",
+    )
     epsilon_low: float = flag(0.2, "lower clip bound of the ratio")
     epsilon_high: float | None = flag(None, "upper clip bound (default: the mode's)")
     kl_coef: float | None = flag(

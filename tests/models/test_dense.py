@@ -13,8 +13,10 @@ import pytest
 from flax import nnx
 
 from tunelib import peft
+from tunelib._products import unblocked_products
 from tunelib.models import DecoderConfig
 from tunelib.models._layers import Dense, _block_count, _matmul
+from tunelib.models._per_layer import PerLayer
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="blocks only on CPU")
 
@@ -56,6 +58,26 @@ def test_value_is_the_sum_of_its_blocks(features):
     exact = x.astype(np.float64) @ w.astype(np.float64)
     plain = np.asarray(jax.jit(jnp.matmul)(x, w))
     assert np.sqrt(np.mean((y - exact) ** 2)) < np.sqrt(np.mean((plain - exact) ** 2))
+
+
+def test_unblocked_products_are_one_dot_each():
+    """Inside `unblocked_products()` (the sampler's `products="plain"`) `Dense` traces one dot,
+    bit for bit XLA's plain product, and the blocked one again outside it; the per-layer
+    layout's products likewise."""
+    layer = Dense(576, 96, ("embed", "mlp"), CONFIG, use_bias=False, rngs=nnx.Rngs(0))
+    x = normal(1, 2, 40, 576)
+    run = lambda: np.asarray(jax.jit(lambda x: layer(x))(x))  # noqa: E731  traced anew
+    with unblocked_products():
+        unblocked = run()
+    blocked = run()
+    plain = np.asarray(jax.jit(jnp.matmul)(x, layer.kernel[...]))
+    np.testing.assert_array_equal(unblocked, plain)
+    assert not np.array_equal(blocked, plain)  # the blocks round otherwise
+    stacked = jnp.stack([layer.kernel[...], 2 * layer.kernel[...]])
+    at = lambda i: PerLayer.unstack(stacked).at(jnp.int32(i))  # noqa: E731
+    with unblocked_products():
+        per_layer = np.asarray(jax.jit(lambda x: _matmul(x, at(0)))(x))
+    np.testing.assert_array_equal(per_layer, plain)
 
 
 def test_derivatives_are_the_plain_products():

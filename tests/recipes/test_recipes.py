@@ -469,11 +469,11 @@ def test_recipes_on_a_hugging_face_checkpoint_and_data_files(tmp_path, capsys, m
             for a in range(20)
         ],
     )
-    # The scanned model's rollouts decode its layers in place: the trainer's first log-probs
-    # are still the sampler's.
+    # The scanned model's rollouts decode its layers in place, with plain products: the
+    # trainer's first log-probs are still the sampler's.
     grpo = run_recipe(
         "grpo", *flags, "--data", str(problems), "--steps", "2", "--group-size", "2",
-        "--max-new-tokens", "6", "--decoding-layout", "per_layer",
+        "--max-new-tokens", "6", "--decoding-layout", "per_layer", "--decoding-products", "plain",
         "--out", str(tmp_path / "grpo"),
     )  # fmt: skip
     assert 0.0 <= grpo["accuracy_after"] <= 1.0 and (tmp_path / "grpo" / "hf_model").is_dir()

@@ -437,15 +437,41 @@ def test_decoding_per_layer_equals_the_scan_over_the_stacks(family):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
 
-def test_a_layout_not_known_is_refused():
+# Wide enough that `Dense` blocks its float32 products on CPU (over 192 inputs: 2 blocks).
+WIDE = dataclasses.replace(
+    CONFIG, hidden_size=384, intermediate_size=768, head_dim=96, scan_layers=True
+)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="blocks only on CPU")
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_plain_products_round_otherwise_and_compile_apart(layout):
+    """`products="plain"` (one dot a product) draws the tokens the blocked products draw (no
+    near ties here) with behaviour log-probs within float32 rounding of theirs, but not
+    equal: its program is traced and compiled apart from the blocked one, so the blocked
+    call after it gives the first call's result bit for bit."""
+    graphdef, params = make_model(config=WIDE)
+    config = SamplingConfig(max_new_tokens=6, temperature=0.9)
+
+    def run(products):
+        return sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(1), config,
+                      layout=layout, products=products)  # fmt: skip
+
+    blocked, plain, again = run("blocked"), run("plain"), run("blocked")
+    np.testing.assert_array_equal(plain.tokens, blocked.tokens)
+    np.testing.assert_allclose(plain.logps, blocked.logps, rtol=0, atol=1e-4)
+    assert not np.array_equal(plain.logps, blocked.logps)
+    for name in ("tokens", "logps"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(blocked, name))
+
+
+@pytest.mark.parametrize("keyword", ["layout", "products"])
+def test_a_layout_or_products_not_known_is_refused(keyword):
     graphdef, params = make_model()
     config = SamplingConfig(max_new_tokens=2)
-    with (
-        own_checks(),
-        pytest.raises(ValueError, match=r"layout must be one of \('stacked', 'per_layer'\)"),
-    ):
+    with own_checks(), pytest.raises(ValueError, match=rf"{keyword} must be one of"):
         sample(graphdef, params, jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3), bool),
-               jax.random.key(0), config, layout="unrolled")  # fmt: skip
+               jax.random.key(0), config, **{keyword: "unrolled"})  # fmt: skip
 
 
 def test_sample_keeps_no_reference_to_the_weights_it_was_given():

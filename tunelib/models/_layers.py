@@ -16,7 +16,7 @@ from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
 from tunelib import _validation as v
-from tunelib._products import products_must_be_plain
+from tunelib._products import products_are_blocked
 from tunelib.models._config import DecoderConfig
 from tunelib.models._per_layer import LayerWeight
 from tunelib.models._qwen_vision_config import QwenVisionConfig
@@ -156,7 +156,8 @@ def _matmul(x: jax.Array, kernel: jax.Array | LayerWeight) -> jax.Array:
     blocks = _block_count(x.shape[-1])
     # A JAX array or tracer; a Quax tracer (an adapted or quantised weight) reshaped would be
     # materialised, so it keeps the one product its own rule knows. Inside a scan over stacked
-    # layers such a weight is traced as a plain array: `peft.lora` says so (tunelib._products).
+    # layers such a weight is traced as a plain array: `peft.lora` says so (tunelib._products),
+    # as the sampler's `products="plain"` does by choice.
     # A `LayerWeight` (one layer's among per-layer arrays) runs only the products in its
     # per-layer branches: everything else is traced once.
     per_layer = isinstance(kernel, LayerWeight)
@@ -164,7 +165,7 @@ def _matmul(x: jax.Array, kernel: jax.Array | LayerWeight) -> jax.Array:
     if (
         blocks == 1
         or not plain
-        or products_must_be_plain()
+        or not products_are_blocked()
         or x.dtype != jnp.float32
         or kernel.dtype != jnp.float32
         or jax.default_backend() != "cpu"

@@ -6,12 +6,13 @@ adapters, never merged) and quantised tensors (`peft.quantize_params`, `peft.ggu
 program given such parameters runs through `peft.lora`, so its products compute
 $xW + s\\,(xA)B$ and dequantise per layer, and no dense copy of the weights is formed.
 
-`peft.lora` traces inside `tunelib._products.plain_products()`, which changes the program a
-model traces (float32 products on CPU stay one plain product). A jitted function caches its
-trace by the shapes of its arguments, and an adapted weight has the shape of its base: so
-the flag is a static argument of every program here, and the plain and the adapted program
-of the same shapes are compiled apart (otherwise the one traced first would serve both, and
-a blocked product met by an adapted weight would form it densely).
+`peft.lora` traces inside `tunelib._products.plain_products()`, and the sampler's
+`products="plain"` inside `unblocked_products()`: each changes the program a model traces
+(float32 products on CPU stay one plain product). A jitted function caches its trace by the
+shapes of its arguments, and an adapted weight has the shape of its base: so the contexts
+(`products_key()`) are a static argument of every program here, and the programs of the
+same shapes traced in different contexts are compiled apart (otherwise the one traced first
+would serve all, and a blocked product met by an adapted weight would form it densely).
 """
 
 import functools
@@ -22,7 +23,7 @@ import quax
 from jaxtyping import PyTree
 
 from tunelib import peft
-from tunelib._products import products_must_be_plain
+from tunelib._products import products_key
 
 
 def holds_peft_values(params: PyTree) -> bool:
@@ -47,7 +48,7 @@ def program(
         )
 
         def run(*args):
-            return keyed(products_must_be_plain(), *args)
+            return keyed(products_key(), *args)
 
         adapted = peft.lora(run)
 

@@ -14,7 +14,8 @@ built from it, each in its own jitted functions):
 - `pure_params(params)`, `as_key(key)`: the parameters as plain arrays and the key as a
   new-style PRNG key, as the functions below take them; `decoding_params(graphdef, params,
   layout)`: the plain parameters, with `layout="per_layer"` in the layout a decode loop reads
-  without copying, as `sample` and `run_episodes` hand them to their programs.
+  without copying, as `sample` and `run_episodes` hand them to their programs;
+  `products_context(products)`: the context their programs run in for `products`.
 - `prefill(graphdef, params, prompt_tokens, prompt_where, cache_length, group_size, *,
   windowed, record_routing, images)`: the next-token logits after each prompt and the KV
   cache holding the prompts (windowed: sliding-window layers in rings of their window; the
@@ -31,6 +32,7 @@ built from it, each in its own jitted functions):
 is jitted: the callers jit whole programs of these steps.
 """
 
+import contextlib
 from typing import Literal, NamedTuple
 
 import jax
@@ -41,6 +43,7 @@ from jax.typing import ArrayLike
 from jaxtyping import PyTree
 
 from tunelib import _validation as v
+from tunelib._products import unblocked_products
 from tunelib.models import KVCache
 from tunelib.rollout._compiled import holds_peft_values
 from tunelib.rollout._processors import check_sampling_args, forbid_tokens, process_logits
@@ -184,6 +187,18 @@ def pure_params(params: PyTree) -> PyTree:
 # How a program reads a stacked model's layers (`sample`'s `layout`).
 Layout = Literal["stacked", "per_layer"]
 LAYOUTS = ("stacked", "per_layer")
+
+
+# How a rollout's float32 products on CPU add up (`sample`'s `products`).
+Products = Literal["blocked", "plain"]
+PRODUCTS = ("blocked", "plain")
+
+
+def products_context(products: Products) -> contextlib.AbstractContextManager:
+    """The context in which `sample` and `run_episodes` call their programs: with "plain",
+    `Dense` traces float32 products on CPU as one dot each instead of its blocked sums
+    (`tunelib._products.unblocked_products`; the programs are keyed by it)."""
+    return unblocked_products() if products == "plain" else contextlib.nullcontext()
 
 
 def decoding_params(graphdef: nnx.GraphDef, params: PyTree, layout: Layout) -> PyTree:

@@ -20,7 +20,9 @@ from tunelib.data import Tokenizer
 from tunelib.rollout._compiled import program
 from tunelib.rollout._decoding import (
     LAYOUTS,
+    PRODUCTS,
     Layout,
+    Products,
     as_key,
     check_record_routing,
     checked_prompts,
@@ -28,6 +30,7 @@ from tunelib.rollout._decoding import (
     decoding_params,
     last_logits,
     prefill,
+    products_context,
 )
 from tunelib.rollout._environments import Environment, Turn, call_all
 from tunelib.rollout._policy import check_version, stamp
@@ -213,6 +216,7 @@ def run_episodes(
     tokenizer: Tokenizer | None = None,
     policy_version: int | ArrayLike | None = None,
     layout: Layout = "stacked",
+    products: Products = "blocked",
     record_routing: bool = False,
 ) -> Episode:
     r"""Run multi-turn episodes: model turns and environment observations in one KV cache.
@@ -267,6 +271,8 @@ def run_episodes(
       policy_version: the version of the policy `params` are, or None; given, the `Episode`
         is stamped with it and the fingerprint of `params`, as `sample` stamps a `Rollout`.
       layout: ``"stacked"`` (default) or ``"per_layer"``, as for `sample`.
+      products: ``"blocked"`` (default) or ``"plain"`` float32 products on CPU, as for
+        `sample`.
       record_routing: record the experts every token of the prompt and the episode was
         routed to in each mixture-of-experts layer, as `Episode.routing` (default False),
         for routing replay (R3) in the trainer's recomputation, as `sample`'s: the model's
@@ -329,13 +335,24 @@ def run_episodes(
     slots = _cache_slots(config, prompt_tokens.shape[1], model_config)
     check_version(policy_version)
     v.one_of(layout, "layout", LAYOUTS)
+    v.one_of(products, "products", PRODUCTS)
     check_record_routing(record_routing, model_config)
     given, params, key = params, decoding_params(graphdef, params, layout), as_key(key)
-    record = record_routing
+    run = _Run(environments, config, model_config.vocab_size, tokenizer)
+    with products_context(products):
+        _episodes(run, graphdef, params, prompt_tokens, prompt_where, key, group_size, slots,
+                  record_routing)  # fmt: skip
+    episode = run.episode()
+    return episode if policy_version is None else episode._replace(**stamp(given, policy_version))
 
+
+def _episodes(run, graphdef, params, prompt_tokens, prompt_where, key, group_size, slots,
+              record) -> None:  # fmt: skip
+    """`run_episodes` after its checks: the prefill, then the turns and observations of
+    `run` (a `_Run`), which records them."""
+    config = run.config
     logits, cache, *routed = _start(graphdef, params, prompt_tokens, prompt_where, slots,
                                     group_size, record)  # fmt: skip
-    run = _Run(environments, config, model_config.vocab_size, tokenizer)
     if record:
         run.record_prompts(np.asarray(routed[0]))
     run.reset(_row_prompts(prompt_tokens, prompt_where, group_size))
@@ -354,8 +371,6 @@ def run_episodes(
             logits, cache, *routed = _observe(graphdef, params, logits, cache, *block, record)
             if record:
                 run.record_observations(np.asarray(routed[0]), block[1])
-    episode = run.episode()
-    return episode if policy_version is None else episode._replace(**stamp(given, policy_version))
 
 
 def _check_rows(
