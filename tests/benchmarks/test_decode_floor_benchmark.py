@@ -13,7 +13,7 @@ SMOLLM2 = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_smollm2.
 
 
 @pytest.mark.slow
-def test_smallest_settings_time_both_samplers_and_the_floor(tmp_path):
+def test_smallest_settings_time_the_samplers_and_the_floors(tmp_path):
     messages = load_script(SMOLLM2, "sampler_smollm2_benchmark").MESSAGES  # its tokenizer's
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf", messages)
     args = ["--model", str(tiny), "--batches", "2", "--new-tokens", "3", "--repeats", "1"]
@@ -25,9 +25,12 @@ def test_smallest_settings_time_both_samplers_and_the_floor(tmp_path):
     h, vocab = case["hidden"], case["vocab"]
     assert case["floor_bytes_batch_1"] > 4 * h * vocab
     batch = result["batches"]["2"]
-    assert set(batch["step_ms"]) == set(batch["compile_s"]) == {"per_layer", "stacked"}
+    samplers = {"per_layer", "stacked", "plain"}
+    assert set(batch["step_ms"]) == set(batch["compile_s"]) == samplers
     assert batch["floor_ms"] > 0 and all(s > 0 for s in batch["compile_s"].values())
-    assert batch["merged_floor_ms"] > 0
+    assert batch["merged_floor_ms"] > 0 and batch["torch_floor_ms"] > 0
+    assert 0 <= batch["plain_rows_differ"] <= 2
+    assert set(case["cpu"]) == {"model", "avx512"}
     assert len(batch["runs_s"]["per_layer/3"]) == 1
     assert "floor reads" in output
 
