@@ -100,9 +100,7 @@ def cpu() -> dict:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return {"model": platform.processor() or platform.machine(), "avx512": None}
-    fields = dict(
-        line.split(":", 1) for line in text.splitlines()[:40] if ":" in line
-    )
+    fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     flags = fields.get("flags", "").split()
     family = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"

@@ -52,6 +52,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
 from _measure import cpu
 
 # The samplers timed, each in its own worker: the per-layer layout, the scan over the stacks,
@@ -169,7 +170,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def floor_weights(params, config) -> list:
-    """The decode step's weight matrices as separate arrays, in product order."""
+    """The decode step's weight matrices as separate arrays, in product order; the last, the
+    unembedding, as the model holds it: `{"embedding": [V, H]}` when tied (the product
+    contracts its second axis), else `{"kernel": [H, V]}`."""
     import jax.numpy as jnp
 
     layers = params["layers"]
@@ -178,10 +181,15 @@ def floor_weights(params, config) -> list:
     stacks = [jnp.asarray(layers[a][b]["kernel"][...]) for a, b in names]
     per_layer = [[s[i] for s in stacks] for i in range(config.num_hidden_layers)]
     if config.tie_word_embeddings:
-        head = jnp.asarray(params["embed_tokens"]["embedding"][...]).T
+        head = {"embedding": jnp.asarray(params["embed_tokens"]["embedding"][...])}
     else:
-        head = jnp.asarray(params["lm_head"]["kernel"][...])
-    return [*per_layer, jnp.asarray(head)]
+        head = {"kernel": jnp.asarray(params["lm_head"]["kernel"][...])}
+    return [*per_layer, head]
+
+
+def unembed(x, head: dict):
+    """`x`'s logits by the unembedding of `floor_weights`, in the layout the model holds."""
+    return x @ head["kernel"] if "kernel" in head else x @ head["embedding"].T
 
 
 def floor_products(weights: list, x):
@@ -191,7 +199,7 @@ def floor_products(weights: list, x):
         a = x @ q
         kv = (x @ k).sum(-1, keepdims=True) + (x @ v).sum(-1, keepdims=True)
         x = x + (a @ o) + ((x @ gate) * (x @ up)) @ down + kv
-    return x @ head
+    return unembed(x, head)
 
 
 def merged_floor_weights(weights: list) -> list:
@@ -215,7 +223,7 @@ def merged_floor_products(weights: list, x):
         queries, width = o.shape[0], down.shape[0]
         kv = y[:, queries:].sum(-1, keepdims=True)
         x = x + (y[:, :queries] @ o) + (z[:, :width] * z[:, width:]) @ down + kv
-    return x @ head
+    return unembed(x, head)
 
 
 class TorchFloor:
@@ -231,7 +239,11 @@ class TorchFloor:
         as_linear = lambda w: torch.from_numpy(np.ascontiguousarray(np.asarray(w).T))  # noqa: E731
         *layers, head = weights
         self.layers = [[as_linear(w) for w in layer] for layer in layers]
-        self.head = as_linear(head)
+        self.head = (
+            as_linear(head["kernel"])
+            if "kernel" in head
+            else torch.from_numpy(np.array(head["embedding"]))
+        )
 
     def __call__(self, batch: int):
         linear, x = self.torch.nn.functional.linear, self.torch.ones(batch, self.head.shape[1])
@@ -331,7 +343,8 @@ def main(argv=None) -> None:
     print(
         f"{'B':>4} {'floor ms':>9} {'merged ms':>10} {'torch ms':>9} {'stacked ms/step':>16} "
         f"{'per-layer ms/step':>18} {'plain ms/step':>14} {'speed-up':>9} {'plain':>7} "
-        f"{'per-layer/floor':>16} {'plain/floor':>12} {'compile s, stacked / per-layer / plain':>40}"
+        f"{'per-layer/floor':>16} {'plain/floor':>12} "
+        f"{'compile s, stacked / per-layer / plain':>40}"
     )
     for batch in args.batches:
         med = {key[0]: statistics.median(times[key]) for key in times if key[1:] == (batch, n)}

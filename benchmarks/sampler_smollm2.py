@@ -25,7 +25,10 @@ second are `B * N / seconds`:
   temperature=0.0, pad_token=2)`): one jitted prefill, then one cached decode step per token
   inside a `lax.while_loop`; JAX on the CPU backend; the layers stacked under one
   `lax.scan` (`scan_layers=True`) as the recipes load a model, or unrolled with
-  `--no-scan-layers` (a longer compilation and another decode program: a diagnosis);
+  `--no-scan-layers` (a longer compilation and another decode program: a diagnosis); read
+  in the `--layout` (default `per_layer`), with float32 products blocked as the trainer's
+  (`--products blocked`, the default) or one dot each (`--products plain`:
+  `sample(..., products="plain")`);
 - transformers: `model.generate(input_ids, attention_mask, max_new_tokens=N,
   do_sample=False, eos_token_id=None, pad_token_id=2)`, its defaults otherwise (a dynamic
   KV cache, eager PyTorch); PyTorch's thread count left at its default (printed).
@@ -75,6 +78,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from _measure import cpu
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAD = 2  # SmolLM2's <|im_end|>, its pad id; never a stop token here
@@ -161,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how tunelib's sampler reads stacked layers (tunelib.rollout.sample's layout)",
     )
     p.add_argument(
+        "--products",
+        choices=("blocked", "plain"),
+        default="blocked",
+        help="how tunelib's float32 products add up on CPU (tunelib.rollout.sample's products)",
+    )
+    p.add_argument(
         "--allow-mismatch",
         action="store_true",
         help="time even where the greedy tokens differ (reported, exit status 0)",
@@ -219,7 +230,12 @@ def prompts(tokenizer, batch: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tunelib_generator(
-    models: Models, tokens, where, new_tokens: int, layout: str = "per_layer"
+    models: Models,
+    tokens,
+    where,
+    new_tokens: int,
+    layout: str = "per_layer",
+    products: str = "blocked",
 ) -> Callable:
     """A function of no arguments: tunelib's `[B, N]` greedy tokens, as a NumPy array."""
     import jax
@@ -230,7 +246,9 @@ def tunelib_generator(
     graphdef, params = models.checkpoint.graphdef, models.checkpoint.params
     tokens, where, key = jax.numpy.asarray(tokens), jax.numpy.asarray(where), jax.random.key(0)
     return lambda: np.asarray(
-        sample(graphdef, params, tokens, where, key, config, layout=layout).tokens
+        sample(
+            graphdef, params, tokens, where, key, config, layout=layout, products=products
+        ).tokens
     )
 
 
@@ -335,7 +353,7 @@ def measure(args: argparse.Namespace, models: Models) -> dict:
     new_tokens = args.new_tokens
     lengths = (new_tokens, 1) if new_tokens > 1 else (new_tokens,)
     makers = {
-        "tunelib": lambda *a: tunelib_generator(*a, layout=args.layout),
+        "tunelib": lambda *a: tunelib_generator(*a, layout=args.layout, products=args.products),
         "transformers": transformers_generator,
     }
     calls, first, checks, prompt_lens = {}, {}, {}, {}
@@ -457,6 +475,7 @@ def summarise(args: argparse.Namespace, path: Path, models: Models, measured: di
             "dtype": "float32",
             "scan_layers": args.scan_layers,
             "layout": args.layout,
+            "products": args.products,
             "decoding": "greedy",
             "new_tokens": args.new_tokens,
             "batches": list(args.batches),
@@ -464,6 +483,7 @@ def summarise(args: argparse.Namespace, path: Path, models: Models, measured: di
             "backend": jax.default_backend(),
             "device": jax.devices()[0].device_kind,
             "cpu_count": os.cpu_count(),
+            "cpu": cpu(),
             "torch_threads": torch.get_num_threads(),
             # 1-minute load averages when the timing began and ended: a loaded machine slows
             # PyTorch's OpenMP threads (which spin-wait for each other) more than JAX's.
@@ -554,6 +574,8 @@ def report(result: dict) -> str:
         f"{v['jax']} on {c['backend']} ({c['device']}, {c['cpu_count']} CPUs), torch "
         f"{v['torch']} with {c['torch_threads']} threads (its default), transformers "
         f"{v['transformers']}; median of {result['repeats']} interleaved rounds",
+        f"tunelib: layout {c['layout']}, {c['products']} products; CPU {c['cpu']['model']}, "
+        f"AVX-512 {c['cpu']['avx512']}",
     ]
     before, after = c["load_average"]
     if before is not None:

@@ -1,20 +1,15 @@
 """`benchmarks/decode_floor.py` at its smallest settings on a tiny GGUF file the test writes
 (`--model`): its worker processes, the token check, the rounds and the report."""
 
-from pathlib import Path
-
 import pytest
 
 from tests._gguf import write_tiny_gguf
-from tests._helpers import load_script
-from tests.benchmarks._run import refusal, run_benchmark
-
-SMOLLM2 = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_smollm2.py"
+from tests.benchmarks._run import load_benchmark, refusal, run_benchmark
 
 
 @pytest.mark.slow
 def test_smallest_settings_time_the_samplers_and_the_floors(tmp_path):
-    messages = load_script(SMOLLM2, "sampler_smollm2_benchmark").MESSAGES  # its tokenizer's
+    messages = load_benchmark("sampler_smollm2.py", "sampler_smollm2_benchmark").MESSAGES
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf", messages)
     args = ["--model", str(tiny), "--batches", "2", "--new-tokens", "3", "--repeats", "1"]
     result, output = run_benchmark("decode_floor.py", *args, out=tmp_path, compilation_cache=False)

@@ -7,23 +7,20 @@ same loaders, the chat template rendered by transformers' GGUF tokenizer, the ch
 timing and the report."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests._gguf import TOKENIZER_SIZE, write_tiny_gguf
-from tests._helpers import load_script
 from tests._hf import hf_modules
+from tests.benchmarks._run import load_benchmark
 from tunelib.data import render_chat_template
 from tunelib.formats import gguf_tokenizer
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_smollm2.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script(SCRIPT, "sampler_smollm2_benchmark")
+    return load_benchmark("sampler_smollm2.py", "sampler_smollm2_benchmark")
 
 
 @pytest.mark.slow
@@ -46,6 +43,8 @@ def test_smallest_settings_check_the_tokens_then_time_both_sides(bench, tmp_path
     assert (case["layers"], case["hidden"], case["vocab"]) == (2, 64, TOKENIZER_SIZE)
     assert (case["new_tokens"], case["batches"], case["dtype"]) == (4, [2], "float32")
     assert case["backend"] == "cpu" and case["torch_threads"] >= 1 and case["scan_layers"]
+    assert (case["layout"], case["products"]) == ("per_layer", "blocked")
+    assert set(case["cpu"]) == {"model", "avx512"} and case["cpu"]["model"]
     assert set(result["versions"]) == {"jax", "jaxlib", "torch", "transformers"}
     assert all(result["versions"].values())
 

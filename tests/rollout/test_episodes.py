@@ -24,6 +24,7 @@ from tests.rollout.test_sampler import (
 from tests.rollout.test_sampler import (
     PROMPT_WHERE,
     PROMPTS,
+    WIDE,
     float64_twin,
     full_logits,
     log_softmax,
@@ -90,6 +91,24 @@ def episode(model):
     out = run_episodes(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(3), CONFIG, envs,
                        group_size=GROUP)  # fmt: skip
     return out, envs
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="blocks only on CPU")
+def test_plain_products_reach_the_prefill_turns_and_observations():
+    """`products="plain"` reaches every program of an episode: the same tokens as the blocked
+    products (no near ties on this model) with behaviour log-probs within float32 rounding of
+    theirs, not equal to them."""
+    graphdef, params = make_model(seed=11, config=WIDE)
+
+    def run(products):
+        return run_episodes(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(3), CONFIG,
+                            environments(), group_size=GROUP, products=products)  # fmt: skip
+
+    blocked, plain = run("blocked"), run("plain")
+    np.testing.assert_array_equal(plain.tokens, blocked.tokens)
+    assert (np.asarray(plain.roles) == Role.OBSERVATION).any()  # observations were written
+    np.testing.assert_allclose(plain.logps, blocked.logps, rtol=0, atol=1e-4)
+    assert not np.array_equal(plain.logps, blocked.logps)
 
 
 def check_layout(ep: Episode, config: EpisodeConfig = CONFIG) -> None:

@@ -117,7 +117,9 @@ class Dense(nnx.Module):
     times as far from the float64 ones as `transformers`', and 0.8 to 1.4 times with the
     blocks, for 6 % of a CPU forward pass (`docs/models.md`). Other dtypes and backends, and
     LoRA or quantised kernels under `tunelib.peft.lora` (their own product rule computes
-    them), take the plain product.
+    them), take the plain product; so does a program traced inside
+    `tunelib._products.unblocked_products()` (the sampler's `products="plain"`: one dot a
+    product is much faster at many rows on CPU).
     """
 
     def __init__(

@@ -338,8 +338,8 @@ def sample(
         `tunelib.models.Dense` computes them everywhere (sums over blocks of at most 192
         input features, whose rounding is as small as PyTorch's: the trainer's own
         numerics); or ``"plain"``, one dot over all the inputs, which XLA's CPU dot runs
-        much faster once many rows are decoded at once (SmolLM2-135M at batch 32: a decode
-        step 1.3 to 1.5x faster, `benchmarks/decode_floor.py --products`) and which rounds
+        much faster once many rows are decoded at once (SmolLM2-135M at batch 32: decode
+        steps 1.0 to 1.55x faster in five runs on two CPUs, `docs/rollout.md`) and which rounds
         as XLA's dot does (float32 logits 1.2 to 3.9 times as far from float64 ones on
         SmolLM2, `docs/models.md`), so that greedy ties and behaviour log-probs differ from
         the blocked ones in about the fifth decimal. Other dtypes, other backends, and
