@@ -176,10 +176,14 @@ def test_smollm2_loads_and_answers_as_in_transformers():
     tunelib's float32 products on CPU summed their inputs in blocks of 192 (the decoder's
     `Dense`) it was 2.26e-4 (2.2 times). A maximum over so many positions moves with rounding
     luck: over ten batches of such prompts tunelib's ratio was 0.83 to 1.42 (1.19 to 3.92
-    before), and 0.84 to 1.27 in XLA's default settings. tunelib is held to 1.5 times
-    transformers' error, within 3e-4 of its float32 logits, and to the same argmax at every
-    position of the short conversations. 20 greedy tokens of tunelib's sampler equal
-    transformers' `generate`."""
+    before), and 0.84 to 1.27 in XLA's default settings, on one CPU; on an AVX2 CPU (AMD Zen
+    3) these eight prompts gave 1.18 in XLA's default settings and 1.65 in the test session's
+    (`JAX_DISABLE_MOST_OPTIMIZATIONS`). The root mean square of the errors is steadier: there
+    tunelib's was 0.87 to 0.89 times transformers', and 1.88 to 1.89 times with plain
+    products. So tunelib is held to 1.2 times transformers' root-mean-square error (which
+    plain products fail), 2 times its largest error, within 3e-4 of its float32 logits, and
+    to the same argmax at every position of the short conversations. 20 greedy tokens of
+    tunelib's sampler equal transformers' `generate`."""
     torch, _ = hf_modules()
     ours = load_gguf(smollm2_file(), scan_layers=True)
     config = ours.config
@@ -202,9 +206,14 @@ def test_smollm2_loads_and_answers_as_in_transformers():
     logits = np.asarray(decoder.unembed(decoder(tokens, where=where)))[where]
     assert logits.dtype == np.float32
     theirs, error = np.abs(expected - truth).max(), np.abs(logits - truth).max()
-    print(f"float32 max |logits - float64|: tunelib {error:.3g}, transformers {theirs:.3g}")
+    rms = lambda x: np.sqrt(np.mean((x - truth) ** 2))  # noqa: E731
+    print(
+        f"float32 |logits - float64|, max: tunelib {error:.3g}, transformers {theirs:.3g}; "
+        f"root mean square: tunelib {rms(logits):.3g}, transformers {rms(expected):.3g}"
+    )
     assert 0 < theirs < 2e-4
-    assert error <= 1.5 * theirs
+    assert rms(logits) <= 1.2 * rms(expected)
+    assert error <= 2 * theirs
     assert np.abs(logits - expected).max() < 3e-4
     short = np.repeat(np.arange(len(tokens)) < len(CONVERSATIONS), where.sum(axis=1))
     assert np.array_equal(logits[short].argmax(-1), expected[short].argmax(-1))
