@@ -421,18 +421,8 @@ def sample(
         )
     given, params = params, decoding_params(graphdef, params, layout)
     with products_context(products):
-        out = _sample(
-            graphdef,
-            params,
-            prompt_tokens,
-            prompt_where,
-            key,
-            config,
-            group_size,
-            record_routing,
-            windowed_cache,
-            images,
-        )
+        out = _sample(graphdef, params, prompt_tokens, prompt_where, key, config, group_size,
+                      record_routing, windowed_cache, images)  # fmt: skip
     return out if policy_version is None else out._replace(**stamp(given, policy_version))
 
 
