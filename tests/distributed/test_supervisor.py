@@ -105,8 +105,10 @@ def test_hangs_are_detected_within_their_timeouts_and_the_run_recovers(tmp_path)
     assert "restart 2 of 2: process 0 hung" in done.stderr
     start_hang, step_hang = fired
     assert (start_hang["trigger"], step_hang["trigger"]) == ("start", "step")
-    # Detected within the timeout (and a poll) of the hang, restarted within the grace.
-    assert hang_timeout <= in_step["detected_at"] - step_hang["time"] <= hang_timeout + 1.0
+    # Detected within the timeout (and a poll) of the hang, restarted within the grace. The
+    # supervisor counts from the step's last heartbeat, which the process sends just before
+    # the fault fires and records its time (1.9998 s, not 2, on a loaded 2-core machine).
+    assert hang_timeout - 0.5 <= in_step["detected_at"] - step_hang["time"] <= hang_timeout + 1.0
     assert third["time"] - in_step["detected_at"] <= grace + 1.0
     assert [s for s, _ in steps] == [1, 2, 3, 4, 5, 6, 7, 8]
 
