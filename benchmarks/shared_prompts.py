@@ -74,12 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--size", choices=sorted(SIZES), default="default", help="model and lengths")
     p.add_argument("--repeats", type=int, default=10, help="timed updates per variant")
+    p.add_argument(
+        "--scan-unroll", type=int, default=1,
+        help="the stacked layers' DecoderConfig.scan_unroll (layers a step of the scan's loop)",
+    )  # fmt: skip
     p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")
     p.add_argument("--worker", choices=LAYOUTS, help=argparse.SUPPRESS)
     return p
 
 
-def worker(layout: str, size: Size, repeats: int, out: Path) -> None:
+def worker(layout: str, size: Size, repeats: int, out: Path, scan_unroll: int = 1) -> None:
     """Both variants at every group size, for one layer layout: errors, compile seconds,
     memory and timed updates, written as JSON to `out`."""
     import jax
@@ -96,7 +100,7 @@ def worker(layout: str, size: Size, repeats: int, out: Path) -> None:
         vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=size.width,
         num_hidden_layers=size.layers, num_attention_heads=size.heads,
         num_key_value_heads=size.kv_heads, head_dim=size.head_dim, use_qk_norm=True,
-        tie_word_embeddings=True, scan_layers=LAYOUTS[layout],
+        tie_word_embeddings=True, scan_layers=LAYOUTS[layout], scan_unroll=scan_unroll,
     )  # fmt: skip
     graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
     optimizer = optax.adamw(1e-5)
@@ -175,15 +179,18 @@ def main() -> None:
     size = SIZES[args.size]
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.scan_unroll < 1:
+        parser.error(f"--scan-unroll must be >= 1, got {args.scan_unroll}")
     if args.worker:
-        worker(args.worker, size, args.repeats, args.json_out)
+        worker(args.worker, size, args.repeats, args.json_out, args.scan_unroll)
         return
     layouts = {}
     with tempfile.TemporaryDirectory() as tmp:
         for layout in size.layouts:
             out = Path(tmp) / f"{layout}.json"
             command = [sys.executable, __file__, "--worker", layout, "--size", args.size,
-                       "--repeats", str(args.repeats), "--json-out", str(out)]  # fmt: skip
+                       "--repeats", str(args.repeats), "--scan-unroll", str(args.scan_unroll),
+                       "--json-out", str(out)]  # fmt: skip
             layouts[layout] = worker_result(command, out, label=layout)
     failed = {k: v["failed"] for k, v in layouts.items() if "failed" in v}
     if failed:
@@ -205,6 +212,7 @@ def main() -> None:
         "size": args.size,
         **size._asdict(),
         "repeats": args.repeats,
+        "scan_unroll": args.scan_unroll,
         "backend": layouts[size.layouts[0]]["backend"],
         "layouts": {k: v["groups"] for k, v in layouts.items()},
     }

@@ -8,10 +8,12 @@ from tests.benchmarks._run import refusal, run_benchmark
 @pytest.mark.slow
 def test_smoke_size_end_to_end(tmp_path):
     result, output = run_benchmark(
-        "shared_prompts.py", "--size", "smoke", "--repeats", "2", out=tmp_path,
+        "shared_prompts.py", "--size", "smoke", "--repeats", "2", "--scan-unroll", "2",
+        out=tmp_path,
         compilation_cache=False,
     )  # fmt: skip
     assert (result["size"], result["repeats"], result["groups"]) == ("smoke", 2, [4])
+    assert result["scan_unroll"] == 2
     (record,) = result["layouts"]["stacked"].values()
     assert record["rows"] == 4
     # One function in two summation orders: float32 rounding of a 32-wide model apart.
@@ -26,3 +28,4 @@ def test_smoke_size_end_to_end(tmp_path):
 
 def test_bad_flags_end_in_one_line():
     assert "--repeats must be >= 1" in refusal("shared_prompts.py", "--repeats", "0")
+    assert "--scan-unroll must be >= 1" in refusal("shared_prompts.py", "--scan-unroll", "0")

@@ -69,6 +69,8 @@ BAD = [
     ({"sliding_window": 0}, "sliding_window", ValueError),
     ({"sliding_window": 4.0}, "sliding_window", TypeError),
     ({"scan_layers": 0}, "scan_layers", TypeError),
+    ({"scan_unroll": 0}, "scan_unroll", ValueError),
+    ({"scan_unroll": True}, "scan_unroll", TypeError),
     ({"remat": 1}, "remat", TypeError),
     ({"dtype": "float8"}, "dtype", ValueError),
     ({"param_dtype": jnp.float32}, "param_dtype", TypeError),

@@ -254,21 +254,28 @@ def weighted_loss_and_grad(graphdef, state, weights, tokens, where):
     return jax.value_and_grad(loss)(state)
 
 
-@pytest.mark.parametrize(("scan", "remat"), [(False, True), (True, False), (True, True)])
-def test_scan_and_remat_equal_the_loop(scan, remat):
-    """The loop, the scan over layers and the checkpointed layers are one function: compared in
-    float64, where their orders of summation agree to rounding. In float32 they differ by up to
-    3e-5 on gradients of 90 here, and by how much depends on how the CPU vectorises each."""
+@pytest.mark.parametrize(
+    ("scan", "remat", "unroll"),
+    [(False, True, 1), (True, False, 1), (True, True, 1), (True, False, 2), (True, True, 3)],
+)
+def test_scan_and_remat_equal_the_loop(scan, remat, unroll):
+    """The loop, the scan over layers (one layer a step of its loop, or `scan_unroll` of them:
+    here both layers, and 3 steps where there are 2) and the checkpointed layers are one
+    function: compared in float64, where their orders of summation agree to rounding. In
+    float32 they differ by up to 3e-5 on gradients of 90 here, and by how much depends on how
+    the CPU vectorises each."""
     tokens, where = x64_copies(TOKENS, WHERE)
     with jax.enable_x64(True):
         config = make_config(**VARIANTS["qk_norm_bias"], dtype="float64", param_dtype="float64")
         plain = build(config)
-        other = abstract(dataclasses.replace(config, scan_layers=scan, remat=remat), seed=9)
+        options = dict(scan_layers=scan, remat=remat, scan_unroll=unroll)
+        other = abstract(dataclasses.replace(config, **options), seed=9)
         copy_weights(plain, other)
         # The options change the program: a scan over one layer, a checkpointed layer.
         graphdef, state = nnx.split(other)
         program = str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens, where))(state))
         assert (" scan[" in program) == scan and ("remat" in program) == remat
+        assert (f"unroll={unroll}" in program) == scan
         weights = np.random.default_rng(0).standard_normal((3, 7, 32))
         (value, grads), (other_value, other_grads) = (
             weighted_loss_and_grad(*nnx.split(model), weights, tokens, where)

@@ -67,7 +67,7 @@ def run_stacks(config, layers, run, x, inputs, cache, routing):
         run_plans, run_stacks = plans[first : first + count], stacks[first : first + count]
         first += count
         xs = tuple(plan.scanned(routing) for plan in run_plans)
-        carry, outs = _scan(run, run_plans, run_stacks, carry, inputs, index, xs)
+        carry, outs = _scan(run, run_plans, run_stacks, carry, inputs, index, xs, c.scan_unroll)
         for plan, out in zip(run_plans, outs, strict=True):
             if out is not None:
                 routed.append(out)
@@ -151,9 +151,10 @@ class _StackPlan:
         return tuple(arrays)
 
 
-def _scan(run, plans, stacks, carry, inputs, index, xs):
-    """One scan over the repeats of a run: its stacks' layers in order at each step. Stacks
-    in the decoding layout (`_per_layer`) are read per layer from their state."""
+def _scan(run, plans, stacks, carry, inputs, index, xs, unroll):
+    """One scan over the repeats of a run: its stacks' layers in order at each step, `unroll`
+    steps to one step of the loop. Stacks in the decoding layout (`_per_layer`) are read per
+    layer from their state."""
 
     def through(carry, layers, xs):
         x, arrays = carry
@@ -178,9 +179,10 @@ def _scan(run, plans, stacks, carry, inputs, index, xs):
             layers = [nnx.merge(g, layer_at(s, x[0])) for (g, s), x in zip(split, xs, strict=True)]
             return through(carry, layers, xs)
 
-        return jax.lax.scan(select, carry, xs)
+        return jax.lax.scan(select, carry, xs, unroll=unroll)
     scan = nnx.scan(
         through,
+        unroll=unroll,
         in_axes=(nnx.Carry, 0, 0),
         out_axes=(nnx.Carry, 0),
         transform_metadata={nnx.PARTITION_NAME: "layers"},
