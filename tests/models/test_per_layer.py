@@ -51,6 +51,23 @@ def family_model(name: str, **overrides) -> Decoder:
     return Decoder(DecoderConfig(**{**BASE, **FAMILIES[name], **overrides}), rngs=nnx.Rngs(1))
 
 
+def decode(graphdef, state, per_layer: bool):
+    """Prefill, three decode steps (one row padded at the second) and a full forward pass with
+    its router logits, in the stacked layout or the decoding one."""
+    run = nnx.merge(graphdef, state)
+    if per_layer:
+        run = nnx.merge(graphdef, run.decoding_layout(state))
+    cache = run.init_cache(2, 9)
+    hidden, cache = run.extend(TOKENS, WHERE, cache)
+    outs = [hidden]
+    for t in range(3):
+        live = jnp.array([[True], [t != 1]])
+        hidden, cache = run.extend(jnp.array([[t + 2], [t + 7]]), live, cache)
+        outs.append(hidden)
+    full, logits = run(TOKENS, WHERE, return_router_logits=True)
+    return outs, cache, full, logits, run.unembed(hidden)
+
+
 # The layout holds the `Dense` kernels one array per layer, the same way in every family: the
 # families whose layers differ most (soft caps and two kinds of layer; two widths and shared
 # keys; experts) stand for Llama, Qwen3 and Gemma 3, whose layers hold a subset of theirs.
@@ -59,31 +76,37 @@ def test_decoding_reads_the_same_weights_and_gives_the_same_bits(family):
     model = family_model(family)
     graphdef, state = nnx.split(model)
     state = nnx.to_pure_dict(state)
-
-    def decode(state, per_layer: bool):
-        run = nnx.merge(graphdef, state)
-        if per_layer:
-            run = nnx.merge(graphdef, run.decoding_layout(state))
-        cache = run.init_cache(2, 9)
-        hidden, cache = run.extend(TOKENS, WHERE, cache)
-        outs = [hidden]
-        for t in range(3):  # decode steps, one row padded at the second
-            live = jnp.array([[True], [t != 1]])
-            hidden, cache = run.extend(jnp.array([[t + 2], [t + 7]]), live, cache)
-            outs.append(hidden)
-        full, logits = run(TOKENS, WHERE, return_router_logits=True)
-        return outs, cache, full, logits, run.unembed(hidden)
-
-    decode = jax.jit(decode, static_argnums=1)
-    expected, per_layer = decode(state, False), decode(state, True)
+    run = jax.jit(decode, static_argnums=(0, 2))
+    expected, per_layer = run(graphdef, state, False), run(graphdef, state, True)
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(per_layer), strict=True):
         np.testing.assert_array_equal(a, b)
     # The outputs do depend on every layer's weights: a changed last layer changes them.
     pure = jax.tree.map(lambda x: x, state)
     kernel = pure["layers"]["self_attn"]["o_proj"]["kernel"]
     pure["layers"]["self_attn"]["o_proj"]["kernel"] = kernel.at[-1].multiply(2.0)
-    changed = decode(pure, True)
+    changed = run(graphdef, pure, True)
     assert not np.array_equal(changed[0][-1], per_layer[0][-1])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+def test_an_unrolled_scan_computes_what_one_layer_a_step_computes(family):
+    """`scan_unroll=3`: the three layers as one step of the scan's loop, in the stacked layout
+    and in the decoding one, give what a loop of one layer a step gives, on the same weights:
+    compared in float64, where only the order of sums could differ."""
+    with jax.enable_x64(True):
+        f64 = dict(dtype="float64", param_dtype="float64")
+        graphdef, state = nnx.split(family_model(family, **f64))
+        unrolled, _ = nnx.split(family_model(family, **f64, scan_unroll=3))
+        state = nnx.to_pure_dict(state)
+        run = jax.jit(decode, static_argnums=(0, 2))
+        expected = run(graphdef, state, False)
+        for per_layer in (False, True):
+            program = str(jax.make_jaxpr(lambda s: decode(unrolled, s, per_layer))(state))
+            assert "unroll=3" in program and "unroll=1" not in program
+            got = run(unrolled, state, per_layer)
+            for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+                assert a.dtype == b.dtype
+                np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
 
 
 def test_each_stacked_dense_kernel_is_held_per_layer_and_the_rest_stays_stacked():
