@@ -28,7 +28,19 @@ def test_readme_gives_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert all("venv" not in c and "recipes/" in c for c in commands[1:-1]), commands
     assert "pip install" in run_recipe and "recipes/" in run_recipe
     assert run_tests.endswith("pytest")
-    assert run_tests in (ROOT / ".ci" / "run").read_text()
+    assert run_tests in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_readme_fetches_the_torch_the_lock_pins():
+    """The test command has pip fetch the locked CPU torch (uv reads no pip configuration, pip
+    does), and uv installs it against the lock's hash: both name the same version."""
+    run_tests = readme_commands()[-1]
+    lock = (ROOT / "requirements" / "test.lock").read_text()
+    locked = re.findall(r"^torch==(\S+) ", lock, re.M)
+    fetched = re.findall(r"pip download .*?torch==(\S+) &&", run_tests)
+    assert len(locked) == 1 and "+cpu" in locked[0], locked
+    assert fetched == locked, (fetched, locked)
+    assert "--find-links .venv/wheels -r requirements/test.lock" in run_tests
 
 
 @pytest.mark.slow
