@@ -96,8 +96,8 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, goodput, loop, models, optim, parallel, watch
 
-    # Every device of every process; each batch split by rows.
-    placement = parallel.placement(config.batch_size, config.devices)
+    # The teacher, and the SFT baseline of the same budget (not for --plan, which writes
+    # nothing), trained first if absent: before this process opens its devices.
     teacher_flags = chain.sft_flags(
         config, num_train=config.teacher_demonstrations, steps=config.teacher_steps,
         model_size="base",
@@ -106,6 +106,11 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         config.teacher, kit.runs.default_out("teacher", config.seed), teacher_flags,
         what="teacher",
     )  # fmt: skip
+    chained = {"teacher_seconds": teacher_seconds}
+    if not (config.no_baseline or config.plan):
+        chained["baseline_seconds"], baseline = chain.baseline(run, config, model_size="student")
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
     teacher = models.replicated(models.load_model(folder), placement)
     student = models.new_model(CharTokenizer(), "student", config.seed)
     student = models.with_remat(student, config.remat)
@@ -214,11 +219,8 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         **loop.before_and_after(run, *evaluate.SAMPLED),  # with --eval-samples
         **(best.headline() if best else {}),
     }
-    chained = {"teacher_seconds": teacher_seconds}
-    if not config.no_baseline:
-        seconds, result = chain.baseline(run, config, model_size="student")
-        chained["baseline_seconds"] = seconds
-        headline["sft_accuracy_after"] = result["accuracy_after"]
+    if "baseline_seconds" in chained:
+        headline["sft_accuracy_after"] = baseline["accuracy_after"]
     return loop.finish(run, config, headline, chained=chained)
 
 

@@ -68,9 +68,11 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, loop, lora, optim, pairs, parallel
 
+    # The SFT start, trained first if absent: before this process opens its devices.
+    start, sft_seconds = chain.sft_start(config)
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
-    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
+    model = chain.start_model(start, placement, remat=config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model.tokenizer, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":

@@ -60,6 +60,8 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, disaggregated, evaluate, goodput, grpo, loop, models, parallel, watch
 
+    # The SFT start, trained first if absent: before this process opens its devices.
+    start, sft_seconds = chain.sft_start(config)
     # Each process's own devices: the trainer's and the sampler's meshes are apart.
     placement = parallel.placement(config.batch_size, config.devices, across_processes=False)
     if placement.process_count != 2:
@@ -68,7 +70,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
             f"{placement.process_count}: start it with python -m tunelib.launch -n 2"
         )
     trainer = disaggregated.role() == disaggregated.TRAINER
-    model, sft_seconds = chain.sft_model(config, placement)  # trained first if absent
+    model = chain.start_model(start, placement, remat=config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     # What grpo.py samples and trains with: `sample` runs on the sampler, `learner` on the
     # trainer.

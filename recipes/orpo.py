@@ -1,6 +1,6 @@
 """ORPO in one stage, without a reference model, against SFT alone at the same budget.
 
-    python recipes/orpo.py                 # a new model: ORPO, then the SFT baseline
+    python recipes/orpo.py                 # a new model: the SFT baseline, then ORPO
     python recipes/orpo.py --no-baseline   # ORPO only
     python recipes/orpo.py --resume        # continue the run from its last checkpoint
     python recipes/orpo.py --model HF_CHECKPOINT --data pairs.jsonl   # your model and pairs
@@ -53,6 +53,13 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from kit import chain, data, evaluate, loop, models, optim, pairs, parallel
 
+    # The SFT baseline of the same budget, trained first: before this process opens its devices
+    # (not for --plan, which writes nothing).
+    chained = {}
+    if not (config.no_baseline or config.plan) and config.data is None:
+        chained["baseline_seconds"], baseline = chain.baseline(
+            run, config, model_size=config.model_size
+        )
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
     model = models.start_model(config.model, config.model_size, config.seed)
@@ -104,11 +111,8 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
         return state
     models.save_model(run.path / "model", model, state["params"])
     headline = loop.before_and_after(run, "accuracy", "heldout_loss")
-    chained = {}
-    if not config.no_baseline and task.name == "arithmetic":
-        seconds, result = chain.baseline(run, config, model_size=config.model_size)
-        chained["baseline_seconds"] = seconds
-        headline["sft_accuracy_after"] = result["accuracy_after"]
+    if "baseline_seconds" in chained:
+        headline["sft_accuracy_after"] = baseline["accuracy_after"]
     return loop.finish(run, config, headline, chained=chained)
 
 

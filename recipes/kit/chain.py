@@ -9,6 +9,11 @@ flags checked, its Ctrl-C, its `--resume`), and its devices, compiled programs a
 released before the recipe that needs it starts its own. It is trained only
 at the default location a recipe owns (`runs/sft-seed<seed>`, ...), never at a path the user
 named: a `--model` that does not exist is an error, not a request to train one.
+
+A chained run is trained before the recipe opens its own devices, so a recipe calls
+`sft_start` (or `ensure_model`, `baseline`) first, before `kit.parallel.placement` or
+anything else that starts JAX's backend: on a TPU host one process at a time can hold the
+chips, and the child could not open them while its parent holds them.
 """
 
 import json
@@ -17,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-import jax
+from tunelib import distributed
 
 from kit.errors import UserError
 from kit.models import Model, load_model, model_folder, replicated, with_remat
@@ -27,12 +32,9 @@ RECIPES = Path(__file__).resolve().parents[1]
 
 
 def train_sft(out: Path, flags: list[str], *, what: str) -> float:
-    """Run `recipes/sft.py --out OUT FLAGS` to the end; its wall time in seconds."""
-    if jax.process_count() > 1:
-        raise UserError(
-            f"{what}: a run of several processes starts no other run; train it first with "
-            f"python -m tunelib.launch -n N recipes/sft.py --out {out}"
-        )
+    """Run `recipes/sft.py --out OUT FLAGS` to the end; its wall time in seconds. Called before
+    this process starts JAX's backend (the module's docstring says why)."""
+    _alone(what, f"train it first with python -m tunelib.launch -n N recipes/sft.py --out {out}")
     print(f"{what}: training it first with recipes/sft.py --out {out}", flush=True)
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, str(RECIPES / "sft.py"), "--out", str(out), *flags])
@@ -43,6 +45,12 @@ def train_sft(out: Path, flags: list[str], *, what: str) -> float:
             f"{what}: the SFT run in {out} stopped (exit {proc.returncode}); see its message above"
         )
     return time.perf_counter() - started
+
+
+def _alone(what: str, advice: str) -> None:
+    """A `UserError` in a run of several processes, which starts no other run."""
+    if distributed.launched_process_count() > 1:
+        raise UserError(f"{what}: a run of several processes starts no other run; {advice}")
 
 
 def ensure_model(named: Path | None, default_run: Path, flags: list[str], *, what: str):
@@ -97,22 +105,22 @@ def sft_start(config) -> tuple[Path, float | None]:
     )  # fmt: skip
 
 
-def sft_model(config, placement) -> tuple[Model, float | None]:
-    """The start model of DPO, the reward model and GRPO (`sft_start`), on every device of
-    `placement`, with `--remat`; and the seconds spent training it first (None if it was
-    there)."""
-    folder, seconds = sft_start(config)
-    model = replicated(load_model(folder), placement)
-    return with_remat(model, config.remat), seconds
+def start_model(folder: Path, placement, *, remat: str) -> Model:
+    """The model saved in `folder` (`sft_start`'s), on every device of `placement`, with
+    `--remat`."""
+    return with_remat(replicated(load_model(folder), placement), remat)
 
 
 def baseline(run, config, *, model_size: str) -> tuple[float, dict]:
     """An SFT run with this run's seed, task and budget in `<run>/baseline`: its seconds and
-    its result."""
+    its result. A baseline that finished already (a resumed run's) is not trained again,
+    one cut short is resumed (`--resume auto`)."""
     flags = sft_flags(
         config, steps=config.steps, learning_rate=config.learning_rate,
         batch_size=config.batch_size, eval_every=config.eval_every, model_size=model_size,
     )  # fmt: skip
     folder = run.path / "baseline"
-    seconds = train_sft(folder, [*flags, "--overwrite"], what="the SFT baseline")
+    _alone("the SFT baseline", "pass --no-baseline")
+    run.open(config)  # the baseline lives in the run's folder: locked and made first
+    seconds = train_sft(folder, [*flags, "--resume", "auto"], what="the SFT baseline")
     return seconds, result_of(folder)

@@ -137,9 +137,16 @@ def _release(run: RunFolder | None) -> None:
 
 def _alone() -> bool:
     """Whether this process runs alone (not one of a multi-process run's: those import JAX
-    and join the others)."""
-    jax = sys.modules.get("jax")
-    return jax is None or jax.process_count() == 1
+    and join the others), from the launcher's variables: asking JAX would start its backend,
+    which a process that failed before its first step has not started."""
+    if "jax" not in sys.modules:
+        return True
+    from tunelib import distributed
+
+    try:
+        return distributed.launched_process_count() == 1
+    except ValueError:  # the launcher's variables are wrong: the error says so already
+        return True
 
 
 def _exit(code: int, *, wait_for_peers: bool = False) -> None:

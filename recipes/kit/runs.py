@@ -87,7 +87,11 @@ def checkpoint_steps(folder: Path) -> list[int]:
 # What a run folder holds once a run has trained: a checkpoint aside, these are work that
 # only `--overwrite` may remove. A folder with the other entries alone (`config.toml`, the
 # first evaluation's metrics, ...) is a start that failed before its first checkpoint.
-WORK_ENTRIES = ("result.json", "model", "hf_model", "adapters", "peft_adapter", "baseline")
+WORK_ENTRIES = ("result.json", "model", "hf_model", "adapters", "peft_adapter")
+# Runs of their own inside a run folder (`kit.chain.baseline`'s), trained before the run's
+# first step: a start that failed after them starts again with them kept (they resume
+# themselves); only `--overwrite` removes them.
+CHAINED_ENTRIES = ("baseline",)
 
 
 class RunFolder:
@@ -159,7 +163,10 @@ class RunFolder:
         """Lock the folder (`kit.lock`), check it again under the lock, and, for a run that
         starts, make it (replacing an earlier run's files with `--overwrite`, or a failed
         start's) and save the configuration. Call once every check has passed, before the
-        work starts; a resumed run saves its configuration once restored (`save_config`)."""
+        work starts; a resumed run saves its configuration once restored (`save_config`).
+        Opening an open folder does nothing."""
+        if self.lock is not None:
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         self.lock = Lock(self.path)
         self._decide(self.resume, self.overwrite and not self.restart)  # another run's work?
@@ -167,6 +174,8 @@ class RunFolder:
         if self.resume:
             return
         for name in self.held if self.overwrite else ():
+            if self.restart and name in CHAINED_ENTRIES:
+                continue
             entry = self.path / name
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests._helpers import raises_naming
+from tests._helpers import raises_naming, user_env
 from tunelib import distributed
 
 # Each process contributes its rank + 1 on each of its devices to an array sharded over
@@ -148,6 +148,45 @@ def test_partial_environment_is_named(monkeypatch):
     monkeypatch.delitem(os.environ, distributed.PROCESS_ID, raising=False)
     with raises_naming(distributed.PROCESS_ID, distributed.COORDINATOR):
         distributed.initialize()
+
+
+_LAUNCH_VARIABLES = ("TUNELIB_NUM_PROCESSES", "TUNELIB_PROCESS_ID", "JAX_COORDINATOR_ADDRESS",
+                     "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")  # fmt: skip
+_LAUNCHED = {"TUNELIB_NUM_PROCESSES": "3", "TUNELIB_PROCESS_ID": "1",
+             "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "variables, count",
+    [({}, 1), (_LAUNCHED, 3), ({"SLURM_NTASKS": "4"}, 4), ({"SLURM_NTASKS": "1"}, 1),
+     ({"OMPI_COMM_WORLD_SIZE": "2"}, 2)],
+)  # fmt: skip
+def test_the_launched_process_count_is_the_one_initialize_joins(monkeypatch, variables, count):
+    for name in _LAUNCH_VARIABLES:
+        monkeypatch.delitem(os.environ, name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setitem(os.environ, name, value)
+    assert distributed.launched_process_count() == count
+
+
+def test_the_launched_process_count_does_not_start_the_backend():
+    """A process that asks it can still start a JAX program of its own before it opens its
+    devices (on a TPU host, one process at a time holds them)."""
+    code = (
+        "from tunelib import distributed; from jax._src import xla_bridge; "
+        "print(distributed.launched_process_count(), xla_bridge.backends_are_initialized())"
+    )
+    env = {**{k: v for k, v in user_env().items() if k not in _LAUNCH_VARIABLES}, **_LAUNCHED}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
+    assert done.stdout.split() == ["3", "False"], done.stderr[-2000:]
+
+
+def test_a_partial_launch_is_named_by_the_launched_process_count(monkeypatch):
+    monkeypatch.setitem(os.environ, distributed.NUM_PROCESSES, "2")
+    monkeypatch.delitem(os.environ, distributed.PROCESS_ID, raising=False)
+    with raises_naming(distributed.PROCESS_ID, distributed.COORDINATOR):
+        distributed.launched_process_count()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ what only a process shows (its output and exit status, Ctrl-C, a logger's own se
 import contextlib
 import io
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,8 @@ from tests.recipes._scripts import (
 )
 
 from kit.evaluate import SAMPLED
+
+ONE_HOLDER = Path(__file__).resolve().parents[1] / "one_holder"  # its sitecustomize.py
 
 # A small, fast slice of the task; the model is the recipes' own. One device, as a user's
 # process has, not the test session's eight (tests/distributed runs the recipes on several).
@@ -90,6 +93,15 @@ def run_recipe(name: str, *args: str, headline: str | None = None) -> dict:
     return result
 
 
+def one_holder_env(folder: Path) -> dict:
+    """The variables that make a recipe process, and every process it starts, follow a TPU
+    host's rule on CPU: one process at a time may start JAX's backend, the others fail
+    (`tests/one_holder/sitecustomize.py`). A recipe that started its backend before a chained
+    run of its own ends fails with them."""
+    path = [str(ONE_HOLDER), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path), "TUNELIB_TEST_ONE_HOLDER": str(folder / "lock")}
+
+
 def run_process(name: str, *args: str, env=None) -> dict:
     """`python recipes/<name>.py` as a user runs it; the last line it prints, as JSON."""
     proc = run_recipe_process(name, *SMALL, *quick_evaluation(name, args), *args, env=env)
@@ -117,15 +129,15 @@ def leaves(tree) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def chained(tmp_path_factory) -> dict:
     """DPO without --model: it trains the seed's SFT run at its default place first (and only
-    there), then QLoRA adapters on it, on packed rows. The SFT run is the start model of the
-    other recipe tests of this module."""
+    there), then QLoRA adapters on it, on packed rows; as a process on a host where one
+    process at a time may open the devices, as on a TPU host (`one_holder_env`). The SFT run
+    is the start model of the other recipe tests of this module."""
     root = tmp_path_factory.mktemp("chained")
-    with shared_compilation_cache() as patch:
-        patch.setenv("TUNELIB_RUNS", str(root / "runs"))
-        result = run_recipe(
-            "dpo", "--sft-steps", "4", "--num-prompts", "64", *STEPS, "--lora-rank", "4",
-            "--qlora", "--packing", "--out", str(root / "dpo"),
-        )  # fmt: skip
+    env = {"TUNELIB_RUNS": str(root / "runs"), **one_holder_env(root)}
+    result = run_process(
+        "dpo", "--sft-steps", "4", "--num-prompts", "64", *STEPS, "--lora-rank", "4",
+        "--qlora", "--packing", "--out", str(root / "dpo"), env=env,
+    )  # fmt: skip
     return {"sft": root / "runs" / "sft-seed0", "dpo": root / "dpo", "result": result}
 
 
@@ -272,9 +284,17 @@ def test_dpo_trains_its_sft_start_then_runs_packed_with_qlora(chained):
 
 @pytest.mark.slow
 def test_orpo_runs_with_its_sft_baseline(tmp_path):
-    out = run_recipe("orpo", *STEPS, "--out", str(tmp_path / "orpo"))
+    """The baseline trains in the run's folder before the run opens its devices (one process
+    at a time may, as on a TPU host); a rerun of the finished run with more steps resumes
+    both."""
+    run, env = tmp_path / "orpo", one_holder_env(tmp_path)
+    out = run_process("orpo", *STEPS, "--out", str(run), env=env)
     assert {"accuracy_after", "sft_accuracy_after", "baseline_seconds"} <= set(out)
-    assert (tmp_path / "orpo" / "baseline" / "result.json").exists()
+    assert json.loads((run / "baseline" / "result.json").read_text())["steps"] == 4
+    more = run_process("orpo", "--steps", "5", "--eval-every", "4", "--out", str(run),
+                       "--resume", env=env)  # fmt: skip
+    assert more["steps"] == 5 and [r["step"] for r in records_of(run)][-1] == 5
+    assert json.loads((run / "baseline" / "result.json").read_text())["steps"] == 5
 
 
 @pytest.mark.slow

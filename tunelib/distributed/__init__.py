@@ -2,7 +2,9 @@
 
 `initialize()` joins the processes of a run through `jax.distributed.initialize` (from the
 variables `python -m tunelib.launch` sets for local runs, or a SLURM / Open MPI job's own),
-with Gloo collectives on CPU, and returns this process's `Runtime`. See `docs/scale.md`.
+with Gloo collectives on CPU, and returns this process's `Runtime`;
+`launched_process_count()` says how many processes the run has before anything starts
+JAX's backend. See `docs/scale.md`.
 
 For supervised runs (`python -m tunelib.launch --max-restarts K`): `heartbeat(step)` tells
 the supervisor a process is alive, `supervision()` what it recorded of the restarts so far;
@@ -25,6 +27,7 @@ from tunelib.distributed._runtime import (
     PROCESS_ID,
     Runtime,
     initialize,
+    launched_process_count,
 )
 from tunelib.distributed._supervision import HEARTBEATS, SUPERVISION, heartbeat, supervision
 
@@ -43,6 +46,7 @@ __all__ = [
     "heartbeat",
     "initialize",
     "inject_faults",
+    "launched_process_count",
     "parse_faults",
     "supervision",
 ]

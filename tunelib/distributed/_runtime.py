@@ -115,6 +115,32 @@ def initialize(
     return _runtime(coordinator_address if num_processes is not None else None)
 
 
+def launched_process_count() -> int:
+    """How many processes this process's run has, as `initialize` will find them, read from
+    the launcher's or the cluster's variables without starting JAX's runtime or backend.
+
+    A process about to start another JAX program (a recipe that trains its start model
+    first) asks this instead of `jax.process_count()`, which opens the process's devices: on
+    a TPU host only one process may hold the chips, so the child could not open them.
+
+    Returns:
+      The process count `initialize` joins (1 for a process alone).
+
+    Raises:
+      ValueError: for a partial or invalid set of the launcher's variables.
+
+    Examples:
+      >>> from tunelib import distributed
+      >>> distributed.launched_process_count()
+      1
+    """
+    _, count, _ = _from_environment()
+    if count is not None:
+        return count
+    cluster = _cluster()
+    return int(os.environ[_CLUSTERS[cluster]]) if cluster is not None else 1
+
+
 def _from_environment() -> tuple[str | None, int | None, int | None]:
     count, rank = os.environ.get(NUM_PROCESSES), os.environ.get(PROCESS_ID)
     if count is None and rank is None:
