@@ -24,6 +24,13 @@ and the collected tests make large. With a young generation of 50,000 objects an
 as collected frozen (`gc.freeze`: never scanned again), `tests/models` and `tests/losses`
 took 10 to 13 % less CPU time (297 -> 257-262 s). The recipes do the like
 (`kit.cli.GC_THRESHOLDS`).
+
+The accelerator tier (tests marked `accelerator`, docs/tpu.md) runs where `JAX_PLATFORMS`
+names a GPU or a TPU: then none of the CPU settings above applies (they change what an
+accelerator computes, or are flags of XLA's CPU backend alone), and the host's CPU backend is
+added beside the accelerator, where the tier computes its references. Elsewhere its tests
+skip, saying which backend JAX has, unless `TUNELIB_ACCELERATOR_TESTS_ON_CPU=1` asks for them
+on the CPU (the Pallas kernels in the interpreter), to check the tests themselves.
 """
 
 import gc
@@ -31,16 +38,25 @@ import os
 import shutil
 import tempfile
 
-_FLAGS = (
-    "--xla_force_host_platform_device_count=8",
-    "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_parallel_codegen_split_count=1",
-)
-for _flag in _FLAGS:
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+ACCELERATOR_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
+ON_CPU_VARIABLE = "TUNELIB_ACCELERATOR_TESTS_ON_CPU"
+_PLATFORMS = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+ON_ACCELERATOR = any(p in ACCELERATOR_PLATFORMS for p in _PLATFORMS)
+
+if ON_ACCELERATOR:
+    if "cpu" not in _PLATFORMS:  # the host, for the references (JAX starts only those named)
+        os.environ["JAX_PLATFORMS"] = ",".join([*_PLATFORMS, "cpu"])
+else:
+    _FLAGS = (
+        "--xla_force_host_platform_device_count=8",
+        "--xla_cpu_use_fusion_emitters=false",
+        "--xla_cpu_parallel_codegen_split_count=1",
+    )
+    for _flag in _FLAGS:
+        if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -80,6 +96,7 @@ def pytest_configure(config):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it (`-p no:xdist`)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the suite's setting): one worker more than the cores this process may use.
     Part of the suite waits instead of computing (on the recipe and benchmark processes it
@@ -127,7 +144,8 @@ def _own_loop_model(request, doctest_namespace):
 
 def pytest_collection_modifyitems(items):
     """The modules with long end-to-end runs (marked `slow`) first, each kept whole (its
-    module-scoped fixtures made once), the rest in their usual order.
+    module-scoped fixtures made once), the rest in their usual order; the tests marked
+    `accelerator` skipped, with the reason, where JAX has no GPU or TPU.
 
     pytest-xdist's workers then start on the runs of a minute or more and fill in with
     the short tests, instead of one worker finishing a recipe run alone at the end while the
@@ -138,3 +156,21 @@ def pytest_collection_modifyitems(items):
 
     slow = {module(item) for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: module(item) not in slow)
+    tier = [item for item in items if item.get_closest_marker("accelerator")]
+    if tier and (skip := _accelerator_skip()) is not None:
+        for item in tier:
+            item.add_marker(skip)
+
+
+def _accelerator_skip():
+    """The skip of the accelerator tier on this backend, or None where it runs."""
+    import jax
+
+    backend = jax.default_backend()
+    if backend in ACCELERATOR_PLATFORMS or os.environ.get(ON_CPU_VARIABLE) == "1":
+        return None
+    return pytest.mark.skip(
+        reason=f"needs a GPU or TPU; JAX's backend is {backend} "
+        f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')}): run the tier with "
+        f"JAX_PLATFORMS=tpu (docs/tpu.md), or on this CPU with {ON_CPU_VARIABLE}=1"
+    )

@@ -3,7 +3,8 @@
 Both lowerings' kernels (GPU/Triton style and TPU/Mosaic style) run on CPU with
 `interpret=True`, with blocks that are valid on the real hardware. Shapes are tiny and fixed
 per test (every new shape compiles the interpreted kernels again), chosen so that N, V and H are
-not multiples of their blocks and span several of them.
+not multiples of their blocks and span several of them. The kernels compiled on a GPU or TPU
+are tested in `test_on_device.py` (the accelerator tier).
 """
 
 import jax
@@ -407,66 +408,3 @@ def test_errors_name_the_argument():
         if jax.default_backend() == "cpu":
             with raises_naming("interpret", error=ValueError):
                 fused_token_logps_pallas(h, w, y)
-
-
-# ---- on the hardware --------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    jax.default_backend() not in ("gpu", "tpu"),
-    reason="needs a GPU or TPU (run with JAX_PLATFORMS=cuda or JAX_PLATFORMS=tpu)",
-)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_compiled_kernels_on_the_device(dtype):
-    """The real lowering (default blocks, no interpreter) against the materialised path."""
-    n, size_h, vocab = 1000, 256, 5000  # no multiples of the default blocks along N or V
-    h, w, b, y = problem(n, size_h, vocab, seed=7)
-    rng = np.random.default_rng(8)
-    g, e = rng.normal(size=n).astype(np.float32), rng.normal(size=n).astype(np.float32)
-    h, w = jnp.asarray(h, dtype), jnp.asarray(w, dtype)
-
-    def ours(h, w, b, tau):
-        logps, entropy = fused_token_logps_pallas(
-            h, w, y, bias=b, temperature=tau, with_entropy=True
-        )
-        return jnp.sum(g * logps + e * entropy), (logps, entropy)
-
-    def theirs(h, w, b, tau):
-        logps, entropy = naive_jax(
-            h.astype(jnp.float32), w.astype(jnp.float32), jnp.asarray(y), b, tau
-        )
-        return jnp.sum(g * logps + e * entropy), (logps, entropy)
-
-    with jax.default_matmul_precision("highest"):  # no TF32 in the float32 reference
-        results = [
-            jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(h, w, b, 0.8)
-            for f in (ours, theirs)
-        ]
-    (_, values), grads = results[0]
-    (_, ref_values), ref_grads_ = results[1]
-    atol = 1e-4 if dtype == jnp.float32 else 2e-2
-    for ours_, theirs_ in zip(values, ref_values, strict=True):
-        assert_close(ours_, np.asarray(theirs_), rtol=1e-4, atol=atol)
-    for ours_, theirs_ in zip(grads, ref_grads_, strict=True):
-        scale = float(np.abs(np.asarray(theirs_, np.float32)).max())
-        assert_close(ours_, np.asarray(theirs_, np.float32), atol=2 * atol * max(scale, 1.0))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    jax.default_backend() not in ("gpu", "tpu"),
-    reason="needs a GPU or TPU (run with JAX_PLATFORMS=cuda or JAX_PLATFORMS=tpu)",
-)
-def test_compiled_kernels_hold_no_n_by_v_buffer():
-    n, size_h, vocab = 8192, 512, 32_000
-    h = jnp.zeros((n, size_h), jnp.bfloat16)
-    w = jnp.zeros((size_h, vocab), jnp.bfloat16)
-    y = jnp.zeros((n,), jnp.int32)
-
-    def total(h, w):
-        return jnp.sum(fused_token_logps_pallas(h, w, y))
-
-    compiled = jax.jit(jax.grad(total, argnums=(0, 1))).lower(h, w).compile()
-    # Gradients in float32 ([N, H] + [H, V]) and O(N) per-token numbers, far from [N, V].
-    assert compiled.memory_analysis().temp_size_in_bytes < n * vocab * 4 / 8

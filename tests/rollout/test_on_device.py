@@ -1,0 +1,83 @@
+"""The KV-cache sampler on the accelerator: greedy decoding against the argmax of a full
+forward pass of the same model, and its behaviour log-probs against float64.
+
+Part of the accelerator tier (docs/tpu.md): skipped where JAX has no GPU or TPU.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from tests._accelerator import on_host
+from tests._precision import assert_within, elementwise_errors, softmax, softmax_errors
+from tests.rollout.test_sampler import (
+    PROMPT_WHERE,
+    PROMPTS,
+    completion_logits,
+    float64_twin,
+    make_model,
+)
+from tunelib.models import DecoderConfig
+from tunelib.rollout import SamplingConfig, sample
+
+pytestmark = pytest.mark.accelerator
+
+# A float32 decoder with grouped-query attention, its weights large enough for peaked
+# next-token distributions (`make_model`).
+CONFIG = DecoderConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    use_qk_norm=True,
+)
+STEPS = 48
+
+
+def test_greedy_decoding_is_the_argmax_of_the_full_forward_pass():
+    """48 greedy tokens for each of three prompts (left-padded, full, right-padded) from the
+    cached prefill and decode loop, and one uncached forward pass over the prompts and those
+    tokens, on the accelerator and in float64 on the host.
+
+    The decoder's rounding is not derived from its operands (norms, attention and products
+    in a chain); it is measured: E, the largest distance of the accelerator's full pass from
+    the float64 pass. The cached pass computes the same function with the same products in
+    another order, so its logits are taken to be within 2E of float64. Then each greedy token
+    is a float64 argmax up to 2 (2E); where the float64 top two are further apart than that
+    (most steps, checked), it is the argmax of both passes; and its log-prob is within the
+    log-softmax bound of 2 (2E) (`tests._precision`) of the float64 one."""
+    graphdef, params = make_model(0, CONFIG)
+    greedy = SamplingConfig(max_new_tokens=STEPS, temperature=0.0)
+    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), greedy)
+    tokens = np.asarray(out.tokens)
+    assert tokens.shape == (len(PROMPTS), STEPS) and np.asarray(out.where).all()
+
+    logits = completion_logits(graphdef, params, out)  # the accelerator's full pass
+    with on_host():
+        model64 = float64_twin(jax.device_get(params), CONFIG)
+        with jax.enable_x64(True):
+            exact = completion_logits(*model64, out)
+    measured = float(np.abs(logits - exact).max())
+    delta = 2 * measured  # the cached pass's logits, taken to be within this of float64
+
+    chosen = np.take_along_axis(exact, tokens[..., None], -1)[..., 0]
+    assert np.all(chosen >= exact.max(-1) - 2 * delta)
+    top2 = np.sort(exact, axis=-1)[..., -2:]
+    decided = top2[..., 1] - top2[..., 0] > 2 * delta
+    assert decided.mean() > 0.5, decided.mean()
+    argmax = exact.argmax(-1)
+    np.testing.assert_array_equal(tokens[decided], argmax[decided])
+    np.testing.assert_array_equal(logits.argmax(-1)[decided], argmax[decided])
+
+    sm = softmax(exact.reshape(-1, CONFIG.vocab_size))
+    errors = softmax_errors(sm, delta, elementwise_errors(), tiles=1)
+    rows = np.arange(tokens.size)
+    assert_within(
+        np.asarray(out.logps).reshape(-1),
+        sm.logp[rows, tokens.reshape(-1)],
+        errors.logp[rows, tokens.reshape(-1)],
+        what="behaviour log-probs",
+    )
