@@ -253,19 +253,27 @@ def max_segments(task: Task) -> int:
     return max(2, task.pack_length // 2 // 2 * 2)
 
 
+# Batches laid out ahead by a thread of their own while the accelerator runs the steps:
+# Grain reads, shuffles and lays out a record in about 0.1 ms of Python (a toy SFT batch of
+# 64 rows took 6.7 ms on a TPU v5e host, against a 1.8 ms step), which would otherwise wait
+# between the steps.
+PREFETCH_BATCHES = 8
+
+
 def batches(task: Task, config, placement, *, kind: str, packing: bool = False):
-    """The endless, shuffled training batches of `task` (a checkpointable Grain iterator):
-    this process's rows of each, `placement.rows` makes the global batch of them."""
+    """The endless, shuffled training batches of `task` (a checkpointable Grain iterator,
+    `PREFETCH_BATCHES` ahead in a thread: close it when done): this process's rows of each,
+    `placement.rows` makes the global batch of them."""
 
     if task.images is not None:  # records with images: shuffled, laid out batch by batch
         index, count = placement.shard
         order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
         rows = order.batch(config.batch_size // count)[index::count]
-        return iter(rows.map(lambda chosen: _image_rows(task, chosen)).to_iter_dataset())
+        return _ahead(rows.map(lambda chosen: _image_rows(task, chosen)).to_iter_dataset())
     dataset = sft_dataset if kind == "sft" else preference_dataset
     on_invalid = "skip" if getattr(config, "skip_invalid", False) else "raise"
     try:
-        return iter(
+        return _ahead(
             dataset(
                 task.train, task.tokenizer,
                 max_length=task.pack_length if packing else task.max_length,
@@ -277,6 +285,14 @@ def batches(task: Task, config, placement, *, kind: str, packing: bool = False):
     except RecordError as error:
         hint = "--skip-invalid drops invalid records" if task.name != "arithmetic" else ""
         raise UserError(f"{task.name}: {error}" + (f" ({hint})" if hint else "")) from None
+
+
+def _ahead(dataset: grain.IterDataset):
+    """An iterator of `dataset` that a thread keeps `PREFETCH_BATCHES` ahead of the reader;
+    its checkpointed state is the position of the batches read, not of those laid out."""
+    return iter(
+        grain.experimental.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=PREFETCH_BATCHES)
+    )
 
 
 def heldout_batches(task: Task, config, placement, *, kind: str) -> list:

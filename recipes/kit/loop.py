@@ -80,8 +80,19 @@ def train(
     the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say; the plan,
     a `kit.plan.Planned`, is then returned in place of the state, and the recipe returns it.
     `watch(step, evaluated, state)`, if given, is called in every process after each
-    evaluation (step 0's included) with its metrics (`kit.watch`).
+    evaluation (step 0's included) with its metrics (`kit.watch`). `batches` is closed when
+    the loop ends, however it ends (a prefetching iterator's thread stops).
     """
+    try:
+        return _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed,
+                      pieces, watch)  # fmt: skip
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+
+def _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed, pieces, watch):
     planned = plan.check(
         config, placed, state=state, batches=batches, step_fn=step_fn, pieces=pieces
     )
