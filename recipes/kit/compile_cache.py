@@ -1,20 +1,29 @@
-"""JAX's persistent compilation cache, kept beside the run: a run that starts again (after a
-crash, a preemption, `--resume auto` from a scheduler) loads its compiled programs from disk
-instead of compiling them again, which is most of a small run's start-up.
+"""JAX's persistent compilation cache: a run that starts again (after a crash, a
+preemption, `--resume auto` from a scheduler) loads its compiled programs from disk instead
+of compiling them again, which is most of a small run's start-up; on an accelerator, every
+later run of the same shapes does too.
 
     with compile_cache.used(config.compile_cache, run.path):
         train(config, run)
 
 `--compile-cache DIR` puts the cache in DIR (shared by several runs, it serves each the
-programs of the same shapes), `--compile-cache none` compiles afresh; by default it is
-`OUT/compile_cache`, unless JAX is told where its cache is already (`JAX_COMPILATION_CACHE_DIR`
-or `jax.config`), which is then kept as it is. Every program is cached, however fast it
-compiled and however small it is (JAX's own defaults skip those under a second), since a
-small run's start-up is many of them. JAX writes the cache from process 0 of a run only,
-and reads it from every process. Nothing here imports JAX at import time.
+programs of the same shapes), `--compile-cache none` compiles afresh. By default it is kept
+beside the run, `OUT/compile_cache`, on a CPU; on a machine whose JAX has a TPU or GPU
+(`accelerator_machine`) it is one folder for every run of the user, `default_folder()`
+(`~/.cache/tunelib/jax`): there compiling a recipe's programs took most of a short run
+(28 of the 68 s of the SmolLM2 SFT on a TPU v5e), and the second run of a recipe finds
+them. Where JAX is told where its cache is already (`JAX_COMPILATION_CACHE_DIR` or
+`jax.config`), that is kept as it is. Every program is cached, however fast it compiled and
+however small it is (JAX's own defaults skip those under a second), since a small run's
+start-up is many of them. JAX writes the cache from process 0 of a run only, and reads it
+from every process. Nothing here imports JAX at import time, and nothing starts its backend:
+a chained run (`kit.chain`) must be able to open the devices after this.
 """
 
 import contextlib
+import importlib.util
+import os
+import pkgutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,13 +39,41 @@ CACHE_EVERYTHING = {
 }
 
 
-def settings(setting: str | None, out: Path | None, configured: str | None) -> dict | None:
+def default_folder() -> Path:
+    """The cache every run of the user shares on an accelerator: `tunelib/jax` in the user's
+    cache folder (`$XDG_CACHE_HOME`, else `~/.cache`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tunelib" / "jax"
+
+
+def accelerator_machine(platforms: str | None) -> bool:
+    """Whether JAX here runs on a TPU or a GPU, told without starting its backend: from
+    JAX's platforms setting when one is given (`JAX_PLATFORMS`), else from the accelerator
+    plugins installed (libtpu; JAX's CUDA and ROCm plugins, found in `jax_plugins`)."""
+    if platforms:
+        return platforms.split(",")[0].strip().lower() != "cpu"
+    if importlib.util.find_spec("libtpu") is not None:
+        return True
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is None or spec.submodule_search_locations is None:
+        return False
+    plugins = pkgutil.iter_modules(spec.submodule_search_locations)
+    return any(p.name.startswith(("xla_cuda", "xla_rocm")) for p in plugins)
+
+
+def settings(
+    setting: str | None, out: Path | None, configured: str | None, *, accelerator: bool = False
+) -> dict | None:
     """The JAX settings a run with `--compile-cache setting` in run folder `out` makes, or
     None to leave JAX as it is: without the flag when JAX has a cache folder already
-    (`configured`), or when there is no run folder (`--plan` writes nothing)."""
+    (`configured`), or when there is no run folder (`--plan` writes nothing). Without the
+    flag the cache is `out`'s, or the user's (`default_folder`) on an `accelerator`."""
     if setting is None and (configured or out is None):
         return None
-    folder = compile_cache_folder(setting) if setting is not None else out / FOLDER
+    if setting is not None:
+        folder = compile_cache_folder(setting)
+    else:
+        folder = default_folder() if accelerator else out / FOLDER
     if folder is None:  # --compile-cache none
         return {"jax_enable_compilation_cache": False}
     return {
@@ -58,7 +95,10 @@ def used(setting: str | None, out: Path | None) -> Iterator[None]:
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
-    wanted = settings(setting, out, jax.config.jax_compilation_cache_dir)
+    wanted = settings(
+        setting, out, jax.config.jax_compilation_cache_dir,
+        accelerator=accelerator_machine(jax.config.jax_platforms),
+    )  # fmt: skip
     if wanted is None:
         yield
         return

@@ -106,8 +106,9 @@ class Run(Config):
     compile_cache: str | None = flag(
         None,
         "a folder for JAX's persistent compilation cache, so a restart loads its compiled "
-        "steps instead of compiling them again, or none (default OUT/compile_cache, or "
-        "JAX_COMPILATION_CACHE_DIR where it is set)",
+        "steps instead of compiling them again, or none (default OUT/compile_cache on a CPU, "
+        "~/.cache/tunelib/jax for every run on a TPU or GPU, or JAX_COMPILATION_CACHE_DIR "
+        "where it is set)",
     )
     log_to: str = flag(
         "jsonl",

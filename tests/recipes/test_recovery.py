@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,6 +40,40 @@ def test_the_cache_goes_beside_the_run_unless_jax_has_one_or_the_user_names_one(
     assert compile_cache.settings("none", out, "/somewhere/jax") == {
         "jax_enable_compilation_cache": False
     }
+
+
+def test_on_an_accelerator_every_run_of_the_user_shares_one_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache-home"))
+    assert compile_cache.default_folder() == tmp_path / "cache-home" / "tunelib" / "jax"
+    shared = compile_cache.settings(None, tmp_path / "run", None, accelerator=True)
+    assert shared["jax_compilation_cache_dir"] == str(compile_cache.default_folder().resolve())
+    assert shared["jax_persistent_cache_min_compile_time_secs"] == 0.0
+    # JAX's own cache and the user's folder still come first.
+    assert compile_cache.settings(None, tmp_path / "run", "/jax", accelerator=True) is None
+    named = compile_cache.settings(str(tmp_path / "mine"), tmp_path / "run", None, accelerator=True)
+    assert named["jax_compilation_cache_dir"] == str((tmp_path / "mine").resolve())
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert compile_cache.default_folder() == Path.home() / ".cache" / "tunelib" / "jax"
+
+
+@pytest.mark.parametrize(
+    ("platforms", "expected"), [("cpu", False), ("tpu", True), ("cuda,cpu", True), ("CPU", False)]
+)
+def test_the_platforms_setting_says_whether_jax_runs_on_an_accelerator(platforms, expected):
+    assert compile_cache.accelerator_machine(platforms) is expected
+
+
+def test_without_a_setting_the_installed_plugins_say_it(monkeypatch):
+    """This machine's JAX has no TPU or GPU plugin (the tests run on CPU); libtpu installed
+    makes it a TPU machine, told without starting JAX's backend."""
+    import importlib.util
+
+    assert compile_cache.accelerator_machine(None) is False
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "libtpu" else found(name)
+    )
+    assert compile_cache.accelerator_machine(None) is True
 
 
 def test_used_caches_every_program_in_its_folder_and_puts_jax_back(tmp_path):
