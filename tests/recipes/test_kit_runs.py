@@ -281,7 +281,8 @@ def test_with_no_intact_checkpoint_resume_is_one_line(tmp_path):
 
 def _opens_then(outcome: str, seen: list):
     """A recipe's `train` that opens its run folder, then ends as `outcome` says; it notes the
-    garbage collector's thresholds in `seen`."""
+    garbage collector's thresholds in `seen`. A signal is raised in this (the main) thread,
+    and Python runs its handler before `raise_signal` returns: nothing waits for it."""
 
     def train(config, run):
         seen.append(gc.get_threshold())
@@ -293,18 +294,30 @@ def _opens_then(outcome: str, seen: list):
             raise UserError("a bad data file")
         if outcome == "crash":
             raise RuntimeError("a bug")
-        os.kill(os.getpid(), signal.SIGTERM if outcome == "SIGTERM" else signal.SIGINT)
-        time.sleep(10)
+        signal.raise_signal(signal.SIGTERM if outcome == "SIGTERM" else signal.SIGINT)
         raise AssertionError("the signal did not stop the run")
 
     return train
+
+
+@pytest.fixture
+def terminal_signals():
+    """Ctrl-C and SIGTERM as a recipe gets them from a terminal: SIGINT raises
+    KeyboardInterrupt and neither is blocked. pytest started in the background by a shell
+    without job control (`pytest &` in a script) inherits SIGINT ignored, its workers too, and
+    Python then leaves it ignored; an earlier test in the process may have replaced it."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    signal.signal(signal.SIGINT, handler)
 
 
 @pytest.mark.parametrize(
     ("outcome", "status"),
     [("done", None), ("bad input", 2), ("crash", RuntimeError), ("SIGTERM", 143), ("Ctrl-C", 130)],
 )
-def test_the_lock_is_released_on_every_exit(tmp_path, outcome, status):
+def test_the_lock_is_released_on_every_exit(tmp_path, outcome, status, terminal_signals):
     """The lock, the SIGTERM handler and the garbage collector's thresholds (the recipe's
     own while it trains) are the caller's again after every exit."""
     import kit
@@ -326,4 +339,5 @@ def test_the_lock_is_released_on_every_exit(tmp_path, outcome, status):
     assert (tmp_path / "run" / "config.toml").exists()
     assert not (tmp_path / "run" / LOCK_FILE).exists()
     assert signal.getsignal(signal.SIGTERM) is handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert seen == [kit.cli.GC_THRESHOLDS] and gc.get_threshold() == thresholds
