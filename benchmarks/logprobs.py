@@ -1,9 +1,9 @@
 r"""Side by side: log-probs from hidden states with and without `[N, V]` logits.
 
-    python benchmarks/logprobs.py                   # the `cpu` size on CPU, `llama3-8b` elsewhere
+    python benchmarks/logprobs.py                   # `cpu` on CPU, gemma2-2b on TPU, else llama3-8b
     python benchmarks/logprobs.py --size smoke      # seconds; what the tests run
-    python benchmarks/logprobs.py --size gemma2-2b  # GPU: the Cut Cross-Entropy head
-    python benchmarks/logprobs.py --size llama3-8b --n 8192
+    python benchmarks/logprobs.py --size gemma2-2b  # the Cut Cross-Entropy head (fits a v5e)
+    python benchmarks/logprobs.py --size llama3-8b --n 8192   # a TPU v5e (16 GiB); see below
 
 Every variant computes the forward and backward pass of a token-mean NLL,
 
@@ -19,43 +19,62 @@ through `tunelib.logprobs.fused_token_logps(..., implementation=variant)`:
 - ``pallas``: the Pallas kernel of `tunelib.kernels`, skipped with a note on the CPU backend
   or when it cannot be imported.
 
-The parent process only orchestrates; each step below runs in a fresh worker subprocess
-(`--variant X --size S --json-out FILE`), so that one variant's buffers, compilation caches
-and peak RSS never leak into another's:
+The parent process only orchestrates and never opens the accelerator (its backend is asked of
+a throwaway `probe` process); each step below runs in a fresh worker subprocess
+(`--variant X --size S --json-out FILE`), one after another (a TPU lets one process at a
+time hold it), so that one variant's buffers, compilation caches and peak RSS never leak
+into another's. A worker still running after `--stage-timeout` seconds is interrupted
+(SIGINT, then SIGKILL 15 s later) and reported, and the parent prints on stderr how long
+each one took:
 
-1. ``reference``: a float64 (JAX x64) loss and gradients on the same inputs, computed a
-   vocabulary chunk at a time. At the GPU sizes it covers an evenly spaced subset of
-   `CHECK_ROWS` rows: their token-mean NLL over those rows alone, whose gradients include the
-   full `[H, V]` unembedding gradient of that sub-problem.
+1. ``reference``: a float64 loss and gradients on the same inputs, in NumPy on the host,
+   computed a vocabulary chunk at a time. The inputs are drawn on the default backend as
+   every worker draws them and come to the host once, converted to float32 on the device
+   (exact for bfloat16 and float32 inputs); nothing float64 ever runs on the accelerator. At
+   the accelerator sizes it covers an evenly spaced subset of `CHECK_ROWS` rows: their
+   token-mean NLL over those rows alone, whose gradients include the full `[H, V]`
+   unembedding gradient of that sub-problem.
 2. Correctness, for every variant before anything is measured: its loss and gradients on the
    reference's rows against the reference, as the relative error
-   $\max |x - x_{ref}| / \max |x_{ref}|$ of each of loss, d hidden and d unembedding. At the
-   GPU sizes the d hidden rows of the full-size run are checked too (each row's gradient
-   depends on that row alone; they are rescaled by $N / $`CHECK_ROWS`). A variant passes when
-   its error exceeds the naive path's own error by at most `TOLERANCE[dtype]`; the naive
-   path must itself stay within `NAIVE_BOUND[dtype]`. A failing variant is not measured and
-   the script exits with status 1.
+   $\max |x - x_{ref}| / \max |x_{ref}|$ of each of loss, d hidden and d unembedding; the
+   variant's results come to the host once, converted to float32 on the device, and the
+   errors are taken in NumPy a block of rows at a time. At the accelerator sizes the d hidden
+   rows of the full-size run are checked too (each row's gradient depends on that row alone;
+   they are rescaled by $N / $`CHECK_ROWS`). A variant passes when its error exceeds the
+   naive path's own error by at most `TOLERANCE[dtype]`; the naive path must itself stay
+   within `NAIVE_BOUND[dtype]`. A variant whose worker runs out of device memory is reported
+   as such and not measured, without failing the script; with the naive path out of memory,
+   the others are held to the naive path's own bound. A variant that fails its check is not
+   measured and the script exits with status 1.
 3. Memory, for every variant that passed, each alone in its worker: `memory_analysis()` of
    the compiled executable (temporary, argument and output bytes) and, after one run, the
-   worker's peak RSS (`ru_maxrss`, which on a GPU counts host memory only; the device's peak
-   bytes in use are reported beside it).
-4. Time, of every variant that passed, side by side in one ``timing`` worker: one warm-up
-   run each, then `--repeats` rounds that run each variant once, the order reversed every
-   other round (a slow spell of a shared machine hits every variant alike); the median of
-   each. At the GPU sizes a plain bf16 GEMM `[N, H] x [H, V]` is timed too, and every variant's
-   throughput is counted as $6 N H V$ flops per forward and backward (the chunked path
-   executes $8 N H V$, the Pallas kernel $10 N H V$) against the GEMM's $2 N H V$.
+   worker's peak RSS (`ru_maxrss`, which on a GPU or TPU counts host memory only; the
+   device's peak bytes in use are reported beside it).
+4. Time, of every variant that passed, side by side in one ``timing`` worker on one copy of
+   the inputs: one warm-up run each, then `--repeats` rounds that run each variant once, the
+   order reversed every other round (a slow spell of a shared machine hits every variant
+   alike); the median of each. At the accelerator sizes a plain bf16 GEMM `[N, H] x [H, V]`
+   is timed too, and every variant's throughput is counted as $6 N H V$ flops per forward
+   and backward (the chunked path executes $8 N H V$, the Pallas kernel $10 N H V$) against
+   the GEMM's $2 N H V$.
+
+On one TPU v5e chip (15.7 GiB) `gemma2-2b` (N = 8192) fits every variant. `llama3-8b` at its
+N = 16384 holds as many float32 logits in the naive path as `gemma2-2b` does (8.4 GB), beside
+twice the hidden states: near the chip's limit. `--n 4096` to `--n 8192` (2.1 to 4.2 GB of
+logits) are the range to use there; a variant that does not fit is reported as out of memory
+while the others are measured.
 
 The script prints a table and ends with one JSON line: `size`, `memory_ratio` (naive temp
-bytes / chunked temp bytes), `time_ratio` (chunked median / naive median) and per-variant
-figures. At the `cpu` size it also prints whether the CPU targets (`memory_ratio >= 24`,
-`time_ratio <= 1.0`) are met; they are reported, never asserted.
+bytes / chunked temp bytes), `time_ratio` (chunked median / naive median), per-variant
+figures and `stage_seconds` (each worker's wall time). At the `cpu` size it also prints
+whether the CPU targets (`memory_ratio >= 24`, `time_ratio <= 1.0`) are met; they are
+reported, never asserted.
 """
 
 import argparse
-import functools
 import json
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -76,17 +95,20 @@ class Size(NamedTuple):
     h: int
     v: int
     dtype: str
-    gpu: bool  # a GPU size: reference on a row subset, TFLOP/s and the GEMM fraction
+    accelerator: bool  # reference on a row subset, TFLOP/s and the GEMM fraction
 
 
 SIZES = {
-    "smoke": Size(n=128, h=64, v=10_000, dtype="float32", gpu=False),
-    "cpu": Size(n=4096, h=512, v=65_536, dtype="float32", gpu=False),
-    "llama3-8b": Size(n=16_384, h=4096, v=128_256, dtype="bfloat16", gpu=True),
-    "gemma2-2b": Size(n=8192, h=2304, v=256_000, dtype="bfloat16", gpu=True),
+    "smoke": Size(n=128, h=64, v=10_000, dtype="float32", accelerator=False),
+    "cpu": Size(n=4096, h=512, v=65_536, dtype="float32", accelerator=False),
+    "llama3-8b": Size(n=16_384, h=4096, v=128_256, dtype="bfloat16", accelerator=True),
+    "gemma2-2b": Size(n=8192, h=2304, v=256_000, dtype="bfloat16", accelerator=True),
 }
+# The size run without --size, by backend: the TPU's is the largest head that fits one v5e.
+DEFAULT_SIZE = {"cpu": "cpu", "tpu": "gemma2-2b"}
+DEFAULT_ACCELERATOR_SIZE = "llama3-8b"
 VARIANTS = ("naive", "chunked", "pallas")
-# Rows of the float64 reference at the GPU sizes (all rows at the others).
+# Rows of the float64 reference at the accelerator sizes (all rows at the others).
 CHECK_ROWS = 256
 # How far a variant's relative error may exceed the naive path's, and the naive path's own
 # bound, by input dtype. bf16 gradients are returned in bf16, rounded by up to 2^-8 (3.9e-3)
@@ -96,7 +118,13 @@ NAIVE_BOUND = {"float32": 1e-4, "bfloat16": 2e-2}
 # Logits z = h W have a standard deviation of about this: h ~ N(0, 1), W ~ N(0, s^2 / H).
 LOGIT_SCALE = 2.0
 REFERENCE_CHUNK = 4096
+# Elements of a block of rows in `relative_error` (a float64 block of 128 MiB).
+ERROR_BLOCK = 2**24
 CPU_TARGETS = {"memory_ratio": 24.0, "time_ratio": 1.0}
+# What a worker that ran out of device memory says on stderr: XLA's status on every backend
+# ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate ...", "... Ran out of memory
+# in memory space hbm ..." from the TPU compiler).
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "out of memory")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,14 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--size", choices=sorted(SIZES), default=None, help="default: cpu on CPU, else llama3-8b"
-    )
+        "--size", choices=sorted(SIZES), default=None,
+        help="default: cpu on CPU, gemma2-2b on a TPU, llama3-8b on a GPU",
+    )  # fmt: skip
     p.add_argument("--n", type=int, default=None, help="override the size's token count N")
     p.add_argument(
         "--chunk-size", type=int, default=None,
         help="vocabulary tile of 'chunked' (default: the library's, about 2^22 logits a tile)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
+    p.add_argument(
+        "--stage-timeout", type=float, default=600.0,
+        help="seconds each worker (reference, a check, a memory figure, the timing) may take; "
+        "one that takes longer is stopped and reported",
+    )  # fmt: skip
     p.add_argument(
         "--memory-only", action="store_true",
         help="compile naive and chunked on abstract inputs at every size (or --size) for this "
@@ -141,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_size(backend: str) -> str:
+    """The size run without `--size` on `backend` (`jax.default_backend()`)."""
+    return DEFAULT_SIZE.get(backend, DEFAULT_ACCELERATOR_SIZE)
+
+
 # ----------------------------------------------------------------------------- inputs
 
 
@@ -150,7 +189,8 @@ def shape_of(args: argparse.Namespace) -> Size:
 
 
 def make_inputs(size: Size) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The same hidden states, unembedding and targets in every worker (fixed keys)."""
+    """The same hidden states, unembedding and targets in every worker (fixed keys), drawn on
+    the default backend."""
 
     @jax.jit
     def draw():
@@ -165,9 +205,15 @@ def make_inputs(size: Size) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def check_rows(size: Size) -> np.ndarray:
-    if not size.gpu or size.n <= CHECK_ROWS:
+    if not size.accelerator or size.n <= CHECK_ROWS:
         return np.arange(size.n)
     return np.linspace(0, size.n - 1, CHECK_ROWS).round().astype(np.int64)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """`x` on the host as float32, converted on its device first: one transfer, and no
+    element-by-element conversion of bfloat16 on the host."""
+    return np.asarray(jax.device_get(jnp.asarray(x).astype(jnp.float32)))
 
 
 # ----------------------------------------------------------------------------- workers
@@ -186,102 +232,128 @@ def loss_and_grads(variant: str, chunk_size: int | None):
     return jax.jit(jax.value_and_grad(nll, argnums=(0, 1)))
 
 
-def reference(size: Size, path: Path) -> dict:
-    """Float64 loss and gradients on the check rows, a vocabulary chunk at a time.
+def reference_grads(h: np.ndarray, w: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """Float64 loss and gradients of the token-mean NLL, in NumPy, a vocabulary chunk of `w`
+    at a time.
 
     Written from the formula, independently of tunelib: with R rows,
     L = -(1/R) sum_n (z[n, y_n] - logsumexp_v z[n, v]), dL/dz = (softmax(z) - onehot(y)) / R,
     dL/dh = dL/dz W^T and dL/dW = h^T dL/dz.
+
+    Args:
+      h: `[R, H]` hidden states, w: `[H, V]` unembedding (any float dtype), y: `[R]` targets.
+    """
+    h = np.asarray(h, np.float64)
+    rows, vocab = h.shape[0], w.shape[1]
+    chunks = [(a, min(a + REFERENCE_CHUNK, vocab)) for a in range(0, vocab, REFERENCE_CHUNK)]
+    lse = np.full(rows, -np.inf)
+    for a, b in chunks:
+        z = h @ np.asarray(w[:, a:b], np.float64)
+        top = z.max(axis=1)
+        lse = np.logaddexp(lse, top + np.log(np.exp(z - top[:, None]).sum(axis=1)))
+    target_z = np.sum(h * np.asarray(w[:, y], np.float64).T, axis=1)
+    d_hidden = np.zeros_like(h)
+    d_unembedding = np.empty((h.shape[1], vocab), np.float64)
+    for a, b in chunks:
+        wc = np.asarray(w[:, a:b], np.float64)
+        dz = np.exp(h @ wc - lse[:, None])
+        hit = (y >= a) & (y < b)
+        dz[np.flatnonzero(hit), y[hit] - a] -= 1.0
+        dz /= rows
+        d_hidden += dz @ wc.T
+        d_unembedding[:, a:b] = h.T @ dz
+    loss = -np.mean(target_z - lse)
+    return {"loss": np.float64(loss), "d_hidden": d_hidden, "d_unembedding": d_unembedding}
+
+
+def reference(size: Size, path: Path) -> dict:
+    """The float64 reference on the check rows, written to `path` (`.npz`).
+
+    The inputs are drawn as every worker draws them, on the default backend, and come to the
+    host as float32 (converted there: exact for bfloat16 and float32 inputs); the float64
+    arithmetic is NumPy's, on the host. The gradients are stored in float64 for float32
+    inputs; for bfloat16 inputs in float32, whose rounding (2^-24 of each value) is far below
+    the bfloat16 tolerance and which halves the file (a `[2304, 256000]` gradient: 2.4 GB).
     """
     hidden, unembedding, targets = make_inputs(size)
     rows = check_rows(size)
-    jax.config.update("jax_enable_x64", True)
-    h = jnp.asarray(np.asarray(hidden)[rows], jnp.float64)
-    y = jnp.asarray(np.asarray(targets)[rows])
-    chunks = [(a, min(a + REFERENCE_CHUNK, size.v)) for a in range(0, size.v, REFERENCE_CHUNK)]
-
-    @jax.jit
-    def chunk_lse(h, w):
-        return jax.nn.logsumexp(h @ w.astype(jnp.float64), axis=1)
-
-    @jax.jit
-    def chunk_grads(h, y, w, start, lse):
-        w = w.astype(jnp.float64)
-        onehot = start + jnp.arange(w.shape[1]) == y[:, None]
-        dz = (jnp.exp(h @ w - lse[:, None]) - onehot) / h.shape[0]
-        return dz @ w.T, h.T @ dz
-
-    lse = functools.reduce(jnp.logaddexp, [chunk_lse(h, unembedding[:, a:b]) for a, b in chunks])
-    target_z = jnp.sum(h * unembedding[:, y].T.astype(jnp.float64), axis=1)
-    loss = -jnp.mean(target_z - lse)
-    d_hidden = jnp.zeros_like(h)
-    d_unembedding = np.empty((size.h, size.v), np.float64)
-    for a, b in chunks:
-        dh, dw = chunk_grads(h, y, unembedding[:, a:b], a, lse)
-        d_hidden = d_hidden + dh
-        d_unembedding[:, a:b] = np.asarray(dw)
+    h = to_host(hidden[rows])
+    w = to_host(unembedding)
+    y = np.asarray(targets)[rows].astype(np.int64)
+    del hidden, unembedding, targets
+    ref = reference_grads(h, w, y)
+    stored = np.float64 if size.dtype == "float32" else np.float32
     np.savez(
         path,
         rows=rows,
-        loss=np.asarray(loss),
-        d_hidden=np.asarray(d_hidden),
-        d_unembedding=d_unembedding,
+        loss=ref["loss"],
+        d_hidden=ref["d_hidden"].astype(stored),
+        d_unembedding=ref["d_unembedding"].astype(stored),
     )
-    return {"rows": len(rows)}
+    return {"rows": len(rows), "stored_dtype": np.dtype(stored).name}
 
 
-def relative_error(x, ref: np.ndarray) -> float:
-    """max |x - ref| / max |ref| in float64, a block of rows at a time (no float64 copy of x)."""
+def relative_error(x, ref) -> float:
+    """max |x - ref| / max |ref| in float64 on the host, a block of rows at a time (no float64
+    copy of the whole of x)."""
     x, ref = np.asarray(x), np.asarray(ref)
     if x.shape != ref.shape:
         raise ValueError(f"shape {x.shape} does not match the reference's {ref.shape}.")
     x, ref = np.atleast_2d(x), np.atleast_2d(ref)
-    block = max(1, 2**24 // x.shape[1])
+    block = max(1, ERROR_BLOCK // max(1, x.shape[1]))
     worst = scale = 0.0
     for i in range(0, x.shape[0], block):
-        r = ref[i : i + block]
-        worst = max(worst, float(np.max(np.abs(x[i : i + block].astype(np.float64) - r))))
+        r = np.asarray(ref[i : i + block], np.float64)
+        worst = max(worst, float(np.max(np.abs(np.asarray(x[i : i + block], np.float64) - r))))
         scale = max(scale, float(np.max(np.abs(r))))
     return worst / scale
 
 
 def check(size: Size, variant: str, chunk_size: int | None, path: Path) -> dict:
-    """The variant's relative errors against the float64 reference (see the module docstring)."""
+    """The variant's relative errors against the float64 reference (see the module docstring).
+
+    The variant runs on the default backend; its results come to the host once, as float32.
+    At the accelerator sizes the full-size run goes first and alone (only the reference rows
+    of its d hidden are kept), then the run on the reference's rows."""
     ref = np.load(path)
     rows = ref["rows"]
     hidden, unembedding, targets = make_inputs(size)
     step = loss_and_grads(variant, chunk_size)
-    if len(rows) == size.n:
-        loss, (d_hidden, d_unembedding) = step(hidden, unembedding, targets)
-        full = None
-    else:
-        loss, (d_hidden, d_unembedding) = step(hidden[rows], unembedding, targets[rows])
-        _, (full, _) = step(hidden, unembedding, targets)
+    full = None
+    if len(rows) < size.n:
+        _, (d_full, _) = step(hidden, unembedding, targets)
+        full = to_host(d_full[rows]).astype(np.float64) * (size.n / len(rows))
+        del d_full
+        hidden, targets = hidden[rows], targets[rows]
+    loss, (d_hidden, d_unembedding) = step(hidden, unembedding, targets)
+    del hidden, unembedding, targets
     errors = {
-        "loss": relative_error(loss, ref["loss"]),
-        "d_hidden": relative_error(d_hidden, ref["d_hidden"]),
-        "d_unembedding": relative_error(d_unembedding, ref["d_unembedding"]),
+        "loss": relative_error(to_host(loss), ref["loss"]),
+        "d_hidden": relative_error(to_host(d_hidden), ref["d_hidden"]),
     }
+    del d_hidden
+    errors["d_unembedding"] = relative_error(to_host(d_unembedding), ref["d_unembedding"])
     if full is not None:
-        rescaled = np.asarray(full[rows], np.float64) * (size.n / len(rows))
-        errors["d_hidden_full_run"] = relative_error(rescaled, ref["d_hidden"])
+        errors["d_hidden_full_run"] = relative_error(full, ref["d_hidden"])
     return {"errors": errors, "max_error": max(errors.values())}
 
 
-def step_and_args(size: Size, variant: str, chunk_size: int | None):
-    hidden, unembedding, targets = make_inputs(size)
+def step_and_args(variant: str, chunk_size: int | None, inputs: tuple):
+    hidden, unembedding, targets = inputs
     if variant == "gemm":
         return jax.jit(jnp.matmul), (hidden, unembedding)
     return loss_and_grads(variant, chunk_size), (hidden, unembedding, targets)
 
 
 def interleaved(size: Size, variants: list[str], chunk_size: int | None, repeats: int) -> dict:
-    """Median wall time of every variant, timed in one process: one warm-up (compiling) run
-    each, then `repeats` rounds that run each variant once, the order reversed every other
-    round, so that a slow spell of a shared machine hits every variant alike."""
+    """Median wall time of every variant, timed in one process on one copy of the inputs: one
+    warm-up (compiling) run each, then `repeats` rounds that run each variant once, the order
+    reversed every other round, so that a slow spell of a shared machine hits every variant
+    alike."""
+    inputs = make_inputs(size)
     steps = {}
     for variant in variants:
-        step, args = step_and_args(size, variant, chunk_size)
+        step, args = step_and_args(variant, chunk_size, inputs)
         compiled = step.lower(*args).compile()
         jax.block_until_ready(compiled(*args))
         steps[variant] = (compiled, args)
@@ -305,7 +377,7 @@ def interleaved(size: Size, variants: list[str], chunk_size: int | None, repeats
 def measure(size: Size, variant: str, chunk_size: int | None) -> dict:
     """Compiled memory, peak RSS and device peak of one variant or the GEMM, alone in its
     process (its time is taken by `interleaved`, beside the others)."""
-    step, args = step_and_args(size, variant, chunk_size)
+    step, args = step_and_args(variant, chunk_size, make_inputs(size))
     compiled = step.lower(*args).compile()
     memory = compiled.memory_analysis()
     jax.block_until_ready(compiled(*args))  # one run: the peaks below are a step's
@@ -346,17 +418,45 @@ print(json.dumps({"backend": jax.default_backend(), "device": jax.devices()[0].d
 """
 
 
-def probe() -> dict:
-    """Backend, device and whether the Pallas kernel imports, asked of a throwaway process:
-    the parent never starts a backend itself (on a GPU that would reserve its memory)."""
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+def probe(timeout: float) -> dict:
+    """Backend, device and whether the Pallas kernel imports, asked of a throwaway process
+    that exits before any worker starts: the parent never starts a backend itself (on a GPU
+    that would reserve its memory; a TPU lets one process at a time hold it)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, timeout=timeout
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def failure(returncode: int, stderr: str) -> dict:
+    """A failed worker's record: the end of its stderr, and whether it ran out of memory."""
+    text = stderr.strip()[-2000:] or f"exit status {returncode}"
+    lowered = stderr.lower()
+    return {"failed": text, "out_of_memory": any(s.lower() in lowered for s in OUT_OF_MEMORY)}
+
+
+def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """End a worker past its time: SIGINT first (Python unwinds and lets go of the
+    accelerator, as a TPU wants), SIGKILL after `grace` seconds."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
 def run_worker(
-    args: argparse.Namespace, variant: str, folder: Path, reference=None, timed=None
+    args: argparse.Namespace,
+    variant: str,
+    folder: Path,
+    stages: dict[str, float],
+    reference=None,
+    timed=None,
 ) -> dict:
-    """One worker subprocess: its JSON result, or {"failed": the end of its stderr}."""
+    """One worker subprocess, at most `--stage-timeout` seconds: its JSON result, or a
+    `failure` record (`timed_out` when it was stopped). Its wall time goes into `stages` and,
+    with its outcome, on a line of stderr."""
     mode = "measure" if reference is None else "reference" if variant == "reference" else "check"
     mode = "time" if variant == "timing" else mode
     out = folder / f"{variant}-{mode}.json"
@@ -367,33 +467,63 @@ def run_worker(
     command += [] if args.n is None else ["--n", str(args.n)]
     command += [] if reference is None else ["--reference", str(reference)]
     command += [] if timed is None else ["--timed", ",".join(timed)]
-    name = variant if timed is None else " and ".join(timed)
-    print(f"[{name}] {mode} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        return {"failed": proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"}
-    return json.loads(out.read_text())
+    name = {"reference": "reference", "check": f"{variant} check", "measure": f"{variant} memory"}
+    name = name.get(mode, f"timing ({', '.join(timed or [])})")
+    print(f"[{name}] ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=args.stage_timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            stderr = None
+    if stderr is None:
+        result = {
+            "failed": f"stopped after --stage-timeout {args.stage_timeout:g} s",
+            "out_of_memory": False,
+            "timed_out": True,
+        }
+    elif proc.returncode != 0:
+        result = failure(proc.returncode, stderr)
+    else:
+        result = json.loads(out.read_text())
+    stages[name] = round(time.perf_counter() - start, 2)
+    outcome = (
+        "ok" if "failed" not in result
+        else "stopped (--stage-timeout)" if result.get("timed_out")
+        else "out of memory" if result["out_of_memory"]
+        else "failed"
+    )  # fmt: skip
+    print(f"[{name}] {outcome} in {stages[name]:.1f} s", file=sys.stderr, flush=True)
+    return result
 
 
 def judge(checks: dict[str, dict], dtype: str) -> dict[str, str | None]:
     """Per variant, why its check failed, or None when it passed.
 
     The naive path must stay within `NAIVE_BOUND`; every other variant's error in each
-    quantity may exceed the naive path's error in it by at most `TOLERANCE`.
+    quantity may exceed the naive path's error in it by at most `TOLERANCE`. A variant whose
+    check ran out of memory gets "out of memory"; with the naive path out of memory, the
+    others are held to `NAIVE_BOUND`, the naive path's own bound.
     """
     naive = checks["naive"]
+    naive_oom = naive.get("out_of_memory", False)
     verdicts: dict[str, str | None] = {}
     for variant, result in checks.items():
         if "failed" in result:
-            verdicts[variant] = "its check worker failed"
+            verdicts[variant] = (
+                "out of memory" if result.get("out_of_memory") else "its check worker failed"
+            )
+        elif variant == "naive" or naive_oom:
+            bound = NAIVE_BOUND[dtype]
+            bad = {q: e for q, e in result["errors"].items() if e > bound}
+            verdicts[variant] = (
+                "; ".join(f"{q} error {e:.2e} > {bound}" for q, e in bad.items()) or None
+            )
         elif "failed" in naive:
             verdicts[variant] = "the naive baseline's check worker failed"
-        elif variant == "naive":
-            bad = {q: e for q, e in result["errors"].items() if e > NAIVE_BOUND[dtype]}
-            verdicts[variant] = (
-                "; ".join(f"{q} error {e:.2e} > {NAIVE_BOUND[dtype]}" for q, e in bad.items())
-                or None
-            )
         else:
             limit = {q: e + TOLERANCE[dtype] for q, e in naive["errors"].items()}
             bad = {q: e for q, e in result["errors"].items() if e > limit[q]}
@@ -412,7 +542,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarise(args, size: Size, info: dict, variants: dict, gemm: dict | None, notes) -> dict:
-    """The result: ratios, per-variant figures and, at GPU sizes, TFLOP/s against the GEMM."""
+    """The result: ratios, per-variant figures and, at accelerator sizes, TFLOP/s against the
+    GEMM."""
     naive, chunked = variants["naive"], variants["chunked"]
     nhv = size.n * size.h * size.v
     if gemm is not None and "median_ms" in gemm:
@@ -422,7 +553,7 @@ def summarise(args, size: Size, info: dict, variants: dict, gemm: dict | None, n
         record["memory_ratio"] = ratio(naive.get("temp_bytes"), record.get("temp_bytes"))
         record["temp_over_gradients"] = ratio(record.get("temp_bytes"), gradient_bytes)
         record["time_ratio"] = ratio(record.get("median_ms"), naive.get("median_ms"))
-        if size.gpu and "median_ms" in record:
+        if size.accelerator and "median_ms" in record:
             record["tflops"] = 6 * nhv / (record["median_ms"] * 1e-3) / 1e12
             record["gemm_fraction"] = ratio(record["tflops"], (gemm or {}).get("tflops"))
     result = {
@@ -439,7 +570,8 @@ def summarise(args, size: Size, info: dict, variants: dict, gemm: dict | None, n
         "check_rows": len(check_rows(size)),
         "tolerance": TOLERANCE[size.dtype],
         "naive_bound": NAIVE_BOUND[size.dtype],
-        "correct": all(r["passed"] for r in variants.values()),
+        "correct": all(r["passed"] or r.get("out_of_memory") for r in variants.values()),
+        "out_of_memory": [name for name, r in variants.items() if r.get("out_of_memory")],
         "memory_ratio": ratio(naive.get("temp_bytes"), chunked.get("temp_bytes")),
         "time_ratio": ratio(chunked.get("median_ms"), naive.get("median_ms")),
         "rss_ratio": ratio(naive.get("peak_rss_bytes"), chunked.get("peak_rss_bytes")),
@@ -458,6 +590,15 @@ def summarise(args, size: Size, info: dict, variants: dict, gemm: dict | None, n
     return result
 
 
+def exit_status(result: dict) -> int:
+    """0 when every variant passed its check or ran out of memory, no worker failed in any
+    other way, and at least one variant was timed; else 1."""
+    records = [*result["variants"].values(), result.get("gemm") or {}]
+    crashed = any("failed" in r and not r.get("out_of_memory") for r in records)
+    timed = any("median_ms" in r for r in result["variants"].values())
+    return 0 if result["correct"] and not crashed and timed else 1
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -466,15 +607,16 @@ def table(result: dict) -> str:
     def mb(x):
         return fmt(None if x is None else x / 1e6, ",.1f")
 
-    gpu = SIZES[result["size"]].gpu
+    accelerator = SIZES[result["size"]].accelerator
     head = ["variant", "check", "max error", "temp MB", "args MB", "out MB", "peak RSS MB"]
-    head += ["median ms"] + (["device peak MB", "TFLOP/s", "of GEMM"] if gpu else [])
+    head += ["median ms"] + (["device peak MB", "TFLOP/s", "of GEMM"] if accelerator else [])
     lines = [head]
     for name, r in result["variants"].items():
-        row = [name, "pass" if r["passed"] else "FAIL", fmt(r.get("max_error"), ".2e")]
+        check = "OOM" if r.get("out_of_memory") else "pass" if r["passed"] else "FAIL"
+        row = [name, check, fmt(r.get("max_error"), ".2e")]
         row += [mb(r.get(k)) for k in ("temp_bytes", "argument_bytes", "output_bytes")]
         row += [mb(r.get("peak_rss_bytes")), fmt(r.get("median_ms"), ",.1f")]
-        if gpu:
+        if accelerator:
             row += [mb(r.get("peak_device_bytes")), fmt(r.get("tflops"), ".1f")]
             row += [fmt(r.get("gemm_fraction"), ".1%")]
         lines.append(row)
@@ -515,12 +657,18 @@ def report(result: dict) -> str:
         met = ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in r["cpu_targets"].items())
         lines.append(f"CPU targets (reported, not asserted): {met}")
     for name, v in r["variants"].items():
-        if v["reason"]:
+        if v.get("out_of_memory"):
+            last = v["failed"].splitlines()[-1] if v["failed"] else ""
+            lines.append(f"{name}: out of device memory, not measured: {last}")
+        elif v["reason"]:
             lines.append(f"{name}: check failed, not measured: {v['reason']}")
-        if "failed" in v:
+        elif "failed" in v:
             lines.append(f"{name}: worker failed: {v['failed']}")
     if "failed" in r.get("gemm", {}):
         lines.append(f"bf16 GEMM: worker failed: {r['gemm']['failed']}")
+    lines.append(
+        "seconds per worker: " + ", ".join(f"{k} {s:.1f}" for k, s in r["stage_seconds"].items())
+    )
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)
 
@@ -572,8 +720,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--variant reference needs --reference (the .npz to write).")
         worker(args)
         return 0
-    info = probe()
-    args.size = args.size or ("cpu" if info["backend"] == "cpu" else "llama3-8b")
+    started = time.perf_counter()
+    info = probe(args.stage_timeout)
+    stages = {"probe": round(time.perf_counter() - started, 2)}
+    print(
+        f"[probe] {info['backend']} ({info['device']}) in {stages['probe']:.1f} s", file=sys.stderr
+    )
+    args.size = args.size or default_size(info["backend"])
     size = shape_of(args)
     names, notes = ["naive", "chunked"], []
     if info["backend"] == "cpu":
@@ -584,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         names.append("pallas")
-    if size.gpu:
+    if size.accelerator:
         notes.append(
             "TFLOP/s count 6*N*H*V flops per forward+backward for every variant and 2*N*H*V "
             f"for the GEMM; the float64 reference covers {len(check_rows(size))} evenly spaced "
@@ -594,35 +747,36 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         path = folder / "reference.npz"
-        ref = run_worker(args, "reference", folder, reference=path)
+        ref = run_worker(args, "reference", folder, stages, reference=path)
         if "failed" in ref:
             print(f"the float64 reference failed:\n{ref['failed']}", file=sys.stderr)
             return 1
-        checks = {name: run_worker(args, name, folder, reference=path) for name in names}
+        checks = {name: run_worker(args, name, folder, stages, reference=path) for name in names}
         variants = {
             name: {"passed": reason is None, "reason": reason, **checks[name]}
             for name, reason in judge(checks, size.dtype).items()
         }
         for name, record in variants.items():
             if record["passed"]:
-                record.update(run_worker(args, name, folder))
-        if size.gpu:
-            gemm = run_worker(args, "gemm", folder)
+                record.update(run_worker(args, name, folder, stages))
+        if size.accelerator:
+            gemm = run_worker(args, "gemm", folder, stages)
         timed = [name for name, r in variants.items() if r["passed"] and "failed" not in r]
         timed += ["gemm"] if gemm is not None and "failed" not in gemm else []
         if timed:
-            times = run_worker(args, "timing", folder, timed=timed)
+            times = run_worker(args, "timing", folder, stages, timed=timed)
+            failed = {k: times[k] for k in ("failed", "out_of_memory", "timed_out") if k in times}
             for name in timed:
                 record = gemm if name == "gemm" else variants[name]
-                record.update(times.get(name, {"failed": times.get("failed")}))
+                record.update(times.get(name, failed))
     result = summarise(args, size, info, variants, gemm, notes)
+    result["stage_seconds"] = stages
     print(report(result))
     line = json.dumps(result)
     print(line)
     if args.json_out is not None:
         args.json_out.write_text(line + "\n")
-    crashed = any("failed" in r for r in [*variants.values(), gemm or {}])
-    return 0 if result["correct"] and not crashed else 1
+    return exit_status(result)
 
 
 if __name__ == "__main__":

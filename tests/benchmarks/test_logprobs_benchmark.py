@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests._helpers import load_script, user_env
@@ -47,6 +48,14 @@ def test_smoke_size_end_to_end(tmp_path):
     header = next(line for line in lines if line.lstrip().startswith("variant"))
     for column in ("temp MB", "peak RSS MB", "median ms", "max error"):
         assert column in header
+    # Every worker's wall time, one after another, the probe's first.
+    stages = result["stage_seconds"]
+    assert list(stages) == [
+        "probe", "reference", "naive check", "chunked check", "naive memory",
+        "chunked memory", "timing (naive, chunked)",
+    ]  # fmt: skip
+    assert all(0 < seconds < 300 for seconds in stages.values())
+    assert result["out_of_memory"] == []
 
 
 def test_gate_compares_each_error_with_the_naive_paths_own():
@@ -71,7 +80,6 @@ def test_gate_compares_each_error_with_the_naive_paths_own():
 
 
 def test_relative_error_is_normwise_and_streams_rows():
-    np = pytest.importorskip("numpy")
     bench = load_script(SCRIPT, "logprobs_benchmark")
     ref = np.arange(12.0).reshape(3, 4) - 5.0  # max |ref| = 6
     x = ref.astype(np.float32).copy()
@@ -98,3 +106,170 @@ def test_memory_only_compiles_abstract_inputs_without_running(tmp_path):
     for row in rows.values():
         assert row["temp_over_gradients"] == row["temp_bytes"] / row["gradient_bytes"]
         assert row["output_bytes"] >= row["gradient_bytes"]
+
+
+def dense_reference(h, w, y):
+    """The token-mean NLL and its gradients in float64 from the whole logits at once."""
+    z = h @ w
+    z = z - z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    rows = np.arange(len(y))
+    dz = np.exp(logp)
+    dz[rows, y] -= 1.0
+    dz /= len(y)
+    return -logp[rows, y].mean(), dz @ w.T, h.T @ dz
+
+
+def test_reference_grads_chunked_equal_the_dense_formula(monkeypatch):
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    monkeypatch.setattr(bench, "REFERENCE_CHUNK", 7)  # 50 columns: 8 chunks, the last short
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(6, 5))
+    w = rng.normal(size=(5, 50)).astype(np.float32)  # as the worker has it on the host
+    y = np.array([0, 6, 7, 13, 48, 49])  # targets at the chunks' edges
+    ref = bench.reference_grads(h, w, y)
+    loss, d_hidden, d_unembedding = dense_reference(h, w.astype(np.float64), y)
+    assert ref["d_hidden"].dtype == ref["d_unembedding"].dtype == np.float64
+    np.testing.assert_allclose(ref["loss"], loss, rtol=1e-12)
+    np.testing.assert_allclose(ref["d_hidden"], d_hidden, rtol=1e-10, atol=1e-15)
+    np.testing.assert_allclose(ref["d_unembedding"], d_unembedding, rtol=1e-10, atol=1e-15)
+
+
+def test_reference_runs_float64_on_the_host_only(tmp_path):
+    """At an accelerator size (bfloat16, a row subset) the reference computes from the inputs
+    every worker draws, in NumPy: JAX never enables float64, so nothing float64 can run on
+    the accelerator whatever the default backend is."""
+    import jax
+
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    size = bench.Size(n=300, h=8, v=40, dtype="bfloat16", accelerator=True)
+    assert jax.config.jax_enable_x64 is False
+    written = bench.reference(size, tmp_path / "ref.npz")
+    assert jax.config.jax_enable_x64 is False
+    assert written == {"rows": 256, "stored_dtype": "float32"}
+    ref = np.load(tmp_path / "ref.npz")
+    np.testing.assert_array_equal(ref["rows"], np.linspace(0, 299, 256).round())
+    hidden, unembedding, targets = bench.make_inputs(size)
+    h = np.asarray(hidden.astype("float32"), np.float64)[ref["rows"]]
+    w = np.asarray(unembedding.astype("float32"), np.float64)
+    loss, d_hidden, d_unembedding = dense_reference(h, w, np.asarray(targets)[ref["rows"]])
+    assert ref["d_unembedding"].dtype == np.float32  # stored rounded: 2^-24, far below 4e-3
+    np.testing.assert_allclose(ref["loss"], loss, rtol=1e-12)
+    np.testing.assert_allclose(ref["d_hidden"], d_hidden, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(ref["d_unembedding"], d_unembedding, rtol=1e-6, atol=1e-12)
+
+
+def test_results_come_to_the_host_as_float32():
+    import jax.numpy as jnp
+
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    x = jnp.asarray([[1.5, -2.0], [3.0e-3, 7.0]], jnp.bfloat16)
+    host = bench.to_host(x)
+    assert isinstance(host, np.ndarray) and host.dtype == np.float32
+    np.testing.assert_array_equal(host, [[1.5, -2.0], [float(x[1, 0]), 7.0]])
+    assert bench.to_host(jnp.float32(2.5)).dtype == np.float32
+
+
+def test_default_size_by_backend():
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    assert bench.default_size("cpu") == "cpu"
+    assert bench.default_size("tpu") == "gemma2-2b"  # fits one v5e chip with every variant
+    assert bench.default_size("gpu") == "llama3-8b"
+    assert bench.SIZES["gemma2-2b"].accelerator and not bench.SIZES["cpu"].accelerator
+
+
+def test_a_worker_out_of_memory_is_told_from_other_failures():
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    tpu = "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Error allocating device"
+    compiler = "XlaRuntimeError: ... Ran out of memory in memory space hbm. Used 17.5G of 15.75G"
+    for stderr in (tpu, compiler):
+        record = bench.failure(1, f"Traceback ...\n{stderr}\n")
+        assert record == {"failed": f"Traceback ...\n{stderr}", "out_of_memory": True}
+    assert bench.failure(1, "ValueError: bad shape") == {
+        "failed": "ValueError: bad shape",
+        "out_of_memory": False,
+    }
+    assert bench.failure(-9, "") == {"failed": "exit status -9", "out_of_memory": False}
+
+
+def test_gate_with_the_naive_path_out_of_memory():
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    oom = {"failed": "RESOURCE_EXHAUSTED", "out_of_memory": True}
+    close = {"errors": {"loss": 1e-3, "d_hidden": 1.5e-2, "d_unembedding": 3e-3}}
+    wrong = {"errors": {"loss": 1e-3, "d_hidden": 1e-3, "d_unembedding": 0.5}}
+    verdicts = bench.judge({"naive": oom, "chunked": close, "pallas": wrong}, "bfloat16")
+    # Without the naive path's errors, the others meet its own bound (2e-2 in bfloat16).
+    assert verdicts["naive"] == "out of memory" and verdicts["chunked"] is None
+    assert verdicts["pallas"] == "d_unembedding error 5.00e-01 > 0.02"
+    assert bench.judge({"naive": close, "chunked": oom}, "bfloat16")["chunked"] == "out of memory"
+
+
+def fake_workers(bench, monkeypatch, failures: dict[str, dict]):
+    """The parent's workers replaced by canned results (the named ones by `failures`); the
+    calls made, in order."""
+    calls = []
+    monkeypatch.setattr(
+        bench,
+        "probe",
+        lambda timeout: {"backend": "tpu", "device": "TPU v5 lite", "pallas_import_error": None},
+    )
+
+    def run_worker(args, variant, folder, stages, reference=None, timed=None):
+        mode = "reference" if variant == "reference" else "check" if reference else "measure"
+        mode = "timing" if timed else mode
+        calls.append((variant, mode, tuple(timed or ())))
+        stages[f"{variant} {mode}"] = 1.0
+        if (variant, mode) in failures:
+            return failures[variant, mode]
+        if mode == "reference":
+            return {"rows": 256}
+        if mode == "check":
+            return {"errors": {"loss": 1e-4, "d_hidden": 4e-3}, "max_error": 4e-3}
+        if mode == "measure":
+            return {"temp_bytes": 10**6, "peak_rss_bytes": 10**8, "peak_device_bytes": 10**9}
+        return {name: {"median_ms": 2.0, "runs_ms": [2.0]} for name in timed}
+
+    monkeypatch.setattr(bench, "run_worker", run_worker)
+    return calls
+
+
+def test_a_variant_out_of_memory_is_reported_and_the_others_measured(tmp_path, monkeypatch):
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    oom = {"failed": "RESOURCE_EXHAUSTED: Out of memory", "out_of_memory": True}
+    calls = fake_workers(bench, monkeypatch, {("naive", "check"): oom})
+    written = tmp_path / "result.json"
+    status = bench.main(["--size", "llama3-8b", "--json-out", str(written)])
+    result = json.loads(written.read_text())
+    assert status == 0  # reported, not fatal
+    assert result["out_of_memory"] == ["naive"] and result["correct"] is True
+    naive, chunked = result["variants"]["naive"], result["variants"]["chunked"]
+    assert naive["passed"] is False and naive["reason"] == "out of memory"
+    assert "median_ms" not in naive and naive["out_of_memory"] is True
+    assert chunked["passed"] is True and chunked["median_ms"] == 2.0
+    assert result["memory_ratio"] is None and result["time_ratio"] is None
+    # Nothing more of the naive path runs; the others are measured and timed with the GEMM.
+    assert ("naive", "measure", ()) not in calls
+    assert calls[-1] == ("timing", "timing", ("chunked", "pallas", "gemm"))
+    assert set(result["stage_seconds"]) >= {"probe", "reference reference", "naive check"}
+
+
+def test_a_variant_that_crashes_otherwise_fails_the_run(tmp_path, monkeypatch):
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    crash = {"failed": "ValueError: bad", "out_of_memory": False}
+    fake_workers(bench, monkeypatch, {("pallas", "check"): crash})
+    written = tmp_path / "result.json"
+    assert bench.main(["--size", "gemma2-2b", "--json-out", str(written)]) == 1
+    result = json.loads(written.read_text())
+    assert result["correct"] is False and result["out_of_memory"] == []
+    assert result["variants"]["pallas"]["reason"] == "its check worker failed"
+    assert result["variants"]["chunked"]["median_ms"] == 2.0
+
+
+def test_a_worker_past_its_stage_timeout_is_stopped(tmp_path):
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    args = bench.build_parser().parse_args(["--size", "smoke", "--stage-timeout", "0.5"])
+    stages = {}
+    result = bench.run_worker(args, "reference", tmp_path, stages, reference=tmp_path / "ref.npz")
+    assert result["timed_out"] is True and result["out_of_memory"] is False
+    assert result["failed"] == "stopped after --stage-timeout 0.5 s"
+    assert 0.5 <= stages["reference"] < 30
