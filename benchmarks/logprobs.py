@@ -232,7 +232,9 @@ def loss_and_grads(variant: str, chunk_size: int | None):
     return jax.jit(jax.value_and_grad(nll, argnums=(0, 1)))
 
 
-def reference_grads(h: np.ndarray, w: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+def reference_grads(
+    h: np.ndarray, w: np.ndarray, y: np.ndarray, dtype=np.float64
+) -> dict[str, np.ndarray]:
     """Float64 loss and gradients of the token-mean NLL, in NumPy, a vocabulary chunk of `w`
     at a time.
 
@@ -242,6 +244,8 @@ def reference_grads(h: np.ndarray, w: np.ndarray, y: np.ndarray) -> dict[str, np
 
     Args:
       h: `[R, H]` hidden states, w: `[H, V]` unembedding (any float dtype), y: `[R]` targets.
+      dtype: the dtype the `[H, V]` gradient is kept in, each chunk rounded once from its
+        float64 value (so that no float64 copy of the whole is held).
     """
     h = np.asarray(h, np.float64)
     rows, vocab = h.shape[0], w.shape[1]
@@ -253,7 +257,7 @@ def reference_grads(h: np.ndarray, w: np.ndarray, y: np.ndarray) -> dict[str, np
         lse = np.logaddexp(lse, top + np.log(np.exp(z - top[:, None]).sum(axis=1)))
     target_z = np.sum(h * np.asarray(w[:, y], np.float64).T, axis=1)
     d_hidden = np.zeros_like(h)
-    d_unembedding = np.empty((h.shape[1], vocab), np.float64)
+    d_unembedding = np.empty((h.shape[1], vocab), dtype)
     for a, b in chunks:
         wc = np.asarray(w[:, a:b], np.float64)
         dz = np.exp(h @ wc - lse[:, None])
@@ -281,14 +285,14 @@ def reference(size: Size, path: Path) -> dict:
     w = to_host(unembedding)
     y = np.asarray(targets)[rows].astype(np.int64)
     del hidden, unembedding, targets
-    ref = reference_grads(h, w, y)
     stored = np.float64 if size.dtype == "float32" else np.float32
+    ref = reference_grads(h, w, y, dtype=stored)
     np.savez(
         path,
         rows=rows,
         loss=ref["loss"],
         d_hidden=ref["d_hidden"].astype(stored),
-        d_unembedding=ref["d_unembedding"].astype(stored),
+        d_unembedding=ref["d_unembedding"],
     )
     return {"rows": len(rows), "stored_dtype": np.dtype(stored).name}
 
