@@ -1,8 +1,8 @@
-r"""The same GRPO run on two backends (CPU and GPU), step by step: where and why they part.
+r"""The same GRPO run on two backends (CPU and GPU or TPU), step by step: where and why they part.
 
     python benchmarks/grpo_parity.py --out cpu.npz                    # on one machine
-    python benchmarks/grpo_parity.py --out gpu.npz --replay cpu.npz   # on the other
-    python benchmarks/grpo_parity.py --compare cpu.npz gpu.npz        # anywhere
+    python benchmarks/grpo_parity.py --out tpu.npz --replay cpu.npz   # on the other
+    python benchmarks/grpo_parity.py --compare cpu.npz tpu.npz        # anywhere
 
 A float32 GRPO run of the recipes' `base` decoder shape (2 layers, hidden 128, tied
 embeddings, QK-norm; vocabulary 32) on a synthetic verifiable task, from seed 0: each step
@@ -29,7 +29,8 @@ differences of the log-probs, and the relative differences of loss, gradient nor
 parameter norm (the loss's absolute difference: an on-policy loss is the mean advantage,
 about 0), and ends with one JSON line: the first step with a differing token, and
 the largest relative differences over the run. `--matmul-precision highest` asks for full
-float32 products (a GPU otherwise may use TF32 for float32 matrix products).
+float32 products (a GPU otherwise may use TF32 for float32 matrix products, a TPU bfloat16
+passes).
 """
 
 import argparse

@@ -1,6 +1,6 @@
 r"""Side by side: the NF4 Pallas matmul against XLA's dequantise-then-matmul.
 
-    python benchmarks/nf4_matmul.py                 # the `gpu` shapes (a GPU's figures)
+    python benchmarks/nf4_matmul.py                 # the `accelerator` shapes (GPU or TPU)
     python benchmarks/nf4_matmul.py --size smoke    # seconds, in the Pallas interpreter on CPU
 
 For a frozen weight stored in NF4 (`tunelib.peft.nf4_quantize(kernel, transpose=True)`: the
@@ -44,7 +44,7 @@ class Case(NamedTuple):
 
 SIZES = {
     "smoke": (Case(n_in=128, n_out=64, rows=(16, 48)),),
-    "gpu": (
+    "accelerator": (
         Case(n_in=4096, n_out=4096, rows=(16, 8192)),
         Case(n_in=4096, n_out=14_336, rows=(16, 8192)),
     ),
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--size", choices=sorted(SIZES), default="gpu")
+    p.add_argument("--size", choices=sorted(SIZES), default="accelerator")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up")
     p.add_argument("--inner", type=int, default=10, help="calls of each variant per round")
     p.add_argument("--json-out", type=Path, default=None, help="write the result JSON here too")

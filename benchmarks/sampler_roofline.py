@@ -34,7 +34,10 @@ For each batch size:
   (one kernel launch per operation, per step).
 
 Each call is timed `--repeats` times after one warm-up (compiling) call, and the median kept;
-`first_call_s` is the sampler's first call, compilation included. `--layout per_layer` decodes
+`first_call_s` is the sampler's first call, compilation included (it is also its warm-up).
+Each batch size compiles three programs of its own (the sampler, the prompts' forward, the
+one-token forward), so the script's time grows with the number of batch sizes asked; the
+lines on stderr give the time of each stage. `--layout per_layer` decodes
 stacked layers with the sampler's per-layer layout (`sample(layout="per_layer")`).
 The script prints a table and ends with one JSON line; nothing is asserted.
 """
@@ -114,11 +117,13 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, ...]]:
     return args, batches
 
 
-def median_seconds(repeats: int, fn, *fn_args) -> float:
-    """The median wall time of `fn(*fn_args)` over `repeats` calls after one warm-up call."""
+def median_seconds(repeats: int, fn, *fn_args, warm_up: bool = True) -> float:
+    """The median wall time of `fn(*fn_args)` over `repeats` calls after one warm-up call
+    (`warm_up=False`: the caller made it)."""
     import jax
 
-    jax.block_until_ready(fn(*fn_args))  # the warm-up (compiling) call
+    if warm_up:
+        jax.block_until_ready(fn(*fn_args))  # the warm-up (compiling) call
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -172,16 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         where = jnp.ones((batch, p), jnp.bool_)
         prefill_s = median_seconds(args.repeats, prefill, params, tokens, where)
         one_s = median_seconds(args.repeats, prefill, params, tokens[:, :1], where[:, :1])
-        progress(f"batch {batch}: prefill and one-token forward timed")
+        progress(f"batch {batch}: prefill and one-token forward compiled and timed")
         call = (graphdef, params, tokens, where, jax.random.key(0), sampling)
         started_compile = time.perf_counter()
         if not np.asarray(sample(*call, layout=args.layout).where).all():
             raise SystemExit("a greedy completion stopped before --new-tokens: not timed.")
         first_call_s = time.perf_counter() - started_compile
-        progress(f"batch {batch}: sampler compiled")
+        progress(f"batch {batch}: sampler's first call (compiling) took {first_call_s:.1f} s")
         total_s = median_seconds(
-            args.repeats, lambda *a: sample(*a, layout=args.layout), *call
-        )  # fmt: skip
+            args.repeats, lambda *a: sample(*a, layout=args.layout), *call, warm_up=False
+        )  # the first call was the warm-up
         progress(f"batch {batch}: sampler timed")
         step_s = max(total_s - prefill_s, 0.0) / n
         kv_per_position = 2 * config.num_hidden_layers * batch * config.num_key_value_heads
