@@ -23,7 +23,10 @@ _KERNELS = {"gpu": _fused_gpu, "tpu": _fused_tpu}
 # Preferred blocks per platform, and the smallest legal ones. Where the preferred block does
 # not divide V (or H), a smaller one that does is used instead of padding, because padding
 # copies the unembedding.
-_DEFAULTS = {"gpu": {"n": 64, "v": 128, "h": 64}, "tpu": {"n": 128, "v": 128}}
+# On a TPU v5e (Gemma-2-2B head, N 8192, H 2304, bf16, value and both gradients) 256 x 512
+# blocks took 268 ms against 458 ms at 128 x 128, at the same memory (benchmarks/README.md);
+# wider ones (512 x 1024: 255 ms) compile for seconds longer and need more VMEM as H grows.
+_DEFAULTS = {"gpu": {"n": 64, "v": 128, "h": 64}, "tpu": {"n": 256, "v": 512}}
 _SMALLEST = {"gpu": {"n": 16, "v": 16, "h": 16}, "tpu": {"n": 8, "v": 128}}
 
 
@@ -91,7 +94,8 @@ def _config(
         fitted = 1 << max(n - 1, 0).bit_length() if platform == "gpu" else _round_up(n, unit)
         block_n = min(defaults["n"], max(fitted, unit))
     if block_v is None:  # at most halved: narrower tiles cost more than the copy saves
-        block_v = _fit(vocab, defaults["v"], max(smallest["v"], defaults["v"] // 2))
+        preferred = min(defaults["v"], _round_up(vocab, smallest["v"]))  # no wider than V
+        block_v = _fit(vocab, preferred, max(smallest["v"], preferred // 2))
     if block_h is None:
         block_h = _fit(hidden, defaults["h"], smallest["h"]) if platform == "gpu" else hidden
     _check_block(block_n, "block_n", platform)

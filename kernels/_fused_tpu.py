@@ -23,9 +23,18 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tunelib.kernels import _fused_tiles as tiles
 
+# The share of a core's VMEM the kernels may use. Mosaic's default scoped limit (16 MiB of
+# a v5e core's 128 MiB) holds no blocks wider than 128 x 128 tokens x columns at H = 2304:
+# the (block, 1) per-token columns alone take 128 lanes each.
+VMEM_SHARE = 0.75
 
-def _params() -> pltpu.CompilerParams:
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+
+def _params(cfg: tiles.Config) -> pltpu.CompilerParams:
+    capacity = None if cfg.interpret else pltpu.get_tpu_info().vmem_capacity_bytes
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=None if capacity is None else int(VMEM_SHARE * capacity),
+    )
 
 
 def _logits(h_ref, w_ref, b_ref, t_ref, j, cfg: tiles.Config, dtype):
@@ -117,7 +126,7 @@ def forward(h, w, b, inv_t, y, cfg: tiles.Config) -> tiles.Stats:
         _forward_kernel,
         "forward",
         cfg,
-        _params(),
+        _params(cfg),
         out_shape=[column] * 4,
         grid=(n // cfg.block_n, w.shape[1] // cfg.block_v),
         in_specs=[*specs, per_token],
@@ -135,7 +144,7 @@ def hidden_grad(h, w, b, inv_t, y, lse, mz, g, e, cfg: tiles.Config):
         _hidden_grad_kernel,
         "hidden_grad",
         cfg,
-        _params(),
+        _params(cfg),
         out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct((n, 1), dtype)],
         grid=(n // cfg.block_n, w.shape[1] // cfg.block_v),
         in_specs=[*specs] + [per_token] * 5,
@@ -153,7 +162,7 @@ def unembedding_grad(h, w, b, inv_t, y, lse, mz, g, e, cfg: tiles.Config):
         _unembedding_grad_kernel,
         "unembedding_grad",
         cfg,
-        _params(),
+        _params(cfg),
         out_shape=[jax.ShapeDtypeStruct(w.shape, w.dtype), jax.ShapeDtypeStruct((1, vocab), dtype)],
         grid=(vocab // cfg.block_v, h.shape[0] // cfg.block_n),
         in_specs=[*specs] + [per_token] * 5,

@@ -367,8 +367,11 @@ def test_no_n_by_v_buffer(platform):
 def test_default_blocks_divide_the_unembedding():
     config = _fused_logps._config
     tpu = config(13, 40, 384, None, None, None, "tpu", False, True)
-    assert (tpu.block_n, tpu.block_v, tpu.block_h) == (16, 128, 40)
-    assert config(1000, 40, 512, None, None, None, "tpu", False, True).block_n == 128
+    assert (tpu.block_n, tpu.block_v, tpu.block_h) == (16, 384, 40)  # no wider than V
+    assert config(1000, 40, 512, None, None, None, "tpu", False, True).block_n == 256
+    assert config(1000, 40, 256_000, None, None, None, "tpu", False, True).block_v == 512
+    # 32000 = 2^8 x 125: 512 does not divide it, 256 does.
+    assert config(1000, 40, 32_000, None, None, None, "tpu", False, True).block_v == 256
     gpu = config(13, 96, 256_000, None, None, None, "gpu", False, True)
     assert (gpu.block_n, gpu.block_v, gpu.block_h) == (16, 128, 32)
     assert config(13, 40, 50_240, None, None, None, "gpu", False, True).block_v == 64

@@ -214,9 +214,13 @@ def _resolve(implementation: str) -> str:
     v.one_of(implementation, "implementation", IMPLEMENTATIONS)
     if implementation != "auto":
         return implementation
-    # On an H200 the Triton kernel took 3.1x the chunked path's time at equal memory
-    # (benchmarks/README.md), so only TPU gets the kernel by default.
-    return "pallas" if jax.default_backend() == "tpu" else "chunked"
+    # The fastest implementation at bounded memory, measured per backend on the Gemma-2-2B
+    # head with gradients (benchmarks/README.md): on a TPU v5e chunked 238-242 ms against the
+    # Mosaic kernel's 253-268 ms at its best blocks and 458 ms at the former 128 x 128 ones;
+    # on an H200 chunked 176 ms against the Triton kernel's 554 ms; the CPU has no kernel.
+    # Both take a fraction of the materialised path's memory, which is faster (195 ms on the
+    # v5e, 8.4 GB of temporaries against chunked's 76 MB) and is never chosen by "auto".
+    return "chunked"
 
 
 def fused_token_logps(
@@ -274,10 +278,11 @@ def fused_token_logps(
         and 8192 columns: 1024 for 4096 tokens.
       implementation: ``"chunked"`` (pure JAX, any backend), ``"pallas"`` (the Pallas kernel
         of `tunelib.kernels`, for GPU and TPU), ``"naive"`` (materialise the logits: the
-        reference, and the baseline for benchmarks), or ``"auto"``: ``"pallas"`` on TPU,
-        ``"chunked"`` elsewhere. On GPU the chunked path is the default because it was
-        measured faster: on an H200, Gemma-2-2B head, 176 ms against the Triton kernel's
-        554 ms for about the same memory (`benchmarks/README.md`).
+        reference, and the baseline for benchmarks), or ``"auto"``: the fastest at bounded
+        memory on the backend, measured (`benchmarks/README.md`), today ``"chunked"`` on
+        all three: on the Gemma-2-2B head with gradients, on a TPU v5e 238-242 ms against
+        the Mosaic kernel's 253-268 ms at its best blocks, on an H200 176 ms against the
+        Triton kernel's 554 ms, for about the same memory.
       vocab_axis: inside `jax.shard_map`, the name of the mesh axis the vocabulary is sharded
         over (a tensor-parallel head): each device streams its own shard and the log-sum-exp,
         target logit and entropy are combined across the axis. Not supported by ``"pallas"``.
