@@ -37,25 +37,29 @@ CONFIG = DecoderConfig(
 STEPS = 48
 
 
-def test_greedy_decoding_is_the_argmax_of_the_full_forward_pass():
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_greedy_decoding_is_the_argmax_of_the_full_forward_pass(precision):
     """48 greedy tokens for each of three prompts (left-padded, full, right-padded) from the
     cached prefill and decode loop, and one uncached forward pass over the prompts and those
-    tokens, on the accelerator and in float64 on the host.
+    tokens, on the accelerator at `precision` and in float64 on the host.
 
     The decoder's rounding is not derived from its operands (norms, attention and products
     in a chain); it is measured: E, the largest distance of the accelerator's full pass from
     the float64 pass. The cached pass computes the same function with the same products in
     another order, so its logits are taken to be within 2E of float64. Then each greedy token
-    is a float64 argmax up to 2 (2E); where the float64 top two are further apart than that
-    (most steps, checked), it is the argmax of both passes; and its log-prob is within the
-    log-softmax bound of 2 (2E) (`tests._precision`) of the float64 one."""
+    is a float64 argmax up to 2 (2E); where the float64 top two are further apart than that,
+    it is the argmax of both passes; and its log-prob is within the log-softmax bound of
+    2 (2E) (`tests._precision`) of the float64 one. With float32 products ("highest") most
+    steps are that far apart; at the default precision (one bfloat16 pass on a TPU) the
+    decoder's rounding is of the size of many of this model's gaps (on a v5e 35 % of the
+    steps were further apart than 4E), and only those steps are held to the argmax."""
     graphdef, params = make_model(0, CONFIG)
     greedy = SamplingConfig(max_new_tokens=STEPS, temperature=0.0)
-    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), greedy)
+    with jax.default_matmul_precision(precision):
+        out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), greedy)
+        logits = completion_logits(graphdef, params, out)  # the accelerator's full pass
     tokens = np.asarray(out.tokens)
     assert tokens.shape == (len(PROMPTS), STEPS) and np.asarray(out.where).all()
-
-    logits = completion_logits(graphdef, params, out)  # the accelerator's full pass
     with on_host():
         model64 = float64_twin(jax.device_get(params), CONFIG)
         with jax.enable_x64(True):
@@ -67,7 +71,7 @@ def test_greedy_decoding_is_the_argmax_of_the_full_forward_pass():
     assert np.all(chosen >= exact.max(-1) - 2 * delta)
     top2 = np.sort(exact, axis=-1)[..., -2:]
     decided = top2[..., 1] - top2[..., 0] > 2 * delta
-    assert decided.mean() > 0.5, decided.mean()
+    assert decided.mean() > 0.5 if precision == "highest" else decided.any(), decided.mean()
     argmax = exact.argmax(-1)
     np.testing.assert_array_equal(tokens[decided], argmax[decided])
     np.testing.assert_array_equal(logits.argmax(-1)[decided], argmax[decided])
