@@ -22,7 +22,7 @@ from tunelib.peft import NF4_VALUES
 
 pytestmark = pytest.mark.accelerator
 
-# Neither N nor V a multiple of any block (128 on a TPU, 64 on a GPU), H the whole of one.
+# Neither N nor V a multiple of the default blocks (on a TPU 256 x 512, on a GPU 64 x 128).
 N, H, V = 1000, 256, 5000
 TEMPERATURE = 0.8
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
