@@ -24,7 +24,8 @@ activations. Kernels (`M`, `N` padded to the blocks; `half = block / 2`):
             tiles, accumulate `g [block_m, block_n] @ W_e`, `@ W_o` into `[block_m, half]`.
 
 Lowered with Pallas' Triton backend on GPUs (both grid axes run in parallel; no atomics) and
-run by the Pallas interpreter elsewhere.
+run by the Pallas interpreter on CPU; on a TPU, which has no lowering of it, it is refused in
+one line (the pure-JAX product runs there).
 """
 
 import functools
@@ -251,6 +252,11 @@ def nf4_matmul_pallas(
     if len(table) != 16:
         raise ValueError(f"table must hold 16 code values, got {len(table)}.")
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    if not interpret and jax.default_backend() == "tpu":
+        raise ValueError(
+            "nf4_matmul_pallas has a Triton (GPU) lowering only; on a TPU use the pure-JAX "
+            "product (tunelib.peft's matmul='xla'), or interpret=True to check it."
+        )
     cfg = _Config(
         tuple(float(t) for t in table),
         block_size,

@@ -185,3 +185,11 @@ def test_shape_errors():
             nf4_matmul_pallas(x[None], codes, absmax, table=TABLE)
         with raises_naming("codes", "int32", error=TypeError):
             nf4_matmul_pallas(x, codes.astype(np.int32), absmax, table=TABLE)
+
+
+def test_on_a_tpu_the_kernel_is_refused_in_one_line(monkeypatch):
+    """It has no Mosaic lowering: compiled on a TPU it would fail deep inside the lowering."""
+    codes, absmax = weight(20, 128)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with raises_naming("Triton (GPU) lowering only", "matmul='xla'", error=ValueError):
+        nf4_matmul_pallas(activations(3, 128), codes, absmax, table=TABLE)
