@@ -173,7 +173,8 @@ def _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed,
                 state, metrics = step_fn(state, batch)
                 record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
             if step == start + 1 and step < config.steps and main:  # the budget, in time
-                bar.write(estimate(name, step, config.steps, clock.split()), file=sys.stdout)
+                line = estimate(name, step, config.steps, clock.split(), _devices(placed))
+                bar.write(line, file=sys.stdout)
             if step % config.eval_every == 0 or step == config.steps:
                 distributed.heartbeat(step)  # the supervisor's clock starts again for it
                 with clock.phase("eval"):
@@ -224,16 +225,24 @@ def _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed,
     return state
 
 
-def estimate(name: str, step: int, steps: int, split: dict[str, float]) -> str:
-    """The line a run prints after its first step: the steps planned and the time they will
-    take at that step's pace (its seconds per `kit.goodput` phase, compilation left out)."""
+def estimate(name: str, step: int, steps: int, split: dict[str, float], devices: str) -> str:
+    """The line a run prints after its first step: the steps planned, the devices they run on
+    (a JAX without its TPU or GPU plugin runs on the CPU, which shows here) and the time they
+    will take at that step's pace (its seconds per `kit.goodput` phase, compilation left
+    out)."""
     seconds = sum(v for k, v in split.items() if k != "compile")
     left = steps - step
     return (
-        f"{name}: {steps} steps planned; step {step} took {seconds:.3g} s after "
+        f"{name}: {steps} steps planned on {devices}; step {step} took {seconds:.3g} s after "
         f"{split.get('compile', 0.0):.3g} s of compilation: about {_duration(left * seconds)} "
         f"for the {left} left"
     )
+
+
+def _devices(placed: Placement | None) -> str:
+    """`"1 TPU v5 lite"`, `"8 cpu"`: the run's devices, counted, and their kind."""
+    devices = list(placed.mesh.devices.flat) if placed is not None else jax.local_devices()[:1]
+    return f"{len(devices)} {devices[0].device_kind}"
 
 
 def _duration(seconds: float) -> str:
