@@ -139,7 +139,7 @@ def _alone() -> bool:
     """Whether this process runs alone (not one of a multi-process run's: those import JAX
     and join the others), from the launcher's variables: asking JAX would start its backend,
     which a process that failed before its first step has not started."""
-    if "jax" not in sys.modules:
+    if sys.modules.get("jax") is None:  # not imported (or made unimportable)
         return True
     from tunelib import distributed
 

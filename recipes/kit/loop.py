@@ -80,24 +80,24 @@ def train(
     the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say; the plan,
     a `kit.plan.Planned`, is then returned in place of the state, and the recipe returns it.
     `watch(step, evaluated, state)`, if given, is called in every process after each
-    evaluation (step 0's included) with its metrics (`kit.watch`). `batches` is closed when
-    the loop ends, however it ends (a prefetching iterator's thread stops).
+    evaluation (step 0's included) with its metrics (`kit.watch`). Once the steps start,
+    `batches` is closed when the loop ends, however it ends (a prefetching iterator's thread
+    stops); a plan leaves it open.
     """
+    planned = plan.check(
+        config, placed, state=state, batches=batches, step_fn=step_fn, pieces=pieces
+    )
+    if planned is not None:  # --plan, or a run that does not fit --device-memory: no step
+        return planned
     try:
-        return _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed,
-                      pieces, watch)  # fmt: skip
+        return _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed, watch)
     finally:
         close = getattr(batches, "close", None)
         if close is not None:
             close()
 
 
-def _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed, pieces, watch):
-    planned = plan.check(
-        config, placed, state=state, batches=batches, step_fn=step_fn, pieces=pieces
-    )
-    if planned is not None:  # --plan, or a run that does not fit --device-memory: no step
-        return planned
+def _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed, watch):
     name = config.run_name()
     main = parallel.is_main()
     if main:
