@@ -207,6 +207,7 @@ def _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed,
             distributed.inject_faults("step", step)
     except (Interrupted, KeyboardInterrupt):
         bar.close()
+        checkpoints.manager.wait_until_finished()  # the step just saved is written, or failed
         saved = checkpoints.manager.latest_step()
         checkpoints.close()
         for writer in writers:

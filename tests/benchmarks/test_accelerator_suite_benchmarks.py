@@ -98,7 +98,9 @@ def test_suite_stops_a_part_at_its_limit_and_skips_what_cannot_run(tmp_path):
     for name in ("logprobs-gemma2", "sampler"):
         # Stopped at 3 s by SIGINT, which Python ends on (status 124), workers and all.
         assert parts[name]["status"] == "time limit" and parts[name]["exit"] == 124
-        assert parts[name]["limit"] == 3 and 3 <= parts[name]["seconds"] <= 10
+        # At most the limit, the 15 s before SIGKILL and the processes' reaping, however
+        # loaded the machine is.
+        assert parts[name]["limit"] == 3 and 3 <= parts[name]["seconds"] <= 3 + 15 + 15
     assert parts["parity"]["status"] == "skipped"
     assert parts["parity"]["note"].startswith(f"no CPU record {tmp_path / 'none.npz'}")
     assert parts["nf4"]["note"] == "not in PARTS"
