@@ -5,11 +5,11 @@ r"""The memory plan of the recipes' steps against the memory a real step takes.
     python benchmarks/memory_plan.py --variants            # what would make a big step fit
 
 For each recipe, a worker subprocess builds the recipe's run as `--plan` does (its model,
-task, state and step, through `kit.loop.train`) and takes the plan `kit.plan` makes: the step
-compiled for the first batch's shapes and never run (`tunelib.memory.memory_plan`). The plan
-predicts the step's peak memory per device, and of it what a step adds to the memory held
-before it (`step_bytes`: the peak less the state, frozen weights and compiled-in constants
-the run holds between steps).
+task, state and step, up to its call of `kit.plan.check`) and takes the plan `kit.plan`
+makes: the step compiled for the first batch's shapes and never run
+(`tunelib.memory.memory_plan`). The plan predicts the step's peak memory per device, and of
+it what a step adds to the memory held before it (`step_bytes`: the peak less the state,
+frozen weights and compiled-in constants the run holds between steps).
 
 The worker then runs the recipe's own step on the run's own batches, on one CPU device.
 Step 1 compiles it (and is reported, compiler memory included, for what it is). Before step

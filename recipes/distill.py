@@ -30,7 +30,6 @@ from typing import Literal
 import kit
 from kit.config import RLEvaluation, Run, Task, flag
 from kit.errors import UserError
-from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -199,13 +198,29 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     state = loop.initial_state(student.params, optimizer, config.seed, placement)
     state["step"] = placement.replicate(np.int32(0))  # which steps sample (--on-policy)
-    state = loop.train(
-        run, config, placement, state=state,
-        step_fn=train_step, evaluate=evaluate_fn, pieces=pieces, watch=watcher,
-        batches=data.batches(task, config, placement, kind="sft"),
-    )  # fmt: skip
-    if isinstance(state, Planned):  # --plan: the step compiled, never run
-        return state
+    batches = data.batches(task, config, placement, kind="sft")
+    # --plan and --device-memory: the step's parts compiled for the first batch, never run.
+    planned = kit.plan.check(
+        config, placement, state=state, batches=batches, step_fn=train_step, pieces=pieces
+    )
+    if planned is not None:
+        return planned
+
+    with loop.Steps(run, config, placement, state, batches) as steps:
+        state = steps.state  # the last checkpoint's, with --resume
+        if steps.fresh:  # the start model, evaluated as step 0
+            evaluated = steps.evaluate(evaluate_fn, state["params"])
+            with steps.phase("eval"):  # the collapse guard, --keep-best
+                watcher(0, evaluated, state)
+            steps.log_start(evaluated)
+        for step in steps:
+            state, metrics = steps.step(train_step, state, steps.next_batch())
+            if steps.evaluation_due(step):
+                evaluated = steps.evaluate(evaluate_fn, state["params"])
+                with steps.phase("eval"):  # the collapse guard, --keep-best
+                    watcher(step, evaluated, state)
+                metrics |= evaluated
+            steps.done(step, state, metrics)
     models.save_model(run.path / "model", student, state["params"])
     before, after = loop.first_and_last(run, "accuracy")
     headline = {

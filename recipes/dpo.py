@@ -18,12 +18,12 @@ on the built-in task.
 """
 
 import dataclasses
+import functools
 from typing import Literal
 
 import kit
 from kit.config import DataFile, Lora, Run, SFTStart, Task, flag
 from kit.errors import UserError
-from kit.plan import Planned
 
 LOSSES = (
     "dpo", "robust_dpo", "ipo", "hinge", "exo", "nca", "bco_pair", "sppo_hard", "apo_zero",
@@ -66,7 +66,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import losses, metrics, peft
 
-    from kit import chain, data, evaluate, loop, lora, optim, pairs, parallel
+    from kit import chain, data, evaluate, loop, lora, optim, pairs, parallel, plan
 
     # The SFT start, trained first if absent: before this process opens its devices.
     start, sft_seconds = chain.sft_start(config)
@@ -148,14 +148,22 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         return out
 
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
-    state = loop.train(
-        run, config, placement, state=state,
-        evaluate=evaluate_fn,
-        step_fn=lambda state, batch: train_step(frozen, state, batch),
-        batches=data.batches(task, config, placement, kind="preference", packing=config.packing),
-    )  # fmt: skip
-    if isinstance(state, Planned):  # --plan: the step compiled, never run
-        return state
+    batches = data.batches(task, config, placement, kind="preference", packing=config.packing)
+    step_fn = functools.partial(train_step, frozen)  # the frozen weights: arguments
+    # --plan and --device-memory: the step compiled for the first batch, never run.
+    planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)
+    if planned is not None:
+        return planned
+
+    with loop.Steps(run, config, placement, state, batches) as steps:
+        state = steps.state  # the last checkpoint's, with --resume
+        if steps.fresh:  # the start model, evaluated as step 0
+            steps.log_start(steps.evaluate(evaluate_fn, state["params"]))
+        for step in steps:
+            state, metrics = steps.step(step_fn, state, steps.next_batch())
+            if steps.evaluation_due(step):
+                metrics |= steps.evaluate(evaluate_fn, state["params"])
+            steps.done(step, state, metrics)
     tuning.save(run.path, model, state["params"], placement)
     headline = {
         "loss": config.loss,

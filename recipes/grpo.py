@@ -56,7 +56,6 @@ from pathlib import Path
 
 import kit
 from kit.grpo_config import GRPOConfig
-from kit.plan import Planned
 
 
 def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
@@ -108,12 +107,28 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     state = learner.initial_state(
         loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     )
-    state = loop.train(
-        run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
-        step_fn=train_step, pieces=pieces, watch=watcher,
-    )  # fmt: skip
-    if isinstance(state, Planned):  # --plan: the step compiled, never run
-        return state
+    # --plan and --device-memory: the step's parts compiled for the first batch, never run.
+    planned = kit.plan.check(
+        config, placement, state=state, batches=batches, step_fn=train_step, pieces=pieces
+    )
+    if planned is not None:
+        return planned
+
+    with loop.Steps(run, config, placement, state, batches) as steps:
+        state = steps.state  # the last checkpoint's, with --resume
+        if steps.fresh:  # the start model, evaluated as step 0
+            evaluated = steps.evaluate(evaluate_fn, state["params"])
+            with steps.phase("eval"):  # the collapse guard, --keep-best
+                watcher(0, evaluated, state)
+            steps.log_start(evaluated)
+        for step in steps:
+            state, metrics = steps.step(train_step, state, steps.next_batch())
+            if steps.evaluation_due(step):
+                evaluated = steps.evaluate(evaluate_fn, state["params"])
+                with steps.phase("eval"):  # the collapse guard, --keep-best
+                    watcher(step, evaluated, state)
+                metrics |= evaluated
+            steps.done(step, state, metrics)
     tuning.save(run.path, model, state["params"], placement)
     headline = {**grpo.headline(run, config, tuning), **(best.headline() if best else {})}
     return loop.finish(run, config, headline, chained={"sft_seconds": sft_seconds})

@@ -23,7 +23,6 @@ import kit
 from kit.config import at_least, flag
 from kit.errors import UserError
 from kit.grpo_config import GRPOConfig
-from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -151,14 +150,30 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
             learner.resume_ledger(state.pop("ledger"))
         return state
 
-    checkpointed = (to_saved, from_saved)
     watcher, _ = watch.watcher(config, run, None, placement)  # the collapse guard
-    state = loop.train(
-        run, config, placement, state=state, batches=batches, evaluate=evaluate_fn,
-        step_fn=train_step, checkpointed=checkpointed, pieces=pieces, watch=watcher,
-    )  # fmt: skip
-    if isinstance(state, Planned):  # --plan: the step compiled, never run
-        return state
+    # --plan and --device-memory: the step's parts compiled for the first batch, never run.
+    planned = kit.plan.check(
+        config, placement, state=state, batches=batches, step_fn=train_step, pieces=pieces
+    )
+    if planned is not None:
+        return planned
+
+    checkpointed = (to_saved, from_saved)
+    with loop.Steps(run, config, placement, state, batches, checkpointed=checkpointed) as steps:
+        state = steps.state  # the last checkpoint's, with --resume
+        if steps.fresh:  # the start model, evaluated as step 0
+            evaluated = steps.evaluate(evaluate_fn, state["params"])
+            with steps.phase("eval"):  # the collapse guard, --keep-best
+                watcher(0, evaluated, state)
+            steps.log_start(evaluated)
+        for step in steps:
+            state, metrics = steps.step(train_step, state, steps.next_batch())
+            if steps.evaluation_due(step):
+                evaluated = steps.evaluate(evaluate_fn, state["params"])
+                with steps.phase("eval"):  # the collapse guard, --keep-best
+                    watcher(step, evaluated, state)
+                metrics |= evaluated
+            steps.done(step, state, metrics)
     model, state = models.replicated(model, both), disaggregated.shared(state, both)
     tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))
     tuning.save(run.path, model, state["params"], both)

@@ -20,7 +20,6 @@ from typing import Literal
 import kit
 from kit.config import MODELS, DataFile, Run, Start, Task, flag
 from kit.errors import UserError
-from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -51,7 +50,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import losses
 
-    from kit import chain, data, evaluate, loop, models, optim, pairs, parallel
+    from kit import chain, data, evaluate, loop, models, optim, pairs, parallel, plan
 
     # The SFT baseline of the same budget, trained first: before this process opens its devices
     # (not for --plan, which writes nothing).
@@ -84,7 +83,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
             "log_odds_ratio": mean(log_odds_ratio),
         }
 
-    train_step = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
+    step_fn = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
 
     heldout = data.heldout_batches(task, config, placement, kind="preference")
     heldout_loss = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
@@ -102,13 +101,21 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
         return out
 
     state = loop.initial_state(model.params, optimizer, config.seed, placement)
-    state = loop.train(
-        run, config, placement, state=state,
-        step_fn=train_step, evaluate=evaluate_fn,
-        batches=data.batches(task, config, placement, kind="preference"),
-    )  # fmt: skip
-    if isinstance(state, Planned):  # --plan: the step compiled, never run
-        return state
+    batches = data.batches(task, config, placement, kind="preference")
+    # --plan and --device-memory: the step compiled for the first batch, never run.
+    planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)
+    if planned is not None:
+        return planned
+
+    with loop.Steps(run, config, placement, state, batches) as steps:
+        state = steps.state  # the last checkpoint's, with --resume
+        if steps.fresh:  # the start model, evaluated as step 0
+            steps.log_start(steps.evaluate(evaluate_fn, state["params"]))
+        for step in steps:
+            state, metrics = steps.step(step_fn, state, steps.next_batch())
+            if steps.evaluation_due(step):
+                metrics |= steps.evaluate(evaluate_fn, state["params"])
+            steps.done(step, state, metrics)
     models.save_model(run.path / "model", model, state["params"])
     headline = loop.before_and_after(run, "accuracy", "heldout_loss")
     if "baseline_seconds" in chained:

@@ -23,7 +23,6 @@ from typing import Literal
 import kit
 from kit.config import CHECKPOINT_EVERY, DataFile, Run, SFTStart, Task, flag
 from kit.errors import UserError
-from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -62,7 +61,7 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import losses, metrics
 
-    from kit import chain, data, evaluate, loop, optim, pairs, parallel, reward_model
+    from kit import chain, data, evaluate, loop, optim, pairs, parallel, plan, reward_model
 
     # The SFT start, trained first if absent: before this process opens its devices.
     start, sft_seconds = chain.sft_start(config)
@@ -114,13 +113,22 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
         }
 
     state = loop.initial_state(params, optimizer, config.seed, placement)
-    state = loop.train(
-        run, config, placement, state=state,
-        evaluate=evaluate_fn, step_fn=optim.update_step(loss_fn, optimizer),
-        batches=data.batches(task, config, placement, kind="preference"),
-    )  # fmt: skip
-    if isinstance(state, Planned):  # --plan: the step compiled, never run
-        return state
+    batches = data.batches(task, config, placement, kind="preference")
+    step_fn = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
+    # --plan and --device-memory: the step compiled for the first batch, never run.
+    planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)
+    if planned is not None:
+        return planned
+
+    with loop.Steps(run, config, placement, state, batches) as steps:
+        state = steps.state  # the last checkpoint's, with --resume
+        if steps.fresh:  # the start model, evaluated as step 0
+            steps.log_start(steps.evaluate(evaluate_fn, state["params"]))
+        for step in steps:
+            state, metrics = steps.step(step_fn, state, steps.next_batch())
+            if steps.evaluation_due(step):
+                metrics |= steps.evaluate(evaluate_fn, state["params"])
+            steps.done(step, state, metrics)
     trained = state["params"]
     reward_model.save(
         run.path / "model", model, trained["decoder"], trained["head"], pooling=config.pooling

@@ -21,13 +21,13 @@ records have answers.
 """
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Literal
 
 import kit
 from kit.config import MODELS, DataFile, Lora, Run, Start, Task, VisionTask, flag
 from kit.errors import UserError
-from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -65,7 +65,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     from tunelib import logprobs, losses, peft
 
-    from kit import data, evaluate, images, loop, lora, models, optim, parallel
+    from kit import data, evaluate, images, loop, lora, models, optim, parallel, plan
 
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
@@ -107,7 +107,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         return losses.aggregate(per_token, mode="token_mean", where=batch["where"]).mean()
 
     @jax.jit
-    def train_step(state, batch, base):
+    def train_step(state, batch, *, base):
         rng, dropout_key = loop.step_keys(state["rng"], "dropout")
         dropout_key = dropout_key if config.lora_dropout else None
 
@@ -137,14 +137,23 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         return out
 
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
-    state = loop.train(
-        run, config, placement, state=state,
-        # The frozen base (None without LoRA) is the step's argument, not a constant in it.
-        step_fn=lambda state, batch: train_step(state, batch, tuning.base), evaluate=evaluate_fn,
-        batches=data.batches(task, config, placement, kind="sft", packing=config.packing),
-    )  # fmt: skip
-    if isinstance(state, Planned):  # --plan: the step compiled, never run
-        return state
+    batches = data.batches(task, config, placement, kind="sft", packing=config.packing)
+    # The frozen base (None without LoRA) is the step's argument, not a constant in it.
+    step_fn = functools.partial(train_step, base=tuning.base)
+    # --plan and --device-memory: the step compiled for the first batch, never run.
+    planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)
+    if planned is not None:
+        return planned
+
+    with loop.Steps(run, config, placement, state, batches) as steps:
+        state = steps.state  # the last checkpoint's, with --resume
+        if steps.fresh:  # the start model, evaluated as step 0
+            steps.log_start(steps.evaluate(evaluate_fn, state["params"]))
+        for step in steps:
+            state, metrics = steps.step(step_fn, state, steps.next_batch())
+            if steps.evaluation_due(step):
+                metrics |= steps.evaluate(evaluate_fn, state["params"])
+            steps.done(step, state, metrics)
     tuning.save(run.path, model, state["params"], placement)
     headline = {**tuning.headline(), **loop.before_and_after(run, "accuracy", "heldout_loss")}
     headline["final_loss"] = loop.first_and_last(run, "loss")[1]

@@ -46,7 +46,6 @@ from kit.config import (
     flag,
 )
 from kit.errors import UserError
-from kit.plan import Planned
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -328,18 +327,26 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
     # The SFT optimizer's state; GRPO's replaces it (same structure) at its first step.
     state = loop.initial_state(model.params, sft_optimizer, config.seed, placement)
     state["step"] = placement.replicate(jnp.zeros((), jnp.int32))
-    state = loop.train(
-        run,
-        config,
-        placement,
-        state=state,
-        batches=batches,
-        step_fn=train_step,
-        evaluate=evaluate_fn,
-        watch=watcher,
-    )
-    if isinstance(state, Planned):  # --plan: the step compiled, never run
-        return state
+    # --plan and --device-memory: the step compiled for the first batch, never run.
+    planned = kit.plan.check(config, placement, state=state, batches=batches, step_fn=train_step)
+    if planned is not None:
+        return planned
+
+    with loop.Steps(run, config, placement, state, batches) as steps:
+        state = steps.state  # the last checkpoint's, with --resume
+        if steps.fresh:  # the start model, evaluated as step 0
+            evaluated = steps.evaluate(evaluate_fn, state["params"])
+            with steps.phase("eval"):  # the collapse guard, --keep-best
+                watcher(0, evaluated, state)
+            steps.log_start(evaluated)
+        for step in steps:
+            state, metrics = steps.step(train_step, state, steps.next_batch())
+            if steps.evaluation_due(step):
+                evaluated = steps.evaluate(evaluate_fn, state["params"])
+                with steps.phase("eval"):  # the collapse guard, --keep-best
+                    watcher(step, evaluated, state)
+                metrics |= evaluated
+            steps.done(step, state, metrics)
     models.save_model(run.path / "model", model, state["params"])
     records = run.records()
     at_sft = next((r for r in records if r["step"] == config.sft_steps and "accuracy" in r), {})

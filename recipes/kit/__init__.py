@@ -20,7 +20,8 @@
 - `watch`: after each evaluation, the entropy-collapse guard and `--keep-best`.
 - `pairs`: preference pairs: both sides' log-probs, on-policy negatives.
 - `reward_model`: a decoder with a score head: its rewards, saving and loading.
-- `loop`: the train loop (resume, evaluate, log, checkpoint, Ctrl-C) and the result line.
+- `loop`: the run context a recipe's own loop runs in (`Steps`: resume, log, checkpoint,
+  heartbeats, faults, Ctrl-C, the time split), the step's PRNG keys and the result line.
 - `logs`, `plots`, `checkpoints`: metrics writers, the curves, Orbax checkpoints.
 - `goodput`: each step's time split by phase.
 - `grpo_config`, `grpo`: what the two GRPO recipes share: flags, sampler, rewards, updates.

@@ -1,21 +1,31 @@
-"""The train loop every recipe shares: resume, step, evaluate, log, checkpoint, finish.
+"""The train loop's parts, which a recipe's own loop calls: a run context (the run folder and
+its lock, resuming, logs, checkpoints, heartbeats, faults, Ctrl-C, the time split), the PRNG
+keys of a step, the initial state and the result line.
 
-    state = kit.loop.train(run, config, placement, state=state, batches=batches,
-                           step_fn=train_step, evaluate=evaluate)
-    return kit.loop.finish(run, config, {"accuracy_after": ...})
+    state = loop.initial_state(params, optimizer, config.seed, placement)
+    with loop.Steps(run, config, placement, state, batches) as steps:
+        state = steps.state                        # the last checkpoint's, with --resume
+        if steps.fresh:                            # before the first step, logged as step 0
+            steps.log_start(steps.evaluate(evaluate_fn, state["params"]))
+        for step in steps:                         # from the step after the checkpoint on
+            batch = steps.next_batch()             # this process's rows, as global arrays
+            state, metrics = steps.step(train_step, state, batch)
+            if steps.evaluation_due(step):
+                metrics |= steps.evaluate(evaluate_fn, state["params"])
+            steps.done(step, state, metrics)       # log, checkpoint, heartbeat, stop
+    return loop.finish(run, config, {"accuracy_after": ...})
 
-`step_fn(state, batch) -> (state, metrics)` is the recipe's step; `evaluate(params) -> metrics`
-its held-out evaluation, run before the first step (logged as step 0), every `--eval-every`
-steps and after the last. A checkpoint of the state and of the data iterator's position is
-saved every `--checkpoint-every` steps and after the last step, so `--resume --steps N` can
-extend a finished run, and a run killed after its last checkpoint, before its model was
-saved, resumes at its last step to save it. Ctrl-C lets the current step finish, saves a
-checkpoint of it and raises `Interrupted`, which the entry point turns into one line saying
-how to resume; a second Ctrl-C stops at once, and the last periodic checkpoint is what
-remains.
+The recipe's step and evaluation are its own functions, called by the recipe; `Steps` never
+calls back into it. A checkpoint of the state and of the data iterator's position is saved
+every `--checkpoint-every` steps and after the last step, so `--resume --steps N` can extend
+a finished run, and a run killed after its last checkpoint, before its model was saved,
+resumes at its last step to save it. Ctrl-C lets the current step finish, saves a
+checkpoint of it and raises `kit.cli.Interrupted` out of the `with` block, which the entry
+point turns into one line saying how to resume; a second Ctrl-C stops at once, and the last
+periodic checkpoint is what remains.
 
 Checkpoints are written in the background while the next steps run (unless
-`--sync-checkpoints`), and the loop waits for the last one before it returns;
+`--sync-checkpoints`), and the context waits for the last one when it closes;
 `--checkpoint-every auto` picks the interval (`kit.checkpoint_interval`).
 
 In a run of several processes (`kit.parallel`) every process runs the loop: the steps,
@@ -41,7 +51,7 @@ from tqdm import tqdm
 
 from tunelib import distributed
 
-from kit import checkpoint_interval, goodput, parallel, plan, recovery
+from kit import checkpoint_interval, goodput, parallel, recovery
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
 from kit.logs import open_writers
@@ -54,176 +64,227 @@ def _number(value: Any) -> float:
     return float(np.asarray(value))
 
 
-def train(
-    run: RunFolder,
-    config,
-    placed: Placement | None,
-    *,
-    state: dict,
-    batches: Iterator,
-    step_fn: Callable[[dict, Any], tuple[dict, dict]],
-    evaluate: Callable[[Any], dict],
-    checkpointed: tuple[Callable, Callable] | None = None,
-    pieces: Callable | None = None,
-    watch: Callable[[int, dict, dict], None] | None = None,
-) -> dict | plan.Planned:
-    """Run `step_fn` from step 0 (or the last checkpoint, with `--resume`) to `--steps`.
+class Steps:
+    """The run context of a recipe's loop (the module's docstring shows it in use).
 
-    `placed` is the run's `kit.parallel.Placement` (None: one device, batches as they come);
-    `state` is a pytree holding at least `params` (what `evaluate` receives); `batches` a
-    Grain iterator of this process's rows of each batch, checkpointed with the state;
-    `step_fn` receives the global batch of them, split over the run's devices.
-    `checkpointed`, `(to_saved, from_saved)`, maps the state to what a checkpoint holds and
-    back (every process calls both; `kit.disaggregated`'s roles save the trainer's state).
-    With `--plan` or `--device-memory` the step is planned first (`kit.plan.check`): as one
-    jitted function of `(state, batch)`, or, for a step that runs several or branches on
-    the host, as the parts `pieces(state, batch) -> {name: kit.plan.Piece}` say; the plan,
-    a `kit.plan.Planned`, is then returned in place of the state, and the recipe returns it.
-    `watch(step, evaluated, state)`, if given, is called in every process after each
-    evaluation (step 0's included) with its metrics (`kit.watch`). Once the steps start,
-    `batches` is closed when the loop ends, however it ends (a prefetching iterator's thread
-    stops); a plan leaves it open.
+    Entered, it opens the run folder (process 0; the lock is taken), restores the last
+    checkpoint with `--resume` (`state`, `start`; `fresh` when there was none), opens the
+    metric writers and takes Ctrl-C; iterated, it gives the steps from `start + 1` to
+    `--steps`, each timed from its start (`kit.goodput`); closed, it waits for the last
+    checkpoint, closes the writers and `batches` (a prefetching iterator's thread stops),
+    and gives Ctrl-C back, however the block ends.
+
+    `placed` is the run's `kit.parallel.Placement`; `state` a pytree holding at least
+    `params`; `batches` a Grain iterator of this process's rows of each batch, checkpointed
+    with the state. `checkpointed`, `(to_saved, from_saved)`, maps the state to what a
+    checkpoint holds and back (every process calls both; `kit.disaggregated`'s roles save
+    the trainer's state).
     """
-    planned = plan.check(
-        config, placed, state=state, batches=batches, step_fn=step_fn, pieces=pieces
-    )
-    if planned is not None:  # --plan, or a run that does not fit --device-memory: no step
-        return planned
-    try:
-        return _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed, watch)
-    finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()
 
+    def __init__(
+        self,
+        run: RunFolder,
+        config,
+        placed: Placement,
+        state: dict,
+        batches: Iterator,
+        *,
+        checkpointed: tuple[Callable, Callable] | None = None,
+    ):
+        self.run, self.config, self.placed, self.batches = run, config, placed, batches
+        self.state = state
+        self.to_saved, self.from_saved = checkpointed or (lambda s: s, lambda s: s)
+        self.name = config.run_name()
+        self.main = placed.is_main
+        self.start, self.fresh, self.current = 0, True, 0
+        self.writers: list = []
+        self.checkpoints = None
+        self._stop: list[int] = []
+        self._previous_handler = None
 
-def _train(run, config, placed, state, batches, step_fn, evaluate, checkpointed, watch):
-    name = config.run_name()
-    main = parallel.is_main()
-    if main:
-        run.open(config)  # locks the folder; a resumed run saves its config.toml once restored
-    if placed is not None:
-        placed.barrier("run folder open")
-    if os.environ.get(distributed.FAULTS) and not os.environ.get(distributed.FAULTS_LOG):
-        os.environ[distributed.FAULTS_LOG] = str(run.path / "faults.jsonl")  # fired once a run
-    checkpoints = Checkpoints(run.path / "checkpoints", asynchronous=not config.sync_checkpoints)
-    interval = checkpoint_interval.Interval(config.checkpoint_every, mtti=config.mtti)
-    to_saved, from_saved = checkpointed or (lambda state: state, lambda state: state)
-    start, lost = 0, []
-    if run.resume:
+    # ------------------------------------------------------------------------- entering
+
+    def __enter__(self) -> "Steps":
+        run, config, placed = self.run, self.config, self.placed
+        try:
+            if self.main:
+                run.open(config)  # locks the folder; a resumed run saves its config once restored
+            placed.barrier("run folder open")
+            if os.environ.get(distributed.FAULTS) and not os.environ.get(distributed.FAULTS_LOG):
+                os.environ[distributed.FAULTS_LOG] = str(run.path / "faults.jsonl")  # once a run
+            self.checkpoints = Checkpoints(
+                run.path / "checkpoints", asynchronous=not config.sync_checkpoints
+            )
+            self.interval = checkpoint_interval.Interval(config.checkpoint_every, mtti=config.mtti)
+            lost = self._restore() if run.resume else []
+            self.attempt = recovery.Attempt(
+                run.path, distributed.supervision(), resumed_from=self.start,
+                devices=jax.device_count(), processes=jax.process_count(),
+                lost_seconds=sum(map(goodput.logged_seconds, lost)),
+                steady=recovery.steady_step(run.records()) if self.main else None,
+            )  # fmt: skip
+            if run.resume:
+                self.attempt.restored(*self._restored_at)
+            self.writers = open_writers(run.path, self.name, config) if self.main else []
+            distributed.inject_faults("start", self.start)  # restored, not yet beating
+            self.clock = goodput.clock()
+            if self.fresh:
+                self.clock.reset()  # the first evaluation's time is step 0's
+            self.bar = tqdm(
+                total=config.steps, initial=self.start, desc=self.name, dynamic_ncols=True,
+                disable=config.no_progress or not self.main,
+            )  # fmt: skip
+            # Only the main thread may take signals (a recipe run from a thread keeps Ctrl-C).
+            if threading.current_thread() is threading.main_thread():
+                self._previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def _restore(self) -> list[dict]:
+        """Restore the last checkpoint; the records of the steps it lost."""
         began = time.time()
-        start, state, saved = checkpoints.restore_latest(to_saved(state), batches)
-        state = from_saved(state)
-        restored = (began, time.time())
-        if main:
-            print(f"{name}: resuming from the checkpoint of step {start}", flush=True)
-            run.save_config(config)
+        self.start, state, saved = self.checkpoints.restore_latest(
+            self.to_saved(self.state), self.batches
+        )
+        self.state, self.fresh = self.from_saved(state), False
+        self._restored_at = (began, time.time())
+        lost = []
+        if self.main:
+            run = self.run
+            print(f"{self.name}: resuming from the checkpoint of step {self.start}", flush=True)
+            run.save_config(self.config)
             records = run.records()
-            lost = [r for r in records if r["step"] > start]
-            kept = [r for r in records if r["step"] < start]
-            kept.append(next((r for r in records if r["step"] == start), saved))
+            lost = [r for r in records if r["step"] > self.start]
+            kept = [r for r in records if r["step"] < self.start]
+            kept.append(next((r for r in records if r["step"] == self.start), saved))
             run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             _add_badput(run, lost)
-            interval.observe(kept, _badput(run))
-    attempt = recovery.Attempt(
-        run.path, distributed.supervision(), resumed_from=start, devices=jax.device_count(),
-        processes=jax.process_count(), lost_seconds=sum(map(goodput.logged_seconds, lost)),
-        steady=recovery.steady_step(run.records()) if main else None,
-    )  # fmt: skip
-    if run.resume:
-        attempt.restored(*restored)
-    writers = open_writers(run.path, name, config) if main else []
+            self.interval.observe(kept, _badput(run))
+        return lost
 
-    def log(record: dict) -> None:
-        for writer in writers:
+    def _request_stop(self, signum, frame) -> None:
+        if self._stop:  # the second Ctrl-C: at once
+            raise KeyboardInterrupt
+        self._stop.append(signum)
+        again = "Ctrl-C again to stop at once"
+        sys.stderr.write(f"\n{self.name}: stopping after this step ({again})\n")
+
+    # ------------------------------------------------------------------------- the steps
+
+    def __iter__(self) -> Iterator[int]:
+        for step in range(self.start + 1, self.config.steps + 1):
+            self.clock.reset()
+            self.current = step
+            yield step
+
+    def phase(self, name: str):
+        """Time a block as `name`, one of `kit.goodput.PHASES`."""
+        return self.clock.phase(name)
+
+    def next_batch(self):
+        """This process's rows of the next batch, as global arrays split over the devices
+        (timed as the step's data)."""
+        with self.clock.phase("data"):
+            return self.placed.rows(next(self.batches))
+
+    def step(self, step_fn: Callable, state, *args) -> tuple[Any, dict]:
+        """`step_fn(state, *args) -> (state, metrics)`, timed as train until its metrics are
+        on the host (the rollouts, log-probs and syncs it marks itself are theirs); the
+        metrics as Python floats. After the first step, one line with its time and what the
+        rest will take."""
+        with self.clock.phase("train"):
+            state, metrics = step_fn(state, *args)
+            metrics = {k: _number(v) for k, v in metrics.items()}
+        step, steps = self.current, self.config.steps
+        if step == self.start + 1 and step < steps and self.main:
+            line = estimate(self.name, step, steps, self.clock.split(), _devices(self.placed))
+            self.bar.write(line, file=sys.stdout)
+        return state, metrics
+
+    def evaluation_due(self, step: int) -> bool:
+        """Every `--eval-every` steps and after the last."""
+        return step % self.config.eval_every == 0 or step == self.config.steps
+
+    def evaluate(self, evaluate_fn: Callable, *args) -> dict:
+        """`evaluate_fn(*args) -> metrics`, timed as eval, the metrics as Python floats (the
+        supervisor's clock starts again before one after a step: an evaluation is no hang)."""
+        if self.current:
+            distributed.heartbeat(self.current)
+        with self.clock.phase("eval"):
+            return {k: _number(v) for k, v in evaluate_fn(*args).items()}
+
+    def log_start(self, metrics: dict) -> None:
+        """Log the metrics taken before the first step (the evaluation of the start), as step
+        0, with its time."""
+        split = {goodput.PREFIX + k: round(v, 4) for k, v in self.clock.split().items()}
+        self._log({"step": 0, **metrics, **split})
+
+    def done(self, step: int, state, metrics: dict) -> None:
+        """After the recipe's step: log its record, save a checkpoint when due (the last
+        step's and a stopped run's too), beat the supervisor's heart, and stop the run
+        (`Interrupted`) when Ctrl-C asked for it, in any process of the run."""
+        config = self.config
+        record = {"step": step, **metrics}
+        self.bar.update(1)
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k != "step"},
+                             refresh=False)  # fmt: skip
+        if self.placed.process_count > 1 and _anyone_stopping(self._stop):
+            self._stop.append(signal.SIGINT)  # another process was asked: stop together
+        saving = self.interval.due(step) or step == config.steps or bool(self._stop)
+        if saving:
+            so_far = {goodput.PREFIX + k: round(v, 4) for k, v in self.clock.split().items()}
+            distributed.heartbeat(step)
+            with self.clock.phase("checkpoint"):  # with the record, should the log not follow
+                saved = self.to_saved(state)
+                self.checkpoints.save(step, saved, self.batches, {**record, **so_far})
+        split = self.clock.split()
+        chosen = self.interval.measured(split, saving, jax.process_count())
+        if chosen is not None and self.main:
+            self.bar.write(f"{self.name}: {chosen}", file=sys.stdout)
+        record.update({goodput.PREFIX + k: round(v, 4) for k, v in split.items()})
+        record.update(self.attempt.first_step(record, main=self.main))
+        self._log(record)
+        distributed.heartbeat(step)
+        if self._stop:
+            raise Interrupted(step)
+        distributed.inject_faults("step", step)
+
+    def _log(self, record: dict) -> None:
+        for writer in self.writers:
             writer.write(record)
 
-    distributed.inject_faults("start", start)  # restored, not yet beating: a start-up fault
-    clock = goodput.clock()
-    if not run.resume:
-        clock.reset()
-        with clock.phase("eval"):
-            before = {k: _number(v) for k, v in evaluate(state["params"]).items()}
-            if watch is not None:
-                watch(0, before, state)
-        split = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
-        log({"step": 0, **before, **split})
-    bar = tqdm(
-        total=config.steps, initial=start, desc=name, disable=config.no_progress or not main,
-        dynamic_ncols=True,
-    )  # fmt: skip
-    stop = []
+    # ------------------------------------------------------------------------- closing
 
-    def request_stop(signum, frame):
-        if stop:  # the second Ctrl-C: at once
-            raise KeyboardInterrupt
-        stop.append(signum)
-        sys.stderr.write(f"\n{name}: stopping after this step (Ctrl-C again to stop at once)\n")
+    def __exit__(self, kind, error, traceback) -> None:
+        if isinstance(error, Interrupted | KeyboardInterrupt):
+            self.bar.close()
+            self.checkpoints.manager.wait_until_finished()  # the step just saved is written
+            saved = self.checkpoints.manager.latest_step()
+            self._close()
+            raise Interrupted(saved) from None
+        if error is None:  # the steps are done: no beat follows (saving the model, plots)
+            distributed.heartbeat(self.config.steps, last=True)
+        self._close()
+        if error is None:  # the metrics are complete before any process reads them back
+            self.placed.barrier("metrics written")
 
-    # Only the main thread may take signals (a recipe run from a thread keeps Ctrl-C as is).
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, request_stop) if main_thread else None
-    try:
-        for step in range(start + 1, config.steps + 1):
-            clock.reset()
-            with clock.phase("data"):  # this process's rows, then the global batch of them
-                batch = next(batches)
-                batch = placed.rows(batch) if placed is not None else batch
-            with clock.phase("train"):  # less the rollouts, log-probs and syncs it marks
-                state, metrics = step_fn(state, batch)
-                record = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
-            if step == start + 1 and step < config.steps and main:  # the budget, in time
-                line = estimate(name, step, config.steps, clock.split(), _devices(placed))
-                bar.write(line, file=sys.stdout)
-            if step % config.eval_every == 0 or step == config.steps:
-                distributed.heartbeat(step)  # the supervisor's clock starts again for it
-                with clock.phase("eval"):
-                    evaluated = {k: _number(v) for k, v in evaluate(state["params"]).items()}
-                    record.update(evaluated)
-                    if watch is not None:
-                        watch(step, evaluated, state)
-            bar.update(1)
-            bar.set_postfix(
-                {k: f"{v:.3g}" for k, v in record.items() if k != "step"}, refresh=False
-            )
-            if placed is not None and placed.process_count > 1 and _anyone_stopping(stop):
-                stop.append(signal.SIGINT)  # another process was asked: stop together
-            saving = interval.due(step) or step == config.steps or bool(stop)
-            if saving:
-                so_far = {goodput.PREFIX + k: round(v, 4) for k, v in clock.split().items()}
-                distributed.heartbeat(step)
-                with clock.phase("checkpoint"):  # with the record, should the log not follow
-                    checkpoints.save(step, to_saved(state), batches, {**record, **so_far})
-            split = clock.split()
-            chosen = interval.measured(split, saving, jax.process_count())
-            if chosen is not None and main:
-                bar.write(f"{name}: {chosen}", file=sys.stdout)
-            record.update({goodput.PREFIX + k: round(v, 4) for k, v in split.items()})
-            record.update(attempt.first_step(record, main=main))
-            log(record)
-            distributed.heartbeat(step)
-            if stop:
-                raise Interrupted(step)
-            distributed.inject_faults("step", step)
-    except (Interrupted, KeyboardInterrupt):
-        bar.close()
-        checkpoints.manager.wait_until_finished()  # the step just saved is written, or failed
-        saved = checkpoints.manager.latest_step()
-        checkpoints.close()
-        for writer in writers:
+    def _close(self) -> None:
+        """Give Ctrl-C back, close the bar, wait for the last checkpoint, close the writers
+        and the batches."""
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+            self._previous_handler = None
+        if getattr(self, "bar", None) is not None:
+            self.bar.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        for writer in self.writers:
             writer.close()
-        raise Interrupted(saved) from None
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
-    distributed.heartbeat(config.steps, last=True)
-    bar.close()
-    checkpoints.close()
-    for writer in writers:
-        writer.close()
-    if placed is not None:  # the metrics are complete before any process reads them back
-        placed.barrier("metrics written")
-    return state
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
 
 
 def estimate(name: str, step: int, steps: int, split: dict[str, float], devices: str) -> str:

@@ -1,14 +1,14 @@
 """The memory plan of a run: `--plan` prints it and exits, `--device-memory SIZE` refuses a run
 predicted not to fit, in one line that says what to change.
 
-Every recipe hands its state, its batches and its step to `kit.loop.train`, which calls
-`check` before anything is written: the step is compiled for the first batch's shapes (never
-run; `tunelib.memory.memory_plan`) and its peak memory per device compared with
+Every recipe calls `check` on its state, its batches and its step before its loop, before
+anything is written: the step is compiled for the first batch's shapes (never run;
+`tunelib.memory.memory_plan`) and its peak memory per device compared with
 `--device-memory`. With `--plan`, or when the run does not fit, `check` returns the plan as
-a `Planned`, which `loop.train` and then the recipe return in place of a trained state, and
-the entry point (`guard`) reports. A step that is one jitted function of `(state, batch)` is
-planned as it is; a recipe whose step runs several (a sampler, then an update) or branches
-on the host gives `loop.train` its parts: `pieces(state, batch) -> {name: Piece}`, each a
+a `Planned`, which the recipe returns in place of a trained run's result, and the entry
+point (`guard`) reports. A step that is one jitted function of `(state, batch)` is planned
+as it is; a recipe whose step runs several (a sampler, then an update) or branches on the
+host gives `check` its parts: `pieces(state, batch) -> {name: Piece}`, each a
 jittable function and its arguments, and the step's peak is the largest part's, plus what
 the other parts keep resident meanwhile (the optimizer state during sampling).
 

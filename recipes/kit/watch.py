@@ -1,5 +1,6 @@
-"""Watching an RL run's evaluations (`kit.loop.train`'s `watch`): one warning line at the
-signs of entropy collapse, and the model with the best value of a chosen metric kept.
+"""Watching an RL run's evaluations (the `watch` an RL recipe calls after each): one warning
+line at the signs of entropy collapse, and the model with the best value of a chosen metric
+kept.
 
 Entropy collapse: the policy's samples stop differing, so groups of completions carry no
 signal and pass@k falls while pass@1 may still rise (Yue et al. 2025, "Does Reinforcement
