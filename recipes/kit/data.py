@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grain
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tunelib.data import (
     RecordError,
@@ -296,27 +298,36 @@ def _ahead(dataset: grain.IterDataset):
 
 
 def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
-    """The held-out records in order, once, as batches split over `placement`'s devices
-    (every process reads them all and keeps its rows); the last batch is padded with empty
-    rows (no completion token) to split evenly."""
+    """The held-out records in order, once, as batches of `config.batch_size` rows split over
+    `placement`'s devices (every process reads them all and keeps its rows). The last batch
+    is padded with empty rows (no completion token, False in every mask) to the same shape,
+    so that an evaluation compiles one program, not one per batch shape."""
 
     if not task.heldout:
         return []
+    b = config.batch_size
     if task.images is not None:
-        b = config.batch_size
-        return [
-            placement.global_rows(_image_rows(task, range(i, min(i + b, len(task.heldout))),
-                                              task.heldout), pad=True)
+        batches = (
+            _image_rows(task, range(i, min(i + b, len(task.heldout))), task.heldout)
             for i in range(0, len(task.heldout), b)
-        ]  # fmt: skip
-    dataset = sft_dataset if kind == "sft" else preference_dataset
-    return [
-        placement.global_rows(batch, pad=True)
-        for batch in dataset(
-            task.heldout, task.tokenizer, max_length=task.max_length,
-            batch_size=config.batch_size, shuffle=False, num_epochs=1, drop_remainder=False,
         )
-    ]  # fmt: skip
+    else:
+        dataset = sft_dataset if kind == "sft" else preference_dataset
+        batches = dataset(
+            task.heldout, task.tokenizer, max_length=task.max_length,
+            batch_size=b, shuffle=False, num_epochs=1, drop_remainder=False,
+        )  # fmt: skip
+    return [placement.global_rows(_padded(batch, b), pad=True) for batch in batches]
+
+
+def _padded(batch, rows: int):
+    """`batch` with rows of zeros added at the end up to `rows`."""
+    extra = rows - len(jax.tree.leaves(batch)[0])
+    if extra <= 0:
+        return batch
+    return jax.tree.map(
+        lambda x: np.concatenate([x, np.zeros((extra, *x.shape[1:]), x.dtype)]), batch
+    )
 
 
 def _image_rows(task: Task, chosen, records: list | None = None) -> dict:

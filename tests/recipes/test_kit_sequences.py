@@ -1,7 +1,9 @@
 """`kit.data`'s layouts between SFT rows and the sampler's prompts and completions, which
 on-policy distillation crosses every sampled step."""
 
+import jax
 import numpy as np
+import pytest
 
 import tests.recipes._scripts  # noqa: F401 (puts recipes/ on the path)
 from tunelib.data import CharTokenizer, encode_prompts, sft_dataset
@@ -65,3 +67,22 @@ def test_the_built_in_task_without_held_out_problems_sizes_completions_by_its_tr
     held = data.load_task(GRPOConfig(num_heldout=20, num_train=64), "rl", tokenizer)
     longest = max(len(tokenizer.encode(r["answer"])) for r in held.problems)
     assert len(held.problems) == 20 and held.max_new_tokens > longest
+
+
+@pytest.mark.parametrize("kind", ["sft", "preference"])
+def test_the_held_out_batches_have_one_shape_and_the_padding_no_tokens(kind):
+    """23 held-out records in batches of 8: three batches of 8 rows, the last with 7 real
+    rows and one empty row (False in every mask), so an evaluation compiles one program."""
+    from kit import parallel
+    from kit.grpo_config import GRPOConfig
+
+    config = GRPOConfig(num_heldout=23, num_train=64, batch_size=8)
+    task = data.load_task(config, kind, CharTokenizer())
+    batches = data.heldout_batches(task, config, parallel.placement(8, 1), kind=kind)
+    shapes = {tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}
+    assert len(batches) == 3 and len(shapes) == 1
+    masks = [b["where"] if kind == "sft" else b["chosen"]["where"] for b in batches]
+    real_rows = [int(np.asarray(m).any(axis=1).sum()) for m in masks]
+    assert real_rows == [8, 8, 7]
+    last = jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x)[7], batches[-1]))
+    assert all(not x.any() for x in last)
