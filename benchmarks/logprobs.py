@@ -19,37 +19,43 @@ through `tunelib.logprobs.fused_token_logps(..., implementation=variant)`:
 - ``pallas``: the Pallas kernel of `tunelib.kernels`, skipped with a note on the CPU backend
   or when it cannot be imported.
 
-The parent process only orchestrates and never opens the accelerator (its backend is asked of
-a throwaway `probe` process); each step below runs in a fresh worker subprocess
-(`--variant X --size S --json-out FILE`), one after another (a TPU lets one process at a
-time hold it), so that one variant's buffers, compilation caches and peak RSS never leak
-into another's. A worker still running after `--stage-timeout` seconds is interrupted
-(SIGINT, then SIGKILL 15 s later) and reported, and the parent prints on stderr how long
-each one took:
+The parent process only orchestrates and never opens the accelerator. The steps below run
+in worker subprocesses (`--worker W --variants ... --json-out FILE`), one after another (a TPU
+lets one process at a time hold it): one ``check`` worker for the reference and every
+variant's check, a ``memory`` worker per variant, and one ``timing`` worker. A worker appends
+a JSON line to its file as each of its stages ends; the parent watches that file, prints on
+stderr how long each stage took (the first one's time includes the worker's start: opening a
+TPU takes 6-15 s), and stops a worker whose stage runs past `--stage-timeout` seconds (SIGINT,
+then SIGKILL 15 s later): that stage is reported, and the stages after it run in a new worker
+(a hang or a crash in one variant's check costs the others nothing but a fresh reference).
 
-1. ``reference``: a float64 loss and gradients on the same inputs, in NumPy on the host,
-   computed a vocabulary chunk at a time. The inputs are drawn on the default backend as
-   every worker draws them and come to the host once, converted to float32 on the device
-   (exact for bfloat16 and float32 inputs); nothing float64 ever runs on the accelerator. At
-   the accelerator sizes it covers an evenly spaced subset of `CHECK_ROWS` rows: their
-   token-mean NLL over those rows alone, whose gradients include the full `[H, V]`
-   unembedding gradient of that sub-problem.
-2. Correctness, for every variant before anything is measured: its loss and gradients on the
-   reference's rows against the reference, as the relative error
-   $\max |x - x_{ref}| / \max |x_{ref}|$ of each of loss, d hidden and d unembedding; the
-   variant's results come to the host once, converted to float32 on the device, and the
-   errors are taken in NumPy a block of rows at a time. At the accelerator sizes the d hidden
-   rows of the full-size run are checked too (each row's gradient depends on that row alone;
-   they are rescaled by $N / $`CHECK_ROWS`). A variant passes when its error exceeds the
-   naive path's own error by at most `TOLERANCE[dtype]`; the naive path must itself stay
-   within `NAIVE_BOUND[dtype]`. A variant whose worker runs out of device memory is reported
-   as such and not measured, without failing the script; with the naive path out of memory,
-   the others are held to the naive path's own bound. A variant that fails its check is not
-   measured and the script exits with status 1.
-3. Memory, for every variant that passed, each alone in its worker: `memory_analysis()` of
-   the compiled executable (temporary, argument and output bytes) and, after one run, the
-   worker's peak RSS (`ru_maxrss`, which on a GPU or TPU counts host memory only; the
-   device's peak bytes in use are reported beside it).
+1. ``reference``: a float64 loss and gradients, in NumPy on the host, computed a vocabulary
+   chunk at a time. The inputs are drawn on the default backend (fixed keys, the same in
+   every worker) and come to the host once, converted to float32 on the device (exact for
+   bfloat16 and float32 inputs); nothing float64 ever runs on the accelerator. At the
+   accelerator sizes it covers an evenly spaced subset of `CHECK_ROWS` rows: the token-mean
+   NLL over those rows alone, a small problem with the size's own H and V, whose gradients
+   include the full `[H, V]` unembedding gradient.
+2. Correctness, for every variant before anything is measured, in the same worker on the
+   same inputs: its loss and gradients on the reference's rows against the reference, as the
+   relative error $\max |x - x_{ref}| / \max |x_{ref}|$ of each of loss, d hidden and d
+   unembedding; the variant's results come to the host once, converted to float32 on the
+   device, and the errors are taken in NumPy a block of rows at a time, in the reference's
+   precision (`relative_error`). At the accelerator sizes the full-size run goes first and
+   its d hidden rows are checked too (each row's gradient depends on that row alone; they
+   are rescaled by $N / $`CHECK_ROWS`). A variant passes when its error exceeds the naive
+   path's own error by at most `TOLERANCE[dtype]`; the naive path must itself stay within
+   `NAIVE_BOUND[dtype]`. A variant that runs out of device memory is reported as such and
+   not measured, without failing the script; with the naive path out of memory, the others
+   are held to the naive path's own bound. A variant that fails its check (or whose check
+   raises or is stopped) is not measured and the script exits with status 1.
+3. Memory, for every variant that passed: `memory_analysis()` of the compiled executable
+   (temporary, argument and output bytes), taken in the timing worker; and each variant's
+   process peaks, alone in a ``memory`` worker, after one run: the peak RSS (`ru_maxrss`,
+   host memory only on a GPU or TPU) and the device's peak bytes in use. On a TPU the
+   per-variant workers are not run (each would cost a start of the chip for a host-memory
+   figure); the timing worker's peaks, over every variant, are reported instead
+   (`timing_worker`).
 4. Time, of every variant that passed, side by side in one ``timing`` worker on one copy of
    the inputs: one warm-up run each, then `--repeats` rounds that run each variant once, the
    order reversed every other round (a slow spell of a shared machine hits every variant
@@ -66,13 +72,14 @@ while the others are measured.
 
 The script prints a table and ends with one JSON line: `size`, `memory_ratio` (naive temp
 bytes / chunked temp bytes), `time_ratio` (chunked median / naive median), per-variant
-figures and `stage_seconds` (each worker's wall time). At the `cpu` size it also prints
+figures and `stage_seconds` (each stage's wall time). At the `cpu` size it also prints
 whether the CPU targets (`memory_ratio >= 24`, `time_ratio <= 1.0`) are met; they are
 reported, never asserted.
 """
 
 import argparse
 import json
+import os
 import resource
 import signal
 import statistics
@@ -80,6 +87,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import NamedTuple
 
@@ -125,6 +133,8 @@ CPU_TARGETS = {"memory_ratio": 24.0, "time_ratio": 1.0}
 # ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate ...", "... Ran out of memory
 # in memory space hbm ..." from the TPU compiler).
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "out of memory")
+# How often the parent looks at a worker's stages, seconds.
+WATCH_SECONDS = 0.2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
     p.add_argument(
         "--stage-timeout", type=float, default=600.0,
-        help="seconds each worker (reference, a check, a memory figure, the timing) may take; "
-        "one that takes longer is stopped and reported",
+        help="seconds each stage (a worker's start and the reference, one variant's check, a "
+        "memory figure, the timing) may take; a worker whose stage takes longer is stopped "
+        "and the stage reported",
     )  # fmt: skip
     p.add_argument(
         "--memory-only", action="store_true",
@@ -156,22 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-out",
         type=Path,
         default=None,
-        help="write the result JSON to this file too (the worker's result, in worker mode)",
+        help="write the result JSON to this file too (in worker mode: a JSON line per stage)",
     )
     worker = p.add_argument_group("worker mode (started by the parent)")
+    worker.add_argument("--worker", choices=("check", "memory", "timing"), default=None)
     worker.add_argument(
-        "--variant", choices=(*VARIANTS, "reference", "gemm", "timing"), default=None
-    )
-    worker.add_argument(
-        "--timed", default=None, help="with --variant timing: the variants to time, comma-separated"
-    )
-    worker.add_argument(
-        "--reference",
-        type=Path,
-        default=None,
-        help="the reference's .npz: written by --variant reference; a variant given it checks "
-        "its correctness against it instead of being measured",
-    )
+        "--variants", default=None,
+        help="comma-separated: the variants to check, or to measure (one), or to time "
+        "(with 'gemm')",
+    )  # fmt: skip
     return p
 
 
@@ -270,67 +274,59 @@ def reference_grads(
     return {"loss": np.float64(loss), "d_hidden": d_hidden, "d_unembedding": d_unembedding}
 
 
-def reference(size: Size, path: Path) -> dict:
-    """The float64 reference on the check rows, written to `path` (`.npz`).
+def reference(inputs: tuple, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The float64 reference on the check rows of `inputs` (hidden, unembedding, targets).
 
-    The inputs are drawn as every worker draws them, on the default backend, and come to the
-    host as float32 (converted there: exact for bfloat16 and float32 inputs); the float64
-    arithmetic is NumPy's, on the host. The gradients are stored in float64 for float32
-    inputs; for bfloat16 inputs in float32, whose rounding (2^-24 of each value) is far below
-    the bfloat16 tolerance and which halves the file (a `[2304, 256000]` gradient: 2.4 GB).
+    They come to the host as float32, converted on their device (exact for bfloat16 and
+    float32 inputs); the float64 arithmetic is NumPy's, on the host. The gradients are kept in
+    float64 for float32 inputs; for bfloat16 inputs in float32, whose rounding (2^-24 of each
+    value) is far below the bfloat16 tolerance, which halves the host memory (a `[2304,
+    256000]` gradient: 2.4 GB) and lets `relative_error` compare in float32.
     """
-    hidden, unembedding, targets = make_inputs(size)
-    rows = check_rows(size)
-    h = to_host(hidden[rows])
-    w = to_host(unembedding)
+    hidden, unembedding, targets = inputs
+    stored = np.float64 if hidden.dtype == jnp.float32 else np.float32
     y = np.asarray(targets)[rows].astype(np.int64)
-    del hidden, unembedding, targets
-    stored = np.float64 if size.dtype == "float32" else np.float32
-    ref = reference_grads(h, w, y, dtype=stored)
-    np.savez(
-        path,
-        rows=rows,
-        loss=ref["loss"],
-        d_hidden=ref["d_hidden"].astype(stored),
-        d_unembedding=ref["d_unembedding"],
-    )
-    return {"rows": len(rows), "stored_dtype": np.dtype(stored).name}
+    ref = reference_grads(to_host(hidden[rows]), to_host(unembedding), y, dtype=stored)
+    ref["d_hidden"] = ref["d_hidden"].astype(stored)
+    return ref
 
 
 def relative_error(x, ref) -> float:
-    """max |x - ref| / max |ref| in float64 on the host, a block of rows at a time (no float64
-    copy of the whole of x)."""
+    """max |x - ref| / max |ref| on the host, a block of rows at a time, in the reference's
+    precision: float64 against a float64 reference; float32 against one stored in float32
+    (bfloat16 inputs: the rounding of the difference, 2^-24 of it, is far below their
+    tolerance), ten times faster on the 590 M values of a Gemma-2-2B unembedding gradient."""
     x, ref = np.asarray(x), np.asarray(ref)
     if x.shape != ref.shape:
         raise ValueError(f"shape {x.shape} does not match the reference's {ref.shape}.")
+    dtype = np.promote_types(ref.dtype, np.float32)
     x, ref = np.atleast_2d(x), np.atleast_2d(ref)
     block = max(1, ERROR_BLOCK // max(1, x.shape[1]))
     worst = scale = 0.0
     for i in range(0, x.shape[0], block):
-        r = np.asarray(ref[i : i + block], np.float64)
-        worst = max(worst, float(np.max(np.abs(np.asarray(x[i : i + block], np.float64) - r))))
+        r = np.asarray(ref[i : i + block], dtype)
+        worst = max(worst, float(np.max(np.abs(np.asarray(x[i : i + block], dtype) - r))))
         scale = max(scale, float(np.max(np.abs(r))))
     return worst / scale
 
 
-def check(size: Size, variant: str, chunk_size: int | None, path: Path) -> dict:
+def check(variant: str, chunk_size: int | None, inputs: tuple, rows, ref: dict) -> dict:
     """The variant's relative errors against the float64 reference (see the module docstring).
 
     The variant runs on the default backend; its results come to the host once, as float32.
-    At the accelerator sizes the full-size run goes first and alone (only the reference rows
-    of its d hidden are kept), then the run on the reference's rows."""
-    ref = np.load(path)
-    rows = ref["rows"]
-    hidden, unembedding, targets = make_inputs(size)
+    At the accelerator sizes the full-size run goes first (only the reference rows of its
+    d hidden are kept), then the run on the reference's rows."""
+    hidden, unembedding, targets = inputs
+    n = hidden.shape[0]
     step = loss_and_grads(variant, chunk_size)
     full = None
-    if len(rows) < size.n:
-        _, (d_full, _) = step(hidden, unembedding, targets)
-        full = to_host(d_full[rows]).astype(np.float64) * (size.n / len(rows))
+    if len(rows) < n:
+        _, (d_full, d_unembedding) = step(hidden, unembedding, targets)
+        del d_unembedding
+        full = to_host(d_full[rows]).astype(np.float64) * (n / len(rows))
         del d_full
         hidden, targets = hidden[rows], targets[rows]
     loss, (d_hidden, d_unembedding) = step(hidden, unembedding, targets)
-    del hidden, unembedding, targets
     errors = {
         "loss": relative_error(to_host(loss), ref["loss"]),
         "d_hidden": relative_error(to_host(d_hidden), ref["d_hidden"]),
@@ -342,6 +338,47 @@ def check(size: Size, variant: str, chunk_size: int | None, path: Path) -> dict:
     return {"errors": errors, "max_error": max(errors.values())}
 
 
+def skipped_variants(variants: list[str], backend: str) -> dict[str, str]:
+    """Why each of `variants` that cannot run on `backend` is skipped."""
+    if "pallas" not in variants:
+        return {}
+    if backend == "cpu":
+        return {"pallas": "pallas skipped: its kernels need a GPU or TPU backend, this one is cpu"}
+    try:
+        from tunelib.kernels import fused_token_logps_pallas  # noqa: F401
+    except Exception as e:
+        return {
+            "pallas": f"pallas skipped: tunelib.kernels did not import: {type(e).__name__}: {e}"
+        }
+    return {}
+
+
+def check_worker(name: str, size: Size, variants: list[str], chunk_size: int | None, stage):
+    """The float64 reference, then every variant's check against it, on one copy of the
+    inputs in one process, each a stage of `stage_writer`'s: a variant whose check raises (out
+    of device memory, or anything else) is reported and the next one is checked."""
+    rows, held = check_rows(size), {}
+
+    def prepare() -> dict:
+        held["inputs"] = make_inputs(size)
+        held["ref"] = reference(held["inputs"], rows)
+        return {
+            "size": name, "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind, "rows": len(rows),
+            "stored_dtype": held["ref"]["d_unembedding"].dtype.name,
+        }  # fmt: skip
+
+    if "failed" in stage("reference", prepare):
+        return
+    inputs, ref = held["inputs"], held["ref"]
+    skipped = skipped_variants(variants, jax.default_backend())
+    for variant in variants:
+        if variant in skipped:
+            stage(f"{variant} check", lambda v=variant: {"skipped": skipped[v]})
+        else:
+            stage(f"{variant} check", lambda v=variant: check(v, chunk_size, inputs, rows, ref))
+
+
 def step_and_args(variant: str, chunk_size: int | None, inputs: tuple):
     hidden, unembedding, targets = inputs
     if variant == "gemm":
@@ -350,15 +387,21 @@ def step_and_args(variant: str, chunk_size: int | None, inputs: tuple):
 
 
 def interleaved(size: Size, variants: list[str], chunk_size: int | None, repeats: int) -> dict:
-    """Median wall time of every variant, timed in one process on one copy of the inputs: one
-    warm-up (compiling) run each, then `repeats` rounds that run each variant once, the order
-    reversed every other round, so that a slow spell of a shared machine hits every variant
-    alike."""
+    """Compiled memory and median wall time of every variant, timed in one process on one copy
+    of the inputs: one warm-up (compiling) run each, then `repeats` rounds that run each
+    variant once, the order reversed every other round, so that a slow spell of a shared
+    machine hits every variant alike."""
     inputs = make_inputs(size)
-    steps = {}
+    steps, records = {}, {}
     for variant in variants:
         step, args = step_and_args(variant, chunk_size, inputs)
         compiled = step.lower(*args).compile()
+        memory = compiled.memory_analysis()
+        records[variant] = {
+            "temp_bytes": memory.temp_size_in_bytes,
+            "argument_bytes": memory.argument_size_in_bytes,
+            "output_bytes": memory.output_size_in_bytes,
+        }
         jax.block_until_ready(compiled(*args))
         steps[variant] = (compiled, args)
     seconds = {variant: [] for variant in variants}
@@ -369,139 +412,198 @@ def interleaved(size: Size, variants: list[str], chunk_size: int | None, repeats
             start = time.perf_counter()
             jax.block_until_ready(compiled(*args))
             seconds[variant].append(time.perf_counter() - start)
-    return {
-        variant: {
-            "median_ms": 1e3 * statistics.median(runs),
-            "runs_ms": [round(1e3 * s, 3) for s in runs],
-        }
-        for variant, runs in seconds.items()
-    }
+    for variant, runs in seconds.items():
+        records[variant]["median_ms"] = 1e3 * statistics.median(runs)
+        records[variant]["runs_ms"] = [round(1e3 * s, 3) for s in runs]
+    return records
 
 
-def measure(size: Size, variant: str, chunk_size: int | None) -> dict:
-    """Compiled memory, peak RSS and device peak of one variant or the GEMM, alone in its
-    process (its time is taken by `interleaved`, beside the others)."""
-    step, args = step_and_args(variant, chunk_size, make_inputs(size))
-    compiled = step.lower(*args).compile()
-    memory = compiled.memory_analysis()
-    jax.block_until_ready(compiled(*args))  # one run: the peaks below are a step's
+def peaks() -> dict:
+    """This process's peak RSS (host memory) and its device's peak bytes in use."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return {
-        "temp_bytes": memory.temp_size_in_bytes,
-        "argument_bytes": memory.argument_size_in_bytes,
-        "output_bytes": memory.output_size_in_bytes,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_device_bytes": stats.get("peak_bytes_in_use"),
     }
 
 
+def measure(size: Size, variant: str, chunk_size: int | None) -> dict:
+    """Peak RSS and device peak of one variant or the GEMM, alone in its process, after one
+    run (its compiled memory and time are taken by `interleaved`, beside the others)."""
+    step, args = step_and_args(variant, chunk_size, make_inputs(size))
+    jax.block_until_ready(step(*args))
+    return peaks()
+
+
+def stage_writer(path: Path):
+    """`stage(name, fn)`: runs `fn` and appends its record, or the `failure` it raised (its
+    traceback on stderr too), to `path` as one JSON line named `name`; returns the record.
+    The parent watches that file: a stage's line is its progress and its result."""
+
+    def stage(name: str, fn) -> dict:
+        try:
+            record = fn()
+        except Exception:
+            traceback.print_exc()
+            record = failure(1, traceback.format_exc())
+        with path.open("a") as f:
+            f.write(json.dumps({"stage": name, **record}) + "\n")
+        return record
+
+    return stage
+
+
 def worker(args: argparse.Namespace) -> None:
+    """A worker's stages, reported by `stage_writer` to `--json-out`."""
+    stage = stage_writer(args.json_out)
+    args.size = args.size or default_size(jax.default_backend())
     size = shape_of(args)
-    if args.variant == "reference":
-        result = reference(size, args.reference)
-    elif args.reference is not None:
-        result = check(size, args.variant, args.chunk_size, args.reference)
-    elif args.variant == "timing":
-        result = interleaved(size, args.timed.split(","), args.chunk_size, args.repeats)
+    variants = args.variants.split(",")
+    if args.worker == "check":
+        check_worker(args.size, size, variants, args.chunk_size, stage)
+    elif args.worker == "timing":
+        stage(
+            timing_stage(variants),
+            lambda: {
+                "variants": interleaved(size, variants, args.chunk_size, args.repeats),
+                **peaks(),
+            },
+        )
     else:
-        result = measure(size, args.variant, args.chunk_size)
-    args.json_out.write_text(json.dumps(result))
+        (variant,) = variants
+        stage(f"{variant} memory", lambda: measure(size, variant, args.chunk_size))
 
 
 # ----------------------------------------------------------------------------- parent
 
-PROBE = """
-import json, jax
-try:
-    from tunelib.kernels import fused_token_logps_pallas
-    error = None
-except Exception as e:
-    error = f"{type(e).__name__}: {e}"
-print(json.dumps({"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-                  "pallas_import_error": error}))
-"""
 
-
-def probe(timeout: float) -> dict:
-    """Backend, device and whether the Pallas kernel imports, asked of a throwaway process
-    that exits before any worker starts: the parent never starts a backend itself (on a GPU
-    that would reserve its memory; a TPU lets one process at a time hold it)."""
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, timeout=timeout
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def timing_stage(variants: list[str]) -> str:
+    return f"timing ({', '.join(variants)})"
 
 
 def failure(returncode: int, stderr: str) -> dict:
-    """A failed worker's record: the end of its stderr, and whether it ran out of memory."""
+    """A failed stage's record: the end of its stderr (or traceback), and whether it ran out
+    of memory."""
     text = stderr.strip()[-2000:] or f"exit status {returncode}"
     lowered = stderr.lower()
     return {"failed": text, "out_of_memory": any(s.lower() in lowered for s in OUT_OF_MEMORY)}
 
 
-def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """End a worker past its time: SIGINT first (Python unwinds and lets go of the
-    accelerator, as a TPU wants), SIGKILL after `grace` seconds."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.communicate(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End a worker past its time: SIGINT first (Python unwinds, printing where it was, and
+    lets go of the accelerator, as a TPU wants); `grace` seconds later, a worker still there
+    is stuck where SIGINT cannot reach (a native call, the runtime's teardown): SIGABRT, on
+    which Python's fault handler (on in every worker) prints every thread's stack; SIGKILL 5
+    s after that."""
+    for sig, wait in ((signal.SIGINT, grace), (signal.SIGABRT, 5.0)):
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait()
+
+
+def outcome(record: dict) -> str:
+    if "failed" not in record:
+        return "ok"
+    if record.get("timed_out"):
+        return "stopped (--stage-timeout)"
+    return "out of memory" if record["out_of_memory"] else "failed"
 
 
 def run_worker(
     args: argparse.Namespace,
-    variant: str,
+    worker: str,
+    variants: list[str],
+    names: list[str],
     folder: Path,
     stages: dict[str, float],
-    reference=None,
-    timed=None,
-) -> dict:
-    """One worker subprocess, at most `--stage-timeout` seconds: its JSON result, or a
-    `failure` record (`timed_out` when it was stopped). Its wall time goes into `stages` and,
-    with its outcome, on a line of stderr."""
-    mode = "measure" if reference is None else "reference" if variant == "reference" else "check"
-    mode = "time" if variant == "timing" else mode
-    out = folder / f"{variant}-{mode}.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--variant", variant]
-    command += ["--size", args.size]
+) -> dict[str, dict]:
+    """One worker subprocess (`--worker W --variants ...`), watched stage by stage.
+
+    `names` are the stages it will report, in order. Its records by stage name, up to the
+    first stage that did not end: that one gets a `failure` record, `timed_out` when it ran
+    past `--stage-timeout` seconds and the worker was stopped; the stages after it are
+    absent. Each stage's wall time (from the end of the one before; the first's includes the
+    worker's start) goes into `stages` and, with its outcome, on a line of stderr."""
+    out = folder / f"{len(list(folder.glob('*.jsonl')))}-{worker}.jsonl"
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", worker]
+    command += ["--variants", ",".join(variants)]
+    command += [] if args.size is None else ["--size", args.size]
     command += [] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]
     command += ["--repeats", str(args.repeats), "--json-out", str(out)]
     command += [] if args.n is None else ["--n", str(args.n)]
-    command += [] if reference is None else ["--reference", str(reference)]
-    command += [] if timed is None else ["--timed", ",".join(timed)]
-    name = {"reference": "reference", "check": f"{variant} check", "measure": f"{variant} memory"}
-    name = name.get(mode, f"timing ({', '.join(timed or [])})")
-    print(f"[{name}] ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
-        try:
-            _, stderr = proc.communicate(timeout=args.stage_timeout)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            stderr = None
-    if stderr is None:
-        result = {
-            "failed": f"stopped after --stage-timeout {args.stage_timeout:g} s",
-            "out_of_memory": False,
-            "timed_out": True,
-        }
-    elif proc.returncode != 0:
-        result = failure(proc.returncode, stderr)
-    else:
-        result = json.loads(out.read_text())
-    stages[name] = round(time.perf_counter() - start, 2)
-    outcome = (
-        "ok" if "failed" not in result
-        else "stopped (--stage-timeout)" if result.get("timed_out")
-        else "out of memory" if result["out_of_memory"]
-        else "failed"
-    )  # fmt: skip
-    print(f"[{name}] {outcome} in {stages[name]:.1f} s", file=sys.stderr, flush=True)
-    return result
+    records: dict[str, dict] = {}
+    last = time.perf_counter()
+
+    def done(name: str, record: dict) -> None:
+        """A stage's record: kept, and its time and outcome told."""
+        nonlocal last
+        records[name] = record
+        if "skipped" in record:
+            print(f"[{name}] {record['skipped']}", file=sys.stderr)
+        else:
+            key = name if name not in stages else f"{name} (again)"  # a second check worker
+            stages[key] = round(time.perf_counter() - last, 2)
+            print(f"[{name}] {outcome(record)} in {stages[key]:.1f} s", file=sys.stderr)
+        last = time.perf_counter()
+
+    def read() -> None:
+        """The records the worker has written since the last look; the next stage's start."""
+        lines = out.read_text().split("\n")[:-1] if out.exists() else []
+        for line in lines[len(records) :]:
+            record = json.loads(line)
+            done(record.pop("stage"), record)
+            if len(records) < len(names):
+                print(f"[{names[len(records)]}] ...", file=sys.stderr)
+
+    print(f"[{names[0]}] ...", file=sys.stderr)
+    # The worker writes on this process's stderr (stdout too: it prints nothing else).
+    env = os.environ | {"PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(command, stdout=sys.stderr.fileno(), env=env) as proc:
+        stopped = False
+        while proc.poll() is None:
+            time.sleep(WATCH_SECONDS)
+            read()
+            if time.perf_counter() - last > args.stage_timeout:
+                stopped = True  # what it writes from now on is not taken (SIGINT can be lost)
+                stop(proc)
+    if not stopped:
+        read()
+    if len(records) < len(names):
+        name = names[len(records)]
+        if stopped:
+            record = {
+                "failed": f"stopped after --stage-timeout {args.stage_timeout:g} s",
+                "out_of_memory": False,
+                "timed_out": True,
+            }
+        else:
+            record = failure(proc.returncode, "")  # its output is above, on stderr
+        done(name, record)
+    return records
+
+
+def run_checks(args: argparse.Namespace, folder: Path, stages: dict) -> tuple[dict, dict]:
+    """The reference and every variant's check, in one check worker; after a variant whose
+    check did not end (stopped at `--stage-timeout`, or its worker died), in one more for
+    the variants after it. The reference's record (backend, device; `failed` when it did not
+    end) and each variant's check record."""
+    pending, checks = list(VARIANTS), {}
+    while True:
+        names = ["reference", *(f"{v} check" for v in pending)]
+        records = run_worker(args, "check", pending, names, folder, stages)
+        info = records["reference"]
+        if "failed" in info:
+            return info, checks
+        done = [v for v in pending if f"{v} check" in records]
+        checks.update({v: records[f"{v} check"] for v in done})
+        pending = pending[len(done) :]
+        if not pending:
+            return info, checks
 
 
 def judge(checks: dict[str, dict], dtype: str) -> dict[str, str | None]:
@@ -518,7 +620,7 @@ def judge(checks: dict[str, dict], dtype: str) -> dict[str, str | None]:
     for variant, result in checks.items():
         if "failed" in result:
             verdicts[variant] = (
-                "out of memory" if result.get("out_of_memory") else "its check worker failed"
+                "out of memory" if result.get("out_of_memory") else "its check failed"
             )
         elif variant == "naive" or naive_oom:
             bound = NAIVE_BOUND[dtype]
@@ -527,7 +629,7 @@ def judge(checks: dict[str, dict], dtype: str) -> dict[str, str | None]:
                 "; ".join(f"{q} error {e:.2e} > {bound}" for q, e in bad.items()) or None
             )
         elif "failed" in naive:
-            verdicts[variant] = "the naive baseline's check worker failed"
+            verdicts[variant] = "the naive baseline's check failed"
         else:
             limit = {q: e + TOLERANCE[dtype] for q, e in naive["errors"].items()}
             bad = {q: e for q, e in result["errors"].items() if e > limit[q]}
@@ -607,10 +709,11 @@ def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table(result: dict) -> str:
-    def mb(x):
-        return fmt(None if x is None else x / 1e6, ",.1f")
+def mb(x: float | None) -> str:
+    return fmt(None if x is None else x / 1e6, ",.1f")
 
+
+def table(result: dict) -> str:
     accelerator = SIZES[result["size"]].accelerator
     head = ["variant", "check", "max error", "temp MB", "args MB", "out MB", "peak RSS MB"]
     head += ["median ms"] + (["device peak MB", "TFLOP/s", "of GEMM"] if accelerator else [])
@@ -670,8 +773,14 @@ def report(result: dict) -> str:
             lines.append(f"{name}: worker failed: {v['failed']}")
     if "failed" in r.get("gemm", {}):
         lines.append(f"bf16 GEMM: worker failed: {r['gemm']['failed']}")
+    if "timing_worker" in r:
+        peaks = r["timing_worker"]
+        lines.append(
+            f"the timing worker's peaks (every variant in one process): device "
+            f"{mb(peaks['peak_device_bytes'])} MB, RSS {mb(peaks['peak_rss_bytes'])} MB"
+        )
     lines.append(
-        "seconds per worker: " + ", ".join(f"{k} {s:.1f}" for k, s in r["stage_seconds"].items())
+        "seconds per stage: " + ", ".join(f"{k} {s:.1f}" for k, s in r["stage_seconds"].items())
     )
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)
@@ -717,64 +826,55 @@ def main(argv: list[str] | None = None) -> int:
         if args.json_out is not None:
             args.json_out.write_text(line + "\n")
         return 0
-    if args.variant is not None:
-        if args.size is None or args.json_out is None:
-            raise SystemExit("worker mode needs --size and --json-out.")
-        if args.variant == "reference" and args.reference is None:
-            raise SystemExit("--variant reference needs --reference (the .npz to write).")
+    if args.worker is not None:
+        if args.variants is None or args.json_out is None:
+            raise SystemExit("worker mode needs --variants and --json-out.")
         worker(args)
         return 0
-    started = time.perf_counter()
-    info = probe(args.stage_timeout)
-    stages = {"probe": round(time.perf_counter() - started, 2)}
-    print(
-        f"[probe] {info['backend']} ({info['device']}) in {stages['probe']:.1f} s", file=sys.stderr
-    )
-    args.size = args.size or default_size(info["backend"])
-    size = shape_of(args)
-    names, notes = ["naive", "chunked"], []
-    if info["backend"] == "cpu":
-        notes.append("pallas skipped: its kernels need a GPU or TPU backend, this one is cpu")
-    elif info["pallas_import_error"]:
-        notes.append(
-            f"pallas skipped: tunelib.kernels did not import: {info['pallas_import_error']}"
-        )
-    else:
-        names.append("pallas")
-    if size.accelerator:
-        notes.append(
-            "TFLOP/s count 6*N*H*V flops per forward+backward for every variant and 2*N*H*V "
-            f"for the GEMM; the float64 reference covers {len(check_rows(size))} evenly spaced "
-            "rows (see the module docstring)"
-        )
-    gemm = None
+    stages: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        path = folder / "reference.npz"
-        ref = run_worker(args, "reference", folder, stages, reference=path)
-        if "failed" in ref:
-            print(f"the float64 reference failed:\n{ref['failed']}", file=sys.stderr)
+        info, checks = run_checks(args, folder, stages)
+        if "failed" in info:
+            print(f"the float64 reference failed:\n{info['failed']}", file=sys.stderr)
             return 1
-        checks = {name: run_worker(args, name, folder, stages, reference=path) for name in names}
+        args.size = info["size"]
+        size = shape_of(args)
+        notes = [c["skipped"] for c in checks.values() if "skipped" in c]
+        if size.accelerator:
+            notes.append(
+                "TFLOP/s count 6*N*H*V flops per forward+backward for every variant and "
+                f"2*N*H*V for the GEMM; the float64 reference covers {info['rows']} evenly "
+                "spaced rows (see the module docstring)"
+            )
+        checks = {name: c for name, c in checks.items() if "skipped" not in c}
         variants = {
             name: {"passed": reason is None, "reason": reason, **checks[name]}
             for name, reason in judge(checks, size.dtype).items()
         }
-        for name, record in variants.items():
-            if record["passed"]:
-                record.update(run_worker(args, name, folder, stages))
-        if size.accelerator:
-            gemm = run_worker(args, "gemm", folder, stages)
-        timed = [name for name, r in variants.items() if r["passed"] and "failed" not in r]
-        timed += ["gemm"] if gemm is not None and "failed" not in gemm else []
-        if timed:
-            times = run_worker(args, "timing", folder, stages, timed=timed)
-            failed = {k: times[k] for k in ("failed", "out_of_memory", "timed_out") if k in times}
+        gemm = {} if size.accelerator else None
+        timed = [name for name, r in variants.items() if r["passed"]]
+        timed += ["gemm"] if size.accelerator else []
+        # Each variant's process peaks in a worker of its own, but on a TPU, where each
+        # process that opens the chip costs 6-15 s: there the timing worker's are reported.
+        if info["backend"] != "tpu":
             for name in timed:
                 record = gemm if name == "gemm" else variants[name]
-                record.update(times.get(name, failed))
+                stage = f"{name} memory"
+                record.update(run_worker(args, "memory", [name], [stage], folder, stages)[stage])
+            timed = [n for n in timed if "failed" not in (gemm if n == "gemm" else variants[n])]
+        timing = {}
+        if timed:
+            stage = timing_stage(timed)
+            timing = run_worker(args, "timing", timed, [stage], folder, stages)[stage]
+            failed = {k: timing[k] for k in ("failed", "out_of_memory", "timed_out") if k in timing}
+            for name in timed:
+                record = gemm if name == "gemm" else variants[name]
+                record.update(failed or timing["variants"][name])
     result = summarise(args, size, info, variants, gemm, notes)
     result["stage_seconds"] = stages
+    if "peak_rss_bytes" in timing:
+        result["timing_worker"] = {k: timing[k] for k in ("peak_rss_bytes", "peak_device_bytes")}
     print(report(result))
     line = json.dumps(result)
     print(line)
@@ -784,4 +884,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _measure import end_process  # beside this script, first on sys.path
+
+    end_process(main())

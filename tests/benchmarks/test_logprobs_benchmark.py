@@ -48,14 +48,15 @@ def test_smoke_size_end_to_end(tmp_path):
     header = next(line for line in lines if line.lstrip().startswith("variant"))
     for column in ("temp MB", "peak RSS MB", "median ms", "max error"):
         assert column in header
-    # Every worker's wall time, one after another, the probe's first.
+    # Every stage's wall time, one after another: the reference and the checks in one worker.
     stages = result["stage_seconds"]
     assert list(stages) == [
-        "probe", "reference", "naive check", "chunked check", "naive memory",
-        "chunked memory", "timing (naive, chunked)",
+        "reference", "naive check", "chunked check", "naive memory", "chunked memory",
+        "timing (naive, chunked)",
     ]  # fmt: skip
     assert all(0 < seconds < 300 for seconds in stages.values())
     assert result["out_of_memory"] == []
+    assert result["timing_worker"]["peak_rss_bytes"] > 0
 
 
 def test_gate_compares_each_error_with_the_naive_paths_own():
@@ -135,7 +136,7 @@ def test_reference_grads_chunked_equal_the_dense_formula(monkeypatch):
     np.testing.assert_allclose(ref["d_unembedding"], d_unembedding, rtol=1e-10, atol=1e-15)
 
 
-def test_reference_runs_float64_on_the_host_only(tmp_path):
+def test_reference_runs_float64_on_the_host_only():
     """At an accelerator size (bfloat16, a row subset) the reference computes from the inputs
     every worker draws, in NumPy: JAX never enables float64, so nothing float64 can run on
     the accelerator whatever the default backend is."""
@@ -144,19 +145,30 @@ def test_reference_runs_float64_on_the_host_only(tmp_path):
     bench = load_script(SCRIPT, "logprobs_benchmark")
     size = bench.Size(n=300, h=8, v=40, dtype="bfloat16", accelerator=True)
     assert jax.config.jax_enable_x64 is False
-    written = bench.reference(size, tmp_path / "ref.npz")
+    inputs = bench.make_inputs(size)
+    rows = bench.check_rows(size)
+    np.testing.assert_array_equal(rows, np.linspace(0, 299, 256).round())
+    ref = bench.reference(inputs, rows)
     assert jax.config.jax_enable_x64 is False
-    assert written == {"rows": 256, "stored_dtype": "float32"}
-    ref = np.load(tmp_path / "ref.npz")
-    np.testing.assert_array_equal(ref["rows"], np.linspace(0, 299, 256).round())
-    hidden, unembedding, targets = bench.make_inputs(size)
-    h = np.asarray(hidden.astype("float32"), np.float64)[ref["rows"]]
+    hidden, unembedding, targets = inputs
+    h = np.asarray(hidden.astype("float32"), np.float64)[rows]
     w = np.asarray(unembedding.astype("float32"), np.float64)
-    loss, d_hidden, d_unembedding = dense_reference(h, w, np.asarray(targets)[ref["rows"]])
-    assert ref["d_unembedding"].dtype == np.float32  # stored rounded: 2^-24, far below 4e-3
+    loss, d_hidden, d_unembedding = dense_reference(h, w, np.asarray(targets)[rows])
+    # Kept rounded to float32: 2^-24, far below bfloat16's 4e-3.
+    assert ref["d_unembedding"].dtype == ref["d_hidden"].dtype == np.float32
     np.testing.assert_allclose(ref["loss"], loss, rtol=1e-12)
     np.testing.assert_allclose(ref["d_hidden"], d_hidden, rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(ref["d_unembedding"], d_unembedding, rtol=1e-6, atol=1e-12)
+
+
+def test_errors_are_taken_in_the_references_precision():
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    ref = np.array([1.0, -4.0])
+    x = ref + np.array([2.0**-40, 0.0])  # a difference float32 cannot hold beside 1
+    assert bench.relative_error(x, ref) == 2.0**-42  # float64 against a float64 reference
+    assert bench.relative_error(x, ref.astype(np.float32)) == 0.0  # float32 against float32
+    x32 = ref.astype(np.float32) + np.float32(2.0**-8)
+    assert bench.relative_error(x32, ref.astype(np.float32)) == pytest.approx(2.0**-10)
 
 
 def test_results_come_to_the_host_as_float32():
@@ -204,39 +216,68 @@ def test_gate_with_the_naive_path_out_of_memory():
     assert bench.judge({"naive": close, "chunked": oom}, "bfloat16")["chunked"] == "out of memory"
 
 
-def fake_workers(bench, monkeypatch, failures: dict[str, dict]):
-    """The parent's workers replaced by canned results (the named ones by `failures`); the
-    calls made, in order."""
+def fake_workers(bench, monkeypatch, failures: dict[str, dict], backend: str = "tpu"):
+    """The parent's workers replaced by canned records (the stages named in `failures` by
+    theirs; a failed stage ends its worker, as `run_worker` reports it); the workers started,
+    in order, as (worker, variants)."""
     calls = []
-    monkeypatch.setattr(
-        bench,
-        "probe",
-        lambda timeout: {"backend": "tpu", "device": "TPU v5 lite", "pallas_import_error": None},
-    )
 
-    def run_worker(args, variant, folder, stages, reference=None, timed=None):
-        mode = "reference" if variant == "reference" else "check" if reference else "measure"
-        mode = "timing" if timed else mode
-        calls.append((variant, mode, tuple(timed or ())))
-        stages[f"{variant} {mode}"] = 1.0
-        if (variant, mode) in failures:
-            return failures[variant, mode]
-        if mode == "reference":
-            return {"rows": 256}
-        if mode == "check":
-            return {"errors": {"loss": 1e-4, "d_hidden": 4e-3}, "max_error": 4e-3}
-        if mode == "measure":
-            return {"temp_bytes": 10**6, "peak_rss_bytes": 10**8, "peak_device_bytes": 10**9}
-        return {name: {"median_ms": 2.0, "runs_ms": [2.0]} for name in timed}
+    def run_worker(args, worker, variants, names, folder, stages):
+        calls.append((worker, tuple(variants)))
+        records = {}
+        for name in names:
+            if name in failures:
+                records[name] = failures.pop(name)
+                break
+            if name == "reference":
+                records[name] = {"size": args.size, "backend": backend, "device": "d", "rows": 256}
+            elif name.endswith(" check"):
+                records[name] = {"errors": {"loss": 1e-4, "d_hidden": 4e-3}, "max_error": 4e-3}
+            elif name.endswith(" memory"):
+                records[name] = {"peak_rss_bytes": 10**8, "peak_device_bytes": 10**9}
+            else:
+                times = {"median_ms": 2.0, "runs_ms": [2.0], "temp_bytes": 10**6}
+                records[name] = {
+                    "variants": {v: dict(times) for v in variants},
+                    "peak_rss_bytes": 10**8,
+                    "peak_device_bytes": 10**9,
+                }
+            stages[name] = 1.0
+        return records
 
     monkeypatch.setattr(bench, "run_worker", run_worker)
     return calls
 
 
+def test_a_check_that_raises_is_reported_and_the_next_variant_checked(tmp_path, monkeypatch):
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    real_check = bench.check
+
+    def check(variant, *rest):
+        if variant == "naive":
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return real_check(variant, *rest)
+
+    monkeypatch.setattr(bench, "check", check)
+    size = bench.Size(n=8, h=4, v=16, dtype="float32", accelerator=False)
+    stage = bench.stage_writer(tmp_path / "stages.jsonl")
+    bench.check_worker("x", size, ["naive", "chunked", "pallas"], None, stage)
+    lines = (tmp_path / "stages.jsonl").read_text().splitlines()
+    emitted = [json.loads(line) for line in lines]
+    assert [r["stage"] for r in emitted] == [
+        "reference", "naive check", "chunked check", "pallas check",
+    ]  # fmt: skip
+    assert emitted[0]["size"] == "x" and emitted[0]["backend"] == "cpu"
+    assert emitted[1]["out_of_memory"] is True and "RESOURCE_EXHAUSTED" in emitted[1]["failed"]
+    assert emitted[2]["max_error"] < 1e-5
+    assert emitted[3]["skipped"].startswith("pallas skipped: its kernels need a GPU or TPU")
+
+
 def test_a_variant_out_of_memory_is_reported_and_the_others_measured(tmp_path, monkeypatch):
     bench = load_script(SCRIPT, "logprobs_benchmark")
     oom = {"failed": "RESOURCE_EXHAUSTED: Out of memory", "out_of_memory": True}
-    calls = fake_workers(bench, monkeypatch, {("naive", "check"): oom})
+    # Here the naive path's check ended its worker: the others are checked in a new one.
+    calls = fake_workers(bench, monkeypatch, {"naive check": oom})
     written = tmp_path / "result.json"
     status = bench.main(["--size", "llama3-8b", "--json-out", str(written)])
     result = json.loads(written.read_text())
@@ -247,29 +288,81 @@ def test_a_variant_out_of_memory_is_reported_and_the_others_measured(tmp_path, m
     assert "median_ms" not in naive and naive["out_of_memory"] is True
     assert chunked["passed"] is True and chunked["median_ms"] == 2.0
     assert result["memory_ratio"] is None and result["time_ratio"] is None
-    # Nothing more of the naive path runs; the others are measured and timed with the GEMM.
-    assert ("naive", "measure", ()) not in calls
-    assert calls[-1] == ("timing", "timing", ("chunked", "pallas", "gemm"))
-    assert set(result["stage_seconds"]) >= {"probe", "reference reference", "naive check"}
+    # On a TPU no memory worker runs; the timing worker times the others with the GEMM.
+    assert calls == [
+        ("check", ("naive", "chunked", "pallas")),
+        ("check", ("chunked", "pallas")),
+        ("timing", ("chunked", "pallas", "gemm")),
+    ]
+    assert result["timing_worker"] == {"peak_rss_bytes": 10**8, "peak_device_bytes": 10**9}
+
+
+def test_a_stopped_check_is_reported_and_the_variants_after_it_checked(tmp_path, monkeypatch):
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    hung = {"failed": "stopped after --stage-timeout 60 s", "out_of_memory": False}
+    calls = fake_workers(bench, monkeypatch, {"chunked check": hung | {"timed_out": True}}, "gpu")
+    written = tmp_path / "result.json"
+    assert bench.main(["--size", "gemma2-2b", "--json-out", str(written)]) == 1
+    result = json.loads(written.read_text())
+    assert result["variants"]["chunked"]["reason"] == "its check failed"
+    assert result["variants"]["chunked"]["timed_out"] is True
+    assert result["variants"]["pallas"]["median_ms"] == 2.0
+    # Off a TPU each variant that passed (and the GEMM) has a memory worker of its own.
+    assert calls == [
+        ("check", ("naive", "chunked", "pallas")),
+        ("check", ("pallas",)),
+        ("memory", ("naive",)),
+        ("memory", ("pallas",)),
+        ("memory", ("gemm",)),
+        ("timing", ("naive", "pallas", "gemm")),
+    ]
+    assert result["variants"]["pallas"]["peak_device_bytes"] == 10**9
 
 
 def test_a_variant_that_crashes_otherwise_fails_the_run(tmp_path, monkeypatch):
     bench = load_script(SCRIPT, "logprobs_benchmark")
     crash = {"failed": "ValueError: bad", "out_of_memory": False}
-    fake_workers(bench, monkeypatch, {("pallas", "check"): crash})
+    fake_workers(bench, monkeypatch, {"pallas check": crash})
     written = tmp_path / "result.json"
     assert bench.main(["--size", "gemma2-2b", "--json-out", str(written)]) == 1
     result = json.loads(written.read_text())
     assert result["correct"] is False and result["out_of_memory"] == []
-    assert result["variants"]["pallas"]["reason"] == "its check worker failed"
+    assert result["variants"]["pallas"]["reason"] == "its check failed"
     assert result["variants"]["chunked"]["median_ms"] == 2.0
+
+
+def test_a_failed_reference_ends_the_run(tmp_path, monkeypatch, capsys):
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    fake_workers(
+        bench, monkeypatch, {"reference": {"failed": "MemoryError", "out_of_memory": False}}
+    )
+    assert bench.main(["--size", "smoke"]) == 1
+    assert "the float64 reference failed:\nMemoryError" in capsys.readouterr().err
 
 
 def test_a_worker_past_its_stage_timeout_is_stopped(tmp_path):
     bench = load_script(SCRIPT, "logprobs_benchmark")
     args = bench.build_parser().parse_args(["--size", "smoke", "--stage-timeout", "0.5"])
     stages = {}
-    result = bench.run_worker(args, "reference", tmp_path, stages, reference=tmp_path / "ref.npz")
-    assert result["timed_out"] is True and result["out_of_memory"] is False
-    assert result["failed"] == "stopped after --stage-timeout 0.5 s"
+    names = ["reference", "naive check"]
+    records = bench.run_worker(args, "check", ["naive"], names, tmp_path, stages)
+    assert list(records) == ["reference"]  # the stage it was in; nothing after it
+    assert records["reference"] == {
+        "failed": "stopped after --stage-timeout 0.5 s",
+        "out_of_memory": False,
+        "timed_out": True,
+    }
     assert 0.5 <= stages["reference"] < 30
+
+
+def test_a_worker_reports_each_stage_as_it_ends(tmp_path):
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    args = bench.build_parser().parse_args(["--size", "smoke", "--chunk-size", "1024"])
+    stages = {}
+    names = ["reference", "naive check", "pallas check"]
+    records = bench.run_worker(args, "check", ["naive", "pallas"], names, tmp_path, stages)
+    assert list(records) == names
+    assert records["reference"]["backend"] == "cpu" and records["reference"]["rows"] == 128
+    assert records["naive check"]["max_error"] < 1e-5
+    assert records["pallas check"]["skipped"].startswith("pallas skipped")
+    assert list(stages) == ["reference", "naive check"]  # a skipped stage takes no time
