@@ -58,14 +58,68 @@ class SFTConfig(Run, Task, VisionTask, DataFile, Start, Lora):
             raise UserError(f"--z-loss-weight must be >= 0, got {self.z_loss_weight}")
 
 
-def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
-    import jax
-    import optax
+def completion_nll(
+    params, batch, *, graphdef, label_smoothing=0.0, z_loss_weight=0.0, implementation="auto"
+):
+    """The token mean of the completion tokens' negative log-likelihood under the model
+    `nnx.merge(graphdef, params)`: from the fused log-prob head (no `[B, T, V]` logits), or
+    from the full logits with label smoothing or a z-loss."""
     from flax import nnx
 
-    from tunelib import logprobs, losses, peft
+    from tunelib import logprobs, losses
 
-    from kit import data, evaluate, images, loop, lora, models, optim, parallel, plan
+    from kit import images
+
+    model = nnx.merge(graphdef, params)
+    packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+    pixels = images.model_inputs(batch)  # the batch's images, if it has any
+    hidden = model(batch["tokens"], where=batch["attention_where"], **packed, **pixels)
+    if label_smoothing or z_loss_weight:  # these need every logit
+        per_token = losses.nll_loss(
+            model.unembed(hidden),
+            batch["targets"],
+            label_smoothing=label_smoothing,
+            z_loss_weight=z_loss_weight,
+            where=batch["where"],
+        )
+    else:
+        per_token = -logprobs.fused_token_logps(
+            hidden,
+            model.unembedding(),
+            batch["targets"],
+            softcap=model.config.final_logit_softcapping,
+            where=batch["where"],
+            implementation=implementation,
+        )
+    return losses.aggregate(per_token, mode="token_mean", where=batch["where"]).mean()
+
+
+def train_step(state, batch, *, base, loss_fn, optimizer, tuning, dropout: bool):
+    """One AdamW update of the trainable weights (`tuning`'s: the weights, or the LoRA
+    adapters on the frozen `base`) on `loss_fn(params, batch)`."""
+    import jax
+    import optax
+
+    from tunelib import peft
+
+    from kit import loop
+
+    rng, dropout_key = loop.step_keys(state["rng"], "dropout")
+    dropout_key = dropout_key if dropout else None
+
+    def objective(trainable):
+        return peft.lora(loss_fn)(tuning.params(trainable, base, dropout_key), batch)
+
+    loss, grads = jax.value_and_grad(objective)(state["params"])
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    return {"params": params, "opt_state": opt_state, "rng": rng}, {"loss": loss}
+
+
+def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+
+    from kit import data, evaluate, loop, lora, models, optim, parallel, plan
 
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
@@ -81,44 +135,10 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
     graphdef = model.graphdef
 
-    def loss_fn(params, batch):
-        """The token mean of the completion tokens' negative log-likelihood."""
-        model = nnx.merge(graphdef, params)
-        packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
-        pixels = images.model_inputs(batch)  # the batch's images, if it has any
-        hidden = model(batch["tokens"], where=batch["attention_where"], **packed, **pixels)
-        if config.label_smoothing or config.z_loss_weight:  # these need every logit
-            per_token = losses.nll_loss(
-                model.unembed(hidden),
-                batch["targets"],
-                label_smoothing=config.label_smoothing,
-                z_loss_weight=config.z_loss_weight,
-                where=batch["where"],
-            )
-        else:  # the fused head: no [B, T, V] logits
-            per_token = -logprobs.fused_token_logps(
-                hidden,
-                model.unembedding(),
-                batch["targets"],
-                softcap=model.config.final_logit_softcapping,
-                where=batch["where"],
-                implementation=config.logprobs,
-            )
-        return losses.aggregate(per_token, mode="token_mean", where=batch["where"]).mean()
-
-    @jax.jit
-    def train_step(state, batch, *, base):
-        rng, dropout_key = loop.step_keys(state["rng"], "dropout")
-        dropout_key = dropout_key if config.lora_dropout else None
-
-        def objective(trainable):  # the weights, or the adapters on the frozen base
-            return peft.lora(loss_fn)(tuning.params(trainable, base, dropout_key), batch)
-
-        loss, grads = jax.value_and_grad(objective)(state["params"])
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        state = {"params": params, "opt_state": opt_state, "rng": rng}
-        return state, {"loss": loss}
+    loss_fn = functools.partial(
+        completion_nll, graphdef=graphdef, label_smoothing=config.label_smoothing,
+        z_loss_weight=config.z_loss_weight, implementation=config.logprobs,
+    )  # fmt: skip
 
     heldout = data.heldout_batches(task, config, placement, kind="sft")
     heldout_loss = jax.jit(loss_fn)
@@ -138,8 +158,12 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
 
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     batches = data.batches(task, config, placement, kind="sft", packing=config.packing)
+    step = functools.partial(
+        train_step, loss_fn=loss_fn, optimizer=optimizer, tuning=tuning,
+        dropout=bool(config.lora_dropout),
+    )  # fmt: skip
     # The frozen base (None without LoRA) is the step's argument, not a constant in it.
-    step_fn = functools.partial(train_step, base=tuning.base)
+    step_fn = functools.partial(jax.jit(step), base=tuning.base)
     # --plan and --device-memory: the step compiled for the first batch, never run.
     planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)
     if planned is not None:
