@@ -10,13 +10,20 @@ bitsandbytes keep it), `y = x W` with `x` `[M, in]` in bfloat16, in two ways:
 - ``xla``: the weight dequantised to bfloat16 in the step, then XLA's matmul (what an
   `NF4Tensor` built with `matmul="xla"` does, the default);
 - ``pallas``: `tunelib.kernels.nf4_matmul_pallas`, which decodes the codes tile by tile in
-  the kernel and never forms the dense weight (`matmul="pallas"`).
+  the kernel and never forms the dense weight (`matmul="pallas"`). It has a Triton (GPU)
+  lowering only and refuses a TPU (kernels/_nf4_matmul.py): there it is not run, and the
+  table and the JSON say so (`"skipped"`) beside the ``xla`` figures; on CPU it runs in the
+  Pallas interpreter.
+
+Each weight is quantised once per shape, in one jitted call (run op by op, the quantisation
+compiled a program per operation: 36 s for a 4,096 x 4,096 weight on a TPU v5e).
 
 Each is timed as users call it, through `tunelib.peft.lora` on the `NF4Tensor`: the forward
 `y`, and the forward and backward with respect to `x` (the weight is frozen; a LoRA step needs
 only the input's gradient through it). Before timing, each path's forward is checked against
 the float32 product with the dequantised weight: $\|y - y_{ref}\| / \|y_{ref}\|$ at most
-`TOLERANCE` (bfloat16 inputs and output; float32 accumulation on both paths).
+`TOLERANCE` (bfloat16 inputs and output; float32 accumulation on both paths); the reference
+product and the error are jitted too.
 
 Timing: one warm-up (compiling) call of each, then `--repeats` rounds that call every variant
 `--inner` times in a row, the order reversed every other round; each variant's time is the
@@ -25,9 +32,11 @@ per shape and `M`, each path's milliseconds, its bytes of weight read per call (
 and absmax for ``pallas``; codes, absmax and the dense bfloat16 weight written and read for
 ``xla``), and `pallas_speedup` (xla time / pallas time). `faster` names the path that won each
 case: the default stays `matmul="xla"` except where ``pallas`` wins, which this figure decides.
+The process ends as soon as the JSON line is written (`_measure.end_process`).
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -53,6 +62,11 @@ VARIANTS = ("xla", "pallas")
 # bfloat16 inputs and output (a relative rounding of 2^-8 = 3.9e-3 per element); both paths
 # accumulate in float32. A wrong decode gives an error near 1.
 TOLERANCE = 1e-2
+# Why a path is not run on a backend (`jax.default_backend()`), as the table and JSON say it.
+NOT_ON = {
+    ("pallas", "tpu"): "not on TPU (refused: nf4_matmul_pallas has a Triton lowering only, "
+    "see kernels/_nf4_matmul.py)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,11 +98,25 @@ def main(argv: list[str] | None = None) -> int:
 
     from tunelib import peft
 
-    def paths(kernel):
-        """Per variant: (forward, forward and backward) as users call them, and the weight."""
+    quantize = jax.jit(lambda kernel: peft.nf4_quantize(kernel, transpose=True))
+    dense_of = jax.jit(lambda weight: weight.dequantize(jnp.float32))
+
+    @jax.jit
+    def reference_product(x, dense):
+        return jnp.matmul(x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST)
+
+    @jax.jit
+    def relative_error(y, reference):
+        y = y.astype(jnp.float32)
+        return jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference)
+
+    def paths(weight, backend: str):
+        """Per variant that runs on `backend`: (forward, forward and backward) as users call
+        them, and the weight."""
         out = {}
         for variant in VARIANTS:
-            weight = peft.nf4_quantize(kernel, transpose=True, matmul=variant)
+            if (variant, backend) in NOT_ON:
+                continue
             product = peft.lora(lambda x, w: x @ w)
 
             # The weight is an argument, not a closed-over constant (XLA would fold its
@@ -99,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             def loss(x, w, cotangent, product=product):
                 return jnp.vdot(product(x, w).astype(jnp.float32), cotangent)
 
-            out[variant] = (jax.jit(forward), jax.jit(jax.value_and_grad(loss)), weight)
+            variant_weight = dataclasses.replace(weight, matmul=variant)
+            out[variant] = (jax.jit(forward), jax.jit(jax.value_and_grad(loss)), variant_weight)
         return out
 
     def time_calls(calls: dict, repeats: int, inner: int) -> dict:
@@ -135,31 +164,33 @@ def main(argv: list[str] | None = None) -> int:
         return line
 
     results, correct = [], True
+    backend = jax.default_backend()
     key = jax.random.key(0)
     for case in SIZES[args.size]:
         key, kw = jax.random.split(key)
         kernel = 0.02 * jax.random.normal(kw, (case.n_in, case.n_out), jnp.float32)
         kernel = kernel.astype(jnp.bfloat16)  # dequantised to bfloat16, as a bf16 model's
-        by_variant = paths(kernel)
+        weight = jax.block_until_ready(quantize(kernel))
         progress(f"{case.n_in} x {case.n_out}: quantised")
-        dense = by_variant["xla"][2].dequantize(jnp.float32)
-        codes_bytes = sum(
-            x.nbytes for x in jax.tree.leaves(by_variant["pallas"][2]) if hasattr(x, "nbytes")
-        )
+        by_variant = paths(weight, backend)
+        dense = dense_of(weight)
+        codes_bytes = sum(x.nbytes for x in jax.tree.leaves(weight) if hasattr(x, "nbytes"))
         for m in case.rows:
             key, kx, kc = jax.random.split(key, 3)
             x = jax.random.normal(kx, (m, case.n_in), jnp.float32).astype(jnp.bfloat16)
             cotangent = jax.random.normal(kc, (m, case.n_out), jnp.float32)
-            reference = jnp.matmul(
-                x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST
-            )
+            reference = reference_product(x, dense)
             row = {"n_in": case.n_in, "n_out": case.n_out, "m": m, "variants": {}}
             calls = {}
-            for variant, (forward, backward, weight) in by_variant.items():
+            for variant in VARIANTS:
+                if variant not in by_variant:
+                    row["variants"][variant] = {"skipped": NOT_ON[variant, backend]}
+                    progress(f"M={m} {variant}: {NOT_ON[variant, backend]}")
+                    continue
+                forward, backward, w = by_variant[variant]
                 record = row["variants"].setdefault(variant, {})
                 try:
-                    y = forward(x, weight).astype(jnp.float32)
-                    error = float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
+                    error = float(relative_error(forward(x, w), reference))
                 except Exception as e:  # a path that does not compile here is reported
                     record["failed"] = f"{type(e).__name__}: {str(e)[:500]}"
                     correct = False
@@ -170,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
                 record["passed"] = error <= TOLERANCE
                 correct &= record["passed"]
                 if record["passed"]:
-                    calls[f"{variant}/forward"] = (forward, (x, weight))
-                    calls[f"{variant}/forward+backward"] = (backward, (x, weight, cotangent))
+                    calls[f"{variant}/forward"] = (forward, (x, w))
+                    calls[f"{variant}/forward+backward"] = (backward, (x, w, cotangent))
             times = time_calls(calls, args.repeats, args.inner) if calls else {}
             progress(f"M={m}: timed")
             dense_bytes = case.n_in * case.n_out * 2
             for variant, record in row["variants"].items():
+                if "skipped" in record:
+                    continue
                 record["weight_bytes_read"] = codes_bytes + (
                     2 * dense_bytes if variant == "xla" else 0
                 )
@@ -184,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                         record[f"{part}_ms"] = times[f"{variant}/{part}"]
             for part in ("forward", "forward+backward"):
                 xla_ms = row["variants"]["xla"].get(f"{part}_ms")
-                pallas_ms = row["variants"]["pallas"].get(f"{part}_ms")
+                pallas_ms = row["variants"]["pallas"].get(f"{part}_ms")  # absent when skipped
                 if xla_ms and pallas_ms:
                     row[f"pallas_speedup_{part}"] = xla_ms / pallas_ms
                     row[f"faster_{part}"] = "pallas" if pallas_ms < xla_ms else "xla"
@@ -196,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     for row in results:
         for variant, r in row["variants"].items():
+            if "skipped" in r:
+                print(
+                    f"{row['n_in']:>6} x {row['n_out']:<6}{row['m']:>6} {variant:>7} {r['skipped']}"
+                )
+                continue
             err = f"{r['relative_error']:.2e}" if "relative_error" in r else "FAILED"
             fwd, both = r.get("forward_ms"), r.get("forward+backward_ms")
             print(
@@ -208,4 +246,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _measure import end_process  # beside this script, first on sys.path
+
+    end_process(main())

@@ -61,7 +61,17 @@ def sampler_headline(r: dict) -> str:
 
 
 def nf4_headline(r: dict) -> str:
-    """The Pallas kernel's forward speed-up over XLA per case, or why it has none."""
+    """The Pallas kernel's forward speed-up over XLA per case, or why it has none; where the
+    kernel was not run (a TPU), XLA's forward time per case and why."""
+    correct = "correct" if r["correct"] else "NOT correct"
+    skipped = [c["variants"].get("pallas", {}).get("skipped") for c in r["cases"]]
+    if r["cases"] and all(skipped):
+        forward = [c["variants"]["xla"].get("forward_ms") for c in r["cases"]]
+        times = ", ".join(
+            f"{c['n_in']}x{c['n_out']} M{c['m']} {'-' if ms is None else f'{ms:.3f}'}"
+            for c, ms in zip(r["cases"], forward, strict=True)
+        )
+        return f"{correct}; xla forward ms: {times}; pallas {skipped[0]}"
 
     def speedup(case: dict) -> str:
         if "pallas_speedup_forward" in case:
@@ -72,7 +82,7 @@ def nf4_headline(r: dict) -> str:
         return "not timed" if pallas.get("passed", True) else "pallas wrong"
 
     cases = ", ".join(f"{c['n_in']}x{c['n_out']} M{c['m']} {speedup(c)}" for c in r["cases"])
-    return f"{'correct' if r['correct'] else 'NOT correct'}; pallas forward speed-up: {cases}"
+    return f"{correct}; pallas forward speed-up: {cases}"
 
 
 def parity_headline(r: dict) -> str:

@@ -172,6 +172,33 @@ def test_nf4_matmul_smoke_size_end_to_end(tmp_path):
             )
 
 
+def test_nf4_matmul_on_a_tpu_times_xla_and_says_why_not_pallas(tmp_path, monkeypatch, capsys):
+    """On a TPU the Pallas kernel refuses to compile (a Triton lowering only): it is not run,
+    and the table, the JSON and the suite's headline say so; the XLA path is checked and
+    timed, and the run is correct."""
+    import jax
+
+    bench = load_benchmark("nf4_matmul.py", "nf4_matmul_benchmark")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    written = tmp_path / "nf4.json"
+    flags = ["--size", "smoke", "--repeats", "1", "--inner", "1", "--json-out", str(written)]
+    assert bench.main(flags) == 0
+    result = json.loads(written.read_text())
+    assert result["correct"] is True and result["backend"] == "tpu"
+    for case in result["cases"]:
+        assert list(case["variants"]) == ["xla", "pallas"]
+        assert case["variants"]["pallas"] == {"skipped": bench.NOT_ON["pallas", "tpu"]}
+        assert 0 < case["variants"]["xla"]["relative_error"] < 1e-2
+        assert case["variants"]["xla"]["forward_ms"] > 0
+        assert "pallas_speedup_forward" not in case
+    assert bench.NOT_ON["pallas", "tpu"].startswith("not on TPU (refused")
+    out = capsys.readouterr()
+    assert "pallas not on TPU (refused" in out.out and "pallas: not on TPU (refused" in out.err
+    headline = load_benchmark("suite_report.py", "suite_report").nf4_headline(result)
+    assert headline.startswith("correct; xla forward ms: 128x64 M16 ")
+    assert headline.endswith(f"; pallas {bench.NOT_ON['pallas', 'tpu']}")
+
+
 @pytest.mark.slow
 def test_sampler_roofline_smoke_size_end_to_end(tmp_path):
     result, _ = run_benchmark(
