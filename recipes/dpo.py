@@ -59,12 +59,73 @@ class DPOConfig(Run, Task, DataFile, SFTStart, Lora):
             raise UserError(f"--nll-weight must be >= 0, got {self.nll_weight}")
 
 
-def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
+def dpo_objective(
+    trainable, frozen, batch, dropout_key, *, graphdef, tuning, loss, beta, nll_weight,
+    implementation="auto", max_segments=None,
+):  # fmt: skip
+    """The batch's mean `tunelib.losses.<loss>_loss` (DPO or a variant, `--loss`) over its pairs
+    (held-out batches end with rows of padding), the policy being the trainable weights (or
+    adapters on `frozen["base"]`) and the reference `frozen["reference"]`, minus `nll_weight`
+    times the chosen answer's per-token log-likelihood; the implicit rewards' accuracy and
+    margin and the chosen log-probs as metrics."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     from tunelib import losses, metrics, peft
+
+    from kit import pairs
+
+    pairwise_loss = getattr(losses, f"{loss}_loss")
+
+    def sequence_logps(params, batch):
+        return pairs.pair_logps(
+            graphdef, params, batch, implementation=implementation, max_segments=max_segments
+        )
+
+    params = tuning.params(trainable, frozen["base"], dropout_key)
+    policy = peft.lora(sequence_logps)(params, batch)
+    ref = jax.lax.stop_gradient(peft.lora(sequence_logps)(frozen["reference"], batch))
+    real = policy.real
+    per_pair = pairwise_loss(
+        policy.chosen, policy.rejected, ref.chosen, ref.rejected, beta=beta, where=real
+    )
+    # The chosen answer's per-token NLL (Llama 3 adds it to DPO with weight 0.2).
+    per_pair = per_pair - nll_weight * jnp.where(real, policy.chosen_mean, 0.0)
+    count = jnp.maximum(real.sum(), 1)
+    chosen_rewards = metrics.implicit_rewards(policy.chosen, ref.chosen, beta=beta, where=real)
+    rejected_rewards = metrics.implicit_rewards(
+        policy.rejected, ref.rejected, beta=beta, where=real
+    )
+    margins = metrics.reward_margins(chosen_rewards, rejected_rewards, where=real)
+    return per_pair.sum() / count, {
+        "reward_accuracy": metrics.preference_accuracy(
+            chosen_rewards, rejected_rewards, where=real
+        ),
+        "reward_margin": margins.sum() / count,
+        "chosen_logps": jnp.where(real, policy.chosen, 0.0).sum() / count,
+    }
+
+
+def update(frozen, state, batch, *, loss_fn, optimizer, dropout: bool):
+    """One AdamW update of the trainable weights on `loss_fn(trainable, frozen, batch,
+    dropout_key) -> (loss, metrics)`."""
+    import jax
+    import optax
+
+    from kit import loop
+
+    rng, dropout_key = loop.step_keys(state["rng"], "dropout")
+    dropout_key = dropout_key if dropout else None
+    (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state["params"], frozen, batch, dropout_key
+    )
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    return {"params": params, "opt_state": opt_state, "rng": rng}, {"loss": loss, **out}
+
+
+def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
 
     from kit import chain, data, evaluate, loop, lora, optim, pairs, parallel, plan
 
@@ -84,61 +145,20 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     # With LoRA the reference is the frozen base without adapters: the policy's start.
     frozen = {"base": tuning.base, "reference": tuning.base or model.params}
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.1)
-    pairwise_loss = getattr(losses, f"{config.loss}_loss")
 
-    def sequence_logps(params, batch):
-        return pairs.pair_logps(
-            graphdef, params, batch, implementation=config.logprobs,
-            max_segments=data.max_segments(task),
-        )  # fmt: skip
-
-    def loss_fn(trainable, frozen, batch, dropout_key):
-        params = tuning.params(trainable, frozen["base"], dropout_key)
-        policy = peft.lora(sequence_logps)(params, batch)
-        ref = jax.lax.stop_gradient(peft.lora(sequence_logps)(frozen["reference"], batch))
-        real, beta = policy.real, config.beta
-        per_pair = pairwise_loss(
-            policy.chosen, policy.rejected, ref.chosen, ref.rejected, beta=beta, where=real
-        )
-        # The chosen answer's per-token NLL (Llama 3 adds it to DPO with weight 0.2).
-        per_pair = per_pair - config.nll_weight * jnp.where(real, policy.chosen_mean, 0.0)
-        count = jnp.maximum(real.sum(), 1)
-        chosen_rewards = metrics.implicit_rewards(policy.chosen, ref.chosen, beta=beta, where=real)
-        rejected_rewards = metrics.implicit_rewards(
-            policy.rejected, ref.rejected, beta=beta, where=real
-        )
-        margins = metrics.reward_margins(chosen_rewards, rejected_rewards, where=real)
-        return per_pair.sum() / count, {
-            "reward_accuracy": metrics.preference_accuracy(
-                chosen_rewards, rejected_rewards, where=real
-            ),
-            "reward_margin": margins.sum() / count,
-            "chosen_logps": jnp.where(real, policy.chosen, 0.0).sum() / count,
-        }
-
-    @jax.jit
-    def train_step(frozen, state, batch):
-        rng, dropout_key = loop.step_keys(state["rng"], "dropout")
-        dropout_key = dropout_key if config.lora_dropout else None
-        (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], frozen, batch, dropout_key
-        )
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        state = {"params": params, "opt_state": opt_state, "rng": rng}
-        return state, {"loss": loss, **out}
+    loss_fn = functools.partial(
+        dpo_objective, graphdef=graphdef, tuning=tuning, loss=config.loss,
+        beta=config.beta, nll_weight=config.nll_weight, implementation=config.logprobs,
+        max_segments=data.max_segments(task),
+    )  # fmt: skip
 
     heldout = data.heldout_batches(task, config, placement, kind="preference")
-    metrics_of = jax.jit(
-        lambda trainable, frozen, batch: loss_fn(trainable, frozen, batch, None)[1]
-    )
+    metrics_of = jax.jit(functools.partial(loss_fn, dropout_key=None))
 
     def evaluate_fn(trainable):
         out = {
-            "heldout_reward_accuracy": evaluate.weighted_mean(
-                lambda b: metrics_of(trainable, frozen, b)["reward_accuracy"],
-                heldout,
-                lambda b: b["chosen"]["where"].any(axis=1).sum(),  # pairs, not padding
+            "heldout_reward_accuracy": evaluate.pair_mean(
+                lambda b: metrics_of(trainable, frozen, b)[1]["reward_accuracy"], heldout
             )
         }
         if task.problems:
@@ -149,7 +169,10 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     batches = data.batches(task, config, placement, kind="preference", packing=config.packing)
-    step_fn = functools.partial(train_step, frozen)  # the frozen weights: arguments
+    step_fn = functools.partial(  # the frozen weights: arguments
+        jax.jit(update, static_argnames=("loss_fn", "optimizer", "dropout")), frozen,
+        loss_fn=loss_fn, optimizer=optimizer, dropout=bool(config.lora_dropout),
+    )  # fmt: skip
     # --plan and --device-memory: the step compiled for the first batch, never run.
     planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)
     if planned is not None:

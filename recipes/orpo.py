@@ -14,6 +14,7 @@ the same seed, steps, learning rate and batch size, in the run's `baseline/` fol
 """
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Literal
 
@@ -44,13 +45,31 @@ class ORPOConfig(Run, Task, DataFile, Start):
             raise UserError(f"--odds-ratio-weight must be >= 0, got {self.odds_ratio_weight}")
 
 
-def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
-    import jax
+def orpo_objective(params, batch, *, graphdef, odds_ratio_weight, implementation="auto"):
+    """The batch's mean ORPO loss over its pairs (held-out batches end with rows of padding),
+    with the chosen completions' NLL and the log odds ratio as metrics."""
     import jax.numpy as jnp
 
     from tunelib import losses
 
-    from kit import chain, data, evaluate, loop, models, optim, pairs, parallel, plan
+    from kit import pairs
+
+    both = pairs.pair_logps(graphdef, params, batch, implementation=implementation)
+    per_pair = losses.orpo_loss(
+        both.chosen_mean, both.rejected_mean, odds_ratio_weight=odds_ratio_weight
+    )
+    log_odds_ratio = losses.orpo_log_odds_ratio(both.chosen_mean, both.rejected_mean)
+
+    def mean(x):
+        return jnp.where(both.real, x, 0.0).sum() / jnp.maximum(both.real.sum(), 1)
+
+    return mean(per_pair), {"nll": mean(-both.chosen_mean), "log_odds_ratio": mean(log_odds_ratio)}
+
+
+def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+
+    from kit import chain, data, evaluate, loop, models, optim, parallel, plan
 
     # The SFT baseline of the same budget, trained first: before this process opens its devices
     # (not for --plan, which writes nothing).
@@ -68,34 +87,17 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     task = data.load_task(config, "preference", model.tokenizer)
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
 
-    def loss_fn(params, batch):
-        both = pairs.pair_logps(graphdef, params, batch, implementation=config.logprobs)
-        per_pair = losses.orpo_loss(
-            both.chosen_mean, both.rejected_mean, odds_ratio_weight=config.odds_ratio_weight
-        )
-        log_odds_ratio = losses.orpo_log_odds_ratio(both.chosen_mean, both.rejected_mean)
-
-        def mean(x):  # over the pairs (held-out batches end with rows of padding)
-            return jnp.where(both.real, x, 0.0).sum() / jnp.maximum(both.real.sum(), 1)
-
-        return mean(per_pair), {
-            "nll": mean(-both.chosen_mean),
-            "log_odds_ratio": mean(log_odds_ratio),
-        }
-
+    loss_fn = functools.partial(
+        orpo_objective, graphdef=graphdef, odds_ratio_weight=config.odds_ratio_weight,
+        implementation=config.logprobs,
+    )  # fmt: skip
     step_fn = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
 
     heldout = data.heldout_batches(task, config, placement, kind="preference")
     heldout_loss = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
 
     def evaluate_fn(params):
-        out = {
-            "heldout_loss": evaluate.weighted_mean(
-                lambda b: heldout_loss(params, b),
-                heldout,
-                lambda b: b["chosen"]["where"].any(axis=1).sum(),  # pairs, not padding
-            )
-        }
+        out = {"heldout_loss": evaluate.pair_mean(lambda b: heldout_loss(params, b), heldout)}
         if task.problems:
             out["accuracy"] = evaluate.accuracy(graphdef, params, task, vocab_size, placement)
         return out

@@ -18,6 +18,7 @@ from the preferences: nothing else tells it.
 """
 
 import dataclasses
+import functools
 from typing import Literal
 
 import kit
@@ -55,11 +56,35 @@ class RewardModelConfig(Run, Task, DataFile, SFTStart):
             raise UserError(f"--centering-weight must be >= 0, got {self.centering_weight}")
 
 
-def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
-    import jax
+def bradley_terry_objective(params, batch, *, graphdef, pooling, centering_weight):
+    """The batch's mean Bradley-Terry loss over its pairs (held-out batches end with rows of
+    padding) of the scores the head gives the decoder's pooled hidden states, with the pair
+    accuracy, the reward margin and the chosen completions' reward as metrics."""
     import jax.numpy as jnp
 
     from tunelib import losses, metrics
+
+    from kit import reward_model
+
+    chosen, rejected, real = reward_model.pair_scores(
+        graphdef, params["decoder"], params["head"], batch, pooling=pooling
+    )
+    per_pair = losses.bradley_terry_loss(
+        chosen, rejected, centering_weight=centering_weight, where=real
+    )
+    count = jnp.maximum(real.sum(), 1)
+    margins = metrics.reward_margins(chosen, rejected, where=real)
+    return per_pair.sum() / count, {
+        "pair_accuracy": metrics.preference_accuracy(chosen, rejected, where=real),
+        "reward_margin": margins.sum() / count,
+        "chosen_reward": jnp.where(real, chosen, 0.0).sum() / count,
+    }
+
+
+def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+
+    from tunelib import metrics
 
     from kit import chain, data, evaluate, loop, optim, pairs, parallel, plan, reward_model
 
@@ -85,30 +110,18 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
     params = {"decoder": model.params, "head": placement.replicate(head)}
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.1)
 
-    def loss_fn(params, batch):
-        chosen, rejected, real = reward_model.pair_scores(
-            graphdef, params["decoder"], params["head"], batch, pooling=config.pooling
-        )
-        per_pair = losses.bradley_terry_loss(
-            chosen, rejected, centering_weight=config.centering_weight, where=real
-        )
-        count = jnp.maximum(real.sum(), 1)
-        margins = metrics.reward_margins(chosen, rejected, where=real)
-        return per_pair.sum() / count, {
-            "pair_accuracy": metrics.preference_accuracy(chosen, rejected, where=real),
-            "reward_margin": margins.sum() / count,
-            "chosen_reward": jnp.where(real, chosen, 0.0).sum() / count,
-        }
+    loss_fn = functools.partial(
+        bradley_terry_objective, graphdef=graphdef, pooling=config.pooling,
+        centering_weight=config.centering_weight,
+    )  # fmt: skip
 
     heldout = data.heldout_batches(task, config, placement, kind="preference")
     heldout_accuracy = jax.jit(lambda params, batch: loss_fn(params, batch)[1]["pair_accuracy"])
 
     def evaluate_fn(params):
         return {
-            "heldout_pair_accuracy": evaluate.weighted_mean(
-                lambda b: heldout_accuracy(params, b),
-                heldout,
-                lambda b: b["chosen"]["where"].any(axis=1).sum(),  # pairs, not padding
+            "heldout_pair_accuracy": evaluate.pair_mean(
+                lambda b: heldout_accuracy(params, b), heldout
             )
         }
 

@@ -217,6 +217,12 @@ def paired_headline(run) -> dict:
     }
 
 
+def pair_mean(metric: Callable, batches: list) -> float:
+    """The mean of `metric(batch)` over the preference pairs of held-out `batches`, each batch
+    weighted by its pairs (rows of padding, with no chosen token, weigh nothing)."""
+    return weighted_mean(metric, batches, lambda b: b["chosen"]["where"].any(axis=1).sum())
+
+
 def weighted_mean(metric: Callable, batches: list, weight: Callable) -> float:
     """The mean of `metric(batch)` over batches, each weighted by `weight(batch)` (tokens,
     rows): the exact mean over every held-out example."""
