@@ -1,12 +1,20 @@
-"""Reading Hugging Face `config.json` files of each family (both layouts) and writing them."""
+"""Reading Hugging Face `config.json` files of each family (both layouts) and writing them;
+each RoPE type's parameters against transformers' own."""
 
+import ast
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests._helpers import raises_naming
+from tests._hf import hf_modules
 from tunelib.formats import MODEL_TYPES, config_from_hf, config_to_hf
-from tunelib.models import DecoderConfig
+from tunelib.models import ROPE_PARAMETERS, DecoderConfig, rope_frequencies
 
 SIZES = dict(
     vocab_size=128,
@@ -311,3 +319,147 @@ def test_config_to_hf_refuses_what_the_family_cannot_express(model_type, overrid
     config = DecoderConfig(**SIZES, **overrides)
     with raises_naming(named, error=ValueError):
         config_to_hf(config, model_type=model_type)
+
+
+# One `rope_scaling` of each type in `ROPE_PARAMETERS`, every parameter set: a context of 64
+# positions extended to `max_position_embeddings` 256.
+ROPE_EXAMPLES = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {**LLAMA3, "original_max_position_embeddings": 64},
+    "proportional": {"rope_type": "proportional", "factor": 1.0, "partial_rotary_factor": 0.5},
+    "yarn": {**YARN, "factor": 4.0, "original_max_position_embeddings": 64, "mscale_all_dim": 0.5},
+}
+# A value for each key transformers knows in a `rope_parameters` dict (`RopeParameters`).
+TRANSFORMERS_ROPE_VALUES = {
+    "rope_theta": 1e4,
+    "partial_rotary_factor": 1.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "attention_factor": 1.25,
+    "beta_fast": 16.0,
+    "beta_slow": 2.0,
+    "short_factor": [1.0] * 8,
+    "long_factor": [2.0] * 8,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+    "truncate": False,
+    "mrope_section": [2, 3, 3],
+}
+# Gemma 4 is the family whose config.json expresses a proportional RoPE.
+GEMMA4 = dict(
+    query_pre_attn_scalar=1.0,
+    use_qk_norm=True,
+    value_norm=True,
+    sandwich_norms=True,
+    scale_embeddings=True,
+    layer_scalars=True,
+    hidden_act="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    layer_types=("sliding_attention", "full_attention", "full_attention"),
+    sliding_window=8,
+    rope_local_base_freq=100.0,
+    global_head_dim=16,
+)
+
+
+def rope_model(scaling: dict | None) -> tuple[DecoderConfig, str]:
+    """A config with `scaling` (theta 1e4, 256 positions) and the model_type expressing it."""
+    gemma4 = scaling is not None and scaling["rope_type"] == "proportional"
+    fields = {**SIZES, **(GEMMA4 if gemma4 else {})}
+    config = DecoderConfig(
+        **fields, max_position_embeddings=256, rope_theta=1e4, rope_scaling=scaling
+    )
+    return config, "gemma4_text" if gemma4 else "llama"
+
+
+@contextlib.contextmanager
+def rope_messages() -> Iterator[list[str]]:
+    """The messages transformers' RoPE validation logs inside the block."""
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_every_rope_type_has_an_example():
+    assert ROPE_EXAMPLES.keys() == ROPE_PARAMETERS.keys()
+    for rope_type, scaling in ROPE_EXAMPLES.items():
+        assert set(scaling) == {"rope_type", *ROPE_PARAMETERS[rope_type]}
+
+
+@pytest.mark.parametrize("rope_type", [None, *ROPE_PARAMETERS])
+def test_each_rope_type_round_trips_through_transformers(rope_type):
+    """`config_to_hf`'s RoPE reads in transformers without a warning, transformers computes
+    our frequencies and attention factor from it, and the config transformers writes back
+    reads as the same `DecoderConfig`."""
+    _, transformers = hf_modules()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config, model_type = rope_model(ROPE_EXAMPLES.get(rope_type))
+    written = config_to_hf(config, model_type=model_type)
+    with rope_messages() as messages:
+        theirs = transformers.AutoConfig.for_model(**written)
+    assert messages == []
+    assert config_from_hf(theirs.to_dict()) == config
+    if rope_type is None:
+        return
+    params = written["rope_parameters"]
+    params = dict(params.get("full_attention", params))  # Gemma 4's per layer type
+    plain = transformers.LlamaConfig(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=params,
+    )
+    frequencies, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](plain, "cpu")
+    ours = rope_frequencies(config.head_dim, theta=config.rope_theta, scaling=config.rope_scaling)
+    np.testing.assert_allclose(frequencies.numpy(), ours, rtol=1e-6)
+    assert attention_factor == pytest.approx(config.rope_scaling.get("attention_factor", 1.0))
+
+
+def transformers_rope_keys(rope_type: str) -> set[str]:
+    """The keys transformers' validation takes in a `rope_type` RoPE besides `rope_type`:
+    those of `RopeParameters` it does not log as unrecognized."""
+    _, transformers = hf_modules()
+    from transformers.modeling_rope_utils import RopeParameters
+
+    every = {key: TRANSFORMERS_ROPE_VALUES[key] for key in RopeParameters.__annotations__
+             if key != "rope_type"}  # fmt: skip
+    with rope_messages() as messages:
+        transformers.LlamaConfig(
+            hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+            rope_parameters={"rope_type": rope_type, **every},
+        )  # fmt: skip
+    unrecognized = [m for m in messages if m.startswith("Unrecognized keys")]
+    assert len(unrecognized) == 1, messages  # transformers' message has changed
+    return set(every) - ast.literal_eval(unrecognized[0].rpartition(": ")[2])
+
+
+@pytest.mark.parametrize("rope_type", ["default", *ROPE_PARAMETERS])
+def test_every_rope_key_transformers_takes_is_read(rope_type):
+    """A RoPE with every key transformers takes for its type reads, each of our parameters
+    with the value given; our parameters are among those keys (`factor` is missing from
+    transformers' validation of a proportional RoPE, but its frequencies read it)."""
+    keys = transformers_rope_keys(rope_type)
+    ours = set(ROPE_PARAMETERS.get(rope_type, ()))
+    assert ours - keys <= ({"factor"} if rope_type == "proportional" else set())
+    params = {"rope_type": rope_type, **{k: TRANSFORMERS_ROPE_VALUES[k] for k in keys}}
+    if rope_type == "proportional":
+        written = config_to_hf(
+            rope_model(ROPE_EXAMPLES["proportional"])[0], model_type="gemma4_text"
+        )
+        written["rope_parameters"]["full_attention"] = params
+    else:
+        written = hf("llama", max_position_embeddings=256, rope_parameters=params)
+    config = config_from_hf(written)
+    assert config.rope_theta == params["rope_theta"]
+    scaling = config.rope_scaling or {"rope_type": "default"}
+    assert scaling["rope_type"] == rope_type
+    assert {k: scaling[k] for k in ours & keys} == {k: params[k] for k in ours & keys}

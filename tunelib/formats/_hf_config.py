@@ -20,7 +20,7 @@ from tunelib.formats._hf_qwen3_5 import (
     qwen3_5_config,
     qwen3_5_fields,
 )
-from tunelib.models import DTYPE_NAMES, DecoderConfig
+from tunelib.models import DTYPE_NAMES, ROPE_PARAMETERS, DecoderConfig
 
 # The `architectures` entry each supported `model_type` has in a causal-LM checkpoint.
 ARCHITECTURES: dict[str, str] = {
@@ -90,30 +90,9 @@ _REQUIRED = (
     "num_hidden_layers",
     "num_attention_heads",
 )
-# The extra keys of each RoPE type in `rope_parameters` / `rope_scaling`, besides its type and
-# `rope_theta`.
-_ROPE_KEYS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": (
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    ),
-    "yarn": (
-        "factor",
-        "original_max_position_embeddings",
-        "attention_factor",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
-    ),
-}
-# The keys a YaRN RoPE may leave out (transformers derives them), besides `truncate`.
-_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# The RoPE types `_rope` reads: transformers' "default" (plain RoPE, `rope_scaling` None) and
+# those of `ROPE_PARAMETERS` but Gemma 4's proportional one, which `gemma4_fields` reads.
+_ROPE_TYPES = ("default", *(t for t in ROPE_PARAMETERS if t != "proportional"))
 
 
 def config_from_hf(
@@ -613,18 +592,16 @@ def _rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, A
             f"config.json: partial_rotary_factor is {partial!r}; only full rotary embeddings "
             "(1.0) are supported."
         )
-    if rope_type not in _ROPE_KEYS:
+    if rope_type not in _ROPE_TYPES:
         raise ValueError(
-            f"config.json: {field} has rope_type {rope_type!r}; supported: {tuple(_ROPE_KEYS)}."
+            f"config.json: {field} has rope_type {rope_type!r}; supported: {_ROPE_TYPES}."
         )
-    if rope_type in ("llama3", "yarn"):
+    expected = set(ROPE_PARAMETERS.get(rope_type, ()))
+    if "original_max_position_embeddings" in expected:  # transformers' default
         params.setdefault("original_max_position_embeddings", max_positions)
-    if rope_type == "yarn":
+    if rope_type == "yarn":  # keys left out filled in, an unexpected one an error
         params = _yarn(params, max_positions)
-        expected = set(params)
-    else:
-        expected = set(_ROPE_KEYS[rope_type])
-    if set(params) != expected:
+    elif set(params) != expected:
         extra, missing = sorted(set(params) - expected), sorted(expected - set(params))
         raise ValueError(
             f"config.json: {field} of rope_type {rope_type!r} has unexpected keys {extra} and "
@@ -642,7 +619,7 @@ def _yarn(params: dict[str, Any], max_positions: int) -> dict[str, Any]:
     `transformers` derives when left out (`beta_fast` 32, `beta_slow` 1, `truncate` true,
     `factor` from the context lengths, `attention_factor` from `factor`, `mscale` and
     `mscale_all_dim`) filled in, or an error naming an unexpected key."""
-    extra = sorted(set(params) - set(_ROPE_KEYS["yarn"]))
+    extra = sorted(set(params) - {*ROPE_PARAMETERS["yarn"], "mscale"})
     if extra:
         raise ValueError(
             f"config.json: rope_parameters of rope_type 'yarn' has unexpected keys {extra}."

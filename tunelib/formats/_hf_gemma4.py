@@ -3,6 +3,8 @@
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tunelib.models import ROPE_PARAMETERS
+
 # transformers' `Gemma4TextConfig` defaults for the fields a config.json may leave out.
 GEMMA4_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 4,
@@ -174,11 +176,12 @@ def _rope_fields(
     if full.get("rope_type") != "proportional":
         theta, scaling = rope({"rope_parameters": full})
         return {**fields, "rope_theta": theta, "rope_scaling": scaling}
-    extra = set(full) - {"rope_type", "rope_theta", "factor", "partial_rotary_factor"}
+    extra = set(full) - {"rope_type", "rope_theta", *ROPE_PARAMETERS["proportional"]}
     if extra:
         raise ValueError(
             f"config.json: rope_parameters['full_attention'] has unexpected keys {sorted(extra)}."
         )
+    # transformers' defaults (its validator does not list `factor`, its frequencies read it).
     scaling = {
         "rope_type": "proportional",
         "factor": full.get("factor", 1.0),
@@ -197,8 +200,9 @@ def gemma4_config(config: Any) -> dict[str, Any]:
     override = {"head_dim": global_head_dim}
     if global_kv is not None:
         override["num_key_value_heads"] = global_kv
-    scaling = dict(config.rope_scaling or {"rope_type": "default"})
-    full = {**scaling, "rope_theta": config.rope_theta}
+    full = {**(config.rope_scaling or {"rope_type": "default"}), "rope_theta": config.rope_theta}
+    if full["rope_type"] == "proportional" and full["factor"] == 1:
+        del full["factor"]  # as the released checkpoints; transformers' validator warns on it
     local_theta = config.rope_local_base_freq or config.rope_theta
     moe = config.num_experts > 0
     return {

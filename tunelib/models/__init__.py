@@ -13,7 +13,9 @@ Qwen3.5's linear-attention layer, `chunked_gated_delta_rule`, `recurrent_gated_d
 multimodal embedder (`MultimodalEmbedder`), or Qwen3.5's encoder and merger (`QwenVisionEncoder`,
 `QwenVisionConfig`), in front of it, the images' soft tokens at the image tokens (Qwen3.5's
 at the 3-D positions of `mrope_positions`);
-`param_shardings` and the rules place its parameters on a mesh.
+`param_shardings` and the rules place its parameters on a mesh. `ROPE_PARAMETERS` names the
+parameters of each RoPE type that `DecoderConfig.rope_scaling` holds (`rope_frequencies`
+computes them).
 `PROJECTION_KERNELS` (the usual LoRA targets) and `hf_module_name` (the Hugging Face module of a
 weight, as PEFT names it) name the decoder's weights for `tunelib.peft`.
 """
@@ -40,7 +42,7 @@ from tunelib.models._mrope import mrope_positions
 from tunelib.models._names import PROJECTION_KERNELS, hf_module_name
 from tunelib.models._qwen_vision import QwenVisionEncoder
 from tunelib.models._qwen_vision_config import QwenVisionConfig
-from tunelib.models._rope import rope_frequencies
+from tunelib.models._rope import ROPE_PARAMETERS, rope_frequencies
 from tunelib.models._sharding import (
     EXPERT_PARALLEL_RULES,
     TENSOR_PARALLEL_RULES,
@@ -55,6 +57,7 @@ __all__ = [
     "EXPERT_PARALLEL_RULES",
     "GROUPED_IMPLEMENTATIONS",
     "PROJECTION_KERNELS",
+    "ROPE_PARAMETERS",
     "TENSOR_PARALLEL_RULES",
     "Decoder",
     "DecoderConfig",

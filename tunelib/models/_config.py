@@ -13,31 +13,11 @@ from tunelib.models._deepseek_config import (
     check_sigmoid_routing,
 )
 from tunelib.models._layer_runs import LayerRun, layer_runs
+from tunelib.models._rope import checked_rope_scaling
 
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
 HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention", "linear_attention")
-ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "proportional", "yarn")
-_ROPE_KEYS: dict[str, tuple[str, ...]] = {
-    "linear": ("factor",),
-    "proportional": ("factor", "partial_rotary_factor"),
-    "llama3": (
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    ),
-    "yarn": (
-        "factor",
-        "beta_fast",
-        "beta_slow",
-        "original_max_position_embeddings",
-        "truncate",
-        "attention_factor",
-    ),
-}
-# Keys a RoPE of this type may carry besides its own: MLA's softmax scale (DeepSeek-V3).
-_ROPE_OPTIONAL: dict[str, tuple[str, ...]] = {"yarn": ("mscale_all_dim",)}
 
 
 class Dtypes:
@@ -396,7 +376,7 @@ class DecoderConfig(Dtypes):
                 raise ValueError(
                     f"{name} must be one of {DTYPE_NAMES}, got {getattr(self, name)!r}."
                 )
-        object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
+        object.__setattr__(self, "rope_scaling", checked_rope_scaling(self.rope_scaling))
         self._check_mrope()
         self._check_experts()
         self._check_layer_types()
@@ -570,12 +550,6 @@ class DecoderConfig(Dtypes):
                 )
         if self.parallel_moe and not self.num_experts:
             raise ValueError("parallel_moe needs num_experts > 0.")
-        if self.rope_scaling and self.rope_scaling["rope_type"] == "proportional":
-            partial = self.rope_scaling["partial_rotary_factor"]
-            if not 0 < partial <= 1:
-                raise ValueError(
-                    f"rope_scaling['partial_rotary_factor'] must be in (0, 1], got {partial}."
-                )
         if self.scan_layers and self.num_kv_shared_layers:
             raise ValueError(
                 "scan_layers does not support num_kv_shared_layers > 0 (layers attending over "
@@ -724,41 +698,3 @@ class DecoderConfig(Dtypes):
         index = [f.name for f in dataclasses.fields(self)].index("rope_scaling")
         scaling = self.rope_scaling and tuple(sorted(self.rope_scaling.items()))
         return hash((*fields[:index], scaling, *fields[index + 1 :]))
-
-
-def _checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """A copy of `rope_scaling` with its keys and values checked, `"type"` renamed."""
-    if scaling is None:
-        return None
-    if not isinstance(scaling, Mapping):
-        raise TypeError(f"rope_scaling must be None or a dict, got {scaling!r}.")
-    scaling = dict(scaling)
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    rope_type = scaling.get("rope_type")
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"rope_scaling['rope_type'] must be one of {ROPE_TYPES}, got {rope_type!r}."
-        )
-    expected = {"rope_type", *_ROPE_KEYS[rope_type]}
-    expected |= set(scaling) & set(_ROPE_OPTIONAL.get(rope_type, ()))
-    if set(scaling) != expected:
-        raise ValueError(
-            f"rope_scaling of type {rope_type!r} must have exactly the keys "
-            f"{sorted(expected)}, got {sorted(scaling)}."
-        )
-    optional = [k for k in _ROPE_OPTIONAL.get(rope_type, ()) if k in scaling]
-    for key in (*_ROPE_KEYS[rope_type], *optional):
-        if key == "original_max_position_embeddings":
-            check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
-        elif key == "truncate":
-            if not isinstance(scaling[key], bool):
-                raise TypeError(f"rope_scaling['truncate'] must be a bool, got {scaling[key]!r}.")
-        else:
-            check_positive_float(scaling[key], f"rope_scaling[{key!r}]")
-    if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-        raise ValueError(
-            "rope_scaling['high_freq_factor'] must be > rope_scaling['low_freq_factor'], got "
-            f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}."
-        )
-    return scaling

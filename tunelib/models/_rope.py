@@ -8,6 +8,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tunelib.models._deepseek_config import check_positive_float, check_positive_int
+
+# The parameters of each RoPE type that `DecoderConfig.rope_scaling` holds besides its
+# `rope_type`, named as transformers names them in `rope_parameters`. `tunelib.formats` reads
+# a `config.json` into these, filling in those transformers derives when they are left out.
+ROPE_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ),
+    "proportional": ("factor", "partial_rotary_factor"),
+    "yarn": (
+        "factor",
+        "beta_fast",
+        "beta_slow",
+        "original_max_position_embeddings",
+        "truncate",
+        "attention_factor",
+        "mscale_all_dim",
+    ),
+}
+# The parameters `rope_scaling` may leave out: only multi-head latent attention reads YaRN's
+# `mscale_all_dim` (its softmax scale, as DeepSeek-V3 computes it).
+_OPTIONAL = frozenset({"mscale_all_dim"})
+
 
 def rope_frequencies(
     head_dim: int, *, theta: float | int, scaling: Mapping[str, Any] | None = None
@@ -129,6 +157,48 @@ def _yarn_frequencies(
         high += 0.001
     ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0.0, 1.0)
     return ramp * omega / float(scaling["factor"]) + (1 - ramp) * omega
+
+
+def checked_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of `DecoderConfig.rope_scaling` with its keys (`ROPE_PARAMETERS`) and values
+    checked, the legacy key `"type"` renamed `"rope_type"`."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"rope_scaling must be None or a dict, got {scaling!r}.")
+    scaling = dict(scaling)
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    rope_type = scaling.get("rope_type")
+    if rope_type not in ROPE_PARAMETERS:
+        raise ValueError(
+            f"rope_scaling['rope_type'] must be one of {tuple(ROPE_PARAMETERS)}, got {rope_type!r}."
+        )
+    keys = [k for k in ROPE_PARAMETERS[rope_type] if k in scaling or k not in _OPTIONAL]
+    if set(scaling) != {"rope_type", *keys}:
+        raise ValueError(
+            f"rope_scaling of type {rope_type!r} must have exactly the keys "
+            f"{sorted({'rope_type', *keys})}, got {sorted(scaling)}."
+        )
+    for key in keys:
+        if key == "original_max_position_embeddings":
+            check_positive_int(scaling[key], f"rope_scaling[{key!r}]")
+        elif key == "truncate":
+            if not isinstance(scaling[key], bool):
+                raise TypeError(f"rope_scaling['truncate'] must be a bool, got {scaling[key]!r}.")
+        else:
+            check_positive_float(scaling[key], f"rope_scaling[{key!r}]")
+    if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(
+            "rope_scaling['high_freq_factor'] must be > rope_scaling['low_freq_factor'], got "
+            f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}."
+        )
+    if rope_type == "proportional" and not scaling["partial_rotary_factor"] <= 1:
+        raise ValueError(
+            "rope_scaling['partial_rotary_factor'] must be in (0, 1], got "
+            f"{scaling['partial_rotary_factor']}."
+        )
+    return scaling
 
 
 def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
