@@ -23,6 +23,7 @@ above.
 """
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Literal
@@ -84,19 +85,12 @@ class DistillConfig(Run, Task, RLEvaluation):
             model_folder(self.teacher, "--teacher")
 
 
-def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
+def teacher_and_baseline(config: DistillConfig, run: kit.runs.RunFolder) -> tuple:
+    """The teacher's folder, trained first if absent, and the SFT baseline of the same budget
+    (not for --plan, which writes nothing), each in its own process, before this one opens
+    its devices: `(folder, chained seconds, the baseline's result or None)`."""
+    from kit import chain
 
-    from tunelib import logprobs, losses, rollout
-    from tunelib.data import CharTokenizer
-
-    from kit import chain, data, evaluate, goodput, loop, models, optim, parallel, watch
-
-    # The teacher, and the SFT baseline of the same budget (not for --plan, which writes
-    # nothing), trained first if absent: before this process opens its devices.
     teacher_flags = chain.sft_flags(
         config, num_train=config.teacher_demonstrations, steps=config.teacher_steps,
         model_size="base",
@@ -105,15 +99,98 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         config.teacher, kit.runs.default_out("teacher", config.seed), teacher_flags,
         what="teacher",
     )  # fmt: skip
-    chained = {"teacher_seconds": teacher_seconds}
+    chained, baseline = {"teacher_seconds": teacher_seconds}, None
     if not (config.no_baseline or config.plan):
         chained["baseline_seconds"], baseline = chain.baseline(run, config, model_size="student")
+    return folder, chained, baseline
+
+
+def distill_objective(
+    params, batch, teacher_params, *, student_graphdef, teacher_graphdef, divergence, mix,
+    temperature, soft_weight, implementation="auto",
+):  # fmt: skip
+    """The token mean of the soft term (`divergence` between the student's and the teacher's
+    next-token distributions at `temperature`, times temperature squared) mixed with the hard
+    one (the NLL of the labels) at `soft_weight`; the divergence alone on the student's own
+    samples (`batch["sampled"]`), which have no labels. The two terms' means as metrics."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tunelib import logprobs, losses
+
+    teacher_model = nnx.merge(teacher_graphdef, teacher_params)
+    teacher_hidden = jax.lax.stop_gradient(
+        teacher_model(batch["tokens"], where=batch["attention_where"])
+    )
+    model = nnx.merge(student_graphdef, params)
+    hidden = model(batch["tokens"], where=batch["attention_where"])
+    # tau^2 keeps the soft term's gradients on the scale of the hard one (Hinton et al.).
+    soft = temperature**2 * logprobs.fused_divergence(
+        hidden, model.unembedding(), teacher_hidden, teacher_model.unembedding(),
+        divergence=divergence, mix=mix, temperature=temperature,
+        student_softcap=model.config.final_logit_softcapping,
+        teacher_softcap=teacher_model.config.final_logit_softcapping, where=batch["where"],
+    )  # fmt: skip
+    hard = -logprobs.fused_token_logps(
+        hidden, model.unembedding(), batch["targets"], where=batch["where"],
+        softcap=model.config.final_logit_softcapping, implementation=implementation,
+    )  # fmt: skip
+
+    def mean(x):
+        return losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()
+
+    # On the student's own samples there are no labels: the divergence alone (GKD).
+    weight = jnp.where(batch["sampled"], 1.0, soft_weight)
+    per_token = weight * soft + (1 - weight) * hard
+    return mean(per_token), {"soft": mean(soft), "hard": mean(hard)}
+
+
+def student_rows(params, rows, key, *, graphdef, sampling, prompt_length: int):
+    """The batch's prompts, each followed by a completion the student samples."""
+    from tunelib import rollout
+
+    from kit import data
+
+    prompts = data.prompts_of_rows(rows, prompt_length)
+    out = rollout.sample(graphdef, params, *prompts, key, sampling)
+    return data.sequences_of_completions(*prompts, out.tokens, out.where)
+
+
+def train_step(state, rows, *, update, sample, teacher_params, on_policy: float):
+    """One update on the batch's rows, or on the student's own completions of their prompts
+    at the `on_policy` share of the steps (step t samples when it completes another whole
+    sample: floor((t + 1) L) > floor(t L))."""
+    import jax
+    import jax.numpy as jnp
+
+    from kit import goodput, loop
+
+    rng, sample_key = loop.step_keys(state["rng"], "rollouts")
+    t = int(state["step"])
+    sampled = math.floor((t + 1) * on_policy) > math.floor(t * on_policy)
+    if sampled:
+        with goodput.phase("rollout"):
+            rows = jax.block_until_ready(sample(state["params"], rows, sample_key))
+    state = {**state, "rng": rng, "step": state["step"] + 1}
+    state, out = update(state, {**rows, "sampled": jnp.asarray(sampled)}, teacher_params)
+    return state, {**out, "on_policy": float(sampled)}
+
+
+def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
+    import jax
+    import numpy as np
+
+    from tunelib.data import CharTokenizer
+
+    from kit import data, evaluate, loop, models, optim, parallel, watch
+
+    folder, chained, baseline = teacher_and_baseline(config, run)
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
     teacher = models.replicated(models.load_model(folder), placement)
     student = models.new_model(CharTokenizer(), "student", config.seed)
-    student = models.with_remat(student, config.remat)
-    student = models.replicated(student, placement)
+    student = models.replicated(models.with_remat(student, config.remat), placement)
     task = data.load_task(config, "sft", teacher.tokenizer, num_train=config.num_prompts)
     vocab_size = student.config.vocab_size
 
@@ -125,55 +202,23 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     transfer = [{**r, "completion": a} for r, a in zip(task.train, answers, strict=True) if a]
     task = dataclasses.replace(task, train=transfer)
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
-
-    def loss_fn(params, batch, teacher_params):
-        teacher_model = nnx.merge(teacher.graphdef, teacher_params)
-        teacher_hidden = jax.lax.stop_gradient(
-            teacher_model(batch["tokens"], where=batch["attention_where"])
-        )
-        model = nnx.merge(student.graphdef, params)
-        hidden = model(batch["tokens"], where=batch["attention_where"])
-        # tau^2 keeps the soft term's gradients on the scale of the hard one (Hinton et al.).
-        soft = config.temperature**2 * logprobs.fused_divergence(
-            hidden, model.unembedding(), teacher_hidden, teacher_model.unembedding(),
-            divergence=config.divergence, mix=config.mix, temperature=config.temperature,
-            student_softcap=model.config.final_logit_softcapping,
-            teacher_softcap=teacher_model.config.final_logit_softcapping, where=batch["where"],
-        )  # fmt: skip
-        hard = -logprobs.fused_token_logps(
-            hidden, model.unembedding(), batch["targets"], where=batch["where"],
-            softcap=model.config.final_logit_softcapping, implementation=config.logprobs,
-        )  # fmt: skip
-
-        def mean(x):
-            return losses.aggregate(x, mode="token_mean", where=batch["where"]).mean()
-
-        # On the student's own samples there are no labels: the divergence alone (GKD).
-        soft_weight = jnp.where(batch["sampled"], 1.0, config.soft_weight)
-        per_token = soft_weight * soft + (1 - soft_weight) * hard
-        return mean(per_token), {"soft": mean(soft), "hard": mean(hard)}
-
+    loss_fn = functools.partial(
+        distill_objective, student_graphdef=student.graphdef, teacher_graphdef=teacher.graphdef,
+        divergence=config.divergence, mix=config.mix, temperature=config.temperature,
+        soft_weight=config.soft_weight, implementation=config.logprobs,
+    )  # fmt: skip
     update = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
     sampling = dataclasses.replace(sampling, temperature=config.sample_temperature)
-
-    @jax.jit
-    def student_rows(params, rows, key):
-        """The batch's prompts, each followed by a completion the student samples."""
-        prompts = data.prompts_of_rows(rows, task.prompt_length)
-        out = rollout.sample(student.graphdef, params, *prompts, key, sampling)
-        return data.sequences_of_completions(*prompts, out.tokens, out.where)
-
-    def train_step(state, rows):
-        rng, sample_key = loop.step_keys(state["rng"], "rollouts")
-        # Step t samples when it completes another whole sample: floor((t + 1) L) > floor(t L).
-        t, share = int(state["step"]), config.on_policy
-        sampled = math.floor((t + 1) * share) > math.floor(t * share)
-        if sampled:
-            with goodput.phase("rollout"):
-                rows = jax.block_until_ready(student_rows(state["params"], rows, sample_key))
-        state = {**state, "rng": rng, "step": state["step"] + 1}
-        state, out = update(state, {**rows, "sampled": jnp.asarray(sampled)}, teacher.params)
-        return state, {**out, "on_policy": float(sampled)}
+    sample = jax.jit(
+        functools.partial(
+            student_rows, graphdef=student.graphdef, sampling=sampling,
+            prompt_length=task.prompt_length,
+        )
+    )  # fmt: skip
+    step_fn = functools.partial(
+        train_step, update=update, sample=sample, teacher_params=teacher.params,
+        on_policy=config.on_policy,
+    )  # fmt: skip
 
     # Greedy accuracy, and with --eval-samples k the student's k samples at
     # --sample-temperature: pass@1, pass@k, maj@k, entropy and diversity (kit.evaluate).
@@ -189,11 +234,10 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     def pieces(state, rows):  # a step's jitted parts, for --plan and --device-memory
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-        sampled = jax.ShapeDtypeStruct((), bool)
-        batch = {**rows, "sampled": sampled}
+        batch = {**rows, "sampled": jax.ShapeDtypeStruct((), bool)}
         out = {"update": kit.plan.Piece(update, (state, batch, teacher.params), (1,))}
         if config.on_policy:
-            out["rollout"] = kit.plan.Piece(student_rows, (state["params"], rows, key), (1,))
+            out["rollout"] = kit.plan.Piece(sample, (state["params"], rows, key), (1,))
         return out
 
     state = loop.initial_state(student.params, optimizer, config.seed, placement)
@@ -201,40 +245,39 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     batches = data.batches(task, config, placement, kind="sft")
     # --plan and --device-memory: the step's parts compiled for the first batch, never run.
     planned = kit.plan.check(
-        config, placement, state=state, batches=batches, step_fn=train_step, pieces=pieces
+        config, placement, state=state, batches=batches, step_fn=step_fn, pieces=pieces
     )
     if planned is not None:
         return planned
 
     with loop.Steps(run, config, placement, state, batches) as steps:
         state = steps.state  # the last checkpoint's, with --resume
+
+        def evaluated(step):  # with the collapse guard and --keep-best
+            out = steps.evaluate(evaluate_fn, state["params"])
+            with steps.phase("eval"):
+                watcher(step, out, state)
+            return out
+
         if steps.fresh:  # the start model, evaluated as step 0
-            evaluated = steps.evaluate(evaluate_fn, state["params"])
-            with steps.phase("eval"):  # the collapse guard, --keep-best
-                watcher(0, evaluated, state)
-            steps.log_start(evaluated)
+            steps.log_start(evaluated(0))
         for step in steps:
-            state, metrics = steps.step(train_step, state, steps.next_batch())
+            state, metrics = steps.step(step_fn, state, steps.next_batch())
             if steps.evaluation_due(step):
-                evaluated = steps.evaluate(evaluate_fn, state["params"])
-                with steps.phase("eval"):  # the collapse guard, --keep-best
-                    watcher(step, evaluated, state)
-                metrics |= evaluated
+                metrics |= evaluated(step)
             steps.done(step, state, metrics)
     models.save_model(run.path / "model", student, state["params"])
     before, after = loop.first_and_last(run, "accuracy")
+    teacher_accuracy = evaluate.accuracy(
+        teacher.graphdef, teacher.params, task, vocab_size, placement
+    )
     headline = {
-        "divergence": config.divergence,
-        "teacher_accuracy": evaluate.accuracy(
-            teacher.graphdef, teacher.params, task, vocab_size, placement
-        ),
-        "accuracy_before": before,
-        "accuracy_after": after,
-        **evaluate.paired_headline(run),
+        "divergence": config.divergence, "teacher_accuracy": teacher_accuracy,
+        "accuracy_before": before, "accuracy_after": after, **evaluate.paired_headline(run),
         **loop.before_and_after(run, *evaluate.SAMPLED),  # with --eval-samples
         **(best.headline() if best else {}),
-    }
-    if "baseline_seconds" in chained:
+    }  # fmt: skip
+    if baseline is not None:
         headline["sft_accuracy_after"] = baseline["accuracy_after"]
     return loop.finish(run, config, headline, chained=chained)
 
