@@ -10,7 +10,7 @@ import pytest
 
 from tests._helpers import raises_naming
 from tests._hf import hf_modules, tiny_gemma4_vlm
-from tunelib.formats import load_hf_vision_language, save_hf_vision_language
+from tunelib.formats import LoadOptions, load_hf_vision_language, save_hf_vision_language
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,22 @@ def test_transformers_reloads_our_save(checkpoint, tmp_path):
     again = load_hf_vision_language(saved)
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(loaded.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_load_options_or_keywords_and_the_default_placement(checkpoint):
+    _, directory = checkpoint
+    options = LoadOptions(param_dtype="float16", remat=True)
+    by_options = load_hf_vision_language(directory, options)
+    by_keywords = load_hf_vision_language(directory, param_dtype="float16", remat=True)
+    assert by_options.config == by_keywords.config and by_options.config.remat
+    assert by_options.vision_config == by_keywords.vision_config
+    assert by_options.vision_config.param_dtype == "float16"
+    for a, b in zip(*(jax.tree.leaves(c.params) for c in (by_options, by_keywords)), strict=True):
+        assert a.dtype == b.dtype == np.float16
+        np.testing.assert_array_equal(a, b)
+    mesh = jax.make_mesh((1,), ("model",), devices=jax.devices()[:1])
+    with raises_naming("mesh", "default device"):
+        load_hf_vision_language(directory, options, mesh=mesh)
 
 
 def test_every_top_level_config_field_is_known():

@@ -1,5 +1,7 @@
 """One `LoadOptions` for every loader: `load_hf_checkpoint`, `load_gguf` and `peft.gguf_base`
-load the same model from it as from the same keyword arguments, and refuse both at once."""
+load the same model from it as from the same keyword arguments, a keyword argument replaces
+that field of the options, and one that is not a field is an error naming it.
+(`load_hf_vision_language`'s are in `test_hf_vision_language`.)"""
 
 import dataclasses
 
@@ -71,15 +73,19 @@ def test_gguf_base_refuses_shardings(gguf_file):
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with pytest.raises(ValueError, match="shardings must be None"):
         peft.gguf_base(gguf_file, LoadOptions(shardings={"embed_tokens": device}))
+    with pytest.raises(ValueError, match="shardings must be None"):
+        peft.gguf_base(gguf_file, shardings={"embed_tokens": device})
 
 
 @pytest.mark.parametrize(
     "load", [load_hf_checkpoint, load_gguf, peft.gguf_base], ids=lambda f: f.__name__
 )
-def test_options_and_a_keyword_at_once_is_an_error(load, checkpoint, gguf_file):
+def test_a_keyword_replaces_that_option_and_an_unknown_one_is_named(load, checkpoint, gguf_file):
     source = checkpoint if load is load_hf_checkpoint else gguf_file
-    with pytest.raises(TypeError, match="not both; got options and remat, scan_layers"):
-        load(source, LoadOptions(), scan_layers=True, remat=True)
+    both = load(source, LoadOptions(scan_layers=True, remat=True), remat=False)
+    assert both.config.scan_layers and not both.config.remat
+    with pytest.raises(TypeError, match=r"\['scan_layer'\]; the load options are \['dtype'"):
+        load(source, scan_layer=True)
     with pytest.raises(TypeError, match="options"):  # ours, or the runtime type check's
         load(source, {"scan_layers": True})
 
@@ -89,5 +95,8 @@ def test_load_options_are_frozen_and_keyword_only():
         OPTIONS.scan_layers = False
     with pytest.raises(TypeError):
         LoadOptions("float32")
-    # A keyword equal to its default is no conflict: the options are returned as they are.
-    assert LoadOptions.from_arguments(OPTIONS, dtype="float32", mesh=None) is OPTIONS
+    assert LoadOptions.from_arguments(OPTIONS) is OPTIONS
+    assert LoadOptions.from_arguments(OPTIONS, dtype="float32") == dataclasses.replace(
+        OPTIONS, dtype="float32"
+    )
+    assert LoadOptions.from_arguments(None, **KEYWORDS) == OPTIONS

@@ -4,13 +4,11 @@ into a Hugging Face checkpoint folder that `load_hf_checkpoint` and every `--mod
 
 import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
-from jaxtyping import PyTree
 
 from tunelib.formats._gguf_layout import (
     CONFIG_KEYS,
@@ -25,7 +23,6 @@ from tunelib.formats._hf_checkpoint import HFCheckpoint, load_tensors, write_che
 from tunelib.formats._hf_config import ARCHITECTURES
 from tunelib.formats._load_options import LoadOptions
 from tunelib.formats._safetensors import TensorToWrite
-from tunelib.models import TENSOR_PARALLEL_RULES
 
 # Keys read and checked rather than copied.
 _CHECKED_KEYS = ("rope.dimension_count", "attention.value_length", "rope.scaling.type")
@@ -272,16 +269,7 @@ class _DequantisedTensors:
 
 
 def load_gguf(
-    path: str | os.PathLike,
-    options: LoadOptions | None = None,
-    *,
-    dtype: str = "float32",
-    param_dtype: str = "float32",
-    scan_layers: bool = False,
-    remat: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    rules: Sequence[tuple[str, str | None]] = TENSOR_PARALLEL_RULES,
-    shardings: PyTree[jax.sharding.Sharding] | None = None,
+    path: str | os.PathLike, options: LoadOptions | None = None, **keywords: Any
 ) -> HFCheckpoint:
     """Load a GGUF model file (Llama, Qwen2 or Qwen3; see `read_gguf`) into the decoder.
 
@@ -293,17 +281,9 @@ def load_gguf(
 
     Args:
       path: the `.gguf` file.
-      options: every option below in one `LoadOptions`, instead of the keyword arguments.
-      dtype: the compute dtype (see `DecoderConfig.dtype`).
-      param_dtype: the dtype the parameters are created in.
-      scan_layers: stack the layers (`DecoderConfig.scan_layers`).
-      remat: rematerialise each layer in the backward pass.
-      mesh: shard every parameter over this mesh by its logical axis names and `rules`, as
-        `load_hf_checkpoint` does; None (and no `shardings`) puts every parameter on the
-        default device.
-      rules: the logical-name-to-mesh-axis rules used with `mesh`.
-      shardings: instead of `mesh`, a pure dict of `jax.sharding.Sharding` with the
-        structure of the parameters.
+      options: how to load it (`LoadOptions`, as for `load_hf_checkpoint`); None means its
+        defaults.
+      **keywords: fields of `LoadOptions` by name, replacing those of `options`.
 
     Returns:
       An `HFCheckpoint` whose `hf_config` is the equivalent `config.json`.
@@ -311,6 +291,7 @@ def load_gguf(
     Raises:
       FileNotFoundError: the file does not exist.
       ValueError: as `read_gguf`, and naming the tensor for one missing from the file.
+      TypeError: for a keyword argument that is not a field of `LoadOptions`.
 
     Examples:
       >>> import tempfile
@@ -329,10 +310,7 @@ def load_gguf(
       >>> bool(np.array_equal(kernel, params["layers"][1]["self_attn"]["q_proj"]["kernel"][...]))
       True
     """
-    options = LoadOptions.from_arguments(
-        options, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
-        mesh=mesh, rules=rules, shardings=shardings,
-    )  # fmt: skip
+    options = LoadOptions.from_arguments(options, **keywords)
     model = read_gguf(path)
     return load_tensors(_DequantisedTensors(model), model.hf_config, options)
 

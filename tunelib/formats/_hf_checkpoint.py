@@ -27,7 +27,6 @@ from tunelib.formats._safetensors import (
     write_tensors,
 )
 from tunelib.models import (
-    TENSOR_PARALLEL_RULES,
     Decoder,
     DecoderConfig,
     hf_module_name,
@@ -151,16 +150,7 @@ _BARE = re.compile(
 
 
 def load_hf_checkpoint(
-    directory: str | os.PathLike,
-    options: LoadOptions | None = None,
-    *,
-    dtype: str = "float32",
-    param_dtype: str = "float32",
-    scan_layers: bool = False,
-    remat: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    rules: Sequence[tuple[str, str | None]] = TENSOR_PARALLEL_RULES,
-    shardings: PyTree[jax.sharding.Sharding] | None = None,
+    directory: str | os.PathLike, options: LoadOptions | None = None, **keywords: Any
 ) -> HFCheckpoint:
     """Load a Hugging Face checkpoint of a supported family (`MODEL_TYPES`) into the decoder.
 
@@ -178,17 +168,10 @@ def load_hf_checkpoint(
 
     Args:
       directory: the checkpoint directory.
-      options: every option below in one `LoadOptions`, instead of the keyword arguments.
-      dtype: the compute dtype (see `DecoderConfig.dtype`).
-      param_dtype: the dtype the parameters are created in.
-      scan_layers: stack the layers (`DecoderConfig.scan_layers`).
-      remat: rematerialise each layer in the backward pass.
-      mesh: shard every parameter over this mesh by its logical axis names and `rules`
-        (`tunelib.models.param_shardings`). None (and no `shardings`) puts every parameter
-        on the default device.
-      rules: the logical-name-to-mesh-axis rules used with `mesh`.
-      shardings: instead of `mesh`, a pure dict of `jax.sharding.Sharding` with the
-        structure of the parameters.
+      options: how to load it (`LoadOptions`: the dtypes, `scan_layers`, `remat` and the
+        placement, by `mesh` and `rules` or by `shardings`); None means its defaults.
+      **keywords: fields of `LoadOptions` by name (`scan_layers=True`), replacing those of
+        `options`.
 
     Returns:
       An `HFCheckpoint` `(graphdef, params, config, hf_config)`.
@@ -198,6 +181,7 @@ def load_hf_checkpoint(
       ValueError: naming the field or tensor, for an unsupported config, tensors missing,
         unexpected or of the wrong shape, a non-float tensor, or `shardings` that do not
         match the parameters.
+      TypeError: for a keyword argument that is not a field of `LoadOptions`.
 
     Examples:
       Write a tiny checkpoint of our own and load it back sharded over 2 devices:
@@ -225,10 +209,7 @@ def load_hf_checkpoint(
     if not config_path.exists():
         raise FileNotFoundError(f"{directory} has no config.json.")
     hf_config = json.loads(config_path.read_text())
-    options = LoadOptions.from_arguments(
-        options, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
-        mesh=mesh, rules=rules, shardings=shardings,
-    )  # fmt: skip
+    options = LoadOptions.from_arguments(options, **keywords)
     with TensorFiles(directory) as files:
         return load_tensors(files, hf_config, options)
 

@@ -134,12 +134,7 @@ class _LanguageModelTensors:
 
 
 def load_hf_vision_language(
-    directory: str | os.PathLike,
-    *,
-    dtype: str = "float32",
-    param_dtype: str = "float32",
-    scan_layers: bool = False,
-    remat: bool = False,
+    directory: str | os.PathLike, options: LoadOptions | None = None, **keywords: Any
 ) -> HFVisionLanguage:
     """Load a Hugging Face Gemma 4 (`model_type` "gemma4") or Qwen3.5 ("qwen3_5")
     vision-language checkpoint.
@@ -157,18 +152,26 @@ def load_hf_vision_language(
 
     Args:
       directory: the checkpoint directory (`config.json` and safetensors).
-      dtype: the compute dtype of both models.
-      param_dtype: the dtype the parameters are created in.
-      scan_layers: stack the language model's layers.
-      remat: rematerialise each language-model layer in the backward pass.
+      options: how to load it (`LoadOptions`; None means its defaults): the dtypes are both
+        models', `scan_layers` and `remat` the language model's; its placement must be the
+        default one (no `mesh`, no `shardings`).
+      **keywords: fields of `LoadOptions` by name, replacing those of `options`.
 
     Returns:
       An `HFVisionLanguage` `(graphdef, params, config, vision_config, hf_config)`.
 
     Raises:
       FileNotFoundError: without `config.json` or safetensors weights.
-      ValueError: naming the field or tensor the model cannot reproduce or account for.
+      ValueError: naming the field or tensor the model cannot reproduce or account for, or
+        a `mesh` or `shardings` option.
+      TypeError: for a keyword argument that is not a field of `LoadOptions`.
     """
+    options = LoadOptions.from_arguments(options, **keywords)
+    if options.mesh is not None or options.shardings is not None:
+        raise ValueError(
+            "load_hf_vision_language places the parameters on the default device; mesh and "
+            "shardings must be None."
+        )
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.exists():
@@ -183,10 +186,8 @@ def load_hf_vision_language(
     if unknown:
         raise ValueError(f"config.json: vision_config fields {unknown} are not supported.")
     read_vision = qwen_vision_config_from_hf if qwen else vision_config_from_hf
-    vision = read_vision(vision_hf, dtype=dtype, param_dtype=param_dtype)
+    vision = read_vision(vision_hf, dtype=options.dtype, param_dtype=options.param_dtype)
     family = _QWEN if qwen else _GEMMA4
-    options = LoadOptions(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers,
-                          remat=remat)  # fmt: skip
     with TensorFiles(directory) as files:
         text = load_tensors(_LanguageModelTensors(files), text_hf, options)
         config = text.config
@@ -206,7 +207,7 @@ def load_hf_vision_language(
         abstract = nnx.to_pure_dict(state)
         params = {"language_model": text.params}
         for part in family.parts:
-            params[part] = _read_part(files, abstract[part], (part,), param_dtype, family)
+            params[part] = _read_part(files, abstract[part], (part,), options.param_dtype, family)
         leftover = sorted(
             name
             for name in files.names()

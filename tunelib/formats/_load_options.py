@@ -12,11 +12,13 @@ from tunelib.models import TENSOR_PARALLEL_RULES
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoadOptions:
-    """The options of `load_hf_checkpoint`, `load_gguf` and `tunelib.peft.gguf_base`.
+    """The options of `load_hf_checkpoint`, `load_gguf`, `load_hf_vision_language` and
+    `tunelib.peft.gguf_base`.
 
-    Each loader takes either a `LoadOptions` (its second argument, `options`) or the same
-    fields as keyword arguments, so one value describes how a model is loaded whatever its
-    file format.
+    Each loader takes a `LoadOptions` as its second argument (`options`), its fields as
+    keyword arguments, or both (a keyword argument then replaces that field of `options`):
+    the options are declared here alone, and one value describes how a model is loaded
+    whatever its file format.
 
     Attributes:
       dtype: the compute dtype (see `DecoderConfig.dtype`).
@@ -37,7 +39,9 @@ class LoadOptions:
       ('float32', 'bfloat16', True)
       >>> LoadOptions.from_arguments(None, scan_layers=True) == LoadOptions(scan_layers=True)
       True
-      >>> LoadOptions.from_arguments(options, scan_layers=False) is options
+      >>> LoadOptions.from_arguments(options, dtype="bfloat16").dtype
+      'bfloat16'
+      >>> LoadOptions.from_arguments(options) is options
       True
     """
 
@@ -51,34 +55,25 @@ class LoadOptions:
 
     @classmethod
     def from_arguments(cls, options: "LoadOptions | None", **keywords: Any) -> "LoadOptions":
-        """The options a loader was called with: `options`, or else its keyword arguments.
+        """The options a loader was called with: `options` (None: the defaults) with the
+        fields its keyword arguments name replaced.
 
         Args:
           options: the `LoadOptions` passed, or None.
-          **keywords: the loader's keyword arguments of the same names.
+          **keywords: the loader's keyword arguments, each a field of `LoadOptions`.
 
         Raises:
-          TypeError: when `options` is given together with a keyword argument that differs
-            from its default (the call would say two things).
+          TypeError: when `options` is not a `LoadOptions`, or a keyword argument is not one
+            of its fields (naming it and the fields).
         """
+        if options is not None and not isinstance(options, LoadOptions):
+            raise TypeError(f"options must be a LoadOptions, got {type(options).__name__}.")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(keywords) - set(fields))
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword arguments {unknown}; the load options are {fields}."
+            )
         if options is None:
             return cls(**keywords)
-        if not isinstance(options, LoadOptions):
-            raise TypeError(f"options must be a LoadOptions, got {type(options).__name__}.")
-        defaults = cls()
-        changed = sorted(
-            name for name, value in keywords.items() if not _same(value, getattr(defaults, name))
-        )
-        if changed:
-            raise TypeError(
-                f"pass the load options either as options= or as keyword arguments, not both; "
-                f"got options and {', '.join(changed)}."
-            )
-        return options
-
-
-def _same(value: Any, default: Any) -> bool:
-    """Whether a keyword argument is its default (defaults are None or plain values)."""
-    if default is None or value is None:
-        return value is default
-    return type(value) is type(default) and value == default
+        return dataclasses.replace(options, **keywords) if keywords else options

@@ -39,7 +39,6 @@ from tunelib.formats import (
 )
 from tunelib.models import (
     PROJECTION_KERNELS,
-    TENSOR_PARALLEL_RULES,
     Decoder,
     hf_module_name,
     param_shardings,
@@ -338,12 +337,7 @@ def gguf_base(
     options: LoadOptions | None = None,
     *,
     patterns: Sequence[str] = (PROJECTION_KERNELS,),
-    dtype: str = "float32",
-    param_dtype: str = "float32",
-    scan_layers: bool = False,
-    remat: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    rules: Sequence[tuple[str, str | None]] = TENSOR_PARALLEL_RULES,
+    **keywords: Any,
 ) -> HFCheckpoint:
     """A GGUF model as the decoder's parameters, its quantised blocks kept as a QLoRA base.
 
@@ -366,16 +360,12 @@ def gguf_base(
         weights to keep quantised: the projections (`PROJECTION_KERNELS`) by default; add
         `"embed_tokens/embedding"` to keep the token embedding (and, when tied, the
         unembedding) too.
-      options: the options below in one `tunelib.formats.LoadOptions` (its `shardings`
-        must be None), instead of the keyword arguments.
-      dtype: the compute dtype (`DecoderConfig.dtype`).
-      param_dtype: the dtype of the dense parameters and of the kept tensors' values.
-      scan_layers: stack the layers (`DecoderConfig.scan_layers`); each kept weight's
-        blocks are stacked too, so every layer's must be of one type.
-      remat: rematerialise each layer in the backward pass.
-      mesh: shard every parameter over this mesh by its logical axis names and `rules`
-        (`tunelib.models.param_shardings`); None puts them on the default device.
-      rules: the logical-name-to-mesh-axis rules used with `mesh`.
+      options: how to load it (`tunelib.formats.LoadOptions`; None means its defaults):
+        `param_dtype` is the dtype of the dense parameters and of the kept tensors' values;
+        with `scan_layers` each kept weight's blocks are stacked too, so every layer's must
+        be of one type; the parameters are placed by `mesh` and `rules` (`shardings` must
+        be None).
+      **keywords: fields of `LoadOptions` by name, replacing those of `options`.
 
     Returns:
       An `HFCheckpoint` `(graphdef, params, config, hf_config)` (`params` with `GGMLTensor`
@@ -384,7 +374,8 @@ def gguf_base(
     Raises:
       ValueError: naming the tensor, for a selected weight of another quantised type (K
         quants, Q5_0, ...), stacked layers of different types, a tensor missing from the file,
-        unexpected or of the wrong shape, or a pattern that selects nothing.
+        unexpected or of the wrong shape, a pattern that selects nothing, or `shardings`.
+      TypeError: for a keyword argument that is not a field of `LoadOptions`.
 
     Examples:
       >>> import tempfile, gguf, jax, jax.numpy as jnp, numpy as np
@@ -422,10 +413,7 @@ def gguf_base(
       >>> print(hidden.shape, bool(jnp.allclose(hidden, dense, atol=1e-5)))
       (1, 3, 64) True
     """
-    options = LoadOptions.from_arguments(
-        options, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers, remat=remat,
-        mesh=mesh, rules=rules,
-    )  # fmt: skip
+    options = LoadOptions.from_arguments(options, **keywords)
     if options.shardings is not None:
         raise ValueError("gguf_base places the parameters by options.mesh; shardings must be None.")
     if not isinstance(model, GGUFModel):
