@@ -9,8 +9,9 @@ Qwen3-MoE, Gemma 2, Gemma 3, Gemma 4 and gpt-oss families into and out of `tunel
 `convert_gguf` and `save_gguf` read, load, convert and write llama.cpp's GGUF files, and
 `gguf_tokenizer` builds a file's tokenizer (`gguf_tokenizer_metadata` gives a tokenizer's
 GGUF metadata back). Every loader takes one `LoadOptions` (dtypes, stacked layers, remat,
-placement), its fields as keyword arguments, or both (a keyword argument replaces that field). `write_peft_lora` and `read_peft_lora`
-write and read Hugging Face PEFT LoRA adapters as factor matrices per module.
+placement), its fields as keyword arguments, or both (a keyword argument replaces that
+field). `write_peft_lora` and `read_peft_lora` write and read Hugging Face PEFT LoRA adapters
+as factor matrices per module.
 `tunelib.peft` builds on this package: `export_peft` / `import_peft` map a model's adapters to
 PEFT's modules, and `gguf_base` keeps a GGUF file's quantised blocks as a QLoRA base.
 """
