@@ -20,12 +20,7 @@ from tests._hf import (
 )
 from tunelib.data import expand_image_tokens, qwen_vl_image_inputs
 from tunelib.formats import load_hf_vision_language, save_hf_vision_language
-from tunelib.formats._hf_qwen_vision import (
-    QWEN_VISION_CHECKED,
-    QWEN_VISION_READ,
-    qwen_vision_config_from_hf,
-    unknown_qwen_vision_fields,
-)
+from tunelib.formats._hf_qwen_vision import QWEN_VISION, qwen_vision_config_from_hf
 from tunelib.models import QwenVisionConfig
 from tunelib.rollout import SamplingConfig, completion_logps, sample
 
@@ -64,9 +59,9 @@ def image_prompt(text: list[int], counts: list[int]) -> np.ndarray:
 def test_every_vision_config_field_is_read_or_refused():
     _, transformers = hf_modules()
     fields = set(transformers.Qwen3_5VisionConfig.__annotations__)
-    assert fields == set(QWEN_VISION_READ) | set(QWEN_VISION_CHECKED)
-    assert unknown_qwen_vision_fields(transformers.Qwen3_5VisionConfig().to_dict()) == []
-    assert unknown_qwen_vision_fields({"depth": 2, "new_field": 1}) == ["new_field"]
+    assert fields == QWEN_VISION.named
+    assert QWEN_VISION.unknown(transformers.Qwen3_5VisionConfig().to_dict()) == []
+    assert QWEN_VISION.unknown({"depth": 2, "new_field": 1}) == ["new_field"]
     assert qwen_vision_config_from_hf(transformers.Qwen3_5VisionConfig().to_dict()) == (
         QwenVisionConfig()
     )

@@ -18,12 +18,7 @@ from tests._hf import (
 )
 from tunelib.data import expand_image_tokens, gemma4_image_inputs
 from tunelib.formats import load_hf_vision_language
-from tunelib.formats._hf_gemma4_vision import (
-    VISION_CHECKED,
-    VISION_READ,
-    unknown_vision_fields,
-    vision_config_from_hf,
-)
+from tunelib.formats._hf_gemma4_vision import GEMMA4_VISION, vision_config_from_hf
 from tunelib.models import VisionConfig
 
 
@@ -49,9 +44,10 @@ def loaded(hf_vlm, tmp_path_factory):
 def test_every_vision_config_field_is_read_or_refused():
     _, transformers = hf_modules()
     fields = set(transformers.Gemma4VisionConfig.__annotations__)
-    assert fields == set(VISION_READ) | set(VISION_CHECKED)
-    assert unknown_vision_fields(transformers.Gemma4VisionConfig().to_dict()) == []
-    assert unknown_vision_fields({"hidden_size": 8, "new_field": 1}) == ["new_field"]
+    assert fields == GEMMA4_VISION.named
+    assert GEMMA4_VISION.unknown(transformers.Gemma4VisionConfig().to_dict()) == []
+    assert GEMMA4_VISION.unknown({"hidden_size": 8, "new_field": 1}) == ["new_field"]
+    assert vision_config_from_hf(transformers.Gemma4VisionConfig().to_dict()) == VisionConfig()
     with raises_naming("rope_parameters"):
         vision_config_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 1.0}})
     with raises_naming("attention_dropout"):

@@ -1,52 +1,22 @@
 """The `vision_config` of a Hugging Face Gemma 4 checkpoint and the names of its vision weights."""
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from tunelib.formats._hf_vision_config import VisionConfigFields
 from tunelib.models import VisionConfig
 
-# transformers' `Gemma4VisionConfig` fields read into the `VisionConfig` field of the same
-# name (its other fields: `rope_theta`, from `rope_parameters`, and the dtypes).
-VISION_READ: tuple[str, ...] = tuple(
-    f.name
-    for f in dataclasses.fields(VisionConfig)
-    if f.name not in ("rope_theta", "dtype", "param_dtype")
+# transformers' `Gemma4VisionConfig`: `attention_dropout` is checked (only 0), and as in
+# transformers `attention_bias` (its projections have no bias whatever it says) and
+# `max_position_embeddings` (positions come from the patch grid) are not read.
+GEMMA4_VISION = VisionConfigFields(
+    family="Gemma 4",
+    model_type="gemma4_vision",
+    config_class=VisionConfig,
+    checked=("attention_dropout", "attention_bias", "max_position_embeddings"),
 )
-# Checked (a value the encoder cannot reproduce is refused) or, like transformers, not read:
-# `attention_bias` (its projections have no bias whatever it says) and
-# `max_position_embeddings` (positions come from the patch grid).
-VISION_CHECKED: tuple[str, ...] = (
-    "rope_parameters",
-    "attention_dropout",
-    "attention_bias",
-    "max_position_embeddings",
-)
-# The keys every transformers config carries, none of which changes the encoder's outputs.
-GENERIC_FIELDS = frozenset(
-    {
-        "model_type",
-        "dtype",
-        "torch_dtype",
-        "transformers_version",
-        "architectures",
-        "output_hidden_states",
-        "output_attentions",
-        "return_dict",
-        "chunk_size_feed_forward",
-        "is_encoder_decoder",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "_name_or_path",
-        "tie_word_embeddings",
-        "_attn_implementation_autoset",
-    }
-)
-# transformers' defaults are `VisionConfig`'s.
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(VisionConfig)}
 PREFIX = "model.vision_tower."
 EMBEDDER_PREFIX = "model.embed_vision."
 
@@ -56,43 +26,18 @@ def vision_config_from_hf(
 ) -> VisionConfig:
     """The `VisionConfig` of a Gemma 4 `vision_config` dict; a `ValueError` naming a field
     whose value the encoder cannot reproduce (a RoPE other than axial, dropout)."""
-    if not isinstance(hf, Mapping):
-        raise TypeError(f"vision_config must be a dict, got {type(hf).__name__}.")
-    rope = hf.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 100.0}
-    if rope.get("rope_type", "axial") != "axial":
-        raise ValueError(
-            f"config.json: vision_config.rope_parameters.rope_type is {rope['rope_type']!r}; "
-            "Gemma 4's vision encoder supports only 'axial'."
-        )
+    fields = GEMMA4_VISION.from_hf(hf)
     if hf.get("attention_dropout") not in (None, 0, 0.0):
         raise ValueError(
             f"config.json: vision_config.attention_dropout is {hf['attention_dropout']!r}; "
             "the encoder has no dropout, so only 0 is supported."
         )
-    fields = {name: hf.get(name, _DEFAULTS[name]) for name in VISION_READ}
-    return VisionConfig(
-        **fields,
-        rope_theta=rope.get("rope_theta", 100.0),
-        dtype=dtype,
-        param_dtype=param_dtype,
-    )
+    return VisionConfig(**fields, dtype=dtype, param_dtype=param_dtype)
 
 
 def vision_config_to_hf(config: VisionConfig) -> dict[str, Any]:
     """The `vision_config` dict of a `VisionConfig`, as transformers writes it."""
-    return {
-        "model_type": "gemma4_vision",
-        **{name: getattr(config, name) for name in VISION_READ},
-        "rope_parameters": {"rope_type": "axial", "rope_theta": config.rope_theta},
-        "attention_dropout": 0.0,
-        "attention_bias": False,
-    }
-
-
-def unknown_vision_fields(hf: Mapping[str, Any]) -> list[str]:
-    """The keys of a `vision_config` dict that are neither read, checked nor generic."""
-    known = {*VISION_READ, *VISION_CHECKED, *GENERIC_FIELDS}
-    return sorted(set(hf) - known)
+    return {**GEMMA4_VISION.to_hf(config), "attention_dropout": 0.0, "attention_bias": False}
 
 
 def vision_hf_name(path: tuple[str | int, ...]) -> tuple[str, bool]:

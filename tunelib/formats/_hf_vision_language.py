@@ -25,22 +25,21 @@ from tunelib.formats._hf_checkpoint import (
 from tunelib.formats._hf_config import config_to_hf
 from tunelib.formats._hf_gemma4_vision import (
     EMBEDDER_PREFIX,
+    GEMMA4_VISION,
     PREFIX,
     to_hf_tensor,
-    unknown_vision_fields,
     vision_config_from_hf,
     vision_config_to_hf,
     vision_hf_name,
 )
 from tunelib.formats._hf_qwen_vision import (
+    QWEN_VISION,
     QWEN_VISION_PREFIX,
     qwen_vision_config_from_hf,
-    qwen_vision_config_to_hf,
     qwen_vision_from_hf,
     qwen_vision_hf_name,
     qwen_vision_hf_shape,
     qwen_vision_to_hf,
-    unknown_qwen_vision_fields,
 )
 from tunelib.formats._load_options import LoadOptions
 from tunelib.formats._safetensors import FLOAT_DTYPES, TensorFiles, TensorToWrite
@@ -182,7 +181,7 @@ def load_hf_vision_language(
     vision_hf = hf.get("vision_config")
     if not isinstance(vision_hf, Mapping):
         raise ValueError("config.json: vision_config is missing; this is not a vision model.")
-    unknown = (unknown_qwen_vision_fields if qwen else unknown_vision_fields)(vision_hf)
+    unknown = (QWEN_VISION if qwen else GEMMA4_VISION).unknown(vision_hf)
     if unknown:
         raise ValueError(f"config.json: vision_config fields {unknown} are not supported.")
     read_vision = qwen_vision_config_from_hf if qwen else vision_config_from_hf
@@ -343,7 +342,7 @@ def save_hf_vision_language(
     text.pop("architectures", None)
     if qwen:
         family = _QWEN
-        vision = qwen_vision_config_to_hf(model.vision_config)
+        vision = QWEN_VISION.to_hf(model.vision_config)
         hf = {**base, "model_type": "qwen3_5", "architectures": [QWEN_ARCHITECTURE]}
     else:
         family = _GEMMA4
