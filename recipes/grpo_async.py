@@ -18,6 +18,7 @@ processes.
 """
 
 import dataclasses
+import functools
 
 import kit
 from kit.config import at_least, flag
@@ -52,12 +53,83 @@ class GRPOAsyncConfig(GRPOConfig):
             )
 
 
+@dataclasses.dataclass
+class Step:
+    """A step of both processes: the trainer takes the batch the sampler made (at most
+    `--max-staleness` updates old) and updates on it; then the batch the sampler made
+    meanwhile and the new weights change hands (`kit.disaggregated`)."""
+
+    trainer: bool  # this process trains (else it samples)
+    placement: object
+    tuning: object  # kit.lora.Tuning
+    learner: object  # kit.grpo.Learner
+    rollouts: object  # kit.disaggregated.Rollouts
+    batches: object  # the prompt indices of each step
+    sampler_policy: dict = dataclasses.field(default_factory=dict)  # the sampler's weights
+
+    def __call__(self, state, indices):
+        import jax
+        import numpy as np
+
+        from kit import goodput, loop
+
+        trainer, learner, rollouts = self.trainer, self.learner, self.rollouts
+        rng, _, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
+        version = int(np.asarray(state["updates"]))
+        if not self.sampler_policy:  # the run's first step, or after a restore: the same state
+            self.sampler_policy["trainable"] = state["params"]
+            if trainer:
+                learner.hand_out(version, self.tuning.policy(state["params"]))
+        policy = self.tuning.policy(self.sampler_policy["trainable"])  # adapters beside the base
+        with goodput.phase("rollout"):  # the trainer waits for a batch; the sampler samples
+            rows = rollouts.take(
+                policy, self.placement.local(indices), self.batches, state["rng"], version
+            )
+        state, out = {**state, "rng": rng, "updates": state["updates"] + 1}, {}
+        if trainer:
+            staleness = version - int(rows["version"])
+            state, out = jax.block_until_ready(
+                learner.learn(state, rows, dropout_key, version=version)
+            )
+            out["staleness"] = staleness
+        with goodput.phase("sync"):  # the next batch to the trainer, the trained part (all
+            rollouts.deliver()  # the weights, or only the adapters) to the sampler
+            trained = state["params"] if trainer else self.sampler_policy["trainable"]
+            if trainer:
+                learner.hand_out(version + 1, self.tuning.policy(trained))
+            weights, rate = rollouts.push(self.placement.fetch(trained))
+            if not trainer:
+                self.sampler_policy["trainable"] = self.placement.replicate(weights)
+        return state, {**out, "weight_push_mb_per_s": rate / 1e6} if trainer else {}
+
+
+def to_saved(state, *, rollouts, learner, both, max_staleness: int):
+    """The state as checkpointed and saved on every device of both processes, with the
+    batches in flight (sampled for the next steps, by older weights) and the versions that
+    sampled them: a resumed run trains on those, as the run that never stopped does."""
+    from kit import disaggregated
+
+    if max_staleness:
+        state = {**state, "in_flight": rollouts.in_flight(), "ledger": learner.ledger_state()}
+    return disaggregated.shared(state, both)
+
+
+def from_saved(saved, *, rollouts, learner, placement, max_staleness: int):
+    """This process's state from a checkpoint `to_saved` wrote."""
+    from kit import disaggregated
+
+    state = disaggregated.own(saved, placement)
+    if max_staleness:
+        rollouts.resume(state.pop("in_flight"))
+        learner.resume_ledger(state.pop("ledger"))
+    return state
+
+
 def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     import grain
-    import jax
     import numpy as np
 
-    from kit import chain, disaggregated, evaluate, goodput, grpo, loop, models, parallel, watch
+    from kit import chain, disaggregated, evaluate, grpo, loop, models, parallel, watch
 
     # The SFT start, trained first if absent: before this process opens its devices.
     start, sft_seconds = chain.sft_start(config)
@@ -70,7 +142,6 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         )
     trainer = disaggregated.role() == disaggregated.TRAINER
     model = chain.start_model(start, placement, remat=config.remat)
-    graphdef, vocab_size = model.graphdef, model.config.vocab_size
     # What grpo.py samples and trains with: `sample` runs on the sampler, `learner` on the
     # trainer.
     task, tuning, sampling, optimizer, sample, learner = grpo.setup(config, model, placement)
@@ -84,42 +155,11 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         config.max_staleness, sample, template=template,
         fresh_batches=lambda: iter(order.to_iter_dataset()),
     )  # fmt: skip
-    sampler_policy = {}
-
-    def train_step(state, indices):
-        """The trainer takes the batch the sampler made (at most s updates old) and updates
-        on it; then the batch the sampler made meanwhile and the new weights change hands."""
-        rng, _, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
-        version = int(np.asarray(state["updates"]))
-        if not sampler_policy:  # the first step of the run, or after a restore: the same state
-            sampler_policy["trainable"] = state["params"]
-            if trainer:
-                learner.hand_out(version, tuning.policy(state["params"]))
-        policy = tuning.policy(sampler_policy["trainable"])  # adapters beside the base
-        with goodput.phase("rollout"):  # the trainer waits for a batch; the sampler samples
-            rows = rollouts.take(
-                policy, placement.local(indices), batches, state["rng"], version
-            )  # fmt: skip
-        state, out = {**state, "rng": rng, "updates": state["updates"] + 1}, {}
-        if trainer:
-            staleness = version - int(rows["version"])
-            state, out = jax.block_until_ready(
-                learner.learn(state, rows, dropout_key, version=version)
-            )
-            out["staleness"] = staleness
-        with goodput.phase("sync"):  # the next batch to the trainer, the trained part (all
-            rollouts.deliver()  # the weights, or only the adapters) to the sampler
-            trained = state["params"] if trainer else sampler_policy["trainable"]
-            if trainer:
-                learner.hand_out(version + 1, tuning.policy(trained))
-            weights, rate = rollouts.push(placement.fetch(trained))
-            if not trainer:
-                sampler_policy["trainable"] = placement.replicate(weights)
-        return state, {**out, "weight_push_mb_per_s": rate / 1e6} if trainer else {}
-
+    train_step = Step(trainer, placement, tuning, learner, rollouts, batches)
     rl_evaluate = evaluate.for_rl(
-        config, graphdef, vocab_size, tuning.policy, task, sampling, placement, run
-    )
+        config, model.graphdef, model.config.vocab_size, tuning.policy, task, sampling,
+        placement, run,
+    )  # fmt: skip
 
     def evaluate_fn(trainable):
         if not trainer:  # the sampler's copy of the state is not the trained one
@@ -129,27 +169,16 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)
 
-    # The trainer's state is checkpointed and saved on every device of both processes, with
-    # the batches in flight (sampled for the next steps, by older weights) and the versions
-    # that sampled them: a resumed run trains on those, as the run that never stopped does.
     state = learner.initial_state(
         loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     )
     state = {**state, "updates": placement.replicate(np.int32(0))}
     both = disaggregated.everywhere()
-
-    def to_saved(state):
-        if config.max_staleness:
-            state = {**state, "in_flight": rollouts.in_flight(), "ledger": learner.ledger_state()}
-        return disaggregated.shared(state, both)
-
-    def from_saved(saved):
-        state = disaggregated.own(saved, placement)
-        if config.max_staleness:
-            rollouts.resume(state.pop("in_flight"))
-            learner.resume_ledger(state.pop("ledger"))
-        return state
-
+    ends = {"rollouts": rollouts, "learner": learner, "max_staleness": config.max_staleness}
+    checkpointed = (
+        functools.partial(to_saved, both=both, **ends),
+        functools.partial(from_saved, placement=placement, **ends),
+    )
     watcher, _ = watch.watcher(config, run, None, placement)  # the collapse guard
     # --plan and --device-memory: the step's parts compiled for the first batch, never run.
     planned = kit.plan.check(
@@ -158,21 +187,21 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     if planned is not None:
         return planned
 
-    checkpointed = (to_saved, from_saved)
     with loop.Steps(run, config, placement, state, batches, checkpointed=checkpointed) as steps:
         state = steps.state  # the last checkpoint's, with --resume
+
+        def evaluated(step):  # with the collapse guard
+            out = steps.evaluate(evaluate_fn, state["params"])
+            with steps.phase("eval"):
+                watcher(step, out, state)
+            return out
+
         if steps.fresh:  # the start model, evaluated as step 0
-            evaluated = steps.evaluate(evaluate_fn, state["params"])
-            with steps.phase("eval"):  # the collapse guard, --keep-best
-                watcher(0, evaluated, state)
-            steps.log_start(evaluated)
+            steps.log_start(evaluated(0))
         for step in steps:
             state, metrics = steps.step(train_step, state, steps.next_batch())
             if steps.evaluation_due(step):
-                evaluated = steps.evaluate(evaluate_fn, state["params"])
-                with steps.phase("eval"):  # the collapse guard, --keep-best
-                    watcher(step, evaluated, state)
-                metrics |= evaluated
+                metrics |= evaluated(step)
             steps.done(step, state, metrics)
     model, state = models.replicated(model, both), disaggregated.shared(state, both)
     tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))

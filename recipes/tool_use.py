@@ -32,6 +32,7 @@ after SFT and after GRPO.
 """
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Literal
 
@@ -189,20 +190,11 @@ def episode_batch(task, records: list, episode, group_size: int) -> dict:
     }  # fmt: skip
 
 
-def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
-    import grain
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
+def start_model(config: ToolUseConfig, placement):
+    """`--model` (a model whose tokenizer has a chat template) or a new one with the chat
+    tokenizer, replicated over `placement`'s devices."""
+    from kit import episodes, models
 
-    from tunelib import rollout
-
-    from kit import data, episodes, evaluate, goodput, loop, models, parallel, watch
-
-    placement = parallel.placement(config.batch_size, config.devices)
-    if placement.process_count > 1:
-        raise UserError("tool_use.py runs in one process: start it without tunelib.launch")
     if config.model is not None:
         model = models.load_model(config.model)
         if getattr(model.tokenizer, "chat_template", None) is None:
@@ -210,117 +202,208 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
     else:
         model = models.new_model(episodes.chat_tokenizer(), config.model_size, config.seed)
     models.replayed_routing(model.config, config.replay_routing)  # an MoE model, if asked
-    model = models.replicated(models.with_remat(model, config.remat), placement)
-    graphdef, tok = model.graphdef, model.tokenizer
-    task = episodes.load_task(
-        config, tok, tool=config.tool == "calculator", max_turns=config.max_turns
-    )
-    demos = episodes.demonstrations(task, task.train[: config.num_demonstrations])
-    group, width = config.group_size, task.episode_tokens
+    return models.replicated(models.with_remat(model, config.remat), placement)
 
-    def episode_config(temperature: float):
-        return rollout.EpisodeConfig(
-            sampling=rollout.SamplingConfig(
-                max_new_tokens=task.turn_tokens, temperature=temperature,
-                stop_tokens=tuple(tok.stop_ids), pad_token=tok.pad_id,
-                forbidden_tokens=tuple(range(tok.vocab_size, model.config.vocab_size)),
-            ),
-            max_turns=task.max_turns, max_tokens=width,
-            max_observation_tokens=task.observation_tokens,
-        )  # fmt: skip
 
-    sampling, greedy = episode_config(config.temperature), episode_config(0.0)
+def episode_config(task, tokenizer, vocab_size: int, temperature: float):
+    """Episodes of at most `task.max_turns` turns of `task.turn_tokens` sampled tokens each at
+    `temperature` (0: greedy), stopping at the tokenizer's stop ids; embedding rows past the
+    tokenizer's vocabulary are never sampled."""
+    from tunelib import rollout
 
-    def episodes_of(params, records, key, config_, group_size, record_routing=False):
-        """Episodes of `records` (`group_size` each) and their environments."""
-        envs = episodes.environments(task, records, group_size)
-        prompt_tokens, prompt_where = data.prompts(task, records)
-        episode = rollout.run_episodes(
-            graphdef, params, prompt_tokens, prompt_where, key, config_, envs,
-            group_size=group_size, tokenizer=tok, record_routing=record_routing,
-        )  # fmt: skip
-        return episode, envs
+    return rollout.EpisodeConfig(
+        sampling=rollout.SamplingConfig(
+            max_new_tokens=task.turn_tokens, temperature=temperature,
+            stop_tokens=tuple(tokenizer.stop_ids), pad_token=tokenizer.pad_id,
+            forbidden_tokens=tuple(range(tokenizer.vocab_size, vocab_size)),
+        ),
+        max_turns=task.max_turns, max_tokens=task.episode_tokens,
+        max_observation_tokens=task.observation_tokens,
+    )  # fmt: skip
+
+
+def episodes_of(model, task, params, records, key, episode, group_size, record_routing=False):
+    """Episodes of `records` (`group_size` each) under `episode` (an `EpisodeConfig`) and
+    their environments."""
+    from tunelib import rollout
+
+    from kit import data, episodes
+
+    envs = episodes.environments(task, records, group_size)
+    prompt_tokens, prompt_where = data.prompts(task, records)
+    out = rollout.run_episodes(
+        model.graphdef, params, prompt_tokens, prompt_where, key, episode, envs,
+        group_size=group_size, tokenizer=model.tokenizer, record_routing=record_routing,
+    )  # fmt: skip
+    return out, envs
+
+
+def optimizers(config: ToolUseConfig) -> tuple:
+    """SFT's and GRPO's: global-norm clipping, then AdamW at each one's learning rate (SFT's
+    warmed up over its first 5 %), of the same state structure, so that one checkpoint
+    template holds either."""
+    import optax
 
     sft_rate = optax.warmup_constant_schedule(
         0.0, config.sft_learning_rate, max(1, config.sft_steps // 20)
     )
-    # SFT, then GRPO from a fresh optimizer state (of the same structure, so that one
-    # checkpoint template holds either) at its own learning rate.
     sft_optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sft_rate))
     grpo_rate = optax.constant_schedule(config.learning_rate)
-    grpo_optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(grpo_rate))
+    return sft_optimizer, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(grpo_rate))
 
-    def make_update(objective, optimizer):
-        @jax.jit
-        def update(state, batch):
-            def loss_fn(params):
-                token_logps = scores(graphdef, params, batch, implementation=config.logprobs)
-                return objective(token_logps, batch)
 
-            loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-            updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
-            return {**state, "params": params, "opt_state": opt_state}, {"loss": loss}
+def update(state, batch, *, objective, optimizer, graphdef, implementation="auto"):
+    """One update of the weights on `objective(token_logps, batch)`, the episode tokens'
+    log-probs under the weights (`scores`)."""
+    import jax
+    import optax
 
-        return update
+    def loss_fn(params):
+        return objective(scores(graphdef, params, batch, implementation=implementation), batch)
 
-    sft_update = make_update(sft_loss, sft_optimizer)
-    grpo_update = make_update(
-        lambda logps, batch: grpo_loss(logps, batch, epsilon=config.epsilon), grpo_optimizer
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    return {**state, "params": params, "opt_state": opt_state}, {"loss": loss}
+
+
+def held_out(params, *, model, task, greedy, sampling, eval_samples: int) -> dict:
+    """Greedy episodes of every held-out problem: accuracy and tool use; with
+    --eval-samples k, k sampled episodes of each: pass@1, pass@k, maj@k (the model's tokens
+    as the answer), the entropy and diversity of its tokens."""
+    import jax
+    import numpy as np
+
+    from kit import episodes, evaluate
+
+    episode, envs = episodes_of(model, task, params, task.heldout, jax.random.key(0), greedy, 1)
+    rewards = np.asarray(episode.rewards)
+    out = {
+        "accuracy": float((rewards == 1.0).mean()),
+        **episodes.tool_use(envs, np.asarray(episode.num_turns)),
+    }
+    if k := eval_samples:
+        drawn, _ = episodes_of(model, task, params, task.heldout, jax.random.key(1), sampling, k)
+        tokens, where = np.asarray(drawn.tokens), np.asarray(drawn.where)
+        answers = [tuple(row[mask]) for row, mask in zip(tokens, where, strict=True)]
+        out.update(evaluate.sample_metrics(
+            tokens, where, np.asarray(drawn.logps), np.asarray(drawn.rewards) == 1.0, answers,
+            k=k,
+        ))  # fmt: skip
+    return out
+
+
+@dataclasses.dataclass
+class Step:
+    """A step of the run: SFT on demonstrations for the first `--sft-steps`, then GRPO on
+    episodes the model plays, from a fresh optimizer state."""
+
+    config: ToolUseConfig
+    model: object
+    task: object
+    demos: dict
+    placement: object
+    sampling: object
+    sft_update: object
+    grpo_update: object
+    grpo_optimizer: object
+    evaluate: object
+
+    def __call__(self, state, indices):
+        import numpy as np
+
+        from kit import episodes, goodput, loop
+
+        config, task, width = self.config, self.task, self.task.episode_tokens
+        step = int(state["step"]) + 1
+        if step <= config.sft_steps:  # demonstrations drawn by the seed and the step
+            draw = np.random.default_rng([config.seed, step])
+            chosen = draw.integers(0, config.num_demonstrations, config.sft_batch_size)
+            rows = {k: x[chosen] for k, x in self.demos.items()}
+            state, out = self.sft_update(state, self.placement.rows(trimmed(rows, width)))
+            if step == config.sft_steps and step % config.eval_every:
+                out.update(self.evaluate(state["params"]))  # the start of GRPO, measured
+            return {**state, "step": state["step"] + 1}, out
+        if step == config.sft_steps + 1:
+            state = {**state, "opt_state": self.grpo_optimizer.init(state["params"])}
+        rng, key = loop.step_keys(state["rng"], "rollouts")
+        records = [task.train[i] for i in self.placement.local(indices)]
+        group = config.group_size
+        with goodput.phase("rollout"):
+            episode, envs = episodes_of(
+                self.model, task, state["params"], records, key, self.sampling, group,
+                config.replay_routing,
+            )  # fmt: skip
+            rows = episode_batch(task, records, episode, group)
+        state, out = self.grpo_update(
+            {**state, "rng": rng}, self.placement.rows(trimmed(rows, width))
+        )
+        out.update(
+            reward=float(np.asarray(episode.rewards).mean()),
+            **{f"sample_{k}": v for k, v in episodes.tool_use(
+                envs, np.asarray(episode.num_turns)).items()},
+        )  # fmt: skip
+        return {**state, "step": state["step"] + 1}, out
+
+
+def headline(run, config: ToolUseConfig) -> dict:
+    """Accuracy and tool use before, at the end of SFT and after GRPO, with the sampled
+    metrics (with --eval-samples)."""
+    from kit import evaluate, loop
+
+    records = run.records()
+    at_sft = next((r for r in records if r["step"] == config.sft_steps and "accuracy" in r), {})
+    out = {"tool": config.tool}
+    for key in ("accuracy", "tool_call_rate", "malformed_rate", "turns"):
+        values = [r[key] for r in records if key in r and r["step"] != config.sft_steps]
+        out[f"{key}_before"] = values[0]
+        out[f"{key}_sft"] = at_sft.get(key, float("nan"))
+        out[f"{key}_after"] = values[-1]
+    return out | loop.before_and_after(run, *evaluate.SAMPLED)  # with --eval-samples
+
+
+def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
+    import grain
+    import jax
+    import jax.numpy as jnp
+
+    from kit import episodes, loop, models, parallel, watch
+
+    placement = parallel.placement(config.batch_size, config.devices)
+    if placement.process_count > 1:
+        raise UserError("tool_use.py runs in one process: start it without tunelib.launch")
+    model = start_model(config, placement)
+    task = episodes.load_task(
+        config, model.tokenizer, tool=config.tool == "calculator", max_turns=config.max_turns
     )
+    demos = episodes.demonstrations(task, task.train[: config.num_demonstrations])
+    sampling, greedy = (
+        episode_config(task, model.tokenizer, model.config.vocab_size, t)
+        for t in (config.temperature, 0.0)
+    )
+    sft_optimizer, grpo_optimizer = optimizers(config)
 
-    def evaluate_fn(params):
-        """Greedy episodes of every held-out problem: accuracy and tool use; with
-        --eval-samples k, k sampled episodes of each: pass@1, pass@k, maj@k (the model's
-        tokens as the answer), the entropy and diversity of its tokens."""
-        episode, envs = episodes_of(params, task.heldout, jax.random.key(0), greedy, 1)
-        rewards = np.asarray(episode.rewards)
-        out = {
-            "accuracy": float((rewards == 1.0).mean()),
-            **episodes.tool_use(envs, np.asarray(episode.num_turns)),
-        }
-        if k := config.eval_samples:
-            drawn, _ = episodes_of(params, task.heldout, jax.random.key(1), sampling, k)
-            tokens, where = np.asarray(drawn.tokens), np.asarray(drawn.where)
-            answers = [tuple(row[mask]) for row, mask in zip(tokens, where, strict=True)]
-            out.update(evaluate.sample_metrics(
-                tokens, where, np.asarray(drawn.logps), np.asarray(drawn.rewards) == 1.0,
-                answers, k=k,
-            ))  # fmt: skip
-        return out
+    def updates(objective, optimizer):
+        return jax.jit(functools.partial(
+            update, objective=objective, optimizer=optimizer, graphdef=model.graphdef,
+            implementation=config.logprobs,
+        ))  # fmt: skip
 
+    evaluate_fn = functools.partial(
+        held_out, model=model, task=task, greedy=greedy, sampling=sampling,
+        eval_samples=config.eval_samples,
+    )  # fmt: skip
+    train_step = Step(
+        config, model, task, demos, placement, sampling,
+        sft_update=updates(sft_loss, sft_optimizer),
+        grpo_update=updates(functools.partial(grpo_loss, epsilon=config.epsilon), grpo_optimizer),
+        grpo_optimizer=grpo_optimizer, evaluate=evaluate_fn,
+    )  # fmt: skip
     # A warning line at the signs of entropy collapse; with --keep-best, the best model kept.
     watcher, best = watch.watcher(
         config, run, lambda folder, params: models.save_model(folder / "model", model, params),
         placement,
     )  # fmt: skip
-
-    def train_step(state, indices):
-        step = int(state["step"]) + 1
-        if step <= config.sft_steps:  # demonstrations drawn by the seed and the step
-            draw = np.random.default_rng([config.seed, step])
-            chosen = draw.integers(0, config.num_demonstrations, config.sft_batch_size)
-            rows = {k: x[chosen] for k, x in demos.items()}
-            state, out = sft_update(state, placement.rows(trimmed(rows, width)))
-            if step == config.sft_steps and step % config.eval_every:
-                out.update(evaluate_fn(state["params"]))  # the start of GRPO, measured
-        else:
-            if step == config.sft_steps + 1:
-                state = {**state, "opt_state": grpo_optimizer.init(state["params"])}
-            rng, key = loop.step_keys(state["rng"], "rollouts")
-            records = [task.train[i] for i in placement.local(indices)]
-            with goodput.phase("rollout"):
-                episode, envs = episodes_of(
-                    state["params"], records, key, sampling, group, config.replay_routing
-                )
-                rows = episode_batch(task, records, episode, group)
-            state, out = grpo_update({**state, "rng": rng}, placement.rows(trimmed(rows, width)))
-            out.update(
-                reward=float(np.asarray(episode.rewards).mean()),
-                **{f"sample_{k}": v for k, v in episodes.tool_use(
-                    envs, np.asarray(episode.num_turns)).items()},
-            )  # fmt: skip
-        return {**state, "step": state["step"] + 1}, out
 
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     batches = iter(order.batch(config.batch_size).to_iter_dataset())
@@ -334,30 +417,22 @@ def train(config: ToolUseConfig, run: kit.runs.RunFolder) -> dict:
 
     with loop.Steps(run, config, placement, state, batches) as steps:
         state = steps.state  # the last checkpoint's, with --resume
+
+        def evaluated(step):  # with the collapse guard and --keep-best
+            out = steps.evaluate(evaluate_fn, state["params"])
+            with steps.phase("eval"):
+                watcher(step, out, state)
+            return out
+
         if steps.fresh:  # the start model, evaluated as step 0
-            evaluated = steps.evaluate(evaluate_fn, state["params"])
-            with steps.phase("eval"):  # the collapse guard, --keep-best
-                watcher(0, evaluated, state)
-            steps.log_start(evaluated)
+            steps.log_start(evaluated(0))
         for step in steps:
             state, metrics = steps.step(train_step, state, steps.next_batch())
             if steps.evaluation_due(step):
-                evaluated = steps.evaluate(evaluate_fn, state["params"])
-                with steps.phase("eval"):  # the collapse guard, --keep-best
-                    watcher(step, evaluated, state)
-                metrics |= evaluated
+                metrics |= evaluated(step)
             steps.done(step, state, metrics)
     models.save_model(run.path / "model", model, state["params"])
-    records = run.records()
-    at_sft = next((r for r in records if r["step"] == config.sft_steps and "accuracy" in r), {})
-    headline = {"tool": config.tool}
-    for key in ("accuracy", "tool_call_rate", "malformed_rate", "turns"):
-        values = [r[key] for r in records if key in r and r["step"] != config.sft_steps]
-        headline[f"{key}_before"] = values[0]
-        headline[f"{key}_sft"] = at_sft.get(key, float("nan"))
-        headline[f"{key}_after"] = values[-1]
-    headline.update(loop.before_and_after(run, *evaluate.SAMPLED))  # with --eval-samples
-    return loop.finish(run, config, headline | (best.headline() if best else {}))
+    return loop.finish(run, config, headline(run, config) | (best.headline() if best else {}))
 
 
 if __name__ == "__main__":
