@@ -157,7 +157,7 @@ def check(
     """Before the first step: with `--plan` or `--device-memory`, plan the step on the
     first batch's shapes (split over `placed`, a `kit.parallel.Placement`, or None: one
     device); return the `Planned` run to print it, or when it does not fit (None: train)."""
-    if not (getattr(config, "plan", False) or getattr(config, "device_memory", None)):
+    if not (config.plan or config.device_memory):
         return None
     import jax
 
@@ -177,10 +177,10 @@ def check(
         _shapes(state), batch, pieces, devices, devices, platform, state, step_fn, batches,
         placed,
     )  # fmt: skip
-    estimate = bool(getattr(config, "plan", False)) and not _variant
+    estimate = bool(config.plan) and not _variant
     plan = context.plan_at(_rows(batch), estimate=estimate)
     memory = device_memory(config)
-    if getattr(config, "plan", False) or (memory is not None and plan.peak_bytes > memory):
+    if config.plan or (memory is not None and plan.peak_bytes > memory):
         return Planned(plan, context)
     if parallel.is_main():
         print(
@@ -199,7 +199,7 @@ def _whole_step(step_fn: Callable) -> Callable:
 
 def device_memory(config) -> int | None:
     """`--device-memory` in bytes, else what the device reports (None on CPU)."""
-    if getattr(config, "device_memory", None):
+    if config.device_memory:
         return parse_size(config.device_memory)
     from tunelib.memory import device_memory_bytes
 
