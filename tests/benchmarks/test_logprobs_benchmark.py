@@ -1,6 +1,7 @@
 """`benchmarks/logprobs.py` end to end at its smoke size, as a user runs it, and its gate."""
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -366,3 +367,22 @@ def test_a_worker_reports_each_stage_as_it_ends(tmp_path):
     assert records["naive check"]["max_error"] < 1e-5
     assert records["pallas check"]["skipped"].startswith("pallas skipped")
     assert list(stages) == ["reference", "naive check"]  # a skipped stage takes no time
+
+
+def test_a_worker_deaf_to_sigint_prints_its_stacks_before_it_is_killed():
+    """Stuck where SIGINT cannot reach it, a worker gets SIGABRT after the grace: Python's
+    fault handler prints every thread's stack (the parent turns it on in each worker)."""
+    bench = load_script(SCRIPT, "logprobs_benchmark")
+    deaf = (
+        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "print(1, flush=True); time.sleep(60)"
+    )
+    env = user_env() | {"PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(
+        [sys.executable, "-c", deaf], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    ) as proc:
+        proc.stdout.readline()  # its handler is in place
+        bench.stop(proc, grace=0.5)
+        stderr = proc.stderr.read().decode()
+    assert proc.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in stderr and 'File "<string>", line 1' in stderr
