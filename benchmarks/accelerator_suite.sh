@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The accelerator figures in one run, on one TPU chip (a v5e in 8 minutes) or one GPU: the
-# fused log-prob head, the sampler against the memory roofline, the NF4 kernel, the recipes'
-# time split on the toy model and on SmolLM2, and a GRPO run's CPU/accelerator parity.
+# The accelerator figures in one run, on one TPU chip (a v5e) or one GPU: the fused log-prob
+# head, the sampler against the memory roofline, the NF4 kernel, the recipes' time split on
+# the toy model and on SmolLM2, and a GRPO run's CPU/accelerator parity.
 #
 #   bash benchmarks/accelerator_suite.sh OUT_DIR [SECONDS]
 #
@@ -13,11 +13,24 @@
 # $SUITE_TMP/suite-run/runs. Parts run one after another (a TPU lets one process at a time
 # hold it), in order of importance, each with a time limit inside SECONDS (default 480) in
 # all: a part that fails or reaches its limit is recorded and the next one starts; a part
-# with less than half its limit left is skipped. At the end a table, one line per part
+# with less than 3/4 of its limit left is skipped (the next ones may still fit). At its limit
+# a part is interrupted (SIGINT: Python prints where it was and unwinds); a process of it
+# still there 10 s later is stuck outside Python's reach and gets SIGABRT, on which Python's
+# fault handler (PYTHONFAULTHANDLER) prints every thread's stack into the part's log; SIGKILL
+# follows 5 s after that. At the end a table, one line per part
 # (status, seconds, headline figure), is printed and written to OUT_DIR/summary.txt, every
 # JSON result is gathered into OUT_DIR/results.json (keyed by part, then file), and
 # OUT_DIR/log.txt holds what each part printed (its last 200 lines). The exit status is 0 when
 # every part that ran ended well, else 1.
+#
+# The budget on one TPU v5e (limits, then the time each part was measured or is estimated to
+# take there with an empty compilation cache): logprobs-gemma2 130 s (about 90: two processes
+# open the chip, one checks every implementation against float64, one times them),
+# sampler 110 (85), nf4 60 (40), recipes-toy 190 (150: SFT 79, GRPO 71), recipes-smollm2
+# 210 (167: SFT 67, GRPO 100), parity 90, logprobs-llama3 130 (90). They do not all fit in
+# 480 s: the default run does logprobs-gemma2, sampler, nf4, recipes-toy and, with what is
+# left, parity; recipes-smollm2 and logprobs-llama3 need a second run,
+# `PARTS="recipes-smollm2 logprobs-llama3" bash benchmarks/accelerator_suite.sh OUT_DIR 400`.
 #
 # Settings (environment variables):
 #   PARTS="a b"      run only the parts named (the others are listed as not run); the extra
@@ -29,8 +42,12 @@
 #                    PYTHONPATH after what is there); without it nothing is installed
 #   PARITY_CPU=FILE  the CPU half of the parity check (default .accelerator/grpo_cpu.npz,
 #                    made beforehand on a CPU with
-#                    `python benchmarks/grpo_parity.py --out .accelerator/grpo_cpu.npz`)
+#                    `python benchmarks/grpo_parity.py --out .accelerator/grpo_cpu.npz`;
+#                    with SMOKE, .accelerator/grpo_cpu_smoke.npz, made with the smoke run's
+#                    flags `--steps 3 --batch 2 --group-size 2` too); without it the part is
+#                    skipped, and its note says how to make it
 #   SMOKE=1          tiny sizes and steps everywhere: a check of the suite itself, on CPU
+#                    (the limits stay the accelerator's)
 #   SUITE_TMP=DIR    the scratch folder (default /tmp)
 set -uo pipefail
 usage="usage: bash benchmarks/accelerator_suite.sh OUT_DIR [SECONDS]"
@@ -45,7 +62,10 @@ tmp=$(realpath -m "${SUITE_TMP:-/tmp}")
 src="$tmp/tunelib-src"
 work="$tmp/suite-run"
 bench="$repo/benchmarks"
-parity_cpu=$(realpath -m "${PARITY_CPU:-$repo/.accelerator/grpo_cpu.npz}")
+# The CPU record of the parity check is made with the part's own flags (SMOKE's tiny run has
+# its own file).
+parity_default=$repo/.accelerator/grpo_cpu${SMOKE:+_smoke}.npz
+parity_cpu=$(realpath -m "${PARITY_CPU:-$parity_default}")
 rm -rf "$work" && mkdir -p "$work/logs" "$work/runs" "$out"
 if [[ -n "${PACK:-}" ]]; then parts="$work/parts"; else parts="$out/parts"; fi
 rm -rf "$parts" && mkdir -p "$parts"
@@ -54,6 +74,9 @@ log="$out/log.txt"
 : >"$status"
 : >"$log"
 export PYTHONUNBUFFERED=1
+# A stuck process's stacks on SIGABRT (see part); no core file of a process that large.
+export PYTHONFAULTHANDLER=1
+ulimit -c 0
 
 if [[ -n "${WHEELS:-}" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -73,15 +96,15 @@ if [[ -n "${SMOKE:-}" ]]; then
     logprobs_llama3="--size smoke --repeats 1 --chunk-size 1024"
     sampler="--size smoke --repeats 1"
     nf4="--size smoke --repeats 1 --inner 1"
-    small="--num-heldout 16 --batch-size 4"
+    small="--num-heldout 4 --batch-size 4"
     sft_toy="--steps 4 --eval-every 4 --num-train 64 $small"
     grpo_toy="--steps 1 --eval-every 1 --eval-samples 0 --num-prompts 32 --group-size 2 $small"
     sft_smollm2="--steps 2 --eval-every 2 $small"
     grpo_smollm2="--steps 1 --eval-every 1 --eval-samples 0 --group-size 2 $small"
     parity="--steps 3 --batch 2 --group-size 2"
 else
-    logprobs_gemma2="--size gemma2-2b --stage-timeout 150"
-    logprobs_llama3="--size llama3-8b --n 8192 --stage-timeout 150"
+    logprobs_gemma2="--size gemma2-2b --stage-timeout 90"
+    logprobs_llama3="--size llama3-8b --n 8192 --stage-timeout 90"
     sampler="--batches 1,8,16,32,64 --repeats 3"
     nf4=""
     sft_toy="--steps 2000"
@@ -96,15 +119,28 @@ fi
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     fi
+    # Versions only: asking for jax.devices() would open the chip (10-15 s on a TPU); every
+    # part's results name the device they ran on.
     python3 -c "import sys, jax, jaxlib, flax, optax, tunelib, tunelib.kernels, tunelib.peft
 print(sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax',
-      flax.__version__, 'optax', optax.__version__, jax.devices())
+      flax.__version__, 'optax', optax.__version__)
 print('tunelib from', tunelib.__file__)"
 } 2>&1 | tee "$work/header.txt" | tee -a "$log"
 
 # alive PGID: whether a process of that process group is still running (not a zombie).
 alive() {
     ps -eo pgid=,stat= 2>/dev/null | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {n++} END {exit !n}'
+}
+
+# abort_stuck NAME PGID: SIGABRT to every process of part NAME's group but its leader
+# (`timeout`, which must live on to send its SIGKILL): Python's fault handler prints their
+# stacks into the part's log.
+abort_stuck() {
+    local pids
+    pids=$(ps -eo pid=,pgid= 2>/dev/null | awk -v g="$2" '$2 == g && $1 != g {print $1}')
+    [[ -n $pids ]] && kill -ABRT $pids 2>/dev/null
+    echo "== $1: still running 10 s after its SIGINT, sent SIGABRT (stacks in its log)" |
+        tee -a "$log"
 }
 
 # record NAME EXIT SECONDS LIMIT NOTE: one line of the status file (EXIT '-': not run).
@@ -135,28 +171,31 @@ part() {
     mkdir -p "$parts/$name"
     [[ -n "${PART_LIMIT:-}" ]] && limit=$PART_LIMIT
     local left=$((budget - SECONDS - 25)) # 15 s for a stopped part to end, 10 for the summary
-    if ((left < limit / 2 || left < 10)); then
+    if ((4 * left < 3 * limit || left < 10)); then
         echo "== $name: skipped, $left s of the budget left (limit $limit s)" | tee -a "$log"
         record "$name" - 0 "$limit" "skipped: $left s of the budget left"
         return 0
     fi
     ((limit > left)) && limit=$left
     echo "== $name (limit $limit s, at $SECONDS s)" | tee -a "$log"
-    local start=$SECONDS
+    local start=$SECONDS aborted=""
     # At the limit timeout interrupts the command's whole process group, its workers too
     # (SIGINT: Python unwinds and lets go of the accelerator; status 124), and kills what is
-    # left 15 s later (status 137). It runs in the background to be waited for by its pid,
-    # which is its process group's id.
+    # left 15 s later (status 137); 10 s after the SIGINT, abort_stuck. It runs in the
+    # background, watched by its pid, which is its process group's id. Nothing of the part
+    # may hold the accelerator when the next one starts: the watch lasts while `timeout`
+    # runs and until none of the group's processes is left (or 30 s after the SIGKILL).
     timeout --signal=INT --kill-after=15 "$limit" "$@" >"$work/logs/$name.log" 2>&1 &
     local pid=$!
+    while { kill -0 "$pid" 2>/dev/null || alive "$pid"; } && ((SECONDS - start < limit + 45)); do
+        if [[ -z $aborted ]] && ((SECONDS - start >= limit + 10)); then
+            abort_stuck "$name" "$pid"
+            aborted=1
+        fi
+        sleep 0.5
+    done
     { wait "$pid"; } 2>/dev/null
     local code=$?
-    # Nothing of the part may hold the accelerator when the next one starts.
-    local waited=0
-    while alive "$pid" && ((waited < 60)); do
-        sleep 0.5
-        waited=$((waited + 1))
-    done
     local seconds=$((SECONDS - start))
     tail -n 200 "$work/logs/$name.log" >>"$log"
     echo "== $name: exit $code after $seconds s" | tee -a "$log"
@@ -200,26 +239,27 @@ export repo work parts bench parity parity_cpu
 
 # Unquoted flag strings ($sampler, ...) are split into their words on purpose.
 {
-    part logprobs-gemma2 180 python3 "$bench/logprobs.py" $logprobs_gemma2 \
+    part logprobs-gemma2 130 python3 "$bench/logprobs.py" $logprobs_gemma2 \
         --json-out "$parts/logprobs-gemma2/logprobs_gemma2.json"
-    part sampler 150 python3 "$bench/sampler_roofline.py" $sampler \
+    part sampler 110 python3 "$bench/sampler_roofline.py" $sampler \
         --json-out "$parts/sampler/sampler.json"
-    part nf4 90 python3 "$bench/nf4_matmul.py" $nf4 --json-out "$parts/nf4/nf4.json"
-    part recipes-toy 150 bash -c 'recipes toy "$0" "$1"' "$sft_toy" "$grpo_toy"
+    part nf4 60 python3 "$bench/nf4_matmul.py" $nf4 --json-out "$parts/nf4/nf4.json"
+    part recipes-toy 190 bash -c 'recipes toy "$0" "$1"' "$sft_toy" "$grpo_toy"
     # The package is found, not imported (its __init__ imports `llm`), as the recipes find it.
     if missing=$(python3 -c "$smollm2_file" 2>&1); then
-        part recipes-smollm2 240 bash -c 'recipes smollm2 "$0" "$1"' \
+        part recipes-smollm2 210 bash -c 'recipes smollm2 "$0" "$1"' \
             "--config recipes/smollm2/sft.toml $sft_smollm2" \
             "--config recipes/smollm2/grpo.toml $grpo_smollm2"
     else
-        skip recipes-smollm2 240 "$(tail -n 1 <<<"$missing")"
+        skip recipes-smollm2 210 "$(tail -n 1 <<<"$missing")"
     fi
     if [[ -f "$parity_cpu" ]]; then
         part parity 90 bash -c 'parity_run parity --replay "$parity_cpu" --matmul-precision highest'
     else
-        skip parity 90 "no CPU record $parity_cpu (make it on a CPU: see the script's head)"
+        skip parity 90 "no CPU record $parity_cpu (make it on a CPU: python \
+benchmarks/grpo_parity.py ${parity:+$parity }--out $parity_cpu)"
     fi
-    part logprobs-llama3 180 python3 "$bench/logprobs.py" $logprobs_llama3 \
+    part logprobs-llama3 130 python3 "$bench/logprobs.py" $logprobs_llama3 \
         --json-out "$parts/logprobs-llama3/logprobs_llama3.json"
 
     extra parity-free 90 bash -c 'parity_run parity-free'
