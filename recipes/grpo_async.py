@@ -153,7 +153,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     )
     rollouts = disaggregated.Rollouts(
         config.max_staleness, sample, template=template,
-        fresh_batches=lambda: iter(order.to_iter_dataset()),
+        fresh_batches=lambda: iter(order.to_iter_dataset()), faults=run.faults(),
     )  # fmt: skip
     train_step = Step(trainer, placement, tuning, learner, rollouts, batches)
     rl_evaluate = evaluate.for_rl(

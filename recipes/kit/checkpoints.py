@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from tunelib.distributed import faults_during
+from tunelib.distributed import FaultPlan
 
 from kit.errors import UserError
 
@@ -41,11 +41,13 @@ class Checkpoints:
     written while training goes on.
     """
 
-    def __init__(self, folder: Path, *, asynchronous: bool = False):
+    def __init__(self, folder: Path, *, asynchronous: bool = False, faults=None):
         options = ocp.CheckpointManagerOptions(
             max_to_keep=2, enable_async_checkpointing=asynchronous, create=True
         )
         self.folder = folder.resolve()
+        # The injected faults (`tunelib.distributed.FaultPlan`; TUNELIB_FAULTS by default).
+        self.faults = faults if faults is not None else FaultPlan.from_environment()
         self.manager = ocp.CheckpointManager(
             self.folder,
             options=options,
@@ -61,7 +63,7 @@ class Checkpoints:
         as `step`."""
         if self.manager.latest_step() == step:
             return
-        with faults_during("checkpoint", step, written=self.folder):  # TUNELIB_FAULTS, if set
+        with self.faults.during("checkpoint", step, written=self.folder):
             self.manager.save(
                 step,
                 args=ocp.args.Composite(

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tunelib.distributed import faults_during
+from tunelib.distributed import FaultPlan
 
 from kit.loop import step_keys
 from kit.parallel import AXIS, Placement
@@ -80,7 +80,9 @@ class Rollouts:
     run goes on as if it had never stopped.
     """
 
-    def __init__(self, staleness: int, sample: Callable, template: dict, fresh_batches):
+    def __init__(
+        self, staleness: int, sample: Callable, template: dict, fresh_batches, faults=None
+    ):
         self.staleness = staleness
         self.sample = sample
         self.template = template
@@ -91,6 +93,8 @@ class Rollouts:
         self.version = 0  # the updates behind the sampler's weights
         self.pending: dict | None = None  # sampled during this step, delivered after it
         self.resumed: list[dict] | None = None  # the batches in flight at the checkpoint
+        # The injected faults (`tunelib.distributed.FaultPlan`; TUNELIB_FAULTS by default).
+        self.faults = faults if faults is not None else FaultPlan.from_environment()
 
     def take(self, policy, prompts, batches, rng, version: int) -> dict | None:
         """This step's batch on the trainer (None on the sampler). `prompts` are this step's,
@@ -127,7 +131,7 @@ class Rollouts:
     def push(self, weights):
         """The trainer's `weights` (host arrays) on the sampler's host: `(weights, bytes per
         second of the collective)`. The sampler's version advances."""
-        with faults_during("push", self.version + 1):  # TUNELIB_FAULTS, if set
+        with self.faults.during("push", self.version + 1):
             out, seconds = exchange(weights, source=TRAINER)
         self.version += 1
         size = sum(np.asarray(x).nbytes for x in _leaves(out))

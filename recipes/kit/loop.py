@@ -36,7 +36,6 @@ progress bar.
 
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -110,11 +109,11 @@ class Steps:
             if self.main:
                 run.open(config)  # locks the folder; a resumed run saves its config once restored
             placed.barrier("run folder open")
-            if os.environ.get(distributed.FAULTS) and not os.environ.get(distributed.FAULTS_LOG):
-                os.environ[distributed.FAULTS_LOG] = str(run.path / "faults.jsonl")  # once a run
+            self.faults = run.faults()  # TUNELIB_FAULTS, parsed once
             self.checkpoints = Checkpoints(
-                run.path / "checkpoints", asynchronous=not config.sync_checkpoints
-            )
+                run.path / "checkpoints", asynchronous=not config.sync_checkpoints,
+                faults=self.faults,
+            )  # fmt: skip
             self.interval = checkpoint_interval.Interval(config.checkpoint_every, mtti=config.mtti)
             lost = self._restore() if run.resume else []
             self.attempt = recovery.Attempt(
@@ -126,7 +125,7 @@ class Steps:
             if run.resume:
                 self.attempt.restored(*self._restored_at)
             self.writers = open_writers(run.path, self.name, config) if self.main else []
-            distributed.inject_faults("start", self.start)  # restored, not yet beating
+            self.faults.inject("start", self.start)  # restored, not yet beating
             self.clock = goodput.clock()
             if self.fresh:
                 self.clock.reset()  # the first evaluation's time is step 0's
@@ -249,7 +248,7 @@ class Steps:
         distributed.heartbeat(step)
         if self._stop:
             raise Interrupted(step)
-        distributed.inject_faults("step", step)
+        self.faults.inject("step", step)
 
     def _log(self, record: dict) -> None:
         for writer in self.writers:

@@ -118,6 +118,14 @@ class RunFolder:
         self._decide(resume, overwrite)
         self.started = time.perf_counter()
 
+    def faults(self):
+        """The injected faults of this run (`tunelib.distributed.FaultPlan`, from
+        `TUNELIB_FAULTS`; tests of recovery), those that fired kept in the folder's
+        `faults.jsonl` unless a supervisor names its own file."""
+        from tunelib import distributed
+
+        return distributed.FaultPlan.from_environment(default_log=self.path / "faults.jsonl")
+
     def _decide(self, resume: bool | str, overwrite: bool) -> None:
         """Whether the run resumes, starts or starts again, from what the folder holds now;
         a `UserError` when it can do none."""

@@ -8,14 +8,16 @@ JAX's backend. See `docs/scale.md`.
 
 For supervised runs (`python -m tunelib.launch --max-restarts K`): `heartbeat(step)` tells
 the supervisor a process is alive, `supervision()` what it recorded of the restarts so far;
-`inject_faults` and `faults_during` fire the faults `TUNELIB_FAULTS` asks for (tests and
-benchmarks of recovery), `parse_faults` reads that variable's grammar.
+`FaultPlan` fires the faults `TUNELIB_FAULTS` asks for (tests and benchmarks of recovery),
+parsed once, where a run asks it (`inject_faults` and `faults_during` read the variable at
+each call); `parse_faults` reads that variable's grammar.
 """
 
 from tunelib.distributed._faults import (
     FAULTS,
     FAULTS_LOG,
     Fault,
+    FaultPlan,
     faults_during,
     fired_faults,
     inject_faults,
@@ -40,6 +42,7 @@ __all__ = [
     "PROCESS_ID",
     "SUPERVISION",
     "Fault",
+    "FaultPlan",
     "Runtime",
     "faults_during",
     "fired_faults",

@@ -133,80 +133,141 @@ def _parse(text: str) -> Fault:
     return Fault(**fields)
 
 
+class FaultPlan:
+    """The faults of this process, parsed once from a `TUNELIB_FAULTS` spec, with the file that
+    records those that fired (`log`): a run's loop, checkpoints and weight pushes hold one
+    and ask it at each point where a fault may fire.
+
+    The records already in `log` are read once, when the plan is made: a fault found there
+    fired in an earlier attempt of the run and does not fire again (a random one: not again
+    at that step). A fault that fires is appended to `log` before it acts.
+
+    Args:
+      spec: a `TUNELIB_FAULTS` spec (see the module's grammar); empty: no fault.
+      log: the file of the faults that fired; None: kept in memory only.
+      rank: this process's index (default `jax.process_index()`).
+
+    Examples:
+      >>> from tunelib import distributed
+      >>> plan = distributed.FaultPlan("raise@step=3")
+      >>> plan.inject("step", 2)  # not due: nothing happens
+      >>> plan.inject("step", 3)
+      Traceback (most recent call last):
+      ...
+      RuntimeError: injected fault 'raise@step=3' at step of step 3
+    """
+
+    def __init__(self, spec: str = "", log: Path | None = None, *, rank: int | None = None):
+        self.faults = parse_faults(spec) if spec.strip() else []
+        self.log = None if log is None else Path(log)
+        self.rank = jax.process_index() if rank is None and self.faults else (rank or 0)
+        self.fired = _fired(self.log) if self.faults else set()
+
+    @classmethod
+    def from_environment(cls, default_log: Path | None = None) -> "FaultPlan":
+        """The plan `TUNELIB_FAULTS` asks for, logged to `TUNELIB_FAULTS_LOG` (a supervisor's
+        log folder's) or else to `default_log` (a recipe's run folder's `faults.jsonl`)."""
+        log = os.environ.get(FAULTS_LOG) or default_log
+        return cls(os.environ.get(FAULTS, ""), log)
+
+    def inject(self, where: str, step: int) -> None:
+        """Fire the faults due on this process at `where` ("step" after a step, "start" in
+        the start-up, with `step` the step the run starts from) of `step`."""
+        for index, fault in self._due(where, step):
+            self._fire(index, fault, where, step)
+
+    @contextmanager
+    def during(self, where: str, step: int, *, written: Path | None = None) -> Iterator[None]:
+        """The block a fault at `where` ("checkpoint" during a write, "push" during a weight
+        push) of `step` interrupts: a raise or a hang on entry; a kill (or lose) once the
+        block has begun writing (a new entry in the folder `written`, the temporary folder
+        Orbax writes a checkpoint into), else on entry."""
+        killer = None
+        for index, fault in list(self._due(where, step)):
+            if fault.action in ("kill", "lose") and written is not None:
+                before = set(os.listdir(written)) if written.is_dir() else set()
+                done = threading.Event()
+                killer = threading.Thread(
+                    target=self._kill_once_written,
+                    args=(index, fault, where, step, written, before, done), daemon=True,
+                )  # fmt: skip
+                killer.start()
+            else:
+                self._fire(index, fault, where, step)
+        try:
+            yield
+        finally:
+            if killer is not None:  # a write too quick to catch: the kill follows it at once
+                done.set()
+                killer.join()
+
+    def _kill_once_written(self, index, fault, where, step, folder: Path, before, done) -> None:
+        while not done.is_set():
+            if folder.is_dir() and set(os.listdir(folder)) - before:
+                break
+            time.sleep(0.001)
+        self._fire(index, fault, where, step)
+
+    def _due(self, where: str, step: int) -> Iterator[tuple[int, Fault]]:
+        for index, fault in enumerate(self.faults):
+            key = (index, step if fault.trigger == "random" else None)
+            if fault.rank != self.rank or key in self.fired:
+                continue
+            if fault.trigger == "random":
+                chance = np.random.default_rng([fault.seed, step, index]).random()
+                if where == "step" and chance < fault.probability:
+                    yield index, fault
+            elif fault.trigger == where and (
+                fault.step is None
+                or (step == fault.step if where == "step" else step >= fault.step)
+            ):
+                yield index, fault
+
+    def _fire(self, index: int, fault: Fault, where: str, step: int) -> None:
+        record = {
+            "index": index, "fault": fault.text, "action": fault.action,
+            "trigger": fault.trigger, "where": where, "step": step, "rank": self.rank,
+            "time": time.time(), "back": fault.back,
+        }  # fmt: skip
+        self.fired.add((index, step if fault.trigger == "random" else None))
+        if self.log is not None:
+            with open(self.log, "a") as log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                os.fsync(log.fileno())
+        print(f"injected fault {fault.text!r} at {where} of step {step}", flush=True)
+        if fault.action in ("kill", "lose"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.action == "hang":
+            while True:
+                time.sleep(60)
+        if fault.action == "raise":
+            raise RuntimeError(f"injected fault {fault.text!r} at {where} of step {step}")
+
+
 def inject_faults(where: str, step: int) -> None:
-    """Fire the faults of `TUNELIB_FAULTS` due on this process at `where` ("step" after a
-    step, "checkpoint" during a write, "push" during a weight push, "start" in the start-up,
-    with `step` the step the run starts from) of `step`. Nothing without the variable.
+    """Fire the faults of `TUNELIB_FAULTS` due on this process at `where` of `step`, as
+    `FaultPlan.from_environment().inject(where, step)` (the variables read at each call).
+    Nothing without the variable.
 
     Examples:
       >>> from tunelib import distributed
       >>> distributed.inject_faults("step", 3)  # TUNELIB_FAULTS unset: nothing happens
     """
-    for index, fault in _due(where, step):
-        _fire(index, fault, where, step)
+    FaultPlan.from_environment().inject(where, step)
 
 
-@contextmanager
-def faults_during(where: str, step: int, *, written: Path | None = None) -> Iterator[None]:
-    """The block a fault at `where` of `step` interrupts: a raise or a hang on entry; a kill
-    (or lose) once the block has begun writing (a new entry in the folder `written`, the
-    temporary folder Orbax writes a checkpoint into), else on entry; nothing without
-    `TUNELIB_FAULTS`."""
-    due = list(_due(where, step))
-    killer = None
-    for index, fault in due:
-        if fault.action in ("kill", "lose") and written is not None:
-            before = set(os.listdir(written)) if written.is_dir() else set()
-            done = threading.Event()
-            killer = threading.Thread(
-                target=_kill_once_written, args=(index, fault, where, step, written, before, done),
-                daemon=True,
-            )  # fmt: skip
-            killer.start()
-        else:
-            _fire(index, fault, where, step)
-    try:
-        yield
-    finally:
-        if killer is not None:  # a write too quick to catch: the kill follows it at once
-            done.set()
-            killer.join()
+def faults_during(where: str, step: int, *, written: Path | None = None):
+    """`FaultPlan.from_environment().during(where, step, written=written)`: the block a fault
+    of `TUNELIB_FAULTS` at `where` of `step` interrupts; nothing without the variable."""
+    return FaultPlan.from_environment().during(where, step, written=written)
 
 
-def _kill_once_written(index, fault, where, step, folder: Path, before: set, done) -> None:
-    while not done.is_set():
-        if folder.is_dir() and set(os.listdir(folder)) - before:
-            break
-        time.sleep(0.001)
-    _fire(index, fault, where, step)
-
-
-def _due(where: str, step: int) -> Iterator[tuple[int, Fault]]:
-    spec = os.environ.get(FAULTS, "")
-    if not spec.strip():
-        return
-    faults = parse_faults(spec)
-    fired = _fired()
-    rank = jax.process_index()
-    for index, fault in enumerate(faults):
-        if fault.rank != rank or (index, step if fault.trigger == "random" else None) in fired:
-            continue
-        if fault.trigger == "random":
-            chance = np.random.default_rng([fault.seed, step, index]).random()
-            if where == "step" and chance < fault.probability:
-                yield index, fault
-        elif fault.trigger == where and (
-            fault.step is None or (step == fault.step if where == "step" else step >= fault.step)
-        ):
-            yield index, fault
-
-
-def _fired() -> set[tuple[int, int | None]]:
-    path = os.environ.get(FAULTS_LOG)
-    if not path or not os.path.exists(path):
+def _fired(path: Path | None) -> set[tuple[int, int | None]]:
+    if path is None or not path.exists():
         return set()
     out = set()
-    for line in Path(path).read_text().splitlines():
+    for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by the kill it recorded
@@ -228,24 +289,3 @@ def fired_faults(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
-
-
-def _fire(index: int, fault: Fault, where: str, step: int) -> None:
-    record = {
-        "index": index, "fault": fault.text, "action": fault.action, "trigger": fault.trigger,
-        "where": where, "step": step, "rank": jax.process_index(), "time": time.time(),
-        "back": fault.back,
-    }  # fmt: skip
-    path = os.environ.get(FAULTS_LOG)
-    if path:
-        with open(path, "a") as log:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            os.fsync(log.fileno())
-    print(f"injected fault {fault.text!r} at {where} of step {step}", flush=True)
-    if fault.action in ("kill", "lose"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault.action == "hang":
-        while True:
-            time.sleep(60)
-    raise RuntimeError(f"injected fault {fault.text!r} at {where} of step {step}")
