@@ -177,6 +177,50 @@ def train_step(state, rows, *, update, sample, teacher_params, on_policy: float)
     return state, {**out, "on_policy": float(sampled)}
 
 
+def transfer_set(task, teacher, vocab_size: int, placement):
+    """`task` with the teacher's own greedy answers to its training prompts as completions
+    (the prompts it gives no answer to left out): the transfer set."""
+    from kit import evaluate
+
+    sampling = evaluate.greedy_config(task, vocab_size)
+    answers = evaluate.completions(
+        teacher.graphdef, teacher.params, task, task.train, sampling, placement
+    )
+    transfer = [{**r, "completion": a} for r, a in zip(task.train, answers, strict=True) if a]
+    return dataclasses.replace(task, train=transfer)
+
+
+def step_pieces(state, rows, *, update, sample, teacher_params) -> dict:
+    """A step's jitted parts (`kit.plan.Piece`), for --plan and --device-memory: the update,
+    and the student's sampling unless it never samples (`sample` None)."""
+    import jax
+
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    batch = {**rows, "sampled": jax.ShapeDtypeStruct((), bool)}
+    out = {"update": kit.plan.Piece(update, (state, batch, teacher_params), (1,))}
+    if sample is not None:
+        out["rollout"] = kit.plan.Piece(sample, (state["params"], rows, key), (1,))
+    return out
+
+
+def result(run, config: DistillConfig, teacher_accuracy: float, best, baseline) -> dict:
+    """The result line's figures: the teacher's accuracy, the student's before and after
+    (paired), the sampled metrics (with --eval-samples), the best model kept (--keep-best)
+    and the SFT baseline's accuracy."""
+    from kit import evaluate, loop
+
+    before, after = loop.first_and_last(run, "accuracy")
+    headline = {
+        "divergence": config.divergence, "teacher_accuracy": teacher_accuracy,
+        "accuracy_before": before, "accuracy_after": after, **evaluate.paired_headline(run),
+        **loop.before_and_after(run, *evaluate.SAMPLED),  # with --eval-samples
+        **(best.headline() if best else {}),
+    }  # fmt: skip
+    if baseline is not None:
+        headline["sft_accuracy_after"] = baseline["accuracy_after"]
+    return headline
+
+
 def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     import jax
     import numpy as np
@@ -194,13 +238,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     task = data.load_task(config, "sft", teacher.tokenizer, num_train=config.num_prompts)
     vocab_size = student.config.vocab_size
 
-    # The transfer set: the teacher's own greedy answers to the prompts (where it gives one).
-    sampling = evaluate.greedy_config(task, vocab_size)
-    answers = evaluate.completions(
-        teacher.graphdef, teacher.params, task, task.train, sampling, placement
-    )
-    transfer = [{**r, "completion": a} for r, a in zip(task.train, answers, strict=True) if a]
-    task = dataclasses.replace(task, train=transfer)
+    task = transfer_set(task, teacher, vocab_size, placement)
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
     loss_fn = functools.partial(
         distill_objective, student_graphdef=student.graphdef, teacher_graphdef=teacher.graphdef,
@@ -208,7 +246,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         soft_weight=config.soft_weight, implementation=config.logprobs,
     )  # fmt: skip
     update = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
-    sampling = dataclasses.replace(sampling, temperature=config.sample_temperature)
+    sampling = dataclasses.replace(
+        evaluate.greedy_config(task, vocab_size), temperature=config.sample_temperature
+    )
     sample = jax.jit(
         functools.partial(
             student_rows, graphdef=student.graphdef, sampling=sampling,
@@ -232,13 +272,10 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         placement,
     )  # fmt: skip
 
-    def pieces(state, rows):  # a step's jitted parts, for --plan and --device-memory
-        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-        batch = {**rows, "sampled": jax.ShapeDtypeStruct((), bool)}
-        out = {"update": kit.plan.Piece(update, (state, batch, teacher.params), (1,))}
-        if config.on_policy:
-            out["rollout"] = kit.plan.Piece(sample, (state["params"], rows, key), (1,))
-        return out
+    pieces = functools.partial(  # a step's jitted parts, for --plan and --device-memory
+        step_pieces, update=update, sample=sample if config.on_policy else None,
+        teacher_params=teacher.params,
+    )  # fmt: skip
 
     state = loop.initial_state(student.params, optimizer, config.seed, placement)
     state["step"] = placement.replicate(np.int32(0))  # which steps sample (--on-policy)
@@ -252,33 +289,22 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     with loop.Steps(run, config, placement, state, batches) as steps:
         state = steps.state  # the last checkpoint's, with --resume
-
-        def evaluated(step):  # with the collapse guard and --keep-best
-            out = steps.evaluate(evaluate_fn, state["params"])
-            with steps.phase("eval"):
-                watcher(step, out, state)
-            return out
-
         if steps.fresh:  # the start model, evaluated as step 0
-            steps.log_start(evaluated(0))
+            evaluated = steps.evaluate(evaluate_fn, state["params"])
+            watcher(0, evaluated, state)  # the collapse guard, --keep-best
+            steps.log_start(evaluated)
         for step in steps:
             state, metrics = steps.step(step_fn, state, steps.next_batch())
             if steps.evaluation_due(step):
-                metrics |= evaluated(step)
+                evaluated = steps.evaluate(evaluate_fn, state["params"])
+                watcher(step, evaluated, state)  # the collapse guard, --keep-best
+                metrics |= evaluated
             steps.done(step, state, metrics)
     models.save_model(run.path / "model", student, state["params"])
-    before, after = loop.first_and_last(run, "accuracy")
     teacher_accuracy = evaluate.accuracy(
         teacher.graphdef, teacher.params, task, vocab_size, placement
     )
-    headline = {
-        "divergence": config.divergence, "teacher_accuracy": teacher_accuracy,
-        "accuracy_before": before, "accuracy_after": after, **evaluate.paired_headline(run),
-        **loop.before_and_after(run, *evaluate.SAMPLED),  # with --eval-samples
-        **(best.headline() if best else {}),
-    }  # fmt: skip
-    if baseline is not None:
-        headline["sft_accuracy_after"] = baseline["accuracy_after"]
+    headline = result(run, config, teacher_accuracy, best, baseline)
     return loop.finish(run, config, headline, chained=chained)
 
 

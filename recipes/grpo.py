@@ -118,15 +118,13 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
         state = steps.state  # the last checkpoint's, with --resume
         if steps.fresh:  # the start model, evaluated as step 0
             evaluated = steps.evaluate(evaluate_fn, state["params"])
-            with steps.phase("eval"):  # the collapse guard, --keep-best
-                watcher(0, evaluated, state)
+            watcher(0, evaluated, state)  # the collapse guard, --keep-best
             steps.log_start(evaluated)
         for step in steps:
             state, metrics = steps.step(train_step, state, steps.next_batch())
             if steps.evaluation_due(step):
                 evaluated = steps.evaluate(evaluate_fn, state["params"])
-                with steps.phase("eval"):  # the collapse guard, --keep-best
-                    watcher(step, evaluated, state)
+                watcher(step, evaluated, state)  # the collapse guard, --keep-best
                 metrics |= evaluated
             steps.done(step, state, metrics)
     tuning.save(run.path, model, state["params"], placement)

@@ -189,19 +189,16 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
 
     with loop.Steps(run, config, placement, state, batches, checkpointed=checkpointed) as steps:
         state = steps.state  # the last checkpoint's, with --resume
-
-        def evaluated(step):  # with the collapse guard
-            out = steps.evaluate(evaluate_fn, state["params"])
-            with steps.phase("eval"):
-                watcher(step, out, state)
-            return out
-
         if steps.fresh:  # the start model, evaluated as step 0
-            steps.log_start(evaluated(0))
+            evaluated = steps.evaluate(evaluate_fn, state["params"])
+            watcher(0, evaluated, state)  # the collapse guard, --keep-best
+            steps.log_start(evaluated)
         for step in steps:
             state, metrics = steps.step(train_step, state, steps.next_batch())
             if steps.evaluation_due(step):
-                metrics |= evaluated(step)
+                evaluated = steps.evaluate(evaluate_fn, state["params"])
+                watcher(step, evaluated, state)  # the collapse guard, --keep-best
+                metrics |= evaluated
             steps.done(step, state, metrics)
     model, state = models.replicated(model, both), disaggregated.shared(state, both)
     tuning = dataclasses.replace(tuning, base=disaggregated.shared(tuning.base, both))

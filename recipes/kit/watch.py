@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kit import parallel
+from kit import goodput, parallel
 from kit.errors import UserError
 
 
@@ -116,10 +116,11 @@ def watcher(config, run, save, placed):
     keep = KeepBest(config.keep_best, run.path, save, placed) if config.keep_best else None
 
     def watch(step: int, evaluated: dict, state: dict) -> None:
-        for line in guard.observe(step, evaluated):
-            if parallel.is_main():
-                print(f"{config.run_name()}: warning: {line}", file=sys.stderr, flush=True)
-        if keep is not None:
-            keep.observe(step, evaluated, state["params"])
+        with goodput.phase("eval"):  # part of the evaluation's time (a kept model's saving)
+            for line in guard.observe(step, evaluated):
+                if parallel.is_main():
+                    print(f"{config.run_name()}: warning: {line}", file=sys.stderr, flush=True)
+            if keep is not None:
+                keep.observe(step, evaluated, state["params"])
 
     return watch, keep
