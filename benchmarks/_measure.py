@@ -112,6 +112,28 @@ def cpu() -> dict:
     }
 
 
+def random_key(seed: int):
+    """A PRNG key for a benchmark's random weights and inputs, from the generator that is
+    cheap to compile on the default backend: on a CPU JAX's default (threefry, so that CPU
+    figures and smoke runs draw the values they always drew), on a TPU or GPU the `"rbg"`
+    generator (XLA's `RngBitGenerator`, which a TPU runs in hardware).
+
+    A benchmark's values only have to be random-looking; their generation must not cost more
+    than what is measured. On a TPU v5e (jax 0.10.2, libtpu of 2026-06-15) threefry's
+    `jax.random.normal` for one stacked weight of the Llama-3.2-1B shape (16 x 2048 x 8192)
+    compiled in 6.3 to 16.4 s, one program per shape, the longer ones after the compiler
+    retried a fusion (its log: "Successful retry compilation of fusion.26"): initialising
+    that model took about a minute, the sampler part's whole limit, in some runs and not in
+    others. MaxText's training and decoding entry points make `"unsafe_rbg"` JAX's default
+    generator (`jax_default_prng_impl`). Each benchmark's JSON names the generator that drew
+    its values (`key_impl`)."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return jax.random.key(seed)
+    return jax.random.key(seed, impl="rbg")
+
+
 def end_process(status: int) -> NoReturn:
     """End this process at once with `status`, its stdout and stderr flushed: for a benchmark
     whose results are written, so that it lets go of the accelerator without waiting for

@@ -95,6 +95,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _measure import end_process, random_key  # beside this script, first on sys.path
 from tunelib.logprobs import default_chunk_size
 
 
@@ -198,7 +199,7 @@ def make_inputs(size: Size) -> tuple[jax.Array, jax.Array, jax.Array]:
 
     @jax.jit
     def draw():
-        kh, kw, ky = jax.random.split(jax.random.key(0), 3)
+        kh, kw, ky = jax.random.split(random_key(0), 3)
         hidden = jax.random.normal(kh, (size.n, size.h), jnp.float32)
         scale = LOGIT_SCALE / np.sqrt(size.h)
         unembedding = scale * jax.random.normal(kw, (size.h, size.v), jnp.float32)
@@ -365,6 +366,7 @@ def check_worker(name: str, size: Size, variants: list[str], chunk_size: int | N
         return {
             "size": name, "backend": jax.default_backend(),
             "device": jax.devices()[0].device_kind, "rows": len(rows),
+            "key_impl": str(jax.random.key_impl(random_key(0))),
             "stored_dtype": held["ref"]["d_unembedding"].dtype.name,
         }  # fmt: skip
 
@@ -673,6 +675,7 @@ def summarise(args, size: Size, info: dict, variants: dict, gemm: dict | None, n
         "repeats": args.repeats,
         "backend": info["backend"],
         "device": info["device"],
+        "key_impl": info.get("key_impl"),
         "check_rows": len(check_rows(size)),
         "tolerance": TOLERANCE[size.dtype],
         "naive_bound": NAIVE_BOUND[size.dtype],
@@ -884,6 +887,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _measure import end_process  # beside this script, first on sys.path
-
     end_process(main())

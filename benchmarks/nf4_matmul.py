@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from _measure import end_process, random_key  # beside this script, first on sys.path
+
 
 class Case(NamedTuple):
     n_in: int  # K: the kernel's input features
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         line = json.dumps({
             "benchmark": "nf4_matmul", "size": args.size, "backend": jax.default_backend(),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "key_impl": str(jax.random.key_impl(random_key(0))),
             "repeats": args.repeats, "inner": args.inner, "tolerance": TOLERANCE,
             "correct": correct, "cases": results,
         })  # fmt: skip
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results, correct = [], True
     backend = jax.default_backend()
-    key = jax.random.key(0)
+    key = random_key(0)
     for case in SIZES[args.size]:
         key, kw = jax.random.split(key)
         kernel = 0.02 * jax.random.normal(kw, (case.n_in, case.n_out), jnp.float32)
@@ -246,6 +249,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _measure import end_process  # beside this script, first on sys.path
-
     end_process(main())

@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from _measure import end_process, random_key  # beside this script, first on sys.path
+
 
 class Size(NamedTuple):
     config: dict
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     config = DecoderConfig(
         **size.config, dtype=size.dtype, param_dtype=size.dtype, scan_layers=not args.unrolled
     )
-    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(random_key(0))))
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     value_bytes = jnp.dtype(size.dtype).itemsize
 
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": "unrolled" if args.unrolled else "scanned", "layout": args.layout,
         "backend": jax.default_backend(),
         "device": device, "jax": jax.__version__, "param_bytes": param_bytes,
+        "key_impl": str(jax.random.key_impl(random_key(0))),
         "bandwidth_bytes_per_s": bandwidth, "prompt_len": p, "new_tokens": n,
         "repeats": args.repeats, "batches": rows,
     })  # fmt: skip
@@ -237,6 +240,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from _measure import end_process  # beside this script, first on sys.path
-
     end_process(main())

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._helpers import load_script, user_env
-from tests.benchmarks._run import run_benchmark
+from tests._helpers import user_env
+from tests.benchmarks._run import load_benchmark, run_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "logprobs.py"
 
@@ -61,7 +61,7 @@ def test_smoke_size_end_to_end(tmp_path):
 
 
 def test_gate_compares_each_error_with_the_naive_paths_own():
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     naive = {"errors": {"loss": 1e-7, "d_hidden": 4e-7, "d_unembedding": 2e-7}}
     close = {"errors": {"loss": 1e-7, "d_hidden": 9e-6, "d_unembedding": 3e-7}}
     wrong = {"errors": {"loss": 1e-7, "d_hidden": 1e-7, "d_unembedding": 0.5}}
@@ -82,7 +82,7 @@ def test_gate_compares_each_error_with_the_naive_paths_own():
 
 
 def test_relative_error_is_normwise_and_streams_rows():
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     ref = np.arange(12.0).reshape(3, 4) - 5.0  # max |ref| = 6
     x = ref.astype(np.float32).copy()
     x[2, 3] += 0.3
@@ -123,7 +123,7 @@ def dense_reference(h, w, y):
 
 
 def test_reference_grads_chunked_equal_the_dense_formula(monkeypatch):
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     monkeypatch.setattr(bench, "REFERENCE_CHUNK", 7)  # 50 columns: 8 chunks, the last short
     rng = np.random.default_rng(0)
     h = rng.normal(size=(6, 5))
@@ -143,7 +143,7 @@ def test_reference_runs_float64_on_the_host_only():
     the accelerator whatever the default backend is."""
     import jax
 
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     size = bench.Size(n=300, h=8, v=40, dtype="bfloat16", accelerator=True)
     assert jax.config.jax_enable_x64 is False
     inputs = bench.make_inputs(size)
@@ -163,7 +163,7 @@ def test_reference_runs_float64_on_the_host_only():
 
 
 def test_errors_are_taken_in_the_references_precision():
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     ref = np.array([1.0, -4.0])
     x = ref + np.array([2.0**-40, 0.0])  # a difference float32 cannot hold beside 1
     assert bench.relative_error(x, ref) == 2.0**-42  # float64 against a float64 reference
@@ -175,7 +175,7 @@ def test_errors_are_taken_in_the_references_precision():
 def test_results_come_to_the_host_as_float32():
     import jax.numpy as jnp
 
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     x = jnp.asarray([[1.5, -2.0], [3.0e-3, 7.0]], jnp.bfloat16)
     host = bench.to_host(x)
     assert isinstance(host, np.ndarray) and host.dtype == np.float32
@@ -184,7 +184,7 @@ def test_results_come_to_the_host_as_float32():
 
 
 def test_default_size_by_backend():
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     assert bench.default_size("cpu") == "cpu"
     assert bench.default_size("tpu") == "gemma2-2b"  # fits one v5e chip with every variant
     assert bench.default_size("gpu") == "llama3-8b"
@@ -192,7 +192,7 @@ def test_default_size_by_backend():
 
 
 def test_a_worker_out_of_memory_is_told_from_other_failures():
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     tpu = "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Error allocating device"
     compiler = "XlaRuntimeError: ... Ran out of memory in memory space hbm. Used 17.5G of 15.75G"
     for stderr in (tpu, compiler):
@@ -206,7 +206,7 @@ def test_a_worker_out_of_memory_is_told_from_other_failures():
 
 
 def test_gate_with_the_naive_path_out_of_memory():
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     oom = {"failed": "RESOURCE_EXHAUSTED", "out_of_memory": True}
     close = {"errors": {"loss": 1e-3, "d_hidden": 1.5e-2, "d_unembedding": 3e-3}}
     wrong = {"errors": {"loss": 1e-3, "d_hidden": 1e-3, "d_unembedding": 0.5}}
@@ -251,7 +251,7 @@ def fake_workers(bench, monkeypatch, failures: dict[str, dict], backend: str = "
 
 
 def test_a_check_that_raises_is_reported_and_the_next_variant_checked(tmp_path, monkeypatch):
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     real_check = bench.check
 
     def check(variant, *rest):
@@ -275,7 +275,7 @@ def test_a_check_that_raises_is_reported_and_the_next_variant_checked(tmp_path, 
 
 
 def test_a_variant_out_of_memory_is_reported_and_the_others_measured(tmp_path, monkeypatch):
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     oom = {"failed": "RESOURCE_EXHAUSTED: Out of memory", "out_of_memory": True}
     # Here the naive path's check ended its worker: the others are checked in a new one.
     calls = fake_workers(bench, monkeypatch, {"naive check": oom})
@@ -299,7 +299,7 @@ def test_a_variant_out_of_memory_is_reported_and_the_others_measured(tmp_path, m
 
 
 def test_a_stopped_check_is_reported_and_the_variants_after_it_checked(tmp_path, monkeypatch):
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     hung = {"failed": "stopped after --stage-timeout 60 s", "out_of_memory": False}
     calls = fake_workers(bench, monkeypatch, {"chunked check": hung | {"timed_out": True}}, "gpu")
     written = tmp_path / "result.json"
@@ -321,7 +321,7 @@ def test_a_stopped_check_is_reported_and_the_variants_after_it_checked(tmp_path,
 
 
 def test_a_variant_that_crashes_otherwise_fails_the_run(tmp_path, monkeypatch):
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     crash = {"failed": "ValueError: bad", "out_of_memory": False}
     fake_workers(bench, monkeypatch, {"pallas check": crash})
     written = tmp_path / "result.json"
@@ -333,7 +333,7 @@ def test_a_variant_that_crashes_otherwise_fails_the_run(tmp_path, monkeypatch):
 
 
 def test_a_failed_reference_ends_the_run(tmp_path, monkeypatch, capsys):
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     fake_workers(
         bench, monkeypatch, {"reference": {"failed": "MemoryError", "out_of_memory": False}}
     )
@@ -342,7 +342,7 @@ def test_a_failed_reference_ends_the_run(tmp_path, monkeypatch, capsys):
 
 
 def test_a_worker_past_its_stage_timeout_is_stopped(tmp_path):
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     args = bench.build_parser().parse_args(["--size", "smoke", "--stage-timeout", "0.5"])
     stages = {}
     names = ["reference", "naive check"]
@@ -357,7 +357,7 @@ def test_a_worker_past_its_stage_timeout_is_stopped(tmp_path):
 
 
 def test_a_worker_reports_each_stage_as_it_ends(tmp_path):
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     args = bench.build_parser().parse_args(["--size", "smoke", "--chunk-size", "1024"])
     stages = {}
     names = ["reference", "naive check", "pallas check"]
@@ -372,7 +372,7 @@ def test_a_worker_reports_each_stage_as_it_ends(tmp_path):
 def test_a_worker_deaf_to_sigint_prints_its_stacks_before_it_is_killed():
     """Stuck where SIGINT cannot reach it, a worker gets SIGABRT after the grace: Python's
     fault handler prints every thread's stack (the parent turns it on in each worker)."""
-    bench = load_script(SCRIPT, "logprobs_benchmark")
+    bench = load_benchmark("logprobs.py", "logprobs_benchmark")
     deaf = (
         "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
         "print(1, flush=True); time.sleep(60)"
