@@ -199,6 +199,42 @@ def test_nf4_matmul_on_a_tpu_times_xla_and_says_why_not_pallas(tmp_path, monkeyp
     assert headline.endswith(f"; pallas {bench.NOT_ON['pallas', 'tpu']}")
 
 
+@pytest.mark.parametrize(
+    ("message", "status"),
+    [("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 14.22G", 0), ("broken", 1)],
+)
+def test_nf4_matmul_reports_a_call_that_fails_and_times_the_rest(
+    tmp_path, monkeypatch, capsys, message, status
+):
+    """A call that fails in its warm-up (here every forward-and-backward) is reported in the
+    table and the JSON and left out of the timing; the forwards are still timed. Out of
+    device memory leaves the run correct (exit 0); any other failure does not."""
+    import jax
+
+    bench = load_benchmark("nf4_matmul.py", "nf4_matmul_benchmark")
+
+    def failing_value_and_grad(fn):
+        def call(*args):
+            raise RuntimeError(message)
+
+        return call
+
+    monkeypatch.setattr(jax, "value_and_grad", failing_value_and_grad)
+    written = tmp_path / "nf4.json"
+    flags = ["--size", "smoke", "--repeats", "1", "--inner", "1", "--json-out", str(written)]
+    assert bench.main(flags) == status
+    result = json.loads(written.read_text())
+    assert result["correct"] is (status == 0)
+    for case in result["cases"]:
+        for variant in case["variants"].values():
+            assert variant["forward_ms"] > 0 and "forward+backward_ms" not in variant
+            assert variant["forward+backward_failed"] == f"RuntimeError: {message}"
+            assert ("out_of_memory" in variant) is (status == 0)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if " x " in line and "K x N" not in line]
+    assert rows and all(line.split()[-1] == ("OOM" if status == 0 else "failed") for line in rows)
+
+
 @pytest.mark.slow
 def test_sampler_roofline_smoke_size_end_to_end(tmp_path):
     result, _ = run_benchmark(
