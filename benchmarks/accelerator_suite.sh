@@ -23,14 +23,14 @@
 # OUT_DIR/log.txt holds what each part printed (its last 200 lines). The exit status is 0 when
 # every part that ran ended well, else 1.
 #
-# The budget on one TPU v5e (limits, then the time each part was measured or is estimated to
-# take there with an empty compilation cache): logprobs-gemma2 130 s (about 90: two processes
-# open the chip, one checks every implementation against float64, one times them),
-# sampler 110 (85), nf4 60 (40), recipes-toy 190 (150: SFT 79, GRPO 71), recipes-smollm2
-# 210 (167: SFT 67, GRPO 100), parity 90, logprobs-llama3 130 (90). They do not all fit in
-# 480 s: the default run does logprobs-gemma2, sampler, nf4, recipes-toy and, with what is
-# left, parity; recipes-smollm2 and logprobs-llama3 need a second run,
-# `PARTS="recipes-smollm2 logprobs-llama3" bash benchmarks/accelerator_suite.sh OUT_DIR 400`.
+# The budget on one TPU v5e (limits, then the time each part took there on a fresh machine,
+# with an empty compilation cache, 2026-12-06, or its estimate): logprobs-gemma2 130 s (115:
+# two processes open the chip, one checks every implementation against float64, one times
+# them), sampler 125 (109), nf4 100 (84, its largest backward out of memory), recipes-toy 160
+# (126: SFT 63, GRPO 54), recipes-smollm2 210 (167: SFT 67, GRPO 100), parity 60 (42),
+# logprobs-llama3 130 (90). They do not all fit in 480 s: the default run does
+# logprobs-gemma2, sampler, nf4 and recipes-toy; the others need a second run,
+# `PARTS="recipes-smollm2 parity logprobs-llama3" bash benchmarks/accelerator_suite.sh OUT_DIR 400`.
 #
 # Settings (environment variables):
 #   PARTS="a b"      run only the parts named (the others are listed as not run); the extra
@@ -241,10 +241,10 @@ export repo work parts bench parity parity_cpu
 {
     part logprobs-gemma2 130 python3 "$bench/logprobs.py" $logprobs_gemma2 \
         --json-out "$parts/logprobs-gemma2/logprobs_gemma2.json"
-    part sampler 110 python3 "$bench/sampler_roofline.py" $sampler \
+    part sampler 125 python3 "$bench/sampler_roofline.py" $sampler \
         --json-out "$parts/sampler/sampler.json"
-    part nf4 60 python3 "$bench/nf4_matmul.py" $nf4 --json-out "$parts/nf4/nf4.json"
-    part recipes-toy 190 bash -c 'recipes toy "$0" "$1"' "$sft_toy" "$grpo_toy"
+    part nf4 100 python3 "$bench/nf4_matmul.py" $nf4 --json-out "$parts/nf4/nf4.json"
+    part recipes-toy 160 bash -c 'recipes toy "$0" "$1"' "$sft_toy" "$grpo_toy"
     # The package is found, not imported (its __init__ imports `llm`), as the recipes find it.
     if missing=$(python3 -c "$smollm2_file" 2>&1); then
         part recipes-smollm2 210 bash -c 'recipes smollm2 "$0" "$1"' \
@@ -254,9 +254,9 @@ export repo work parts bench parity parity_cpu
         skip recipes-smollm2 210 "$(tail -n 1 <<<"$missing")"
     fi
     if [[ -f "$parity_cpu" ]]; then
-        part parity 90 bash -c 'parity_run parity --replay "$parity_cpu" --matmul-precision highest'
+        part parity 60 bash -c 'parity_run parity --replay "$parity_cpu" --matmul-precision highest'
     else
-        skip parity 90 "no CPU record $parity_cpu (make it on a CPU: python \
+        skip parity 60 "no CPU record $parity_cpu (make it on a CPU: python \
 benchmarks/grpo_parity.py ${parity:+$parity }--out $parity_cpu)"
     fi
     part logprobs-llama3 130 python3 "$bench/logprobs.py" $logprobs_llama3 \

@@ -83,7 +83,7 @@ def test_suite_runs_the_parts_asked_and_packs_their_results(tmp_path):
     assert "tokens equal 100.0%" in summary[6]
     assert summary[8] == "2 of 7 parts ok, 2 run"
     log = (out / "log.txt").read_text()
-    assert "== recipes-toy (limit 190 s" in log and "== parity: exit 0" in log
+    assert "== recipes-toy (limit 160 s" in log and "== parity: exit 0" in log
 
 
 @pytest.mark.slow
