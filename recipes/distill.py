@@ -221,24 +221,13 @@ def result(run, config: DistillConfig, teacher_accuracy: float, best, baseline) 
     return headline
 
 
-def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
+def student_step(config: DistillConfig, task, teacher, student):
+    """The optimizer, the update (`distill_objective`, then AdamW), the student's sampler at
+    --sample-temperature with its sampling config, and the step that calls them."""
     import jax
-    import numpy as np
 
-    from tunelib.data import CharTokenizer
+    from kit import evaluate, optim
 
-    from kit import data, evaluate, loop, models, optim, parallel, watch
-
-    folder, chained, baseline = teacher_and_baseline(config, run)
-    # Every device of every process; each batch split by rows.
-    placement = parallel.placement(config.batch_size, config.devices)
-    teacher = models.replicated(models.load_model(folder), placement)
-    student = models.new_model(CharTokenizer(), "student", config.seed)
-    student = models.replicated(models.with_remat(student, config.remat), placement)
-    task = data.load_task(config, "sft", teacher.tokenizer, num_train=config.num_prompts)
-    vocab_size = student.config.vocab_size
-
-    task = transfer_set(task, teacher, vocab_size, placement)
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
     loss_fn = functools.partial(
         distill_objective, student_graphdef=student.graphdef, teacher_graphdef=teacher.graphdef,
@@ -247,7 +236,8 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     )  # fmt: skip
     update = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
     sampling = dataclasses.replace(
-        evaluate.greedy_config(task, vocab_size), temperature=config.sample_temperature
+        evaluate.greedy_config(task, student.config.vocab_size),
+        temperature=config.sample_temperature,
     )
     sample = jax.jit(
         functools.partial(
@@ -259,6 +249,27 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
         train_step, update=update, sample=sample, teacher_params=teacher.params,
         on_policy=config.on_policy,
     )  # fmt: skip
+    return optimizer, update, sample, sampling, step_fn
+
+
+def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
+    import numpy as np
+
+    from tunelib.data import CharTokenizer
+
+    from kit import data, evaluate, loop, models, parallel, watch
+
+    folder, chained, baseline = teacher_and_baseline(config, run)
+    # Every device of every process; each batch split by rows.
+    placement = parallel.placement(config.batch_size, config.devices)
+    teacher = models.replicated(models.load_model(folder), placement)
+    student = models.new_model(CharTokenizer(), "student", config.seed)
+    student = models.replicated(models.with_remat(student, config.remat), placement)
+    task = data.load_task(config, "sft", teacher.tokenizer, num_train=config.num_prompts)
+    vocab_size = student.config.vocab_size
+
+    task = transfer_set(task, teacher, vocab_size, placement)
+    optimizer, update, sample, sampling, step_fn = student_step(config, task, teacher, student)
 
     # Greedy accuracy, and with --eval-samples k the student's k samples at
     # --sample-temperature: pass@1, pass@k, maj@k, entropy and diversity (kit.evaluate).

@@ -125,21 +125,47 @@ def from_saved(saved, *, rollouts, learner, placement, max_staleness: int):
     return state
 
 
-def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
-    import grain
-    import numpy as np
+def two_processes(config: GRPOAsyncConfig):
+    """Each process's own devices (the trainer's and the sampler's meshes are apart), with
+    one line for a run that is not on 2 processes."""
+    from kit import parallel
 
-    from kit import chain, disaggregated, evaluate, grpo, loop, models, parallel, watch
-
-    # The SFT start, trained first if absent: before this process opens its devices.
-    start, sft_seconds = chain.sft_start(config)
-    # Each process's own devices: the trainer's and the sampler's meshes are apart.
     placement = parallel.placement(config.batch_size, config.devices, across_processes=False)
     if placement.process_count != 2:
         raise UserError(
             f"--max-staleness runs on 2 processes (one trains, one samples), not "
             f"{placement.process_count}: start it with python -m tunelib.launch -n 2"
         )
+    return placement
+
+
+def evaluation(config, model, tuning, task, sampling, placement, run, trainer: bool):
+    """The held-out evaluation on the trainer; NaN for each metric on the sampler, whose copy
+    of the state is not the trained one."""
+    from kit import evaluate
+
+    rl_evaluate = evaluate.for_rl(
+        config, model.graphdef, model.config.vocab_size, tuning.policy, task, sampling,
+        placement, run,
+    )  # fmt: skip
+
+    def evaluate_fn(trainable):
+        if not trainer:
+            return dict.fromkeys(evaluate.rl_metric_names(config), float("nan"))
+        return rl_evaluate(trainable)
+
+    return evaluate_fn
+
+
+def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
+    import grain
+    import numpy as np
+
+    from kit import chain, disaggregated, grpo, loop, models, watch
+
+    # The SFT start, trained first if absent: before this process opens its devices.
+    start, sft_seconds = chain.sft_start(config)
+    placement = two_processes(config)
     trainer = disaggregated.role() == disaggregated.TRAINER
     model = chain.start_model(start, placement, remat=config.remat)
     # What grpo.py samples and trains with: `sample` runs on the sampler, `learner` on the
@@ -156,15 +182,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         fresh_batches=lambda: iter(order.to_iter_dataset()), faults=run.faults(),
     )  # fmt: skip
     train_step = Step(trainer, placement, tuning, learner, rollouts, batches)
-    rl_evaluate = evaluate.for_rl(
-        config, model.graphdef, model.config.vocab_size, tuning.policy, task, sampling,
-        placement, run,
-    )  # fmt: skip
-
-    def evaluate_fn(trainable):
-        if not trainer:  # the sampler's copy of the state is not the trained one
-            return dict.fromkeys(evaluate.rl_metric_names(config), float("nan"))
-        return rl_evaluate(trainable)
+    evaluate_fn = evaluation(config, model, tuning, task, sampling, placement, run, trainer)
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
         return learner.pieces(state, indices.shape[0], task, sampling)
