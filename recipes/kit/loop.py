@@ -53,6 +53,7 @@ from tunelib import distributed
 from kit import checkpoint_interval, goodput, parallel, recovery
 from kit.checkpoints import Checkpoints
 from kit.cli import Interrupted
+from kit.errors import UserError
 from kit.logs import open_writers
 from kit.parallel import Placement
 from kit.plots import plot
@@ -197,10 +198,27 @@ class Steps:
             state, metrics = step_fn(state, *args)
             metrics = {k: _number(v) for k, v in metrics.items()}
         step, steps = self.current, self.config.steps
+        if not math.isfinite(metrics.get("loss", 0.0)):
+            self._log({"step": step, **metrics})  # the step that diverged, in metrics.jsonl
+            raise UserError(self._diverged(step, metrics["loss"]))
         if step == self.start + 1 and step < steps and self.main:
             line = estimate(self.name, step, steps, self.clock.split(), _devices(self.placed))
             self.bar.write(line, file=sys.stdout)
         return state, metrics
+
+    def _diverged(self, step: int, loss: float) -> str:
+        """The line for a step whose loss is not finite: the run stops there, before anything
+        of that step is saved (no checkpoint, no model). Its earlier checkpoints are kept, but
+        not offered for resuming: the update before a non-finite loss may already have made
+        the weights non-finite."""
+        saved = self.checkpoints.manager.latest_step() if self.checkpoints is not None else None
+        kept = f" (its checkpoints up to step {saved} are kept)" if saved else ""
+        return (
+            f"the loss was {loss} at step {step}: the run stopped there without saving its "
+            f"model{kept}. A learning rate too large for the model is the usual cause "
+            f"(--learning-rate {self.config.learning_rate:g}): run again with a smaller one; "
+            f"the step's metrics are the last line of {self.run.path / 'metrics.jsonl'}"
+        )
 
     def evaluation_due(self, step: int) -> bool:
         """Every `--eval-every` steps and after the last."""

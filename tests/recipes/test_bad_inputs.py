@@ -295,6 +295,33 @@ def test_a_reward_that_returns_nan_names_the_prompt_and_the_command_can_run_agai
         ]
 
 
+def test_a_loss_that_diverges_stops_the_run_in_one_line_without_saving_a_model(
+    tmp_path, char_model, monkeypatch, capsys
+):
+    """A finite but absurd learning rate trains the loss to NaN within a few steps: the run
+    stops at that step in one line (the step, the learning rate), with the
+    step's record last in metrics.jsonl and no model or checkpoint of the diverged weights;
+    the same command can run again and stops the same way."""
+    flags = [
+        "--model", str(char_model), "--learning-rate", "1e6", "--steps", "12",
+        "--eval-every", "12", "--num-train", "64", "--num-heldout", "8", "--batch-size", "8",
+        "--no-progress", "--no-plots", "--devices", "1", "--out", "runs/diverged",
+    ]  # fmt: skip
+    for _ in range(2):
+        status, lines = run_here("sft", flags, tmp_path, monkeypatch, capsys)
+        assert status == 2 and len(lines) == 1, lines
+        assert "sft.py: error: the loss was nan at step " in lines[0], lines
+        assert "without saving its model. A learning rate too large" in lines[0]
+        assert "(--learning-rate 1e+06): run again with a smaller one" in lines[0]
+        folder = tmp_path / "runs" / "diverged"
+        assert not (folder / "model").exists() and not (folder / "result.json").exists()
+        assert not any((folder / "checkpoints").iterdir())
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        step = int(lines[0].split("at step ")[1].split(":")[0])
+        assert records[-1]["step"] == step and records[-1]["loss"] != records[-1]["loss"]  # NaN
+        assert all(r["loss"] == r["loss"] for r in records[:-1] if "loss" in r)
+
+
 def test_a_reward_that_raises_is_one_line_naming_the_error_its_line_and_the_prompt(
     tmp_path, char_model, monkeypatch, capsys
 ):
