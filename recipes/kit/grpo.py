@@ -30,6 +30,15 @@ from kit.images import model_inputs
 BUILT_IN = ("arithmetic", "vision_counting")
 
 
+def reward_limit(group_size: int) -> float:
+    """The largest reward magnitude a --reward function may return for groups of
+    `group_size`. Scores are float32, and a group's standard deviation sums the squares of
+    their differences from the group's mean: with every |reward| <= M, each square is at most
+    (2M)^2 and the sum at most 4 G M^2, which must stay below float32's largest value
+    (3.4e38); half of that M leaves room for the rounding of the mean. About 1.6e18 at G = 8."""
+    return float(np.sqrt(np.finfo(np.float32).max / (4 * group_size))) / 2
+
+
 def well_formed(text: str, truncated: bool) -> bool:
     """A built-in task answer of digits (with an optional leading minus), ended by EOS."""
     return not truncated and text.lstrip("-").isdigit() and text.count("-") <= 1
@@ -122,7 +131,8 @@ class Sampler:
             prompt = record.get("prompt", record)
             try:
                 score = float(self._user(text, record))
-            except Exception as error:  # the user's code: where it failed, in one line
+            except (Exception, SystemExit) as error:  # the user's code, in one line; a
+                # sys.exit() there would otherwise end the run with its status, silently
                 where = traceback.extract_tb(error.__traceback__)[-1]
                 raise UserError(
                     f"--reward {self.reward} raised {error!r} at {where.filename}:"
@@ -132,6 +142,13 @@ class Sampler:
                 raise UserError(
                     f"--reward {self.reward} returned {score} for the prompt "
                     f"{prompt!r}: a reward must be a finite number"
+                )
+            if abs(score) > (limit := reward_limit(self.group_size)):  # inf once squared
+                raise UserError(
+                    f"--reward {self.reward} returned {score:g} for the prompt {prompt!r}: "
+                    f"a reward must be at most {limit:.2g} in magnitude with groups of "
+                    f"{self.group_size} (their statistics square differences of rewards in "
+                    f"float32)"
                 )
             return score
         weight = self.format_weight if self.task.name in BUILT_IN else 0.0

@@ -336,6 +336,45 @@ def test_a_reward_that_raises_is_one_line_naming_the_error_its_line_and_the_prom
     assert "bad_reward.py:2 for the prompt '" in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        ("__import__('sys').exit(0)", "raised SystemExit(0) at "),
+        ("1e30", "returned 1e+30 for the prompt '"),
+    ],
+)
+def test_a_reward_that_exits_or_cannot_be_held_is_one_line(
+    tmp_path, char_model, monkeypatch, capsys, returned, message
+):
+    """A reward function that calls sys.exit() would end the run with its status, silently;
+    one that returns a finite float64 beyond float32's range, or whose squares overflow the
+    group statistics, would train on infinite advantages: each is one line."""
+    flags = grpo_with_reward(tmp_path, char_model, "odd_reward", returned, "runs/odd")
+    status, lines = run_here("grpo", flags, tmp_path, monkeypatch, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("grpo.py: error: --reward odd_reward.py:score "), lines
+    assert message in lines[0], lines
+    if returned == "1e30":
+        assert "must be at most 3.3e+18 in magnitude with groups of 2" in lines[0], lines
+
+
+def test_rewards_at_the_limit_train_on_finite_advantages(tmp_path, char_model, monkeypatch):
+    """Rewards of the largest allowed magnitude, of both signs within a group, give finite
+    advantages and a finite loss at every step."""
+    import math
+
+    import kit.grpo
+
+    limit = kit.grpo.reward_limit(2)
+    returned = f"{limit!r} * (1 if len(completion) % 2 else -1)"
+    flags = grpo_with_reward(tmp_path, char_model, "big_reward", returned, "runs/big")
+    monkeypatch.chdir(tmp_path)
+    recipe_main("grpo", flags)
+    records = (tmp_path / "runs" / "big" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in records][1:]
+    assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps), steps
+
+
 def test_a_damaged_gguf_file_is_one_line_and_writes_nothing(world, monkeypatch, capsys):
     before = snapshot(world)
     flags = ["--model", "broken.gguf", "--out", "runs/broken", "--lora-rank", "4"]
