@@ -73,6 +73,9 @@ RUN_ENTRIES = (
     "goodput.png",
     "attempts.jsonl",
     "heldout_start.json",
+    "best",  # --keep-best's model; left in place, the next run would compare with its record
+    "best.partial",
+    "faults.jsonl",  # injected faults that fired; left in place, they would not fire again
 )
 
 

@@ -117,6 +117,22 @@ def test_open_locks_the_folder_and_release_frees_it(tmp_path):
     assert not (tmp_path / "run" / LOCK_FILE).exists()
 
 
+def test_overwrite_removes_everything_a_run_wrote_and_nothing_else(tmp_path):
+    """A replaced run leaves nothing the next one would read as its own: not --keep-best's
+    model and record (compared with, and named as the new run's best), not the injected
+    faults that fired (which would not fire again); the user's own files stay."""
+    out = tmp_path / "run"
+    for folder in ("checkpoints/4", "model", "best", "best.partial"):
+        (out / folder).mkdir(parents=True)
+    (out / "best" / "best.json").write_text('{"metric": "accuracy", "value": 1.0, "step": 4}')
+    for name in ("result.json", "faults.jsonl", "config.toml", "metrics.jsonl", "notes.txt"):
+        (out / name).write_text("{}\n")
+    run = RunFolder(out, resume=False, overwrite=True, steps=4)
+    run.open(config())
+    assert sorted(os.listdir(out)) == sorted([LOCK_FILE, "config.toml", "notes.txt"])
+    run.release()
+
+
 def failed_start(folder: Path, settings) -> Path:
     """What a start that failed before its first checkpoint leaves."""
     (folder / "checkpoints").mkdir(parents=True)
