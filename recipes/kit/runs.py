@@ -127,7 +127,10 @@ class RunFolder:
         `faults.jsonl` unless a supervisor names its own file."""
         from tunelib import distributed
 
-        return distributed.FaultPlan.from_environment(default_log=self.path / "faults.jsonl")
+        try:
+            return distributed.FaultPlan.from_environment(default_log=self.path / "faults.jsonl")
+        except ValueError as error:  # a spec that does not parse, or names no process here
+            raise UserError(str(error)) from None
 
     def _decide(self, resume: bool | str, overwrite: bool) -> None:
         """Whether the run resumes, starts or starts again, from what the folder holds now;

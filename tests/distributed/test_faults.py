@@ -44,3 +44,23 @@ def test_a_fault_fires_on_its_rank_only_and_checkpoint_faults_from_their_step(tm
     due = distributed.FaultPlan(spec, None, rank=1).during("checkpoint", 5)
     with pytest.raises(RuntimeError, match="at checkpoint of step 5"), due:
         pass
+
+
+def test_a_fault_on_a_process_the_run_does_not_have_is_refused_until_one_fired(tmp_path):
+    """A fault on rank 2 of a run of 2 processes would never fire: refused when the plan is
+    made (this process alone: `jax.process_count()` is 1). Once a fault of the run fired, a
+    run restarted on fewer processes (after `lose`) may leave the lost ones' faults unfired."""
+    with pytest.raises(ValueError, match=r"'kill@step=3,rank=2' fires on process 2, but the run "
+                       r"has 2 processes \(rank 0 to 1\): it would never fire"):  # fmt: skip
+        distributed.FaultPlan("kill@step=3,rank=2", None, rank=0, processes=2)
+    with pytest.raises(ValueError, match=r"has 1 process \(rank 0 to 0\)"):
+        distributed.FaultPlan("raise@step=1; lose@step=6,rank=1")
+    assert distributed.FaultPlan("raise@step=1,rank=1", None, rank=1, processes=2).faults
+    assert distributed.FaultPlan("raise@step=1,rank=5", None, rank=0).faults  # unchecked
+    log = tmp_path / "faults.jsonl"
+    with pytest.raises(RuntimeError, match="raise@step=1"):
+        distributed.FaultPlan("raise@step=1; lose@step=6,rank=1", log, rank=0, processes=2).inject(
+            "step", 1
+        )
+    restarted = distributed.FaultPlan("raise@step=1; lose@step=6,rank=1", log, rank=0, processes=1)
+    restarted.inject("step", 6)  # rank 1's fault: not this process's, and nothing fires

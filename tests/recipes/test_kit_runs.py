@@ -133,6 +133,21 @@ def test_overwrite_removes_everything_a_run_wrote_and_nothing_else(tmp_path):
     run.release()
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("kill@step=2,rank=1", "'kill@step=2,rank=1' fires on process 1, but the run has 1 "),
+        ("kill@stepp=2", "TUNELIB_FAULTS: cannot parse 'kill@stepp=2'"),
+    ],
+)
+def test_a_fault_spec_that_cannot_fire_here_is_one_line(tmp_path, monkeypatch, spec, message):
+    monkeypatch.setenv("TUNELIB_FAULTS", spec)
+    monkeypatch.delenv("TUNELIB_FAULTS_LOG", raising=False)
+    run = RunFolder(tmp_path / "run", resume=False, overwrite=False, steps=4)
+    with pytest.raises(UserError, match=message):
+        run.faults()
+
+
 def failed_start(folder: Path, settings) -> Path:
     """What a start that failed before its first checkpoint leaves."""
     (folder / "checkpoints").mkdir(parents=True)

@@ -146,6 +146,14 @@ class FaultPlan:
       spec: a `TUNELIB_FAULTS` spec (see the module's grammar); empty: no fault.
       log: the file of the faults that fired; None: kept in memory only.
       rank: this process's index (default `jax.process_index()`).
+      processes: how many processes the run has (default `jax.process_count()` when `rank`
+        is not given, else unchecked).
+
+    Raises:
+      ValueError: for a spec that does not parse, and, before any fault of the run has
+        fired, for a fault on a process the run does not have (it would never fire: a test
+        of recovery that tests nothing). After a fault fired, a run restarted on fewer
+        processes (`lose`) may leave the faults of the processes it lost unfired.
 
     Examples:
       >>> from tunelib import distributed
@@ -157,11 +165,27 @@ class FaultPlan:
       RuntimeError: injected fault 'raise@step=3' at step of step 3
     """
 
-    def __init__(self, spec: str = "", log: Path | None = None, *, rank: int | None = None):
+    def __init__(
+        self,
+        spec: str = "",
+        log: Path | None = None,
+        *,
+        rank: int | None = None,
+        processes: int | None = None,
+    ):
         self.faults = parse_faults(spec) if spec.strip() else []
         self.log = None if log is None else Path(log)
-        self.rank = jax.process_index() if rank is None and self.faults else (rank or 0)
+        if rank is None and self.faults:
+            rank, processes = jax.process_index(), processes or jax.process_count()
+        self.rank = rank or 0
         self.fired = _fired(self.log) if self.faults else set()
+        beyond = [f for f in self.faults if processes is not None and f.rank >= processes]
+        if beyond and not self.fired:
+            raise ValueError(
+                f"TUNELIB_FAULTS: {beyond[0].text!r} fires on process {beyond[0].rank}, but the "
+                f"run has {processes} process{'es' if processes > 1 else ''} (rank 0 to "
+                f"{processes - 1}): it would never fire"
+            )
 
     @classmethod
     def from_environment(cls, default_log: Path | None = None) -> "FaultPlan":
