@@ -7,6 +7,7 @@ import jax
 from tunelib import peft
 from tunelib.models import PROJECTION_KERNELS
 
+from kit.errors import UserError
 from kit.models import save_model
 
 
@@ -106,6 +107,12 @@ def _tuning(model, rank, alpha, dropout, qlora, seed) -> Tuning:
     params = model.params
     if not rank:
         return Tuning(params, None, "full")
+    if rank > (width := model.config.hidden_size):  # before the adapters are allocated
+        raise UserError(
+            f"--lora-rank {rank} is above the model's hidden size {width}: every projection "
+            f"LoRA adapts has the hidden size on one side, so a higher rank adds parameters, "
+            f"not capacity (ranks of 8 to 64 are usual)"
+        )
     # A vision-language model's language model holds the projections; its vision encoder
     # stays frozen.
     targets = f"language_model/{PROJECTION_KERNELS}" if model.images else PROJECTION_KERNELS

@@ -239,6 +239,7 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
         ("dpo", ["--data", "data/empty.jsonl"], "data/empty.jsonl holds no record"),
         ("grpo", ["--data", "data/pairs.jsonl"], "field 'answer' is missing"),
         ("grpo", ["--replay-routing"], "--replay-routing replays the experts of mixture-of"),
+        ("sft", ["--lora-rank", "100000"], "--lora-rank 100000 is above the model's hidden size"),
         ("grpo_async", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
         ("generate", ["--chat"], "has no chat template; use --prompt"),
     ],
