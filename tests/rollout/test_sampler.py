@@ -144,6 +144,22 @@ def test_temperature_zero_is_exact_greedy():
     assert out.temperature == 1.0
 
 
+@pytest.mark.parametrize("logps_of", ["tempered", "processed"])
+def test_a_temperature_that_overflows_the_logits_samples_the_argmax(logps_of):
+    """At a temperature so small that the logits over it overflow float32 (here 1.2e-38, with
+    logits up to about 5.5), sampling is greedy decoding: the argmax at every step (no tie
+    of infinities, no NaN draw), with log-probs 0 for the token drawn (finite)."""
+    graphdef, params = make_model()
+    tiny = dataclasses.replace(GREEDY, temperature=1.2e-38, logps_of=logps_of)
+    out = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), tiny)
+    logits = completion_logits(graphdef, params, out)
+    assert np.abs(logits).max() / 1.2e-38 > np.finfo(np.float32).max  # it would overflow
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    greedy = sample(graphdef, params, PROMPTS, PROMPT_WHERE, jax.random.key(0), GREEDY)
+    np.testing.assert_array_equal(out.tokens, greedy.tokens)
+    np.testing.assert_array_equal(np.asarray(out.logps), 0.0)
+
+
 def test_greedy_sampling_with_the_cache_runs_under_x64():
     """Under `jax.enable_x64`, where Python ints index as int64 beside the cache's int32
     index, a float64 decoder samples through its KV cache: the greedy tokens are the argmax of
@@ -305,6 +321,7 @@ def test_bad_input_is_rejected_before_compiling():
         (dict(temperature=float("inf")), ValueError, ("temperature", "finite", "inf")),
         (dict(temperature=float("nan")), ValueError, ("temperature", "got nan")),
         (dict(temperature="1.0"), TypeError, ("temperature", "real number")),
+        (dict(temperature=1e-40), ValueError, ("temperature", "smallest normal", "1e-40")),
         (dict(top_k=0), ValueError, ("top_k", ">= 1", "got 0")),
         (dict(top_k=2.5), TypeError, ("top_k", "int", "2.5")),
         (dict(top_p=0), ValueError, ("top_p", "(0, 1]", "got 0")),

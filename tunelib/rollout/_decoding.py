@@ -373,8 +373,8 @@ def _draw(logits: jax.Array, key: jax.Array, config) -> tuple[jax.Array, jax.Arr
     if config.temperature == 0:
         return jnp.argmax(allowed, axis=-1), jax.nn.log_softmax(logits)
     processed = process_logits(
-        allowed,
-        temperature=config.temperature,
+        _tempered(allowed, config.temperature),  # then divided by 1: exactly the same
+        temperature=1.0,
         top_k=config.top_k,
         top_p=config.top_p,
         min_p=config.min_p,
@@ -382,4 +382,17 @@ def _draw(logits: jax.Array, key: jax.Array, config) -> tuple[jax.Array, jax.Arr
     token = jax.random.categorical(key, processed, axis=-1)
     if config.logps_of == "processed":
         return token, jax.nn.log_softmax(processed)
-    return token, jax.nn.log_softmax(logits / config.temperature)
+    return token, jax.nn.log_softmax(_tempered(logits, config.temperature))
+
+
+def _tempered(logits: jax.Array, temperature: float) -> jax.Array:
+    """`logits / temperature`, except in a row where that overflows (a temperature so small
+    that the largest logit over it is inf: then every positive logit is, the tokens tie and
+    the log-softmax is NaN): there the row's largest finite logit is subtracted first, which
+    leaves the distribution as it is (softmax is shift-invariant) and sends every token but
+    the largest to -inf. The rows that do not overflow are bit for bit the plain quotient."""
+    scaled = logits / temperature
+    top = jnp.max(jnp.where(jnp.isfinite(logits), logits, -jnp.inf), axis=-1, keepdims=True)
+    shifted = (logits - jnp.where(jnp.isfinite(top), top, 0.0)) / temperature
+    overflowed = jnp.isposinf(jnp.max(scaled, axis=-1, keepdims=True))
+    return jnp.where(overflowed, shifted, scaled)

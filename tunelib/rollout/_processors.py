@@ -47,6 +47,16 @@ def _check_temperature(temperature: object, name: str, *, greedy_ok: bool) -> No
             "of the logits instead of scaling them",
         )
     v.finite_number(temperature, name)
+    if isinstance(temperature, int | float | np.floating) and 0 < temperature < _TINY:
+        raise ValueError(
+            f"{name} must be 0 (greedy decoding) or at least {_TINY:.3g}, float32's smallest "
+            f"normal number, got {temperature!r}: below it the temperature is flushed to 0 "
+            "and the logits divided by it are NaN"
+        )
+
+
+# float32's smallest normal number: XLA flushes smaller (subnormal) values to zero.
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _check_top_k(k: object, name: str) -> None:

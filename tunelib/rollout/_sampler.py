@@ -57,7 +57,10 @@ class SamplingConfig:
         >= 1.
       temperature: $\\tau \\ge 0$, finite; the next token is drawn from
         `softmax(logits / τ)` after the filters below. 0 is exact greedy decoding (argmax over
-        the allowed tokens).
+        the allowed tokens); a positive τ is at least float32's smallest normal number
+        (1.2e-38, below which it is flushed to 0). Where τ is so small that the logits over
+        it overflow, each row is shifted by its largest logit first: the same distribution,
+        which then draws the argmax.
       top_k: keep the k most likely tokens, an int >= 1 (None: all).
       top_p: nucleus sampling, keep the smallest most-likely set with probability >= p,
         p in (0, 1] (None: all).
