@@ -75,7 +75,9 @@ def main(
     config = parse(config_type, argv, description=description, prog=prog)
     run = None
     main_thread = threading.current_thread() is threading.main_thread()
+    _terminating.clear()
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    unraisable_hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
     thresholds = gc.get_threshold()
     gc.set_threshold(*GC_THRESHOLDS)
     try:
@@ -118,14 +120,41 @@ def main(
     finally:
         _release(run)
         gc.set_threshold(*thresholds)
+        sys.unraisablehook = unraisable_hook
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+# The SIGTERM received, kept: the exit its handler raises can be lost (below).
+_terminating: list[int] = []
 
 
 def _terminated(signum, frame) -> None:
     """SIGTERM (a scheduler stopping or preempting the job): exit with 128 + 15 through the
     `finally` blocks, which release the run folder's lock."""
+    _terminating.append(signum)
     raise SystemExit(128 + signum)
+
+
+def exit_if_terminated() -> None:
+    """Exit with 128 + 15 if SIGTERM arrived and its exit was lost. A signal's handler runs
+    in whatever Python code is executing; when that is a garbage-collection callback or a
+    `__del__` (JAX's `_xla_gc_callback` during start-up, say), Python prints the exception
+    as ignored and goes on: the run trained to its end and exited 0. The run's loop asks
+    here at every step (`kit.loop.Steps`), and `main` once the recipe returns."""
+    if _terminating:
+        raise SystemExit(128 + _terminating[0])
+
+
+def _unraisable(hook):
+    """`sys.unraisablehook` that leaves out the exit `_terminated` raised where it was lost
+    (the loop exits at its next step) and passes everything else to `hook`."""
+
+    def quiet(unraisable) -> None:
+        if not (_terminating and unraisable.exc_type is SystemExit):
+            hook(unraisable)
+
+    return quiet
 
 
 def _release(run: RunFolder | None) -> None:

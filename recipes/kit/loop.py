@@ -52,7 +52,7 @@ from tunelib import distributed
 
 from kit import checkpoint_interval, goodput, parallel, recovery
 from kit.checkpoints import Checkpoints
-from kit.cli import Interrupted
+from kit.cli import Interrupted, exit_if_terminated
 from kit.errors import UserError
 from kit.logs import open_writers
 from kit.parallel import Placement
@@ -193,7 +193,9 @@ class Steps:
         """`step_fn(state, *args) -> (state, metrics)`, timed as train until its metrics are
         on the host (the rollouts, log-probs and syncs it marks itself are theirs); the
         metrics as Python floats. After the first step, one line with its time and what the
-        rest will take."""
+        rest will take. A SIGTERM whose exit was lost (`kit.cli.exit_if_terminated`) ends
+        the run here, before the step."""
+        exit_if_terminated()
         with self.clock.phase("train"):
             state, metrics = step_fn(state, *args)
             metrics = {k: _number(v) for k, v in metrics.items()}

@@ -372,3 +372,41 @@ def test_the_lock_is_released_on_every_exit(tmp_path, outcome, status, terminal_
     assert signal.getsignal(signal.SIGTERM) is handler
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert seen == [kit.cli.GC_THRESHOLDS] and gc.get_threshold() == thresholds
+
+
+class _TermOnCollect:
+    """An object whose `__del__` gets SIGTERM: the handler runs inside it, where Python prints
+    the exit it raises as ignored and goes on (as it did inside JAX's garbage-collection
+    callback when a recipe got SIGTERM in its first second)."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+
+
+def test_a_sigterm_whose_exit_is_lost_ends_the_run_before_its_next_step(
+    tmp_path, monkeypatch, capsys, terminal_signals
+):
+    """The run exits 143 at its first step, having saved nothing, without printing the lost
+    exit; the unraisable hook and the SIGTERM handler are the caller's again after it."""
+    import kit
+    import kit.loop
+
+    sft = recipe_module("sft")
+    hook, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+    original = kit.loop.initial_state
+
+    def initial_state(*args, **kwargs):  # just before the loop
+        _TermOnCollect()  # collected at once: SIGTERM inside its __del__
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kit.loop, "initial_state", initial_state)
+    argv = ["--out", str(tmp_path / "run"), "--steps", "4", "--num-heldout", "8",
+            "--no-progress", "--no-plots", "--devices", "1"]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        kit.cli.main(sft.SFTConfig, sft.train, sft.__doc__, argv=argv)
+    assert stop.value.code == 143
+    assert not (tmp_path / "run" / "model").exists()
+    assert not any((tmp_path / "run" / "checkpoints").iterdir())
+    assert "Exception ignored" not in capsys.readouterr().err
+    assert sys.unraisablehook is hook and signal.getsignal(signal.SIGTERM) is handler
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
