@@ -44,11 +44,12 @@ GC_THRESHOLDS = (10_000, 10, 10)
 
 
 class Interrupted(Exception):
-    """Ctrl-C during training, after the loop saved a checkpoint of `step` (None: nothing)."""
+    """Ctrl-C (or SIGTERM, `signum`) during training, after the loop saved a checkpoint of
+    `step` (None: nothing)."""
 
-    def __init__(self, step: int | None):
+    def __init__(self, step: int | None, signum: int = signal.SIGINT):
         super().__init__(step)
-        self.step = step
+        self.step, self.signum = step, signum
 
 
 def resume_command(argv: list[str]) -> str:
@@ -106,7 +107,7 @@ def main(
         _exit(2, wait_for_peers=True)
     except Interrupted as stop:
         _release(run)
-        _interrupted(prog, stop.step, argv)
+        _interrupted(prog, stop.step, argv, stop.signum)
     except KeyboardInterrupt:  # outside the loop: before its first step or after its last
         _release(run)
         saved = checkpoint_steps(run.path) if run is not None else []
@@ -198,11 +199,14 @@ def _exit(code: int, *, wait_for_peers: bool = False) -> None:
     os._exit(code)
 
 
-def _interrupted(prog: str, step: int | None, argv: list[str]) -> None:
+def _interrupted(prog: str, step: int | None, argv: list[str], signum: int = signal.SIGINT):
+    """One line saying what was saved and how to continue; exit 128 + the signal's number
+    (130 for Ctrl-C, 143 for SIGTERM)."""
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
     if step is None:
-        sys.stderr.write(f"\n{prog}: interrupted; nothing was saved to resume from\n")
+        sys.stderr.write(f"\n{prog}: {how}; nothing was saved to resume from\n")
     else:
         sys.stderr.write(
-            f"\n{prog}: interrupted; step {step} is saved: continue with {resume_command(argv)}\n"
+            f"\n{prog}: {how}; step {step} is saved: continue with {resume_command(argv)}\n"
         )
-    sys.exit(130)
+    sys.exit(128 + signum)

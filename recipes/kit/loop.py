@@ -100,7 +100,7 @@ class Steps:
         self.writers: list = []
         self.checkpoints = None
         self._stop: list[int] = []
-        self._previous_handler = None
+        self._previous_handlers: dict = {}
 
     # ------------------------------------------------------------------------- entering
 
@@ -135,8 +135,13 @@ class Steps:
                 disable=config.no_progress or not self.main,
             )  # fmt: skip
             # Only the main thread may take signals (a recipe run from a thread keeps Ctrl-C).
+            # SIGTERM (a scheduler's stop, a preemption) stops the run as Ctrl-C does: raised
+            # wherever the step was, its exit could interrupt a checkpoint's write, and the
+            # process then crashed in its shutdown (status 139).
             if threading.current_thread() is threading.main_thread():
-                self._previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+                self._previous_handlers = {
+                    s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)
+                }
         except BaseException:
             self._close()
             raise
@@ -165,11 +170,15 @@ class Steps:
         return lost
 
     def _request_stop(self, signum, frame) -> None:
-        if self._stop:  # the second Ctrl-C: at once
+        """Ctrl-C or SIGTERM: stop after this step, with a checkpoint of it; the second
+        signal stops at once."""
+        if self._stop:
+            if signum == signal.SIGTERM:
+                raise SystemExit(128 + signum)
             raise KeyboardInterrupt
         self._stop.append(signum)
-        again = "Ctrl-C again to stop at once"
-        sys.stderr.write(f"\n{self.name}: stopping after this step ({again})\n")
+        again = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        sys.stderr.write(f"\n{self.name}: stopping after this step ({again} again: at once)\n")
 
     # ------------------------------------------------------------------------- the steps
 
@@ -267,7 +276,7 @@ class Steps:
         self._log(record)
         distributed.heartbeat(step)
         if self._stop:
-            raise Interrupted(step)
+            raise Interrupted(step, self._stop[0])
         self.faults.inject("step", step)
 
     def _log(self, record: dict) -> None:
@@ -282,7 +291,7 @@ class Steps:
             self.checkpoints.manager.wait_until_finished()  # the step just saved is written
             saved = self.checkpoints.manager.latest_step()
             self._close()
-            raise Interrupted(saved) from None
+            raise Interrupted(saved, getattr(error, "signum", signal.SIGINT)) from None
         if error is None:  # the steps are done: no beat follows (saving the model, plots)
             distributed.heartbeat(self.config.steps, last=True)
         self._close()
@@ -292,9 +301,9 @@ class Steps:
     def _close(self) -> None:
         """Give Ctrl-C back, close the bar, wait for the last checkpoint, close the writers
         and the batches."""
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGINT, self._previous_handler)
-            self._previous_handler = None
+        for number, handler in self._previous_handlers.items():
+            signal.signal(number, handler)
+        self._previous_handlers = {}
         if getattr(self, "bar", None) is not None:
             self.bar.close()
         if self.checkpoints is not None:

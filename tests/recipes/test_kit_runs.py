@@ -410,3 +410,37 @@ def test_a_sigterm_whose_exit_is_lost_ends_the_run_before_its_next_step(
     assert "Exception ignored" not in capsys.readouterr().err
     assert sys.unraisablehook is hook and signal.getsignal(signal.SIGTERM) is handler
     assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+def test_sigterm_in_the_loop_saves_the_step_and_says_how_to_continue(
+    tmp_path, monkeypatch, capsys, terminal_signals
+):
+    """SIGTERM (a scheduler's stop, a preemption) during training stops the run as Ctrl-C
+    does: the step finishes, a checkpoint of it is saved, one line says how to continue, and
+    the exit status is 143; `--resume` continues from that step. (Raised wherever the step
+    was, its exit could cut a checkpoint's write short and crash the process's shutdown.)"""
+    import kit
+    import kit.loop
+
+    sft = recipe_module("sft")
+    original, handler = kit.loop.Steps.step, signal.getsignal(signal.SIGTERM)
+
+    def step(self, *args):
+        if self.current == 3:
+            signal.raise_signal(signal.SIGTERM)  # in the step: the handler asks for a stop
+        return original(self, *args)
+
+    monkeypatch.setattr(kit.loop.Steps, "step", step)
+    argv = ["--out", str(tmp_path / "run"), "--steps", "6", "--checkpoint-every", "100",
+            "--num-heldout", "8", "--no-progress", "--no-plots", "--devices", "1"]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        kit.cli.main(sft.SFTConfig, sft.train, sft.__doc__, argv=argv)
+    assert stop.value.code == 143
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("sft.py: stopped by SIGTERM; step 3 is saved: continue with ")
+    assert last.endswith("--resume")
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["3"]
+    assert signal.getsignal(signal.SIGTERM) is handler  # the caller's again
+    monkeypatch.setattr(kit.loop.Steps, "step", original)
+    result = kit.cli.main(sft.SFTConfig, sft.train, sft.__doc__, argv=[*argv, "--resume"])
+    assert result["restarts"] == 1 and result["steps"] == 6
