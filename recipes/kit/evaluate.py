@@ -14,6 +14,7 @@ policies agree on most problems.
 
 import json
 import math
+import sys
 from collections.abc import Callable
 
 import jax
@@ -151,7 +152,7 @@ def for_rl(
 
     def first_grades(now: np.ndarray) -> np.ndarray | None:
         if not start and run.resume:  # the run's first evaluation was an earlier process's
-            start.append(np.array(json.loads(path.read_text()), bool) if path.is_file() else None)
+            start.append(start_grades(path))
         if not start:  # this is the run's first evaluation, before the first step
             if jax.process_index() == 0:
                 path.write_text(json.dumps(now.astype(int).tolist()))
@@ -196,6 +197,23 @@ def accuracy(graphdef, params, task: Task, vocab_size: int, placed) -> float:
 START_GRADES = "heldout_start.json"
 
 
+def start_grades(path) -> np.ndarray | None:
+    """The first evaluation's grades kept in `path`, or None when the file is gone or damaged
+    (said in one line: the counts against the first evaluation are then NaN, and the result
+    line leaves the paired comparison out; the run's work goes on)."""
+    if not path.is_file():
+        return None
+    try:
+        grades = json.loads(path.read_text())
+        if not isinstance(grades, list) or any(g not in (0, 1) for g in grades):
+            raise ValueError("not a list of 0s and 1s")
+    except ValueError as error:
+        print(f"{path} is damaged ({error}): the problems turned right and wrong since the "
+              "first evaluation are not counted", file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    return np.array(grades, bool)
+
+
 def paired_headline(run) -> dict:
     """The result line's paired comparison of the last evaluation with the first:
     `heldout_turned_right`, `heldout_turned_wrong` and `heldout_paired_se` (the standard
@@ -207,8 +225,11 @@ def paired_headline(run) -> dict:
     counts = ("turned_right", "turned_wrong")
     if not last or not all(math.isfinite(last[-1][k]) for k in counts) or not start.is_file():
         return {}
+    grades = start_grades(start)
+    if grades is None:
+        return {}
     right, wrong = int(last[-1]["turned_right"]), int(last[-1]["turned_wrong"])
-    n = len(json.loads(start.read_text()))
+    n = len(grades)
     spread = (right + wrong) / n - ((right - wrong) / n) ** 2
     return {
         "heldout_turned_right": right,

@@ -80,8 +80,7 @@ class KeepBest:
     def __init__(self, metric: str, run_path: Path, save: Callable[[Path, dict], None], placed):
         self.metric, self.save, self.placed = metric, save, placed
         self.folder = run_path / "best"
-        record = self.folder / "best.json"
-        self.best = json.loads(record.read_text()) if record.is_file() else None
+        self.best = _best_record(self.folder / "best.json")
 
     def observe(self, step: int, evaluated: dict, trainable) -> None:
         if self.metric not in evaluated:  # checked when the run starts; a guard all the same
@@ -124,3 +123,21 @@ def watcher(config, run, save, placed):
                 keep.observe(step, evaluated, state["params"])
 
     return watch, keep
+
+
+def _best_record(path: Path) -> dict | None:
+    """The best evaluation so far (`{"metric", "value", "step"}`) a resumed run finds, or None:
+    none kept yet, or a record that is damaged (said in one line; the next evaluation's
+    model then replaces the one kept)."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not _finite(record["value"]) or not isinstance(record["step"], int):
+            raise ValueError(f"value {record['value']!r}, step {record['step']!r}")
+    except (ValueError, KeyError, TypeError) as error:
+        said = f"{path} is damaged ({type(error).__name__}: {error})"
+        print(f"{said}: the model kept in {path.parent} is replaced at the next evaluation",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    return record

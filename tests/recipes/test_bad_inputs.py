@@ -376,6 +376,37 @@ def test_rewards_at_the_limit_train_on_finite_advantages(tmp_path, char_model, m
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps), steps
 
 
+def test_damaged_bookkeeping_files_are_one_line_each_and_the_run_resumes(
+    tmp_path, char_model, monkeypatch, capsys
+):
+    """A resumed run whose restart count (`badput.json`), first held-out grades
+    (`heldout_start.json`) or best-model record (`best/best.json`) is damaged says so in one
+    line each and goes on: those are counted afresh, left out, or replaced at the next
+    evaluation; the training itself resumes from its checkpoint."""
+    flags = [
+        "--model", str(char_model), "--out", "runs/books", "--batch-size", "2",
+        "--group-size", "2", "--num-heldout", "4", "--max-new-tokens", "4", "--eval-every", "1",
+        "--checkpoint-every", "1", "--keep-best", "accuracy", "--no-progress", "--no-plots",
+        "--devices", "1",
+    ]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    recipe_main("grpo", [*flags, "--steps", "1"])
+    run = tmp_path / "runs" / "books"
+    (run / "badput.json").write_text('{"restarts": ')
+    (run / "heldout_start.json").write_text("[1, 0, 7]")
+    (run / "best" / "best.json").write_text('{"metric": "accuracy", "value": NaN, "step": 1}')
+    capsys.readouterr()
+    result = recipe_main("grpo", [*flags, "--steps", "2", "--resume"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "is damaged" in line]
+    assert sorted(line.split(" is damaged")[0] for line in lines) == [
+        str(run / "badput.json"), str(run / "best" / "best.json"),
+        str(run / "heldout_start.json"),
+    ], lines  # fmt: skip
+    assert result["restarts"] == 1 and result["steps"] == 2
+    assert "heldout_turned_right" not in result
+    assert json.loads((run / "best" / "best.json").read_text())["step"] == 2
+
+
 def test_a_damaged_gguf_file_is_one_line_and_writes_nothing(world, monkeypatch, capsys):
     before = snapshot(world)
     flags = ["--model", "broken.gguf", "--out", "runs/broken", "--lora-rank", "4"]
