@@ -213,20 +213,31 @@ def _vision_language(folder: Path, hf_config: dict) -> Model:
     except ValueError as error:  # the message names the field or tensor
         raise UserError(f"--model {folder}: {error}") from None
     return Model(
-        checkpoint.config, checkpoint.graphdef, checkpoint.params, _tokenizer(folder), folder,
+        checkpoint.config, checkpoint.graphdef, checkpoint.params,
+        _tokenizer(folder, checkpoint.config.vocab_size), folder,
         checkpoint.hf_config, ImageLayout.of_checkpoint(hf_config, folder),
     )  # fmt: skip
 
 
-def _tokenizer(folder: Path):
-    """The tokenizer saved with a model; the character tokenizer for recipe models saved
-    before models carried their tokenizer."""
+def _tokenizer(folder: Path, vocab_size: int):
+    """The tokenizer saved with a model of `vocab_size` tokens; the character tokenizer for
+    recipe models saved before models carried their tokenizer (whose vocabulary is that
+    tokenizer's). Any other model without its tokenizer is one line: decoded with the
+    character tokenizer it would read and write nonsense."""
     from tunelib.data import CharTokenizer, load_tokenizer
 
     try:
         return load_tokenizer(folder)
     except FileNotFoundError:
-        return CharTokenizer()
+        legacy = CharTokenizer()
+        if vocab_size == legacy.vocab_size:
+            return legacy
+        raise UserError(
+            f"--model {folder} holds no tokenizer, and its vocabulary of {vocab_size:,} tokens "
+            f"is not the recipes' character tokenizer's ({legacy.vocab_size}): copy the "
+            "tokenizer files of the model it came from (tokenizer.json, tokenizer_config.json) "
+            "into it"
+        ) from None
     except ValueError as error:
         raise UserError(str(error)) from None
 
@@ -268,8 +279,8 @@ def load_model(path: Path) -> Model:
         except ValueError as error:  # the message names the field or tensor
             raise UserError(f"--model {folder}: {error}") from None
         return Model(
-            checkpoint.config, checkpoint.graphdef, checkpoint.params, _tokenizer(folder),
-            folder, checkpoint.hf_config,
+            checkpoint.config, checkpoint.graphdef, checkpoint.params,
+            _tokenizer(folder, checkpoint.config.vocab_size), folder, checkpoint.hf_config,
         )  # fmt: skip
     config = DecoderConfig(**json.loads((folder / "config.json").read_text()))
     graphdef, template = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
@@ -278,7 +289,7 @@ def load_model(path: Path) -> Model:
         params = checkpointer.restore(
             (folder / "params").resolve(), jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         )
-    return Model(config, graphdef, params, _tokenizer(folder), folder)
+    return Model(config, graphdef, params, _tokenizer(folder, config.vocab_size), folder)
 
 
 def start_model(path: Path | None, size: str, seed: int, *, images: bool = False) -> Model:

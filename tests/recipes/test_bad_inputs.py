@@ -407,6 +407,40 @@ def test_damaged_bookkeeping_files_are_one_line_each_and_the_run_resumes(
     assert json.loads((run / "best" / "best.json").read_text())["step"] == 2
 
 
+def test_a_model_folder_without_its_tokenizer_is_one_line(tmp_path, monkeypatch, capsys):
+    """A recipe model folder of another vocabulary than the character tokenizer's, without
+    its tokenizer files, is refused in one line (it was decoded with the character
+    tokenizer: nonsense in, nonsense out); an old recipe model of the character tokenizer's
+    vocabulary still loads without them."""
+    import dataclasses
+
+    from flax import nnx
+
+    from tunelib.data import CharTokenizer
+    from tunelib.models import Decoder
+
+    from kit import models
+
+    char = models.new_model(CharTokenizer(), "student", seed=0)
+    wider = {"vocab_size": 100}
+    if char.config.vocab_size_per_layer_input:  # the recipes' model has per-layer inputs
+        wider["vocab_size_per_layer_input"] = 100
+    config = dataclasses.replace(char.config, **wider)
+    graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+    other = models.Model(config, graphdef, nnx.to_pure_dict(params), None, None)
+    for name, model in (("other", other), ("old", char)):
+        models.save_model(tmp_path / name, model, model.params)
+        for saved in (tmp_path / name).glob("*tokenizer*"):
+            saved.unlink()
+    assert models.load_model(tmp_path / "old").tokenizer.vocab_size == char.config.vocab_size
+    flags = ["--model", "other", "--out", "runs/other", "--steps", "1", "--no-progress"]
+    status, lines = run_here("sft", flags, tmp_path, monkeypatch, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("sft.py: error: --model ") and "holds no tokenizer" in lines[0]
+    assert "vocabulary of 100 tokens is not the recipes' character tokenizer's (82)" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_damaged_gguf_file_is_one_line_and_writes_nothing(world, monkeypatch, capsys):
     before = snapshot(world)
     flags = ["--model", "broken.gguf", "--out", "runs/broken", "--lora-rank", "4"]
