@@ -138,6 +138,9 @@ class RunFolder:
         path, steps = self.named, self.steps
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"--out {path} is a file, not a folder")
+        file = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if file is not None:  # the folder could not be made
+            raise UserError(f"--out {path}: {file} is a file, not a folder")
         held = [name for name in RUN_ENTRIES if (self.path / name).exists()]
         saved = checkpoint_steps(self.path)
         work = bool(saved) or any(name in held for name in WORK_ENTRIES)

@@ -102,6 +102,8 @@ WITHOUT_JAX = [
     ("sft", ["--resume", "--overwrite"], "pass one"),
     ("sft", ["--resume", "--steps", "10"], f"--resume: {FINISHED} is at step 10 already"),
     ("sft", ["--out", "notes.txt"], "--out notes.txt is a file, not a folder"),
+    ("sft", ["--out", "notes.txt/run"], "--out notes.txt/run: notes.txt is a file, not a folder"),
+    ("dpo", ["--out", "notes.txt/a/b"], "--out notes.txt/a/b: notes.txt is a file, not a folder"),
     ("sft", ["--model", FINISHED, "--data", "data/missing.jsonl"], "no such file"),
     ("sft", ["--model", FINISHED, "--data", "data/table.csv"], "must be a .jsonl, .json or"),
     ("sft", ["--data", "data/chats.jsonl", "--out", "runs/x"], "--data needs --model"),
