@@ -126,6 +126,24 @@ class Placement:
             multihost_utils.sync_global_devices(name)
 
 
+def _initialized():
+    """`distributed.initialize()`, with one line when `JAX_PLATFORMS` names a backend JAX
+    cannot start here (a platform whose plugin is not installed failed JAX's own assertion,
+    a traceback; one that is installed but finds no device says so in a RuntimeError)."""
+    try:
+        return distributed.initialize()
+    except (RuntimeError, AssertionError) as error:
+        platforms = jax.config.jax_platforms
+        backend = isinstance(error, AssertionError) or "Unable to initialize backend" in str(error)
+        if not platforms or not backend:
+            raise
+        detail = str(error).split(" (set JAX_PLATFORMS")[0] or "no such backend installed"
+        raise UserError(
+            f"JAX_PLATFORMS={platforms}: JAX cannot start that backend here ({detail}); set "
+            "JAX_PLATFORMS to a backend this machine has (cpu, tpu, cuda), or unset it"
+        ) from None
+
+
 def placement(
     batch_size: int, wanted: int | None = None, *, across_processes: bool = True
 ) -> Placement:
@@ -133,7 +151,7 @@ def placement(
     over `wanted` devices (`--devices`; default every device of every process; with
     `across_processes=False`, every device of this process, for a role of its own). A batch
     of `batch_size` rows must split evenly over them."""
-    runtime = distributed.initialize()
+    runtime = _initialized()
     devices = list(runtime.devices if across_processes else runtime.local_devices)
     if wanted is not None:
         if runtime.process_count > 1 and across_processes and wanted != len(devices):

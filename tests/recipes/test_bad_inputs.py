@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes._scripts import recipe_main, recipe_module, run_without_jax, snapshot
+from tests.recipes._scripts import (
+    recipe_main,
+    recipe_module,
+    run_recipe_process,
+    run_without_jax,
+    snapshot,
+)
 
 
 @pytest.fixture(scope="module")
@@ -441,6 +447,19 @@ def test_a_model_folder_without_its_tokenizer_is_one_line(tmp_path, monkeypatch,
     assert lines[0].startswith("sft.py: error: --model ") and "holds no tokenizer" in lines[0]
     assert "vocabulary of 100 tokens is not the recipes' character tokenizer's (82)" in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_backend_jax_cannot_start_here_is_one_line(tmp_path):
+    """`JAX_PLATFORMS` naming a backend this machine lacks (its plugin not installed: JAX's
+    own assertion failed, a traceback) is one line, before the run folder is made."""
+    proc = run_recipe_process(
+        "sft", "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress",
+        env={"JAX_PLATFORMS": "cuda"},
+    )  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("sft.py: error: JAX_PLATFORMS=cuda: JAX cannot start that "), lines
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_damaged_gguf_file_is_one_line_and_writes_nothing(world, monkeypatch, capsys):
