@@ -75,7 +75,14 @@ class GenerateConfig(Config):
 
 def read_prompts(path: Path) -> list[str]:
     """The prompts of a text file (one per line) or a JSON-lines file (`prompt` fields)."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:  # a binary file, or text in another encoding
+        raise UserError(
+            f"--prompts {path}: not UTF-8 text (byte {error.start}: {error.reason}); give a "
+            "text file of prompts, one per line, or .jsonl records"
+        ) from None
+    lines = [line for line in text.splitlines() if line.strip()]
     if path.suffix.lower() != ".jsonl":
         return lines
     prompts = []

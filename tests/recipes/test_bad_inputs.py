@@ -250,6 +250,7 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
         ("sft", ["--lora-rank", "100000"], "--lora-rank 100000 is above the model's hidden size"),
         ("grpo_async", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
         ("generate", ["--chat"], "has no chat template; use --prompt"),
+        ("generate", ["--prompts", "data/binary.txt"], "data/binary.txt: not UTF-8 text (byte"),
     ],
 )
 def test_bad_data_files_give_one_line(
@@ -257,6 +258,7 @@ def test_bad_data_files_give_one_line(
 ):
     data = world / "data"
     (data / "empty.jsonl").write_text("\n")
+    (data / "binary.txt").write_bytes(bytes([0x89, 0x50, 0x4E, 0x47, 0x0D, 0x0A, 0x1A, 0xFF]))
     good = {"prompt": "1+1=", "completion": "2"}
     (data / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
     pair = {"prompt": "1+1=", "chosen": "2", "rejected": "3", "completion": "2"}
