@@ -14,7 +14,6 @@ policies agree on most problems.
 
 import json
 import math
-import sys
 from collections.abc import Callable
 
 import jax
@@ -24,6 +23,7 @@ from tunelib import metrics, rollout
 
 from kit.data import Task, prompt_inputs
 from kit.images import model_inputs
+from kit.runs import read_record
 
 
 def greedy_config(task: Task, vocab_size: int):
@@ -199,19 +199,16 @@ START_GRADES = "heldout_start.json"
 
 def start_grades(path) -> np.ndarray | None:
     """The first evaluation's grades kept in `path`, or None when the file is gone or damaged
-    (said in one line: the counts against the first evaluation are then NaN, and the result
-    line leaves the paired comparison out; the run's work goes on)."""
-    if not path.is_file():
-        return None
-    try:
-        grades = json.loads(path.read_text())
+    (`kit.runs.read_record`: the counts against the first evaluation are then NaN, and the
+    result line leaves the paired comparison out)."""
+
+    def check(grades) -> np.ndarray:
         if not isinstance(grades, list) or any(g not in (0, 1) for g in grades):
             raise ValueError("not a list of 0s and 1s")
-    except ValueError as error:
-        print(f"{path} is damaged ({error}): the problems turned right and wrong since the "
-              "first evaluation are not counted", file=sys.stderr, flush=True)  # fmt: skip
-        return None
-    return np.array(grades, bool)
+        return np.array(grades, bool)
+
+    consequence = "the problems turned right and wrong since the first evaluation are not counted"
+    return read_record(path, check, consequence)
 
 
 def paired_headline(run) -> dict:

@@ -57,7 +57,7 @@ from kit.errors import UserError
 from kit.logs import open_writers
 from kit.parallel import Placement
 from kit.plots import plot
-from kit.runs import RunFolder
+from kit.runs import RunFolder, read_record
 
 
 def _number(value: Any) -> float:
@@ -408,19 +408,14 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
 
 
 def _badput(run: RunFolder) -> dict:
-    """The run's count of restarts and the seconds of steps they lost (`badput.json`); a
-    damaged record (cut short, edited) is said in one line and counted afresh: it is
-    bookkeeping, and no reason to refuse resuming the run's work."""
-    path, fresh = run.path / "badput.json", {"restarts": 0, "lost_seconds": 0.0}
-    try:
-        record = json.loads(path.read_text())
-        return {"restarts": int(record["restarts"]), "lost_seconds": float(record["lost_seconds"])}
-    except FileNotFoundError:
-        return fresh
-    except (ValueError, KeyError, TypeError) as error:
-        print(f"{path} is damaged ({type(error).__name__}: {error}): its count of restarts and "
-              "their lost time start again", file=sys.stderr, flush=True)  # fmt: skip
-        return fresh
+    """The run's count of restarts and the seconds of steps they lost (`badput.json`),
+    counted afresh when the record is damaged."""
+    record = read_record(
+        run.path / "badput.json",
+        lambda r: {"restarts": int(r["restarts"]), "lost_seconds": float(r["lost_seconds"])},
+        "its count of restarts and their lost time start again",
+    )
+    return record or {"restarts": 0, "lost_seconds": 0.0}
 
 
 def _add_badput(run: RunFolder, lost: list[dict]) -> None:

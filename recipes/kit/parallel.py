@@ -16,6 +16,7 @@ every process (Orbax), each with its own data position (Grain).
 """
 
 import dataclasses
+import traceback
 from typing import Any
 
 import jax
@@ -134,7 +135,10 @@ def _initialized():
         return distributed.initialize()
     except (RuntimeError, AssertionError) as error:
         platforms = jax.config.jax_platforms
-        backend = isinstance(error, AssertionError) or "Unable to initialize backend" in str(error)
+        where = traceback.extract_tb(error.__traceback__)[-1].filename  # JAX's backend set-up
+        backend = where.endswith("xla_bridge.py") and (
+            isinstance(error, AssertionError) or "Unable to initialize backend" in str(error)
+        )
         if not platforms or not backend:
             raise
         detail = str(error).split(" (set JAX_PLATFORMS")[0] or "no such backend installed"

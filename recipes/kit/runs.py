@@ -12,9 +12,12 @@ imports JAX.
 import json
 import os
 import shutil
+import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kit.config import to_toml
 from kit.errors import UserError
@@ -77,6 +80,22 @@ RUN_ENTRIES = (
     "best.partial",
     "faults.jsonl",  # injected faults that fired; left in place, they would not fire again
 )
+
+
+def read_record(path: Path, check: Callable[[Any], Any], consequence: str) -> Any:
+    """What `check` makes of the JSON in `path`, a run's own bookkeeping file (the restart
+    count, the first held-out grades, the best model's record), or None when the file is
+    absent or damaged: cut short, edited, or of another shape (`check` raising ValueError,
+    KeyError or TypeError). A damaged one is said in one line, `{path} is damaged (...):
+    {consequence}`, and the run goes on: bookkeeping is no reason to refuse its work."""
+    if not path.is_file():
+        return None
+    try:
+        return check(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as error:
+        said = f"{path} is damaged ({type(error).__name__}: {error})"
+        print(f"{said}: {consequence}", file=sys.stderr, flush=True)
+        return None
 
 
 def checkpoint_steps(folder: Path) -> list[int]:

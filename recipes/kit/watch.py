@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kit import goodput, parallel
 from kit.errors import UserError
+from kit.runs import read_record
 
 
 def _finite(value) -> bool:
@@ -127,17 +128,14 @@ def watcher(config, run, save, placed):
 
 def _best_record(path: Path) -> dict | None:
     """The best evaluation so far (`{"metric", "value", "step"}`) a resumed run finds, or None:
-    none kept yet, or a record that is damaged (said in one line; the next evaluation's
-    model then replaces the one kept)."""
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
+    none kept yet, or a damaged record (`kit.runs.read_record`; the next evaluation's model
+    then replaces the one kept)."""
+
+    def check(record: dict) -> dict:
         if not _finite(record["value"]) or not isinstance(record["step"], int):
             raise ValueError(f"value {record['value']!r}, step {record['step']!r}")
-    except (ValueError, KeyError, TypeError) as error:
-        said = f"{path} is damaged ({type(error).__name__}: {error})"
-        print(f"{said}: the model kept in {path.parent} is replaced at the next evaluation",
-              file=sys.stderr, flush=True)  # fmt: skip
-        return None
-    return record
+        return record
+
+    return read_record(
+        path, check, f"the model kept in {path.parent} is replaced at the next evaluation"
+    )
