@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     def time_calls(calls: dict, repeats: int, inner: int) -> tuple[dict, dict]:
         """The median milliseconds of each call, and the error of each call whose warm-up
         failed (out of device memory: on a v5e the XLA path's forward and backward at
-        4,096 x 14,336 and M 8,192 asked for 14.2 GB); those are left out of the timing."""
+        4,096 x 14,336 and M 8,192 once asked for 14.2 GB, before the NF4 decoding was laid
+        out by rows of blocks); those are left out of the timing."""
         failed = {}
         for name, (fn, fn_args) in calls.items():
             try:

@@ -30,6 +30,7 @@ from tunelib.peft import (
     pack_nibbles,
     signed_dynamic_map,
     stored_bytes,
+    table_lookup,
     unpack_nibbles,
 )
 
@@ -426,6 +427,36 @@ def test_pack_and_unpack_round_trip(lead, size, seed):
 def test_pack_layout_by_hand():
     packed, unpacked = pack_and_unpack(np.array([1, 2, 15], np.int32))  # any integer dtype
     assert np.array_equal(packed, [0x12, 0xF7]) and np.array_equal(unpacked, [1, 2, 15])
+
+
+@pytest.mark.parametrize(
+    "shape, block_size",
+    [
+        ((2, 3, 128), 64),  # stacked, rows of whole blocks: decoded [..., m, n / 64, 64]
+        ((5, 70), 64),  # rows are not whole blocks: decoded [..., blocks, 64], a tail of 30
+        ((4, 9), 5),  # an odd block straddles bytes: decoded from the flat codes
+    ],
+)
+def test_every_decoding_layout_matches_the_numpy_decoding(shape, block_size):
+    w = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    q, deq, absmax = quantize(w, block_size=block_size, absmax_block_size=4)
+    assert deq.shape == shape
+    assert_decodes_its_fields(q, deq, absmax)
+
+
+@pytest.mark.parametrize("table", [NF4_VALUES, DYNAMIC_MAP, np.array([2.5], np.float32)])
+@pytest.mark.parametrize("gather", [False, True])
+def test_table_lookup_indexes_the_table(table, gather):
+    codes = np.random.default_rng(0).integers(0, table.size, (3, 2, 50))
+    codes[0, 0, : table.size] = np.arange(table.size)[:50]  # small tables: every entry
+    looked_up = table_lookup(jnp.asarray(codes, jnp.uint8), table, gather=gather)
+    assert looked_up.dtype == jnp.float32 and looked_up.shape == codes.shape
+    assert np.array_equal(looked_up, table[codes])
+
+
+def test_table_lookup_refuses_a_table_that_is_not_a_power_of_two():
+    with raises_naming("table", "(3,)", error=ValueError):
+        table_lookup(jnp.zeros(2, jnp.int32), np.zeros(3, np.float32))
 
 
 def test_zero_matrices_dequantise_to_exact_zero():

@@ -34,6 +34,7 @@ from tunelib.peft._nf4 import (
     pack_nibbles,
     signed_dynamic_map,
     stored_bytes,
+    table_lookup,
     unpack_nibbles,
 )
 from tunelib.peft._quantized import QUANT_FORMATS, dequantize_params, quantize_params
@@ -74,6 +75,7 @@ __all__ = [
     "save_adapters",
     "signed_dynamic_map",
     "stored_bytes",
+    "table_lookup",
     "unmerge_lora",
     "unpack_nibbles",
 ]

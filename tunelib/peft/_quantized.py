@@ -21,7 +21,14 @@ from jaxtyping import Array, ArrayLike, PyTree
 from tunelib.models import grouped_matmul_p
 from tunelib.peft._gguf_blocks import GGMLTensor, decode_blocks
 from tunelib.peft._int8 import Int8Tensor, int8_quantize
-from tunelib.peft._nf4 import NF4_VALUES, NF4Tensor, nf4_quantize, unpack_nibbles
+from tunelib.peft._nf4 import (
+    NF4_VALUES,
+    NF4Tensor,
+    gathers,
+    nf4_quantize,
+    table_lookup,
+    unpack_nibbles,
+)
 from tunelib.peft._rules import Layout, match_rules, path_string
 
 QuantFormat = Literal["nf4", "int8"]
@@ -259,7 +266,7 @@ def _row_values(weight, rows: Array) -> Array:
     m, n = weight.stored_shape
     codes = unpack_nibbles(weight.codes.reshape(m, n // 2)[rows], n)
     absmax = weight.block_absmax().reshape(m, n // weight.block_size)[rows]
-    values = jnp.asarray(NF4_VALUES)[codes.astype(jnp.int32)]
+    values = table_lookup(codes, NF4_VALUES, gather=gathers(NF4_VALUES))
     values = values.reshape(*rows.shape, -1, weight.block_size) * absmax[..., None]
     return values.reshape(*rows.shape, n).astype(weight.dtype)
 
