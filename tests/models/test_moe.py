@@ -110,6 +110,15 @@ def test_grouped_matmul_errors():
             grouped_matmul(x, w, np.array([2.0, 2.0]))
 
 
+def test_blocked_is_refused_on_a_tpu_and_auto_is_ragged_dot_there(monkeypatch):
+    x, w, sizes = np.ones((4, 3), np.float32), np.ones((2, 3, 5), np.float32), np.array([2, 2])
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with raises_naming("blocked", "TPU", "ragged_dot"):
+        grouped_matmul(x, w, sizes, implementation="blocked")
+    jaxpr = jax.make_jaxpr(lambda x: grouped_matmul(x, w, sizes))(x)
+    assert "implementation=ragged_dot" in str(jaxpr)
+
+
 @given(st.integers(1, 6), st.booleans(), st.integers(0, 10**6))
 def test_route_is_softmax_top_k(top_k, normalize, seed):
     logits = np.random.default_rng(seed).normal(size=(5, 6)).astype(np.float32) * 3
