@@ -92,6 +92,7 @@ def main(
                 out, resume=config.resume, overwrite=config.overwrite, steps=config.steps
             )
             run.check_resume(config)
+            run.check_inputs(config)
             if run.finished is not None:  # `--resume auto` of a run that is done
                 print(f"{prog}: {out} finished its {config.steps} steps already", flush=True)
                 return run.finished

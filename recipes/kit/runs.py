@@ -9,6 +9,7 @@ checked again under the folder's lock (`kit.lock`) when the run opens it. Nothin
 imports JAX.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -207,6 +208,7 @@ class RunFolder:
         self.lock = Lock(self.path)
         self._decide(self.resume, self.overwrite and not self.restart)  # another run's work?
         self.check_resume(config)
+        self.check_inputs(config)
         if self.resume:
             return
         for name in self.held if self.overwrite else ():
@@ -227,6 +229,27 @@ class RunFolder:
         """Release the folder's lock, if `open` took it."""
         if self.lock is not None:
             self.lock.release()
+
+    def check_inputs(self, config) -> None:
+        """Refuse a start that would remove what it reads: with `--overwrite` (or a failed
+        start's files replaced), an entry of the folder that holds, or lies inside, a path
+        the run reads from (`--model`, `--data`, ... : the configuration's paths)."""
+        if self.resume or not self.overwrite:
+            return
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            if field.name == "out" or not isinstance(value, Path):
+                continue
+            read = value.resolve()
+            for name in self.held:
+                entry = self.path / name
+                if read == entry or entry in read.parents or read in entry.parents:
+                    flag = "--" + field.name.replace("_", "-")
+                    how = "starting again" if self.restart else "--overwrite"
+                    raise UserError(
+                        f"{flag} {value} is in what {how} would remove ({entry}): copy it "
+                        "out of the run folder, or give another --out"
+                    )
 
     def check_resume(self, config) -> None:
         """With `--resume`, refuse a configuration that differs from the saved `config.toml`

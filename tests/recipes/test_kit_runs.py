@@ -444,3 +444,33 @@ def test_sigterm_in_the_loop_saves_the_step_and_says_how_to_continue(
     monkeypatch.setattr(kit.loop.Steps, "step", original)
     result = kit.cli.main(sft.SFTConfig, sft.train, sft.__doc__, argv=[*argv, "--resume"])
     assert result["restarts"] == 1 and result["steps"] == 6
+
+
+@pytest.mark.parametrize("start", ["run", "run/model", "run/model/params", "run/best"])
+def test_overwrite_refuses_to_remove_what_the_run_reads(tmp_path, start):
+    """A start model inside what `--overwrite` removes (the folder itself, its model, a file
+    of it, its best model) is refused before anything is removed, naming the flag."""
+    out = tmp_path / "run"
+    for folder in ("checkpoints/4", "model/params", "best"):
+        (out / folder).mkdir(parents=True)
+    (out / "result.json").write_text("{}\n")
+    settings = config(model=tmp_path / start)
+    run = RunFolder(out, resume=False, overwrite=True, steps=4)
+    refusal = f"--model {tmp_path / start} is in what --overwrite would remove"
+    with pytest.raises(UserError, match=refusal):
+        run.check_inputs(settings)
+    with pytest.raises(UserError, match=refusal):
+        run.open(settings)  # under the lock, as the folder may have changed meanwhile
+    run.release()
+    assert sorted(os.listdir(out)) == ["best", "checkpoints", "model", "result.json"]
+    assert (out / "model" / "params").is_dir()
+
+
+def test_overwrite_keeps_a_start_model_beside_the_run_entries(tmp_path):
+    out = tmp_path / "run"
+    (out / "mine" / "model").mkdir(parents=True)  # the user's own folder: never removed
+    (out / "result.json").write_text("{}\n")
+    run = RunFolder(out, resume=False, overwrite=True, steps=4)
+    run.open(config(model=out / "mine" / "model"))
+    assert sorted(os.listdir(out)) == sorted([LOCK_FILE, "config.toml", "mine"])
+    run.release()
