@@ -265,7 +265,7 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
     teacher = models.replicated(models.load_model(folder), placement)
     student = models.new_model(CharTokenizer(), "student", config.seed)
     student = models.replicated(models.with_remat(student, config.remat), placement)
-    task = data.load_task(config, "sft", teacher.tokenizer, num_train=config.num_prompts)
+    task = data.load_task(config, "sft", teacher, num_train=config.num_prompts)
     vocab_size = student.config.vocab_size
 
     task = transfer_set(task, teacher, vocab_size, placement)

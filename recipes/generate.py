@@ -117,6 +117,12 @@ def generate(config: GenerateConfig, _run: None) -> list[dict]:
             tokens, where = encode_prompts(prompts, tok, max_length=config.max_prompt_tokens)
         except ValueError as error:
             raise UserError(str(error)) from None
+        longest, context = int(where.sum(axis=1).max()), model.config.max_position_embeddings
+        if longest + config.max_new_tokens > context:
+            raise UserError(
+                f"a prompt of {longest} tokens and --max-new-tokens {config.max_new_tokens} "
+                f"are longer than the model's context of {context} tokens; lower them"
+            )
         key, sample_key = jax.random.split(key)
         out = rollout.sample(
             model.graphdef, model.params, tokens, where, sample_key, sampling,

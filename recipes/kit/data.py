@@ -218,11 +218,13 @@ def _image_file(config, kind: str, tokenizer, layout) -> Task:
     )  # fmt: skip
 
 
-def load_task(config, kind: str, tokenizer, *, num_train: int | None = None, images=None) -> Task:
-    """The task of `kind` ("sft", "preference" or "rl"): `--data`'s records, or the
-    built-in arithmetic task with `num_train` training problems (default `--num-train`), or
-    the built-in vision task (`--task vision_counting`). Records with images need a model
-    that reads them (`images`, its `kit.images.ImageLayout`); a `UserError` otherwise."""
+def load_task(config, kind: str, model, *, num_train: int | None = None) -> Task:
+    """The task of `kind` ("sft", "preference" or "rl") for `model` (a `kit.models.Model`):
+    `--data`'s records, or the built-in arithmetic task with `num_train` training problems
+    (default `--num-train`), or the built-in vision task (`--task vision_counting`). Records
+    with images need a model that reads them, and every sequence must fit the model's
+    context (its `max_position_embeddings`); a `UserError` otherwise."""
+    tokenizer, images = model.tokenizer, model.images
     data: Path | None = getattr(config, "data", None)
     vision = getattr(config, "task", "arithmetic") != "arithmetic"
     with_images = vision or (data is not None and holds_images(data))
@@ -241,12 +243,32 @@ def load_task(config, kind: str, tokenizer, *, num_train: int | None = None, ima
         task = _file(config, kind, tokenizer)
     else:
         task = _arithmetic(config, kind, tokenizer, num_train or config.num_train)
+    _check_context(task, model.config.max_position_embeddings)
     if len(task.train) < config.batch_size:
         raise UserError(
             f"--batch-size {config.batch_size} is larger than the {len(task.train)} training "
             f"records of {task.name}; lower it"
         )
     return task
+
+
+def _check_context(task: Task, context: int) -> None:
+    """Refuse sequences longer than the model's context: trained on, or sampled (a prompt
+    and its completion), when the task has problems to sample for."""
+    sampled = task.prompt_length + task.max_new_tokens if task.problems else 0
+    if max(task.max_length, sampled) <= context:
+        return
+    if task.max_length >= sampled:
+        what = f"sequences of {task.max_length} tokens (--max-length)"
+    else:
+        what = (
+            f"prompts of {task.prompt_length} tokens and completions of {task.max_new_tokens} "
+            "(--max-new-tokens)"
+        )
+    raise UserError(
+        f"{task.name}: {what} are longer than the model's context of {context} tokens (its "
+        "max_position_embeddings); lower them"
+    )
 
 
 def max_segments(task: Task) -> int:

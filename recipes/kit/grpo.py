@@ -466,9 +466,7 @@ def setup(config, model, placement) -> Setup:
     the sampler and the learner of a GRPO run."""
     vocab_size = model.config.vocab_size
     routing = models.replayed_routing(model.config, config.replay_routing)
-    task = data.load_task(
-        config, "rl", model.tokenizer, num_train=config.num_prompts, images=model.images
-    )
+    task = data.load_task(config, "rl", model, num_train=config.num_prompts)
     tuning = lora.tuning(
         model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
         dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,

@@ -46,7 +46,7 @@ VISION_TEXT = {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
     "global_head_dim": 32, "layer_types": ["sliding_attention", "full_attention"],
     "sliding_window": 128, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
-    "max_position_embeddings": 256, "final_logit_softcapping": None,
+    "max_position_embeddings": 2048, "final_logit_softcapping": None,
     "rope_parameters": {
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                            "rope_theta": 1e4},
@@ -161,7 +161,7 @@ def new_model(tokenizer, size: str, seed: int) -> Model:
 
     config = DecoderConfig(
         vocab_size=tokenizer.vocab_size,
-        max_position_embeddings=64,
+        max_position_embeddings=2048,  # the longest --max-length a run may ask (kit.data)
         tie_word_embeddings=True,
         use_qk_norm=True,
         **MODEL_SIZES[size],

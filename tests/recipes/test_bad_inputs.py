@@ -251,6 +251,16 @@ def run_here(recipe: str, flags: list[str], cwd: Path, monkeypatch, capsys):
         ("grpo_async", ["--max-staleness", "1"], "--max-staleness runs on 2 processes"),
         ("generate", ["--chat"], "has no chat template; use --prompt"),
         ("generate", ["--prompts", "data/binary.txt"], "data/binary.txt: not UTF-8 text (byte"),
+        (
+            "generate",
+            ["--prompt", "1+1=", "--max-new-tokens", "3000"],
+            "--max-new-tokens 3000 are longer than the model's context of 2048 tokens",
+        ),
+        (
+            "sft",
+            ["--data", "data/pairs.jsonl", "--max-length", "4096"],
+            "sequences of 4096 tokens (--max-length) are longer than the model's context of 2048",
+        ),
     ],
 )
 def test_bad_data_files_give_one_line(

@@ -1,6 +1,10 @@
 """`kit.data`'s layouts between SFT rows and the sampler's prompts and completions, which
 on-policy distillation crosses every sampled step."""
 
+import json
+import re
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -54,17 +58,25 @@ def test_prompts_and_completions_become_the_rows_of_their_sequences():
         )
 
 
+def text_model(tokenizer, context: int = 2048):
+    """What `kit.data.load_task` reads of a `kit.models.Model` reading text: its tokenizer,
+    no image layout, and its context."""
+    config = types.SimpleNamespace(max_position_embeddings=context)
+    return types.SimpleNamespace(tokenizer=tokenizer, images=None, config=config)
+
+
 def test_the_built_in_task_without_held_out_problems_sizes_completions_by_its_training_ones():
     """`--num-heldout 0`: no held-out problems, and completions long enough for the longest
     training answer (the held-out answers set it when there are some)."""
     from kit.grpo_config import GRPOConfig
 
     tokenizer = CharTokenizer()
-    none_held = data.load_task(GRPOConfig(num_heldout=0, num_train=64), "rl", tokenizer)
+    model = text_model(tokenizer)
+    none_held = data.load_task(GRPOConfig(num_heldout=0, num_train=64), "rl", model)
     assert none_held.problems == [] and len(none_held.train) == 64
     longest = max(len(tokenizer.encode(r["answer"])) for r in none_held.train)
     assert none_held.max_new_tokens > longest
-    held = data.load_task(GRPOConfig(num_heldout=20, num_train=64), "rl", tokenizer)
+    held = data.load_task(GRPOConfig(num_heldout=20, num_train=64), "rl", model)
     longest = max(len(tokenizer.encode(r["answer"])) for r in held.problems)
     assert len(held.problems) == 20 and held.max_new_tokens > longest
 
@@ -77,7 +89,7 @@ def test_the_held_out_batches_have_one_shape_and_the_padding_no_tokens(kind):
     from kit.grpo_config import GRPOConfig
 
     config = GRPOConfig(num_heldout=23, num_train=64, batch_size=8)
-    task = data.load_task(config, kind, CharTokenizer())
+    task = data.load_task(config, kind, text_model(CharTokenizer()))
     batches = data.heldout_batches(task, config, parallel.placement(8, 1), kind=kind)
     shapes = {tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}
     assert len(batches) == 3 and len(shapes) == 1
@@ -86,3 +98,29 @@ def test_the_held_out_batches_have_one_shape_and_the_padding_no_tokens(kind):
     assert real_rows == [8, 8, 7]
     last = jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x)[7], batches[-1]))
     assert all(not x.any() for x in last)
+
+
+@pytest.mark.parametrize(
+    ("kind", "flags", "refusal"),
+    [
+        ("sft", {"max_length": 65}, "sequences of 65 tokens (--max-length) are longer than"),
+        ("rl", {"max_length": 40, "max_new_tokens": 25}, "prompts of 40 tokens and completions"),
+    ],
+)
+def test_sequences_longer_than_the_context_are_refused_naming_the_flag(
+    tmp_path, kind, flags, refusal
+):
+    from kit.errors import UserError
+    from kit.grpo_config import GRPOConfig
+
+    records = [
+        {"prompt": f"{i}+1=", "answer": str(i + 1), "completion": str(i + 1)} for i in range(20)
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, **flags)
+    with pytest.raises(UserError, match=re.escape(refusal) + ".* context of 64 tokens"):
+        data.load_task(config, kind, text_model(CharTokenizer(), context=64))
+    fitting = {name: value // 2 for name, value in flags.items()}
+    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, **fitting)
+    assert data.load_task(config, kind, text_model(CharTokenizer(), context=64)).train
