@@ -105,6 +105,10 @@ class Checkpoints:
     def _restore(self, step: int, abstract, batches) -> tuple[dict | None, str]:
         """The state and record of `step` with `batches` at its position, and "", or None and
         the first line of why it cannot be read."""
+        # Without its metadata Orbax reads the state as a tree of another structure, which
+        # would be taken for a checkpoint of another model.
+        if not (self.folder / str(step) / "state" / "_METADATA").is_file():
+            return None, "its state/_METADATA is missing"
         try:
             out = self.manager.restore(
                 step,
@@ -158,14 +162,15 @@ def _other_shapes(reason: str) -> bool:
 def data_position(folder: Path) -> dict:
     """This process's data iterator state from a checkpoint's `data/` folder: its own file
     when the run has as many processes as the one that saved it, else the position every
-    process of that run shared (a different count of processes can only take that)."""
+    process of that run shared (a different count of processes can only take that); a
+    `FileNotFoundError` when it holds none."""
     index, count = jax.process_index(), jax.process_count()
     own = folder / f"process_{index}-of-{count}.json"
     if own.exists():
         return json.loads(own.read_text())
     states = [json.loads(p.read_text()) for p in sorted(folder.glob("process_*-of-*.json"))]
-    if not states:
-        raise UserError(f"--resume: {folder} holds no data position")
+    if not states:  # a damaged checkpoint: the one before it is restored instead
+        raise FileNotFoundError(f"{folder} holds no data position")
     if any(state != states[0] for state in states):
         raise UserError(
             f"--resume: the checkpoint in {folder.parent} was saved by {len(states)} processes "

@@ -558,6 +558,36 @@ def test_a_checkpoint_of_other_shapes_is_refused_in_one_line(tmp_path):
     checkpoints.close()
 
 
+@pytest.mark.parametrize("lost", ["state/_METADATA", "data/process_0-of-1.json"])
+def test_a_checkpoint_missing_a_file_is_skipped_for_the_one_before(tmp_path, capsys, lost):
+    """A checkpoint without its state's metadata (which Orbax would read as a tree of another
+    structure, another model) or without its data position is damaged: the one before it is
+    restored, and it is moved aside with one line."""
+    import grain
+    import jax.numpy as jnp
+    import optax
+
+    from kit.checkpoints import Checkpoints
+
+    def data():
+        return iter(grain.MapDataset.range(8).batch(2).to_iter_dataset())
+
+    params = {"w": jnp.zeros((4, 2))}
+    state = {"params": params, "opt": optax.adamw(1e-3).init(params)}
+    saved = Checkpoints(tmp_path / "checkpoints")
+    for step in (1, 2):
+        saved.save(step, state, data(), {"step": step})
+    saved.close()
+    (tmp_path / "checkpoints" / "2" / lost).unlink()
+    checkpoints = Checkpoints(tmp_path / "checkpoints")
+    step, _, record = checkpoints.restore_latest(state, data())
+    checkpoints.close()
+    assert step == 1 and record == {"step": 1}
+    assert (tmp_path / "checkpoints" / "damaged-2").is_dir()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "the checkpoint of step 2 is damaged" in lines[0], lines
+
+
 @pytest.mark.parametrize(
     ("size", "message"),
     [
