@@ -3,9 +3,11 @@ capacity lost and regained; on a small program that beats and takes faults as a 
 does (the recipes themselves: tests/distributed/test_recipes_across_processes.py)."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -151,3 +153,35 @@ def test_a_program_that_refuses_its_settings_is_not_restarted(tmp_path):
         json.loads(line)["event"] for line in (out / "supervisor.jsonl").read_text().splitlines()
     ]
     assert events == ["start", "end"]
+
+
+def test_a_beat_caught_half_written_is_still_watched(tmp_path):
+    """A process stopped between truncating its heartbeat file and writing it leaves the file
+    empty: the supervisor watches it from the file's time (and a process past its last step
+    not at all), so the stop is detected as a hang."""
+    from tunelib.launch._processes import Launch
+
+    beats = tmp_path / "beats"
+    beats.mkdir()
+    (beats / "0").write_text("")
+    (beats / "1").write_text("5 0.0 last\n")
+    old = time.time() - 60
+    for name in ("0", "1"):
+        os.utime(beats / name, (old, old))
+    watch = Launch(["true"], 2, 0, None, 1.0, heartbeats=str(beats), hang_timeout=30)
+    rank, beat, after = watch._hung([None, None], now=time.time())
+    assert (rank, beat, after) == (0, pytest.approx(old), "its last beat, which is unreadable")
+    (beats / "0").write_text("7 0.0\n")
+    os.utime(beats / "0", (old, old))
+    assert watch._hung([None, None], now=time.time())[2] == "step 7"
+
+
+def test_a_heartbeat_is_written_whole_into_its_rank_file(tmp_path, monkeypatch):
+    from tunelib import distributed
+
+    monkeypatch.setenv("TUNELIB_HEARTBEATS", str(tmp_path))
+    distributed.heartbeat(3)
+    distributed.heartbeat(4, last=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["0"]  # no half-made file left beside it
+    step, when, last = (tmp_path / "0").read_text().split()
+    assert (step, last) == ("4", "last") and abs(float(when) - time.time()) < 600

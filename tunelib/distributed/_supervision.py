@@ -27,8 +27,10 @@ def heartbeat(step: int, *, last: bool = False) -> None:
     """
     folder = os.environ.get(HEARTBEATS)
     if folder:
-        path = Path(folder) / str(jax.process_index())
-        path.write_text(f"{step} {time.time():.3f}{' last' if last else ''}\n")
+        rank = jax.process_index()
+        written = Path(folder) / f".{rank}.writing"  # renamed into place: never read half-made
+        written.write_text(f"{step} {time.time():.3f}{' last' if last else ''}\n")
+        os.replace(written, Path(folder) / str(rank))
 
 
 def supervision() -> dict | None:

@@ -146,8 +146,7 @@ class Launch:
                 self._stop_all(signal.SIGTERM)
             hung = self._hung(codes, now) if failed is None else None
             if hung is not None and self.stopping in (None, "grow"):
-                rank, beat, step = hung
-                after = f"step {step}" if step is not None else "it started"
+                rank, beat, after = hung
                 cause = f"process {rank} hung: no heartbeat for {now - beat:.1f} s after {after}"
                 self._say(f"{cause}; stopping every process.")
                 failed = rank, -HUNG
@@ -187,11 +186,12 @@ class Launch:
             (beats / str(rank)).exists() for rank, code in enumerate(codes) if code is None
         )
 
-    def _hung(self, codes, now: float) -> tuple[int, float, str | None] | None:
-        """A running process that is hung: `(rank, time of its last beat, its step)` for the
-        one whose beat is the oldest, if older than `hang_timeout`; else `(rank, its start,
-        None)` for one that has not beaten `start_timeout` seconds after it started. A process
-        that has not beaten yet is otherwise not watched (its start-up may compile for long)."""
+    def _hung(self, codes, now: float) -> tuple[int, float, str] | None:
+        """A running process that is hung: `(rank, time of its last beat, "step <its step>")`
+        for the one whose beat is the oldest, if older than `hang_timeout`; else `(rank, its
+        start, "it started")` for one that has not beaten `start_timeout` seconds after it
+        started. A process that has not beaten yet is otherwise not watched (its start-up may
+        compile for long)."""
         if self.heartbeats is None:
             return None
         beats, silent = [], []
@@ -202,10 +202,13 @@ class Launch:
             if not path.exists():
                 silent.append((self.started_at[rank], rank, None))
                 continue
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                step, *last = path.read_text().split()[::2]  # "step time [last]"
-                if not last:  # a process past its last step is no longer watched
-                    beats.append((path.stat().st_mtime, rank, step))
+            with contextlib.suppress(OSError):  # the file removed meanwhile: next poll
+                beat, fields = path.stat().st_mtime, path.read_text().split()[::2]
+                # "step time [last]"; a beat that does not parse (a process stopped between
+                # truncating the file and writing it) is watched from the file's time.
+                step = f"step {fields[0]}" if fields else "its last beat, which is unreadable"
+                if fields[1:] != ["last"]:  # a process past its last step is not watched
+                    beats.append((beat, rank, step))
         if beats and self.hang_timeout is not None:
             beat, rank, step = min(beats)
             if now - beat > self.hang_timeout:
@@ -213,7 +216,7 @@ class Launch:
         if silent and self.start_timeout is not None:
             start, rank, _ = min(silent)
             if now - start > self.start_timeout:
-                return rank, start, None
+                return rank, start, "it started"
         return None
 
 
