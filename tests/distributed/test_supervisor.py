@@ -185,3 +185,32 @@ def test_a_heartbeat_is_written_whole_into_its_rank_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["0"]  # no half-made file left beside it
     step, when, last = (tmp_path / "0").read_text().split()
     assert (step, last) == ("4", "last") and abs(float(when) - time.time()) < 600
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], launch.START_TIMEOUT),
+        (["--start-timeout", "60"], 60.0),
+        (["--start-timeout", "inf"], float("inf")),
+    ],
+)
+def test_a_supervised_start_is_watched_by_default(tmp_path, monkeypatch, flags, expected):
+    """Under a supervisor a start-up hang ends: without --start-timeout, a process that has
+    not beaten START_TIMEOUT seconds after it started is hung (`inf` turns it off)."""
+    seen = {}
+
+    class Supervisor:
+        def __init__(self, command, count, **settings):
+            seen.update(settings)
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr(launch._supervisor, "Supervisor", Supervisor)
+    script = tmp_path / "program.py"
+    script.write_text("")
+    flags = ["-n", "2", "--max-restarts", "1", *flags, str(script), "--out", str(tmp_path)]
+    flags += ["--resume", "auto"]
+    assert launch.main(flags) == 0
+    assert seen["start_timeout"] == expected

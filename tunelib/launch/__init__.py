@@ -26,7 +26,8 @@ refuse again. `--hang-timeout S`: a process whose heartbeat (`tunelib.distribute
 starts at its first beat, which comes after the first step and its compilation.
 `--start-timeout S`: a process that has not beaten S seconds after it started (stuck in its
 imports, its restore, a collective of its start-up or its first compilation) is hung too;
-give S above the longest start-up the run may have (default: not watched).
+give S above the longest start-up the run may have (default under a supervisor:
+`START_TIMEOUT`, 1,800 s, so that a start-up hang ends; `inf`: not watched).
 `--min-processes M`: when capacity is lost (a `lose` fault of `TUNELIB_FAULTS`, see
 `tunelib.distributed.parse_faults`), the run goes on with the processes left, as long as
 they are at least M, and grows back to N (stopped with SIGINT after a step: a checkpoint,
@@ -43,6 +44,10 @@ from collections.abc import Sequence
 from tunelib.distributed import FAULTS, parse_faults
 from tunelib.launch import _supervisor
 from tunelib.launch._processes import PROG, Launch, free_port
+
+# Seconds a supervised process may take to its first heartbeat (imports, restore, first
+# compilation) before it is taken as hung, unless --start-timeout says otherwise.
+START_TIMEOUT = 1800.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,8 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds without a heartbeat after which a process is hung "
                              "(counted from its first beat; default: not watched)")  # fmt: skip
     parser.add_argument("--start-timeout", type=float, default=None,
-                        help="seconds after a process's start by which it must beat once, or "
-                             "it is hung (default: not watched)")  # fmt: skip
+                        help="seconds after a process's start by which it must beat "
+                             f"once, or it is hung (default {START_TIMEOUT:.0f}; inf: "
+                             "not watched)")  # fmt: skip
     parser.add_argument("--min-processes", type=int, default=None,
                         help="go on with at least M processes when capacity is lost, and grow "
                              "back when it returns (default: -n, no shrinking)")  # fmt: skip
@@ -109,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _supervisor.Supervisor(
             command, args.num_processes, devices=args.devices_per_process, port=args.port,
             grace=args.grace, max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
-            start_timeout=args.start_timeout,
+            start_timeout=START_TIMEOUT if args.start_timeout is None else args.start_timeout,
             min_processes=args.min_processes or args.num_processes,
             log_dir=args.log_dir or _supervisor.out_folder(command),
         ).run()  # fmt: skip
