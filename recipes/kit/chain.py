@@ -16,7 +16,9 @@ anything else that starts JAX's backend: on a TPU host one process at a time can
 chips, and the child could not open them while its parent holds them.
 """
 
+import ctypes
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -31,20 +33,57 @@ from kit.runs import default_out
 RECIPES = Path(__file__).resolve().parents[1]
 
 
+# Seconds a chained run may take to save its state and end once this process is stopped.
+CHILD_GRACE = 120.0
+
+
 def train_sft(out: Path, flags: list[str], *, what: str) -> float:
     """Run `recipes/sft.py --out OUT FLAGS` to the end; its wall time in seconds. Called before
     this process starts JAX's backend (the module's docstring says why)."""
     _alone(what, f"train it first with python -m tunelib.launch -n N recipes/sft.py --out {out}")
     print(f"{what}: training it first with recipes/sft.py --out {out}", flush=True)
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(RECIPES / "sft.py"), "--out", str(out), *flags])
-    if proc.returncode == 130:
+    code = run_child([sys.executable, str(RECIPES / "sft.py"), "--out", str(out), *flags])
+    if code == 130:
         raise KeyboardInterrupt
-    if proc.returncode != 0:
+    if code != 0:
         raise UserError(
-            f"{what}: the SFT run in {out} stopped (exit {proc.returncode}); see its message above"
+            f"{what}: the SFT run in {out} stopped (exit {code}); see its message above"
         )
     return time.perf_counter() - started
+
+
+def run_child(command: list[str]) -> int:
+    """Run `command` to its end and return its exit code; it stops with this process.
+
+    The child has a session of its own, so a Ctrl-C reaches this process only, which passes
+    it on (SIGINT), as it does SIGTERM: the child saves its state and ends (waited for up to
+    `CHILD_GRACE` seconds, then killed), then this process stops too. On Linux the child
+    gets SIGTERM when this process dies without passing anything on (SIGKILL), so no
+    orphan trains on, holding its run folder's lock."""
+    stop_with_parent = _stop_with_parent if sys.platform == "linux" else None
+    child = subprocess.Popen(command, start_new_session=True, preexec_fn=stop_with_parent)
+    try:
+        return child.wait()
+    except BaseException as stop:  # Ctrl-C, or SIGTERM's exit (`kit.cli`)
+        if child.poll() is None:
+            child.send_signal(
+                signal.SIGINT if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM
+            )
+            try:
+                child.wait(timeout=CHILD_GRACE)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        raise
+
+
+def _stop_with_parent() -> None:
+    """In the child, before it runs: ask Linux for SIGTERM when the parent dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1  # prctl's option, <linux/prctl.h>
 
 
 def _alone(what: str, advice: str) -> None:
@@ -60,11 +99,8 @@ def ensure_model(named: Path | None, default_run: Path, flags: list[str], *, wha
         return model_folder(named), None
     if (default_run / "model" / "config.json").is_file():
         return default_run / "model", None
-    if (default_run / "metrics.jsonl").exists() and not (default_run / "model").exists():
-        raise UserError(
-            f"{what}: {default_run} holds an unfinished run; finish it with "
-            f"python recipes/sft.py --out {default_run} --resume, or name a model with --model"
-        )
+    # An unfinished run there (stopped, killed) is continued: the same flags, resumed.
+    flags = [*flags, "--resume", "auto"]
     seconds = train_sft(default_run, flags, what=f"no {what} at {default_run}")
     return default_run / "model", seconds
 

@@ -474,3 +474,60 @@ def test_overwrite_keeps_a_start_model_beside_the_run_entries(tmp_path):
     run.open(config(model=out / "mine" / "model"))
     assert sorted(os.listdir(out)) == sorted([LOCK_FILE, "config.toml", "mine"])
     run.release()
+
+
+# A chained run's parent (`kit.chain.run_child`) and a child that says which signal stopped it.
+CHAIN_PARENT = """
+import signal, sys
+sys.path.insert(0, {recipes!r})
+from kit.chain import run_child
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as kit.cli does
+run_child([sys.executable, "-c", {child!r}, {folder!r}])
+"""
+CHAIN_CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+def stop(signum, _):
+    (folder / "stopped").write_text(signal.Signals(signum).name)
+    sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+(folder / "child").write_text(str(os.getpid()))
+while True:
+    time.sleep(0.05)
+"""
+
+
+def wait_for(path: Path, seconds: float = 60.0) -> str:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("sent", "stopped_by", "parent_code"),
+    [
+        (signal.SIGTERM, "SIGTERM", 143),
+        (signal.SIGINT, "SIGINT", -signal.SIGINT),  # KeyboardInterrupt, not caught here
+        (signal.SIGKILL, "SIGTERM", -signal.SIGKILL),  # no orphan: Linux stops the child
+    ],
+)
+def test_a_chained_run_stops_with_its_parent(tmp_path, sent, stopped_by, parent_code):
+    """A recipe stopped while its chained SFT run trains passes the stop on (the child saves
+    its state and ends) and, killed, leaves no orphan training on."""
+    from tests.recipes._scripts import RECIPES
+
+    if sent == signal.SIGKILL and sys.platform != "linux":
+        pytest.skip("the parent-death signal is Linux's")
+    program = CHAIN_PARENT.format(recipes=str(RECIPES), child=CHAIN_CHILD, folder=str(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", program], stderr=subprocess.DEVNULL)
+    child = int(wait_for(tmp_path / "child"))
+    parent.send_signal(sent)
+    assert parent.wait(timeout=120) == parent_code
+    assert wait_for(tmp_path / "stopped") == stopped_by
+    with pytest.raises(ProcessLookupError):  # ended (and reaped by init when orphaned)
+        for _ in range(1200):
+            os.kill(child, 0)
+            time.sleep(0.05)
