@@ -57,6 +57,8 @@ class Task:
       pack_length: the width of a packed row (`--packing`): several sequences share it.
       images: for records with images, the model's `kit.images.ImageLayout`; else None.
       slots: the most images of a record (the image slots of a batch's rows).
+      context: the model's context (`max_position_embeddings`): no prompt and completion
+        it samples may be longer (`prompt_inputs` checks); None: not checked.
     """
 
     name: str
@@ -71,6 +73,7 @@ class Task:
     pack_length: int
     images: object = None
     slots: int = 0
+    context: int | None = None
 
 
 def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
@@ -243,32 +246,20 @@ def load_task(config, kind: str, model, *, num_train: int | None = None) -> Task
         task = _file(config, kind, tokenizer)
     else:
         task = _arithmetic(config, kind, tokenizer, num_train or config.num_train)
-    _check_context(task, model.config.max_position_embeddings)
+    context = model.config.max_position_embeddings
+    if task.max_length > context and kind != "rl":  # rl: the sampled lengths, prompt_inputs
+        raise UserError(
+            f"{task.name}: sequences of {task.max_length} tokens (--max-length) are longer "
+            f"than the model's context of {context} tokens (its max_position_embeddings); "
+            "lower it"
+        )
+    task = dataclasses.replace(task, context=context)
     if len(task.train) < config.batch_size:
         raise UserError(
             f"--batch-size {config.batch_size} is larger than the {len(task.train)} training "
             f"records of {task.name}; lower it"
         )
     return task
-
-
-def _check_context(task: Task, context: int) -> None:
-    """Refuse sequences longer than the model's context: trained on, or sampled (a prompt
-    and its completion), when the task has problems to sample for."""
-    sampled = task.prompt_length + task.max_new_tokens if task.problems else 0
-    if max(task.max_length, sampled) <= context:
-        return
-    if task.max_length >= sampled:
-        what = f"sequences of {task.max_length} tokens (--max-length)"
-    else:
-        what = (
-            f"prompts of {task.prompt_length} tokens and completions of {task.max_new_tokens} "
-            "(--max-new-tokens)"
-        )
-    raise UserError(
-        f"{task.name}: {what} are longer than the model's context of {context} tokens (its "
-        "max_position_embeddings); lower them"
-    )
 
 
 def max_segments(task: Task) -> int:
@@ -372,12 +363,23 @@ def prompts(task: Task, records: list[dict]):
 
 def prompt_inputs(task: Task, records: list[dict]) -> tuple:
     """`(tokens, where, images)`: the records' prompts as `prompts` lays them out, and for
-    records with images their `[B, M, ...]` pixels (`kit.images.pixels`), else None."""
+    records with images their `[B, M, ...]` pixels (`kit.images.pixels`), else None. A
+    prompt that, with `task.max_new_tokens` more, is longer than `task.context` is a
+    `UserError`."""
     if task.images is None:
-        return (*prompts(task, records), None)
-    return pictures.prompt_rows(
-        records, task.tokenizer, task.images, length=task.prompt_length, slots=task.slots
-    )
+        tokens, where, pixels = (*prompts(task, records), None)
+    else:
+        tokens, where, pixels = pictures.prompt_rows(
+            records, task.tokenizer, task.images, length=task.prompt_length, slots=task.slots
+        )
+    longest = int(np.asarray(where).sum(axis=1).max(initial=0))
+    if task.context is not None and longest + task.max_new_tokens > task.context:
+        raise UserError(
+            f"{task.name}: a prompt of {longest} tokens and completions of "
+            f"{task.max_new_tokens} (--max-new-tokens) are longer than the model's context "
+            f"of {task.context} tokens (its max_position_embeddings); lower them"
+        )
+    return tokens, where, pixels
 
 
 def prompts_of_rows(rows: dict, prompt_length: int):

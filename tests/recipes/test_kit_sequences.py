@@ -100,27 +100,25 @@ def test_the_held_out_batches_have_one_shape_and_the_padding_no_tokens(kind):
     assert all(not x.any() for x in last)
 
 
-@pytest.mark.parametrize(
-    ("kind", "flags", "refusal"),
-    [
-        ("sft", {"max_length": 65}, "sequences of 65 tokens (--max-length) are longer than"),
-        ("rl", {"max_length": 40, "max_new_tokens": 25}, "prompts of 40 tokens and completions"),
-    ],
-)
-def test_sequences_longer_than_the_context_are_refused_naming_the_flag(
-    tmp_path, kind, flags, refusal
-):
+def test_sequences_longer_than_the_context_are_refused_naming_the_flag(tmp_path):
+    """Training sequences (`--max-length`) longer than the model's context are refused as
+    the task loads; a sampled prompt with its completion (`--max-new-tokens`) as its
+    prompts are laid out, from the prompts' real lengths (a prompt cap of the context
+    itself is fine)."""
     from kit.errors import UserError
     from kit.grpo_config import GRPOConfig
 
-    records = [
-        {"prompt": f"{i}+1=", "answer": str(i + 1), "completion": str(i + 1)} for i in range(20)
-    ]
+    records = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
     path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, **flags)
-    with pytest.raises(UserError, match=re.escape(refusal) + ".* context of 64 tokens"):
-        data.load_task(config, kind, text_model(CharTokenizer(), context=64))
-    fitting = {name: value // 2 for name, value in flags.items()}
-    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, **fitting)
-    assert data.load_task(config, kind, text_model(CharTokenizer(), context=64)).train
+    path.write_text("".join(json.dumps({**r, "completion": r["answer"]}) + "\n" for r in records))
+    model = text_model(CharTokenizer(), context=64)
+    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, max_length=65)
+    with pytest.raises(UserError, match=re.escape("sequences of 65 tokens (--max-length) are")):
+        data.load_task(config, "sft", model)
+    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, max_length=64, max_new_tokens=62)
+    task = data.load_task(config, "rl", model)
+    with pytest.raises(UserError, match=r"a prompt of \d+ tokens and completions of 62 .* of 64"):
+        data.prompt_inputs(task, task.problems)
+    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, max_length=64, max_new_tokens=32)
+    _, where, _ = data.prompt_inputs(data.load_task(config, "rl", model), task.problems)
+    assert int(where.sum(axis=1).max()) + 32 <= 64
