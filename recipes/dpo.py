@@ -133,7 +133,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     start, sft_seconds = chain.sft_start(config)
     # Every device of every process; each batch split by rows.
     placement = parallel.placement(config.batch_size, config.devices)
-    model = chain.start_model(start, placement, remat=config.remat)
+    model = chain.start_model(start, placement, run, remat=config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     task = data.load_task(config, "preference", model, num_train=config.num_prompts)
     if task.name == "arithmetic" and config.rejected == "model":

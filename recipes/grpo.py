@@ -67,7 +67,7 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     start, sft_seconds = chain.sft_start(config)
     # Every device of every process; each process holds its rows of every batch.
     placement = parallel.placement(config.batch_size, config.devices)
-    model = chain.start_model(start, placement, remat=config.remat)
+    model = chain.start_model(start, placement, run, remat=config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
     # The prompts, what trains (every weight or adapters), the sampling and the optimizer;
     # `sample` draws a group per prompt and scores it (the verifier, --reward or

@@ -167,7 +167,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     start, sft_seconds = chain.sft_start(config)
     placement = two_processes(config)
     trainer = disaggregated.role() == disaggregated.TRAINER
-    model = chain.start_model(start, placement, remat=config.remat)
+    model = chain.start_model(start, placement, run, remat=config.remat)
     # What grpo.py samples and trains with: `sample` runs on the sampler, `learner` on the
     # trainer.
     task, tuning, sampling, optimizer, sample, learner = grpo.setup(config, model, placement)

@@ -10,6 +10,7 @@
   `--resume auto`.
 - `lock`: a run folder's lock: one run writes it at a time.
 - `chain`: the SFT runs a recipe trains first (its start, a teacher, a baseline).
+- `children`: those runs as processes that stop with the recipe (Ctrl-C, SIGTERM, SIGKILL).
 - `models`: the start model (new, a recipe's `model/`, a Hugging Face checkpoint) and saving.
 - `data`: the built-in task or a data file, as records and batches.
 - `images`: records with images laid out for a Gemma 4 vision-language model.
@@ -29,7 +30,7 @@
 - `plan`: `--plan` and `--device-memory`, the step's memory planned before it runs.
 
 The modules a recipe imports before its flags are checked (`config`, `cli`, `runs`, `lock`,
-`errors`, and through them `compile_cache`, `plan`, `models`, `reward_model`, `grpo_config`)
+`errors`, and through them `children`, `compile_cache`, `plan`, `models`, `reward_model`, `grpo_config`)
 do not import JAX at their top; the others do, and are imported by the recipes' `train`.
 """
 

@@ -16,25 +16,19 @@ anything else that starts JAX's backend: on a TPU host one process at a time can
 chips, and the child could not open them while its parent holds them.
 """
 
-import ctypes
 import json
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tunelib import distributed
 
+from kit.children import run_child
 from kit.errors import UserError
 from kit.models import Model, load_model, model_folder, replicated, with_remat
 from kit.runs import default_out
 
 RECIPES = Path(__file__).resolve().parents[1]
-
-
-# Seconds a chained run may take to save its state and end once this process is stopped.
-CHILD_GRACE = 120.0
 
 
 def train_sft(out: Path, flags: list[str], *, what: str) -> float:
@@ -51,39 +45,6 @@ def train_sft(out: Path, flags: list[str], *, what: str) -> float:
             f"{what}: the SFT run in {out} stopped (exit {code}); see its message above"
         )
     return time.perf_counter() - started
-
-
-def run_child(command: list[str]) -> int:
-    """Run `command` to its end and return its exit code; it stops with this process.
-
-    The child has a session of its own, so a Ctrl-C reaches this process only, which passes
-    it on (SIGINT), as it does SIGTERM: the child saves its state and ends (waited for up to
-    `CHILD_GRACE` seconds, then killed), then this process stops too. On Linux the child
-    gets SIGTERM when this process dies without passing anything on (SIGKILL), so no
-    orphan trains on, holding its run folder's lock."""
-    stop_with_parent = _stop_with_parent if sys.platform == "linux" else None
-    child = subprocess.Popen(command, start_new_session=True, preexec_fn=stop_with_parent)
-    try:
-        return child.wait()
-    except BaseException as stop:  # Ctrl-C, or SIGTERM's exit (`kit.cli`)
-        if child.poll() is None:
-            child.send_signal(
-                signal.SIGINT if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM
-            )
-            try:
-                child.wait(timeout=CHILD_GRACE)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-        raise
-
-
-def _stop_with_parent() -> None:
-    """In the child, before it runs: ask Linux for SIGTERM when the parent dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-PR_SET_PDEATHSIG = 1  # prctl's option, <linux/prctl.h>
 
 
 def _alone(what: str, advice: str) -> None:
@@ -141,10 +102,15 @@ def sft_start(config) -> tuple[Path, float | None]:
     )  # fmt: skip
 
 
-def start_model(folder: Path, placement, *, remat: str) -> Model:
+def start_model(folder: Path, placement, run, *, remat: str) -> Model:
     """The model saved in `folder` (`sft_start`'s), on every device of `placement`, with
-    `--remat`."""
-    return with_remat(replicated(load_model(folder), placement), remat)
+    `--remat`; on `--resume`, the same one the run started from (`run`'s
+    `check_start_model`)."""
+    from tunelib.rollout import fingerprint
+
+    model = replicated(load_model(folder), placement)
+    run.check_start_model(folder, int(fingerprint(model.params)))
+    return with_remat(model, remat)
 
 
 def baseline(run, config, *, model_size: str) -> tuple[float, dict]:

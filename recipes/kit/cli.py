@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from kit import compile_cache, plan
+from kit import children, compile_cache, plan
 from kit.config import Run, parse
 from kit.errors import UserError
 from kit.runs import RunFolder, checkpoint_steps, default_out
@@ -78,6 +78,7 @@ def main(
     main_thread = threading.current_thread() is threading.main_thread()
     _terminating.clear()
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    children.stop_with_parent()  # a chained run: it stops with the recipe that started it
     unraisable_hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
     thresholds = gc.get_threshold()
     gc.set_threshold(*GC_THRESHOLDS)

@@ -80,6 +80,7 @@ RUN_ENTRIES = (
     "best",  # --keep-best's model; left in place, the next run would compare with its record
     "best.partial",
     "faults.jsonl",  # injected faults that fired; left in place, they would not fire again
+    "start_model.json",  # the start model's fingerprint, checked on --resume
 )
 
 
@@ -138,6 +139,7 @@ class RunFolder:
         self.steps = steps
         self.lock = None
         self.finished = None
+        self.start_record = None  # written into the folder when it opens (check_start_model)
         self._decide(resume, overwrite)
         self.started = time.perf_counter()
 
@@ -220,6 +222,28 @@ class RunFolder:
             else:
                 entry.unlink()
         self.save_config(config)
+        if self.start_record is not None:
+            (self.path / "start_model.json").write_text(json.dumps(self.start_record) + "\n")
+
+    def check_start_model(self, folder: Path, digest: int) -> None:
+        """On `--resume`, refuse a start model other than the one the run started from (its
+        fingerprint, `tunelib.rollout.fingerprint` of its parameters, is `digest`): retrained
+        or replaced in place, it would change the frozen reference under the resumed run. At
+        a start, keep its fingerprint in `start_model.json` for that check."""
+        record = {"model": str(folder), "fingerprint": digest}
+        if not self.resume:
+            self.start_record = record
+            return
+        saved = read_record(
+            self.path / "start_model.json", lambda r: int(r["fingerprint"]),
+            "the start model is not checked against the one the run started from",
+        )  # fmt: skip
+        if saved is not None and saved != digest:
+            raise UserError(
+                f"--resume: the start model {folder} is not the one {self.named} started from "
+                f"(fingerprint {digest:#010x}, was {saved:#010x}): it was retrained or "
+                "replaced since; restore it, or start the run again with --overwrite"
+            )
 
     def save_config(self, config) -> None:
         """Write the configuration to `config.toml`."""

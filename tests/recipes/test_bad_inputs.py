@@ -313,6 +313,7 @@ def test_a_reward_that_returns_nan_names_the_prompt_and_the_command_can_run_agai
             "config.toml",
             "heldout_start.json",
             "metrics.jsonl",
+            "start_model.json",
         ]
 
 

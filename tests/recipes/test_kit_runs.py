@@ -476,17 +476,21 @@ def test_overwrite_keeps_a_start_model_beside_the_run_entries(tmp_path):
     run.release()
 
 
-# A chained run's parent (`kit.chain.run_child`) and a child that says which signal stopped it.
+# A chained run's parent (`kit.children.run_child`) and a child that says which signal stopped
+# it, which asks to stop with its parent as every recipe does.
 CHAIN_PARENT = """
 import signal, sys
 sys.path.insert(0, {recipes!r})
-from kit.chain import run_child
+from kit.children import run_child
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as kit.cli does
 run_child([sys.executable, "-c", {child!r}, {folder!r}])
 """
 CHAIN_CHILD = """
 import os, signal, sys, time
 from pathlib import Path
+sys.path.insert(0, {recipes!r})
+from kit.children import stop_with_parent
+stop_with_parent()
 folder = Path(sys.argv[1])
 def stop(signum, _):
     (folder / "stopped").write_text(signal.Signals(signum).name)
@@ -521,7 +525,8 @@ def test_a_chained_run_stops_with_its_parent(tmp_path, sent, stopped_by, parent_
 
     if sent == signal.SIGKILL and sys.platform != "linux":
         pytest.skip("the parent-death signal is Linux's")
-    program = CHAIN_PARENT.format(recipes=str(RECIPES), child=CHAIN_CHILD, folder=str(tmp_path))
+    child_program = CHAIN_CHILD.replace("{recipes!r}", repr(str(RECIPES)))
+    program = CHAIN_PARENT.format(recipes=str(RECIPES), child=child_program, folder=str(tmp_path))
     parent = subprocess.Popen([sys.executable, "-c", program], stderr=subprocess.DEVNULL)
     child = int(wait_for(tmp_path / "child"))
     parent.send_signal(sent)
@@ -531,3 +536,24 @@ def test_a_chained_run_stops_with_its_parent(tmp_path, sent, stopped_by, parent_
         for _ in range(1200):
             os.kill(child, 0)
             time.sleep(0.05)
+
+
+def test_a_resumed_run_refuses_a_start_model_retrained_in_place(tmp_path, capsys):
+    """The start model's fingerprint is kept when the run starts and checked on `--resume`:
+    retrained or replaced in place, it would change the frozen reference under the run."""
+    start = tmp_path / "sft" / "model"
+    run = RunFolder(tmp_path / "run", resume=False, overwrite=False, steps=4)
+    run.check_start_model(start, 0x1234)
+    run.open(config())
+    run.release()
+    record = json.loads((tmp_path / "run" / "start_model.json").read_text())
+    assert record == {"model": str(start), "fingerprint": 0x1234}
+    (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
+    resumed = RunFolder(tmp_path / "run", resume=True, overwrite=False, steps=4)
+    resumed.check_start_model(start, 0x1234)
+    refusal = r"not the one .* started from .*0x00001235, was 0x00001234"
+    with pytest.raises(UserError, match=refusal):
+        resumed.check_start_model(start, 0x1235)
+    (tmp_path / "run" / "start_model.json").write_text("{")  # damaged: said, not refused
+    resumed.check_start_model(start, 0x1235)
+    assert "start_model.json is damaged" in capsys.readouterr().err
