@@ -30,8 +30,9 @@
 - `plan`: `--plan` and `--device-memory`, the step's memory planned before it runs.
 
 The modules a recipe imports before its flags are checked (`config`, `cli`, `runs`, `lock`,
-`errors`, and through them `children`, `compile_cache`, `plan`, `models`, `reward_model`, `grpo_config`)
-do not import JAX at their top; the others do, and are imported by the recipes' `train`.
+`errors`, and through them `children`, `compile_cache`, `plan`, `models`, `reward_model`,
+`grpo_config`) do not import JAX at their top; the others do, and are imported by the
+recipes' `train`.
 """
 
 from kit import cli, config, errors, runs

@@ -17,6 +17,7 @@ the latest.
 """
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -86,6 +87,12 @@ class Checkpoints:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         damaged = []
         for step in sorted(self.manager.all_steps(), reverse=True):
+            other = shape_mismatch(self.folder / str(step) / "state", abstract)
+            if other is not None:
+                raise UserError(
+                    f"--resume: the checkpoint of step {step} in {self.folder} does not fit "
+                    f"this run's model: {other}"
+                )
             restored, reason = self._restore(step, abstract, batches)
             if restored is not None:
                 self._set_aside(damaged, step)
@@ -151,6 +158,36 @@ class Checkpoints:
         """Wait for the checkpoint being written, if any, then close."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def shape_mismatch(folder: Path, template) -> str | None:
+    """The first array of `template` stored in the Orbax checkpoint `folder` with another
+    shape, as one line, or None. Read from the checkpoint's metadata before restoring: a
+    restore that fails on a shape leaves TensorStore reads behind it, which print
+    tracebacks ("Event loop is closed") as the process exits. Arrays the metadata does not
+    name alike, or a checkpoint without metadata, are left to the restore."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # Orbax warns of metadata it cannot read: the restore says
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            stored = checkpointer.metadata(folder).item_metadata.tree
+    except Exception:  # no or damaged metadata: the restore says what is wrong
+        return None
+    finally:
+        absl.setLevel(level)
+    if stored is None:
+        return None
+    shapes = {
+        jax.tree_util.keystr(path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(stored)
+        if hasattr(leaf, "shape")
+    }
+    for path, leaf in jax.tree_util.tree_leaves_with_path(template):
+        name = jax.tree_util.keystr(path)
+        if name in shapes and shapes[name] != tuple(leaf.shape):
+            return f"{name} has shape {shapes[name]} there and {tuple(leaf.shape)} here"
+    return None
 
 
 def _other_shapes(reason: str) -> bool:

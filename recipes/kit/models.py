@@ -247,12 +247,13 @@ def load_model(path: Path) -> Model:
     are stacked (`scan_layers`) when its config allows (`DecoderConfig.stackable`) and that
     compiles fewer layer bodies: one layer, not thirty, or one pattern of layers where their
     shapes differ."""
-    import jax
     import orbax.checkpoint as ocp
     from flax import nnx
 
     from tunelib.formats import config_from_hf, load_gguf, load_hf_checkpoint
-    from tunelib.models import Decoder, DecoderConfig
+    from tunelib.models import Decoder
+
+    from kit.checkpoints import shape_mismatch
 
     folder = model_folder(path)
     if folder.is_file():
@@ -282,14 +283,39 @@ def load_model(path: Path) -> Model:
             checkpoint.config, checkpoint.graphdef, checkpoint.params,
             _tokenizer(folder, checkpoint.config.vocab_size), folder, checkpoint.hf_config,
         )  # fmt: skip
-    config = DecoderConfig(**json.loads((folder / "config.json").read_text()))
-    graphdef, template = nnx.split(Decoder(config, rngs=nnx.Rngs(0)))
+    config = _decoder_config(folder)
+    graphdef, template = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
     template = nnx.to_pure_dict(template)
-    with ocp.StandardCheckpointer() as checkpointer:
-        params = checkpointer.restore(
-            (folder / "params").resolve(), jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    other = shape_mismatch((folder / "params").resolve(), template)
+    if other is not None:
+        raise UserError(
+            f"--model {folder}: its params/ are not the model its config.json describes: {other}"
         )
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore((folder / "params").resolve(), template)
+    except Exception as error:  # a file Orbax or TensorStore cannot read, or of other shapes
+        if "RESOURCE_EXHAUSTED" in str(error):  # out of memory: the files may be fine
+            raise
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = reason.split(" [tensorstore_spec")[0][:300]
+        raise UserError(
+            f"--model {folder}: its params/ cannot be read ({reason}): the folder is damaged"
+        ) from None
     return Model(config, graphdef, params, _tokenizer(folder, config.vocab_size), folder)
+
+
+def _decoder_config(folder: Path):
+    """The `DecoderConfig` of a recipe model's `config.json`; a damaged one is one line."""
+    from tunelib.models import DecoderConfig
+
+    try:
+        values = json.loads((folder / "config.json").read_text())
+        if not isinstance(values, dict):
+            raise TypeError(f"it holds a JSON {type(values).__name__}, not the model's settings")
+        return DecoderConfig(**values)
+    except (ValueError, TypeError) as error:  # JSON, an unknown or a bad field
+        raise UserError(f"--model {folder}: its config.json is damaged ({error})") from None
 
 
 def start_model(path: Path | None, size: str, seed: int, *, images: bool = False) -> Model:

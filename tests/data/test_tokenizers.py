@@ -2,6 +2,7 @@
 against transformers) and a model folder's tokenizer."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,3 +199,14 @@ def test_encode_and_decode_match_transformers(hf_tok, transformers_tok):
     assert tok.decode([*ids, tok.eos_id, *ids], stop_at_eos=False) == "hello worldhello world"
     with raises_naming("300", "position 1", error=ValueError):
         tok.decode([5, 300])
+
+
+def test_a_damaged_tokenizer_json_is_named(hf_directory, tmp_path):
+    import shutil
+
+    from tunelib.data import HFTokenizer
+
+    directory = Path(shutil.copytree(hf_directory, tmp_path / "tok"))
+    (directory / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # cut short
+    with raises_naming("tokenizer.json", "damaged", error=ValueError):
+        HFTokenizer.from_directory(directory)

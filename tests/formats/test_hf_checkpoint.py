@@ -291,6 +291,16 @@ def test_missing_files_are_named(saved):
         load_hf_checkpoint(directory)
 
 
+@pytest.mark.parametrize("size", [5, 1000, -100])  # the header cut, its data, the last bytes
+def test_a_safetensors_file_cut_short_is_named(saved, size):
+    directory, _, _ = saved("llama")
+    file = directory / "model.safetensors"
+    with open(file, "r+b") as f:
+        f.truncate(size if size > 0 else file.stat().st_size + size)
+    with raises_naming("model.safetensors", "damaged or cut short", error=ValueError):
+        load_hf_checkpoint(directory)
+
+
 def test_index_must_agree_with_files(saved):
     directory, _, _ = saved("llama", max_shard_size=40_000)
     path = directory / "model.safetensors.index.json"

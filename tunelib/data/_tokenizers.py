@@ -327,13 +327,20 @@ class HFTokenizer:
 
         Raises:
           FileNotFoundError: without `tokenizer.json`.
-          ValueError: naming the file and field, for a special token the vocabulary lacks, no
-            EOS anywhere, or token ids the model's embedding does not have.
+          ValueError: naming the file and field, for a `tokenizer.json` that does not parse, a
+            special token the vocabulary lacks, no EOS anywhere, or token ids the model's
+            embedding does not have.
         """
         directory = Path(directory)
         if not (directory / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{directory} has no tokenizer.json.")
-        inner = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        try:
+            inner = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as error:  # the Rust library raises a bare Exception
+            raise ValueError(
+                f"{directory / 'tokenizer.json'} is not a tokenizer the tokenizers library can "
+                f"read ({error}): it is damaged, cut short or of another format."
+            ) from None
         tokenizer_config = _read_json(directory / "tokenizer_config.json")
         special_map = _read_json(directory / "special_tokens_map.json")
         model_config = _read_json(directory / "config.json")

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 SINGLE_FILE = "model.safetensors"
@@ -75,7 +75,13 @@ class TensorFiles(contextlib.AbstractContextManager):
             path = directory / name
             if not path.exists():
                 raise FileNotFoundError(f"{INDEX_FILE} names {name}, which is not in {directory}.")
-            handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+            try:
+                handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+            except SafetensorError as error:  # a header that does not parse, a file cut short
+                raise ValueError(
+                    f"{path} is not a readable safetensors file ({error}): it is damaged or "
+                    "cut short."
+                ) from None
             self._handles[name] = handle
             for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 if key in self.file_of:
