@@ -326,10 +326,20 @@ def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
         )
     else:
         dataset = sft_dataset if kind == "sft" else preference_dataset
-        batches = dataset(
-            task.heldout, task.tokenizer, max_length=task.max_length,
-            batch_size=b, shuffle=False, num_epochs=1, drop_remainder=False,
-        )  # fmt: skip
+        on_invalid = "skip" if getattr(config, "skip_invalid", False) else "raise"
+        try:  # laid out here, so that a record that does not fit is said before training
+            batches = list(
+                dataset(
+                    task.heldout, task.tokenizer, max_length=task.max_length,
+                    batch_size=b, shuffle=False, num_epochs=1, drop_remainder=False,
+                    on_invalid=on_invalid,
+                )
+            )  # fmt: skip
+        except RecordError as error:
+            hint = "--skip-invalid drops invalid records" if task.name != "arithmetic" else ""
+            raise UserError(
+                f"{task.name} (held out): {error}" + (f" ({hint})" if hint else "")
+            ) from None
     return [placement.global_rows(_padded(batch, b), pad=True) for batch in batches]
 
 

@@ -7,6 +7,7 @@ JAX. The others (a data file's contents, a batch larger than the data) run in th
 """
 
 import json
+import math
 import shutil
 import sys
 import time
@@ -332,6 +333,28 @@ def test_a_model_folder_with_its_parameters_cut_short_says_so_first(tmp_path, ch
     said = [line for line in proc.stderr.splitlines() if line.startswith("generate.py: error")]
     assert len(said) == 1, proc.stderr[-2000:]
     assert said[0].startswith(f"generate.py: error: --model {model}: its params/ cannot be read")
+
+
+def test_a_held_out_record_too_long_is_refused_or_skipped_with_skip_invalid(
+    tmp_path, char_model, monkeypatch, capsys
+):
+    """The held-out records are checked as the training ones are: one too long for
+    --max-length is one line naming it, and --skip-invalid drops it (the run trains)."""
+    rows = [{"prompt": "1+1=" * 40, "completion": "2"}]
+    rows += [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(12)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = [
+        "--model", str(char_model), "--data", "data.jsonl", "--max-length", "32",
+        "--num-heldout", "2", "--batch-size", "4", "--steps", "1", "--devices", "1",
+        "--no-progress", "--no-plots", "--out",
+    ]  # fmt: skip
+    status, lines = run_here("sft", [*flags, "runs/a"], tmp_path, monkeypatch, capsys)
+    assert status == 2 and len(lines) == 1, lines
+    assert "data.jsonl (held out): record 0: field 'completion' makes the sequence" in lines[0]
+    assert "(--skip-invalid drops invalid records)" in lines[0]
+    monkeypatch.chdir(tmp_path)
+    result = recipe_main("sft", [*flags, "runs/b", "--skip-invalid"])
+    assert result["steps"] == 1 and math.isfinite(result["heldout_loss_after"])
 
 
 def grpo_with_reward(folder: Path, model: Path, module: str, returned: str, out: str) -> list:
