@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from kit.errors import UserError
+
 
 class Writer(Protocol):
     def write(self, record: dict) -> None: ...
@@ -62,7 +64,13 @@ class WandB:
         values = {
             k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()
         }
-        self.run = wandb.init(project="tunelib", name=name, dir=str(folder), config=values)
+        try:
+            self.run = wandb.init(project="tunelib", name=name, dir=str(folder), config=values)
+        except wandb.errors.Error as error:  # not logged in, the server out of reach, ...
+            raise UserError(
+                f"--log-to wandb: {str(error).strip()} (or set WANDB_MODE=offline to keep the "
+                "run here, and upload it later with wandb sync)"
+            ) from None
 
     def write(self, record: dict) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])

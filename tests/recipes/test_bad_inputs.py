@@ -8,6 +8,7 @@ JAX. The others (a data file's contents, a batch larger than the data) run in th
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -355,6 +356,23 @@ def test_a_held_out_record_too_long_is_refused_or_skipped_with_skip_invalid(
     monkeypatch.chdir(tmp_path)
     result = recipe_main("sft", [*flags, "runs/b", "--skip-invalid"])
     assert result["steps"] == 1 and math.isfinite(result["heldout_loss_after"])
+
+
+def test_wandb_without_a_login_is_one_line(tmp_path, char_model):
+    """`--log-to wandb` where W&B has no API key (and is not offline) is one line saying how
+    to log in or keep the run offline, before any step."""
+    if "WANDB_API_KEY" in os.environ:
+        pytest.skip("W&B is logged in here (WANDB_API_KEY)")
+    env = {"HOME": str(tmp_path), "WANDB_MODE": "online"}  # no ~/.netrc: no login
+    proc = run_recipe_process(
+        "sft", "--model", str(char_model), "--log-to", "jsonl,wandb", "--steps", "1",
+        "--devices", "1", "--out", str(tmp_path / "run"), "--no-progress", "--no-plots",
+        timeout=120, env=env,
+    )  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("sft.py: error: --log-to wandb: No API key configured")
+    assert "WANDB_MODE=offline" in lines[0]
 
 
 def grpo_with_reward(folder: Path, model: Path, module: str, returned: str, out: str) -> list:
