@@ -247,6 +247,7 @@ def load_model(path: Path) -> Model:
     are stacked (`scan_layers`) when its config allows (`DecoderConfig.stackable`) and that
     compiles fewer layer bodies: one layer, not thirty, or one pattern of layers where their
     shapes differ."""
+    import jax
     import orbax.checkpoint as ocp
     from flax import nnx
 
@@ -285,7 +286,13 @@ def load_model(path: Path) -> Model:
         )  # fmt: skip
     config = _decoder_config(folder)
     graphdef, template = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
-    template = nnx.to_pure_dict(template)
+    # Restored onto this process's first device (`replicated` places them afterwards), not
+    # onto the devices of the run that saved them.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    template = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        nnx.to_pure_dict(template),
+    )
     other = shape_mismatch((folder / "params").resolve(), template)
     if other is not None:
         raise UserError(
