@@ -293,6 +293,8 @@ def load_model(path: Path) -> Model:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         nnx.to_pure_dict(template),
     )
+    if not (folder / "params" / "_METADATA").is_file():  # Orbax would say its tree differs
+        raise UserError(f"--model {folder}: its params/_METADATA is missing: the folder is damaged")
     other = shape_mismatch((folder / "params").resolve(), template)
     if other is not None:
         raise UserError(
