@@ -72,8 +72,7 @@ def main(
     """Parse `argv` into `config_type`, open the run folder and call `train(config, run)`."""
     argv = sys.argv[1:] if argv is None else argv
     prog = f"{config_type.RECIPE}.py"
-    description = doc.strip().splitlines()[0]
-    config = parse(config_type, argv, description=description, prog=prog)
+    config = parse(config_type, argv, description=doc.strip().splitlines()[0], prog=prog)
     run = None
     main_thread = threading.current_thread() is threading.main_thread()
     _terminating.clear()
