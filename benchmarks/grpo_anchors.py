@@ -98,7 +98,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 from _anchors import (
@@ -207,7 +206,7 @@ class TunelibWorker:
         from tunelib.rollout import SamplingConfig
 
         import kit
-        from kit import grpo, loop, lora, models, optim, parallel
+        from kit import data, grpo, loop, lora, models, optim, parallel
         from kit.grpo_config import GRPOConfig
 
         prompts = json.loads(args.prompts_file.read_text())
@@ -232,10 +231,12 @@ class TunelibWorker:
             args.checkpoint, loaded.hf_config,
         )  # fmt: skip
         model = models.replicated(model, placement)
-        task = SimpleNamespace(
-            name="ids", tokenizer=model.tokenizer, prompt_length=args.prompt_length,
-            train=[{"prompt": p, "answer": ""} for p in prompts], correct=lambda text, r: False,
-            images=None, slots=0,
+        width = args.prompt_length + new
+        task = data.Task(
+            name="ids", tokenizer=model.tokenizer,
+            train=[{"prompt": p, "answer": ""} for p in prompts],
+            heldout=[], problems=[], correct=lambda text, r: False, max_length=width,
+            prompt_length=args.prompt_length, max_new_tokens=new, pack_length=width,
         )  # fmt: skip
         tuning = lora.tuning(model, placement, rank=0)
         frozen = {"base": tuning.base, "reference": model.params}
