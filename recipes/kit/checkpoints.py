@@ -127,10 +127,7 @@ class Checkpoints:
         except UserError:  # the data positions of another count of processes
             raise
         except Exception as error:  # a file Orbax, TensorStore or JSON cannot read
-            if "RESOURCE_EXHAUSTED" in str(error):  # out of memory: the files may be fine
-                raise
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            return None, reason.split(" Truncating/padding")[0][:300]
+            return None, unreadable(error)
         return out, ""
 
     def _set_aside(self, damaged: list[tuple[int, str]], restored: int) -> None:
@@ -158,6 +155,16 @@ class Checkpoints:
         """Wait for the checkpoint being written, if any, then close."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def unreadable(error: Exception) -> str:
+    """The first line of why Orbax, TensorStore or JSON could not read a checkpoint, without
+    Orbax's padding advice or TensorStore's spec; `error` raised again when the device ran
+    out of memory (the files may be fine)."""
+    if "RESOURCE_EXHAUSTED" in str(error):
+        raise error
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return reason.split(" Truncating/padding")[0].split(" [tensorstore_spec")[0][:300]
 
 
 def shape_mismatch(folder: Path, template) -> str | None:

@@ -298,8 +298,14 @@ def batches(task: Task, config, placement, *, kind: str, packing: bool = False):
             )
         )  # fmt: skip
     except RecordError as error:
-        hint = "--skip-invalid drops invalid records" if task.name != "arithmetic" else ""
-        raise UserError(f"{task.name}: {error}" + (f" ({hint})" if hint else "")) from None
+        raise _invalid(task, error) from None
+
+
+def _invalid(task: Task, error: RecordError, part: str = "") -> UserError:
+    """The line for a record of `task` that cannot be laid out (of its held-out records with
+    `part`), with the flag that drops such records when they come from a data file."""
+    hint = " (--skip-invalid drops invalid records)" if task.name != "arithmetic" else ""
+    return UserError(f"{task.name}{part}: {error}{hint}")
 
 
 def _ahead(dataset: grain.IterDataset):
@@ -336,10 +342,7 @@ def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
                 )
             )  # fmt: skip
         except RecordError as error:
-            hint = "--skip-invalid drops invalid records" if task.name != "arithmetic" else ""
-            raise UserError(
-                f"{task.name} (held out): {error}" + (f" ({hint})" if hint else "")
-            ) from None
+            raise _invalid(task, error, " (held out)") from None
     return [placement.global_rows(_padded(batch, b), pad=True) for batch in batches]
 
 

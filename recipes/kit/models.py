@@ -254,7 +254,7 @@ def load_model(path: Path) -> Model:
     from tunelib.formats import config_from_hf, load_gguf, load_hf_checkpoint
     from tunelib.models import Decoder
 
-    from kit.checkpoints import shape_mismatch
+    from kit.checkpoints import shape_mismatch, unreadable
 
     folder = model_folder(path)
     if folder.is_file():
@@ -303,13 +303,10 @@ def load_model(path: Path) -> Model:
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore((folder / "params").resolve(), template)
-    except Exception as error:  # a file Orbax or TensorStore cannot read, or of other shapes
-        if "RESOURCE_EXHAUSTED" in str(error):  # out of memory: the files may be fine
-            raise
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        reason = reason.split(" [tensorstore_spec")[0][:300]
+    except Exception as error:  # a file Orbax or TensorStore cannot read
         raise UserError(
-            f"--model {folder}: its params/ cannot be read ({reason}): the folder is damaged"
+            f"--model {folder}: its params/ cannot be read ({unreadable(error)}): the folder is "
+            "damaged"
         ) from None
     return Model(config, graphdef, params, _tokenizer(folder, config.vocab_size), folder)
 
