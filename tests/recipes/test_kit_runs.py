@@ -492,18 +492,23 @@ sys.path.insert(0, {recipes!r})
 from kit.children import stop_with_parent
 stop_with_parent()
 folder = Path(sys.argv[1])
+def say(name, text):  # whole: written beside, then renamed into place
+    (folder / (name + ".part")).write_text(text)
+    os.replace(folder / (name + ".part"), folder / name)
 def stop(signum, _):
-    (folder / "stopped").write_text(signal.Signals(signum).name)
+    say("stopped", signal.Signals(signum).name)
     sys.exit(128 + signum)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
-(folder / "child").write_text(str(os.getpid()))
+say("child", str(os.getpid()))
 while True:
     time.sleep(0.05)
 """
 
 
 def wait_for(path: Path, seconds: float = 60.0) -> str:
+    """The text of `path` once written (the child writes it whole and renames it into place),
+    waiting up to `seconds`."""
     deadline = time.monotonic() + seconds
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
