@@ -131,7 +131,7 @@ def layer_fn(variant: str, size: Size):
 
 
 # Variants a backend refuses, and why (the worker says so instead of running).
-NOT_ON = {("blocked", "tpu"): "refused on TPU (wrong inside the MoE layer on a v5e)"}
+NOT_ON = {("blocked", "tpu"): "refused on TPU (the MoE layer's input gradient was wrong on a v5e)"}
 
 
 def worker(variant: str, size: Size, repeats: int, out: Path) -> None:

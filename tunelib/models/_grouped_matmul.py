@@ -53,9 +53,11 @@ def grouped_matmul(
         not checked).
       implementation: "ragged_dot" (`jax.lax.ragged_dot`), "blocked" (see the module notes)
         or "auto": "blocked" on CPU, "ragged_dot" on GPU and TPU. "blocked" is refused on a
-        TPU: on a v5e, the MoE layer's value and gradients with it disagreed with the naive
-        layer's by 0.87 of their scale (benchmarks/README.md, "MoE lowerings"), though the
-        product alone agreed with `ragged_dot` there; the cause is not found yet.
+        TPU: on a v5e the MoE layer's value and weight gradients with it are right, but
+        its input gradient disagreed with the naive layer's by 0.87 of its scale (the
+        transpose rule's blocked product of the cotangent; by `ragged_dot` it is right),
+        though the product alone agreed with `ragged_dot` there (benchmarks/README.md,
+        "The fifth run on a v5e"); the cause inside XLA's program is not found yet.
       block_size: rows per block of "blocked"; None picks $\min(128, \max(8, 2^{\lceil
         \log_2 (M / G) \rceil}))$ from the shapes.
 
@@ -93,8 +95,8 @@ def grouped_matmul(
         implementation = "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
     elif implementation == "blocked" and jax.default_backend() == "tpu":
         raise ValueError(
-            'implementation="blocked" is refused on a TPU: it gave wrong values there inside '
-            'the MoE layer; use "auto" or "ragged_dot".'
+            'implementation="blocked" is refused on a TPU: inside the MoE layer its input '
+            'gradient was wrong there (benchmarks/README.md); use "auto" or "ragged_dot".'
         )
     if block_size is None:
         per_group = -(-x.shape[0] // w.shape[0])
