@@ -278,7 +278,7 @@ class TunelibWorker:
         )
         self.state = jax.block_until_ready(state)
         self.version += 1
-        return clock.split(reward=float(np.mean(rows["scores"])))
+        return clock.split(reward=float(np.mean(rows.scores)))
 
 
 def hf_tokenizer(vocab_size: int):

@@ -86,10 +86,10 @@ class Step:
                 policy, self.placement.local(indices), self.batches, state["rng"], version
             )
         state, out = {**state, "rng": rng, "updates": state["updates"] + 1}, {}
-        if trainer:
-            staleness = version - int(rows["version"])
+        if trainer:  # this process's rows, as the sampler sent them, on its devices
+            staleness = version - int(rows.version)
             state, out = jax.block_until_ready(
-                learner.learn(state, rows, dropout_key, version=version)
+                learner.learn(state, rows.placed(self.placement), dropout_key, version=version)
             )
             out["staleness"] = staleness
         with goodput.phase("sync"):  # the next batch to the trainer, the trained part (all
@@ -177,8 +177,11 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     template = grpo.batch_template(
         task, config.batch_size, config.group_size, sampling.max_new_tokens, learner.routing
     )
+    def sample_rows(*args, **kwargs):  # the batch as it travels: this process's rows, NumPy
+        return sample(*args, **kwargs).local(placement)
+
     rollouts = disaggregated.Rollouts(
-        config.max_staleness, sample, template=template,
+        config.max_staleness, sample_rows, template=template,
         fresh_batches=lambda: iter(order.to_iter_dataset()), faults=run.faults(),
     )  # fmt: skip
     train_step = Step(trainer, placement, tuning, learner, rollouts, batches)

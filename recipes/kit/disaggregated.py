@@ -36,6 +36,7 @@ from tunelib.distributed import FaultPlan
 
 from kit.loop import step_keys
 from kit.parallel import AXIS, Placement
+from kit.rollout_batch import RolloutBatch
 
 TRAINER, SAMPLER = 0, 1
 
@@ -69,10 +70,11 @@ def exchange(tree, *, source: int):
 class Rollouts:
     """The batches between the two processes, one train step at a time.
 
-    `sample(policy, prompts, key, version=...) -> dict` makes a scored batch of NumPy arrays on
-    the sampler, stamped with its policy version and fingerprint; `template` is a batch of the
-    same shapes (zeros), the trainer's side of the collective; `fresh_batches()` a new iterator
-    of the run's prompts (the sampler reads s steps ahead with one). At every train step both
+    `sample(policy, prompts, key, version=...) -> RolloutBatch` makes a scored batch on the
+    sampler (this process's rows, NumPy), stamped with its policy version and fingerprint;
+    `template` is a batch of the same shapes (zeros), the trainer's side of the collective;
+    `fresh_batches()` a new iterator of the run's prompts (the sampler reads s steps ahead
+    with one). At every train step both
     processes call `take`, the trainer trains on what it returns, then both call `deliver` and
     `push`. The first `take` of a run fills the pipeline from the state it is given; that of
     a run resumed from a checkpoint takes the batches that were in flight when it was saved
@@ -143,14 +145,14 @@ class Rollouts:
         filled = len(self.queue) == self.staleness and self.pending is None
         batches = list(self.queue) if filled else [self.template] * self.staleness
         stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
-        return {"batches": stacked, "filled": np.bool_(filled)}
+        return {"batches": stacked.saved(), "filled": np.bool_(filled)}
 
     def resume(self, saved: dict) -> None:
         """Take the batches a checkpoint kept (`in_flight`) as the first steps' batches of
         this process, in place of sampling them again with the restored weights."""
         if not bool(np.asarray(saved["filled"])):
             return
-        batches = jax.tree.map(np.asarray, saved["batches"])
+        batches = RolloutBatch(**jax.tree.map(np.asarray, saved["batches"]))
         self.resumed = [jax.tree.map(lambda x, i=i: x[i], batches) for i in range(self.staleness)]
 
     def _sampled(self, policy, prompts) -> dict:

@@ -21,10 +21,22 @@ import optax
 
 from tunelib import advantages, losses, metrics, peft, rollout
 
-from kit import data, evaluate, goodput, loop, lora, models, optim, plan, reward_model
+from kit import (
+    data,
+    evaluate,
+    goodput,
+    loop,
+    lora,
+    models,
+    optim,
+    plan,
+    reward_model,
+    rollout_batch,
+)
 from kit.errors import UserError
 from kit.grpo_config import MODES, load_reward
 from kit.images import model_inputs
+from kit.rollout_batch import RolloutBatch
 
 # The built-in tasks, whose answers are numbers: `--format-weight` rewards well-formed ones.
 BUILT_IN = ("arithmetic", "vision_counting")
@@ -54,33 +66,19 @@ def sampling(task, vocab_size: int, *, temperature: float, max_new_tokens: int):
 
 def batch_template(
     task, batch_size: int, group_size: int, max_new_tokens: int, routing=None
-) -> dict:
-    """Zeros shaped like this process's rows of a batch of scored rollouts (`Sampler`'s),
-    the trainer's side of the disaggregated exchange; with `routing` = `(M, k)` (MoE layers,
-    experts per token), the batch's recorded routing too (`--replay-routing`)."""
+) -> RolloutBatch:
+    """Zeros shaped like this process's rows of a batch of scored rollouts (`Sampler`'s,
+    `RolloutBatch.local`), the trainer's side of the disaggregated exchange; with `routing` =
+    `(M, k)` (MoE layers, experts per token), the batch's recorded routing too
+    (`--replay-routing`)."""
     if task.images is not None:
         raise UserError(
             "records with images train with recipes/grpo.py, without --plan, --device-memory "
             "or --max-staleness: their rollouts carry pixels, which those do not plan for"
         )
-    rows = batch_size * group_size
-    recorded = {}
-    if routing is not None:
-        width = task.prompt_length + max_new_tokens
-        recorded["routing"] = np.zeros((rows, width, *routing), np.int32)
-    return {
-        **recorded,
-        "prompt_tokens": np.zeros((batch_size, task.prompt_length), np.int32),
-        "prompt_where": np.zeros((batch_size, task.prompt_length), bool),
-        "tokens": np.zeros((rows, max_new_tokens), np.int32),
-        "where": np.zeros((rows, max_new_tokens), bool),
-        "logps": np.zeros((rows, max_new_tokens), np.float32),
-        "scores": np.zeros(rows, np.float32),
-        "right": np.zeros(rows, bool),
-        "lengths": np.zeros(rows, np.int32),
-        "version": np.int32(0),
-        "fingerprint": np.uint32(0),
-    }
+    return rollout_batch.template(
+        batch_size, group_size, task.prompt_length, max_new_tokens, routing
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,20 +152,22 @@ class Sampler:
         weight = self.format_weight if self.task.name in BUILT_IN else 0.0
         return self.task.correct(text, record) + weight * well_formed(text, truncated)
 
-    def __call__(self, policy, indices, key, *, version: int) -> dict:
+    def __call__(self, policy, indices, key, *, version: int) -> RolloutBatch:
         """A group per prompt of `indices` (this process's) sampled on the devices with
-        `policy` (policy version `version`), scored: this process's rows of the batch, as
-        NumPy arrays, with the rollout's stamp (`version`, `fingerprint`)."""
+        `policy` (policy version `version`), scored: the global batch, on the devices, with
+        the rollout's stamp (`version`, `fingerprint`). Only the completions' tokens go to the
+        host, for the verifier (or `--reward`), and only their scores come back."""
         placement, group, task = self.placement, self.group_size, self.task
         records = [task.train[i] for i in indices]
         prompt_tokens, prompt_where, pixels = data.prompt_inputs(task, records)
         prompts = placement.rows((prompt_tokens, prompt_where))
         # A prompt's images are encoded once, into the KV cache its group shares.
-        images = None if pixels is None else model_inputs(placement.rows(pixels))
+        pixels = None if pixels is None else placement.rows(pixels)
         out = rollout.sample(
             self.graphdef, policy, *prompts, key, self.sampling, group_size=group,
-            policy_version=version, record_routing=self.record_routing, images=images,
-            layout=self.layout, products=self.products,
+            policy_version=version, record_routing=self.record_routing,
+            images=None if pixels is None else model_inputs(pixels), layout=self.layout,
+            products=self.products,
         )  # fmt: skip
         tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
@@ -175,28 +175,20 @@ class Sampler:
         prompt_of = [records[i // group] for i in range(len(texts))]
         if self._score is not None:
             scores = self._score(self._scorer_params, *prompts, out.tokens, out.where)
-            scores = np.asarray(placement.local(scores), np.float32)
+            scores = scores.astype(np.float32)
         else:
             scores = np.array(
                 [self._reward(*row) for row in zip(texts, prompt_of, truncated, strict=True)],
                 np.float32,
             )
+            scores = placement.rows(scores)
         right = np.array([task.correct(t, r) for t, r in zip(texts, prompt_of, strict=True)])
-        recorded = {} if out.routing is None else {"routing": placement.local(out.routing)}
-        return {
-            **recorded,  # [B G, P + N, M, k]: the experts each token was routed to
-            **(pixels or {}),  # [B, M, ...]: the prompts' images
-            "prompt_tokens": prompt_tokens,  # [B, P]; completion_logps repeats them per group
-            "prompt_where": prompt_where,
-            "tokens": tokens,
-            "where": placement.local(out.where),
-            "logps": placement.local(out.logps),
-            "scores": scores,
-            "right": right,
-            "lengths": placement.local(out.lengths),
-            "version": np.int32(out.policy_version),
-            "fingerprint": np.uint32(out.fingerprint),
-        }
+        return RolloutBatch(
+            prompt_tokens=prompts[0], prompt_where=prompts[1], tokens=out.tokens,
+            where=out.where, logps=out.logps, scores=scores, right=placement.rows(right),
+            lengths=out.lengths, version=np.int32(out.policy_version),
+            fingerprint=np.uint32(out.fingerprint), routing=out.routing, pixels=pixels,
+        )  # fmt: skip
 
 
 def batch_rewards(mode: str, group_size: int, max_length: int) -> Callable:
@@ -273,8 +265,9 @@ def objective(
 
 
 class Learner:
-    """The trainer's side of a step: `learn(state, rows, dropout_key)` places this process's
-    rows of a scored batch, computes its rewards and advantages once (`batch_rewards`), then
+    """The trainer's side of a step: `learn(state, rollouts, dropout_key)` checks a scored
+    batch's stamp (`RolloutBatch`, on the devices), computes its rewards and advantages once
+    (`batch_rewards`), then
     takes `--updates-per-batch` jitted updates on it (`update`)."""
 
     def __init__(
@@ -345,9 +338,10 @@ class Learner:
         params = self.tuning.params(trainable, frozen["base"])
         return forward(params, batch, batch.get("routing"))[0]
 
-    def batch(self, rows: dict) -> dict:
-        """The global batch of this process's rows, with its rewards, mask and advantages."""
-        batch = self.placement.rows(rows)
+    def batch(self, rollouts: RolloutBatch) -> dict:
+        """The update's batch of `rollouts` (on the devices): its arrays, with their rewards,
+        mask and advantages."""
+        batch = rollouts.arrays()
         batch.update(self.rewards(batch.pop("scores"), batch["lengths"]))
         batch["old"] = batch["logps"]
         return batch
@@ -374,17 +368,15 @@ class Learner:
             if version >= 0:
                 self.ledger.record_fingerprint(int(version), int(digest))
 
-    def learn(self, state, rows: dict, dropout_key, *, version: int):
-        """The updates on a batch (this process's rows of it, on the host), once its stamp
-        says the sampler ran a policy handed out within the staleness bound of `version`
-        (the trainer's)."""
-        config, rows = self.config, dict(rows)
-        stamped, fingerprint = rows.pop("version"), rows.pop("fingerprint")
+    def learn(self, state, rollouts: RolloutBatch, dropout_key, *, version: int):
+        """The updates on `rollouts` (on the devices), once their stamp says the sampler ran
+        a policy handed out within the staleness bound of `version` (the trainer's)."""
+        config = self.config
         try:
-            self.ledger.check(stamped, fingerprint, version=version)
+            self.ledger.check(rollouts.version, rollouts.fingerprint, version=version)
         except rollout.StalePolicyError as error:
             raise UserError(f"step {version + 1}: {error}") from None
-        batch = self.batch(rows)
+        batch = self.batch(rollouts)
         if self.entropy_control is not None:
             batch["entropy_weight"] = state["entropy_control"].entropy_weight
         if config.is_correction == "tis":  # the trainer's log-probs before the update
@@ -415,7 +407,7 @@ class Learner:
         template = batch_template(task, batch_size, group, sampling.max_new_tokens, self.routing)
         rows = {
             k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows)
-            for k, x in template.items() if k not in ("version", "fingerprint")
+            for k, x in template.arrays().items()
         }  # fmt: skip
         policy = self.tuning.policy(state["params"])
         prompts = rows["prompt_tokens"], rows["prompt_where"]

@@ -11,8 +11,10 @@ import pytest
 import tests.recipes._scripts  # noqa: F401 (puts recipes/ on the path)
 from tunelib import rollout
 
+from kit import rollout_batch
 from kit.errors import UserError
 from kit.grpo import Learner
+from kit.rollout_batch import RolloutBatch
 from kit.watch import CollapseGuard, KeepBest
 
 
@@ -84,6 +86,12 @@ def _learner(max_staleness: int = 0) -> Learner:
     return Learner(None, None, None, None, None, config, max_length=4)
 
 
+def _stamped(version: int, fingerprint: int) -> RolloutBatch:
+    """A batch of one prompt's two completions, stamped as sampled by `version`."""
+    batch = rollout_batch.template(1, 2, prompt_length=3, max_new_tokens=4)
+    return batch._replace(version=np.int32(version), fingerprint=np.uint32(fingerprint))
+
+
 def test_the_learner_refuses_a_batch_the_sampler_made_with_other_weights():
     """The check runs before the batch is touched: a sampler still holding version 0's
     adapters after version 1 was handed out stops the run in one line."""
@@ -91,7 +99,7 @@ def test_the_learner_refuses_a_batch_the_sampler_made_with_other_weights():
     old, new = {"lora_a": jnp.zeros((2, 3))}, {"lora_a": jnp.ones((2, 3))}
     learner.hand_out(0, old)
     learner.hand_out(1, new)
-    rows = {"version": np.int32(1), "fingerprint": np.uint32(rollout.fingerprint(old))}
+    rows = _stamped(1, rollout.fingerprint(old))
     with pytest.raises(UserError) as caught:
         learner.learn({}, rows, None, version=1)
     assert str(caught.value).startswith(
@@ -105,6 +113,6 @@ def test_the_learner_allows_its_staleness_and_no_more():
     versions = [{"w": jnp.full(3, float(v))} for v in range(3)]
     for v, params in enumerate(versions):
         learner.hand_out(v, params)
-    too_old = {"version": np.int32(0), "fingerprint": np.uint32(rollout.fingerprint(versions[0]))}
+    too_old = _stamped(0, rollout.fingerprint(versions[0]))
     with pytest.raises(UserError, match="2 updates behind the trainer's version 2"):
         learner.learn({}, too_old, None, version=2)
