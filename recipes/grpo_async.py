@@ -177,6 +177,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     template = grpo.batch_template(
         task, config.batch_size, config.group_size, sampling.max_new_tokens, learner.routing
     )
+
     def sample_rows(*args, **kwargs):  # the batch as it travels: this process's rows, NumPy
         return sample(*args, **kwargs).local(placement)
 

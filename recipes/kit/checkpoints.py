@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from tunelib.distributed import FaultPlan
 
 from kit.errors import UserError
+from kit.restores import quiet_restore
 
 
 class Checkpoints:
@@ -117,12 +118,13 @@ class Checkpoints:
         if not (self.folder / str(step) / "state" / "_METADATA").is_file():
             return None, "its state/_METADATA is missing"
         try:
-            out = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()
-                ),
-            )
+            with quiet_restore():
+                out = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()
+                    ),
+                )
             batches.set_state(data_position(self.folder / str(step) / "data"))
         except UserError:  # the data positions of another count of processes
             raise
@@ -160,11 +162,23 @@ class Checkpoints:
 def unreadable(error: Exception) -> str:
     """The first line of why Orbax, TensorStore or JSON could not read a checkpoint, without
     Orbax's padding advice or TensorStore's spec; `error` raised again when the device ran
-    out of memory (the files may be fine)."""
+    out of memory (the files may be fine). Where Orbax only says which part of an array it
+    failed to read, TensorStore's reason (the file, the array and what is wrong) is given.
+    """
     if "RESOURCE_EXHAUSTED" in str(error):
         raise error
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return reason.split(" Truncating/padding")[0].split(" [tensorstore_spec")[0][:300]
+    reason = _first_line(error)
+    if reason.startswith("Encountered error while reading array index") and error.__cause__:
+        reason = _first_line(error.__cause__)
+    for tail in (" Truncating/padding", " [tensorstore_spec", " See full TensorStore details"):
+        reason = reason.split(tail)[0]
+    return reason[:300]
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Traceback (most recent")]
+    return lines[0] if lines else type(error).__name__
 
 
 def shape_mismatch(folder: Path, template) -> str | None:
@@ -177,7 +191,7 @@ def shape_mismatch(folder: Path, template) -> str | None:
     level = absl.level
     absl.setLevel(logging.ERROR)  # Orbax warns of metadata it cannot read: the restore says
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
+        with quiet_restore(), ocp.StandardCheckpointer() as checkpointer:
             stored = checkpointer.metadata(folder).item_metadata.tree
     except Exception:  # no or damaged metadata: the restore says what is wrong
         return None

@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from kit import children, compile_cache, plan
+from kit import children, compile_cache, plan, restores
 from kit.config import Run, parse
 from kit.errors import UserError
 from kit.runs import RunFolder, checkpoint_steps, default_out
@@ -122,7 +122,7 @@ def main(
     finally:
         _release(run)
         gc.set_threshold(*thresholds)
-        sys.unraisablehook = unraisable_hook
+        sys.unraisablehook = restores.after_restores(unraisable_hook)
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
 

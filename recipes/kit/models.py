@@ -255,6 +255,7 @@ def load_model(path: Path) -> Model:
     from tunelib.models import Decoder
 
     from kit.checkpoints import shape_mismatch, unreadable
+    from kit.restores import quiet_restore
 
     folder = model_folder(path)
     if folder.is_file():
@@ -301,7 +302,7 @@ def load_model(path: Path) -> Model:
             f"--model {folder}: its params/ are not the model its config.json describes: {other}"
         )
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
+        with quiet_restore(), ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore((folder / "params").resolve(), template)
     except Exception as error:  # a file Orbax or TensorStore cannot read
         raise UserError(
