@@ -16,6 +16,7 @@ step to save), 143 terminated (SIGTERM: the last checkpoint is what remains).
 `--compile-cache`), and with Python's garbage collector run less often (`GC_THRESHOLDS`).
 """
 
+import errno
 import gc
 import os
 import shlex
@@ -102,10 +103,9 @@ def main(
             if config.plan or config.device_memory:
                 return plan.guard(config, train, run)
             return train(config, run)
-    except UserError as error:
+    except (UserError, OSError) as error:  # a bad setting, file or folder: one line
         _release(run)
-        sys.stderr.write(f"{prog}: error: {error}\n")
-        _exit(2, wait_for_peers=True)
+        _refused(prog, error)
     except Interrupted as stop:
         _release(run)
         _interrupted(prog, stop.step, argv, stop.signum)
@@ -115,9 +115,7 @@ def main(
         _interrupted(prog, saved[-1] if saved else None, argv)
     except Exception:
         _release(run)
-        if not _alone():  # the others wait in a collective for this one: leave at once
-            traceback.print_exc()
-            _exit(1)
+        _unexpected()
         raise
     finally:
         _release(run)
@@ -125,6 +123,35 @@ def main(
         sys.unraisablehook = restores.after_restores(unraisable_hook)
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+# An OSError's errno for a file or folder this process may not write or read: its
+# permissions, or a read-only file system.
+NOT_PERMITTED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _refused(prog: str, error: Exception) -> None:
+    """One line and exit 2 for a bad setting, file or folder: a `UserError`, or an `OSError`
+    of a path the run may not write or read (`NOT_PERMITTED`). Any other `OSError` is an
+    unexpected error, raised again."""
+    if isinstance(error, OSError):
+        if error.errno not in NOT_PERMITTED:
+            _unexpected()
+            raise error
+        error = (
+            f"cannot write or read {error.filename}: {error.strerror}; a run writes in its "
+            "folder (--out) and reads its inputs: check their permissions"
+        )
+    sys.stderr.write(f"{prog}: error: {error}\n")
+    _exit(2, wait_for_peers=True)
+
+
+def _unexpected() -> None:
+    """On an unexpected error: a process of several prints it and leaves at once (the others
+    wait in a collective for it); a process alone returns, for the error to be raised."""
+    if not _alone():
+        traceback.print_exc()
+        _exit(1)
 
 
 # The SIGTERM received, kept: the exit its handler raises can be lost (below).

@@ -141,7 +141,25 @@ class RunFolder:
         self.finished = None
         self.start_record = None  # written into the folder when it opens (check_start_model)
         self._decide(resume, overwrite)
+        self._check_writable()
         self.started = time.perf_counter()
+
+    def _check_writable(self) -> None:
+        """Refuse at once a folder the run could not write (its permissions, or a read-only
+        file system): the folder, or where it would be made, its checkpoints and the files a
+        resumed run adds to (`os.access`: nothing is written to find out). Found later, a
+        checkpoint's folder that cannot be made left Orbax waiting 5 minutes for it before a
+        traceback."""
+        place = self.path
+        while not place.exists():
+            place = place.parent
+        entries = [place, *(place / name for name in self.held)] if place == self.path else [place]
+        for entry in entries:
+            if not os.access(entry, os.W_OK | os.X_OK if entry.is_dir() else os.W_OK):
+                raise UserError(
+                    f"--out {self.named}: cannot write {entry} (its permissions, or a read-only "
+                    "file system): make it writable, or give --out a folder you can write"
+                )
 
     def faults(self):
         """The injected faults of this run (`tunelib.distributed.FaultPlan`, from

@@ -1,6 +1,7 @@
 """Run folders that never lose work: the lock, failed starts, damaged files and checkpoints,
 `--resume auto`, and a run killed before its model was saved."""
 
+import errno
 import gc
 import json
 import os
@@ -115,6 +116,67 @@ def test_open_locks_the_folder_and_release_frees_it(tmp_path):
     run.release()
     run.release()  # every exit path releases: twice is harmless
     assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("denied", ["parent", "run", "checkpoints", "metrics.jsonl"])
+def test_a_folder_the_run_cannot_write_is_refused_before_it_starts(tmp_path, monkeypatch, denied):
+    """Where the folder would be made, the folder, its checkpoints and a file the run adds
+    to: one line naming the place, before anything is written. The suite may run as root,
+    whose writes no permission stops: `os.access` is made to say no, as it does to a user
+    without the permission or on a read-only file system."""
+    import kit.runs
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # a start that failed before its first step
+    (run / "metrics.jsonl").write_text("")
+    places = {"parent": tmp_path, "run": run, "checkpoints": run / "checkpoints"}
+    place = places.get(denied, run / denied)
+    out = tmp_path / "new" / "run" if denied == "parent" else run
+    access = os.access
+    monkeypatch.setattr(kit.runs.os, "access", lambda p, mode: Path(p) != place and access(p, mode))
+    before = sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as refused:
+        RunFolder(out, resume=False, overwrite=False, steps=4)
+    assert str(refused.value) == (
+        f"--out {out}: cannot write {place} (its permissions, or a read-only file system): "
+        "make it writable, or give --out a folder you can write"
+    )
+    assert sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+    monkeypatch.setattr(kit.runs.os, "access", access)
+    RunFolder(out, resume=False, overwrite=False, steps=4)  # writable: no complaint
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS, errno.ENOSPC])
+def test_a_path_the_run_may_not_write_is_one_line_and_other_os_errors_are_raised(
+    tmp_path, monkeypatch, capsys, code
+):
+    """Met during the run (a file the checks before it could not foresee): a permission or a
+    read-only file system is one line naming the path, exit 2; any other `OSError` (a full
+    disk) is an unexpected error, raised as it was."""
+    import kit
+    import kit.loop
+
+    sft = recipe_module("sft")
+    error = OSError(code, os.strerror(code), str(tmp_path / "elsewhere" / "file"))
+
+    def initial_state(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(kit.loop, "initial_state", initial_state)
+    argv = ["--out", str(tmp_path / "run"), "--steps", "2", "--num-heldout", "8",
+            "--no-progress", "--no-plots", "--devices", "1"]  # fmt: skip
+    if code == errno.ENOSPC:
+        with pytest.raises(OSError) as raised:
+            kit.cli.main(sft.SFTConfig, sft.train, sft.__doc__, argv=argv)
+        assert raised.value is error
+        return
+    with pytest.raises(SystemExit) as stop:
+        kit.cli.main(sft.SFTConfig, sft.train, sft.__doc__, argv=argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        f"sft.py: error: cannot write or read {error.filename}: {os.strerror(code)}; a run "
+        "writes in its folder (--out) and reads its inputs: check their permissions\n"
+    )
 
 
 def test_overwrite_removes_everything_a_run_wrote_and_nothing_else(tmp_path):
