@@ -267,8 +267,7 @@ def objective(
 class Learner:
     """The trainer's side of a step: `learn(state, rollouts, dropout_key)` checks a scored
     batch's stamp (`RolloutBatch`, on the devices), computes its rewards and advantages once
-    (`batch_rewards`), then
-    takes `--updates-per-batch` jitted updates on it (`update`)."""
+    (`batch_rewards`), then takes `--updates-per-batch` jitted updates on it (`update`)."""
 
     def __init__(
         self, graphdef, tuning, frozen, optimizer, placement, config, max_length: int,
