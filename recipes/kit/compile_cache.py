@@ -54,6 +54,13 @@ def accelerator_machine(platforms: str | None) -> bool:
         return platforms.split(",")[0].strip().lower() != "cpu"
     if importlib.util.find_spec("libtpu") is not None:
         return True
+    return gpu_machine(None)
+
+
+def gpu_machine(platforms: str | None) -> bool:
+    """Whether JAX here runs on a GPU, told as `accelerator_machine` tells it."""
+    if platforms:
+        return platforms.split(",")[0].strip().lower() in ("gpu", "cuda", "rocm")
     spec = importlib.util.find_spec("jax_plugins")
     if spec is None or spec.submodule_search_locations is None:
         return False
@@ -62,12 +69,23 @@ def accelerator_machine(platforms: str | None) -> bool:
 
 
 def settings(
-    setting: str | None, out: Path | None, configured: str | None, *, accelerator: bool = False
+    setting: str | None,
+    out: Path | None,
+    configured: str | None,
+    *,
+    accelerator: bool = False,
+    gpu: bool = False,
 ) -> dict | None:
     """The JAX settings a run with `--compile-cache setting` in run folder `out` makes, or
     None to leave JAX as it is: without the flag when JAX has a cache folder already
     (`configured`), or when there is no run folder (`--plan` writes nothing). Without the
-    flag the cache is `out`'s, or the user's (`default_folder`) on an `accelerator`."""
+    flag the cache is `out`'s, or the user's (`default_folder`) on an `accelerator`.
+
+    Except on a `gpu`, JAX is told not to keep XLA's own caches in the folder: it names
+    their folder (GPU autotuning's, of no use elsewhere) among the options every program's
+    key is made of, so that a run folder copied or moved elsewhere missed every program of
+    its cache (the toy SFT, resumed from a copy of its folder, compiled all 28 of its
+    programs again; with this setting 1, as when it resumes where it was)."""
     if setting is None and (configured or out is None):
         return None
     if setting is not None:
@@ -80,6 +98,7 @@ def settings(
         "jax_enable_compilation_cache": True,
         "jax_compilation_cache_dir": str(folder.resolve()),
         **CACHE_EVERYTHING,
+        **({} if gpu else {"jax_persistent_cache_enable_xla_caches": "none"}),
     }
 
 
@@ -95,9 +114,10 @@ def used(setting: str | None, out: Path | None) -> Iterator[None]:
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
+    platforms = jax.config.jax_platforms
     wanted = settings(
         setting, out, jax.config.jax_compilation_cache_dir,
-        accelerator=accelerator_machine(jax.config.jax_platforms),
+        accelerator=accelerator_machine(platforms), gpu=gpu_machine(platforms),
     )  # fmt: skip
     if wanted is None:
         yield

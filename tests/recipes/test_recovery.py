@@ -32,7 +32,10 @@ def test_the_cache_goes_beside_the_run_unless_jax_has_one_or_the_user_names_one(
         "jax_compilation_cache_dir": str((out / "compile_cache").resolve()),
         "jax_persistent_cache_min_compile_time_secs": 0.0,  # every program, however quick
         "jax_persistent_cache_min_entry_size_bytes": -1,  # however small
+        "jax_persistent_cache_enable_xla_caches": "none",  # keys that do not name the folder
     }
+    on_gpu = compile_cache.settings(None, out, None, accelerator=True, gpu=True)
+    assert "jax_persistent_cache_enable_xla_caches" not in on_gpu  # autotuning's cache kept
     assert compile_cache.settings(None, out, "/somewhere/jax") is None  # JAX's own is kept
     assert compile_cache.settings(None, None, None) is None  # --plan writes nothing
     named = compile_cache.settings(str(tmp_path / "shared"), out, "/somewhere/jax")
@@ -92,6 +95,29 @@ def test_used_caches_every_program_in_its_folder_and_puts_jax_back(tmp_path):
     with compile_cache.used("none", tmp_path / "run"):
         assert not jax.config.jax_enable_compilation_cache
     assert {name: getattr(jax.config, name) for name in names} == before
+
+
+def test_a_cache_copied_elsewhere_serves_the_same_programs(tmp_path):
+    """The cache of a run folder copied or moved elsewhere: the same program is loaded from
+    it, not compiled again (no entry added), where the folder's name was part of every key."""
+    import shutil
+
+    import jax
+    import jax.numpy as jnp
+
+    def entries(folder):
+        return sorted(p.name for p in folder.iterdir() if p.name.startswith("jit__lambda"))
+
+    def compile_in(folder):
+        jax.clear_caches()  # nothing kept in memory: the program comes from `folder` or XLA
+        with compile_cache.used(str(folder), tmp_path / "run"):
+            jax.jit(lambda x: jnp.tanh(x) * 7.0 - 2.0)(jnp.arange(3.0)).block_until_ready()
+
+    compile_in(tmp_path / "here")
+    shutil.copytree(tmp_path / "here", tmp_path / "there")
+    compile_in(tmp_path / "there")
+    assert len(entries(tmp_path / "here")) == 1
+    assert entries(tmp_path / "there") == entries(tmp_path / "here")
 
 
 # ----------------------------------------------------------------------------- the interval
