@@ -528,7 +528,11 @@ def _convert(kind: Any, text: str) -> Any:
         return text
     if kind is Path and not text:  # Path("") is the working folder
         raise argparse.ArgumentTypeError("an empty path: give a file or folder")
-    return kind(text)
+    try:
+        return kind(text)
+    except ValueError:  # argparse would name the converter: "invalid <lambda> value"
+        what = {int: "a whole number", float: "a number"}.get(kind, f"a {kind.__name__}")
+        raise argparse.ArgumentTypeError(f"give {what}, got {text!r}") from None
 
 
 class _Parser(argparse.ArgumentParser):
