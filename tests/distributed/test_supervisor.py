@@ -15,9 +15,11 @@ from tests._helpers import user_env
 from tunelib import launch
 
 # Steps of 0.1 s, its progress in `--out`: a rerun with `--resume auto` goes on from there.
-# Ctrl-C (the supervisor growing the run) stops it after a step, with code 130.
+# Ctrl-C (the supervisor growing the run) stops it after a step, with code 130, as it stops a
+# recipe: never between a step's two records (a step kept as done but missing from `steps`,
+# as an interruption raised there could leave it under load).
 PROGRAM = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
 from tunelib import distributed
 
@@ -26,18 +28,19 @@ out = Path(sys.argv[sys.argv.index("--out") + 1])
 done = out / "step"
 start = int(done.read_text()) if done.exists() else 0
 print(f"from step {start} on {runtime.process_count}", flush=True)
+stop = []  # (the supervisor sends Ctrl-C after every process's first beat only)
+signal.signal(signal.SIGINT, lambda *_: stop.append(True))
 distributed.inject_faults("start", start)
-try:  # (the supervisor sends Ctrl-C after every process's first beat only)
-    for step in range(start + 1, STEPS + 1):
-        time.sleep(0.1)
-        if runtime.is_main:
-            done.write_text(str(step))
-            with open(out / "steps", "a") as f:
-                f.write(f"{step} {runtime.process_count}\\n")
-        distributed.heartbeat(step)
-        distributed.inject_faults("step", step)
-except KeyboardInterrupt:
-    sys.exit(130)
+for step in range(start + 1, STEPS + 1):
+    time.sleep(0.1)
+    if runtime.is_main:
+        done.write_text(str(step))
+        with open(out / "steps", "a") as f:
+            f.write(f"{step} {runtime.process_count}\\n")
+    distributed.heartbeat(step)
+    distributed.inject_faults("step", step)
+    if stop:
+        sys.exit(130)
 """
 
 
