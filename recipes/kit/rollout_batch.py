@@ -36,12 +36,12 @@ class RolloutBatch(NamedTuple):
 
     def local(self, placement) -> "RolloutBatch":
         """This process's rows of every array, as NumPy (every process must call this)."""
-        return self._map(placement.local, np.asarray)
+        return self._map(placement.local)
 
     def placed(self, placement) -> "RolloutBatch":
         """The global batch, split by rows over `placement`'s devices, of this process's rows
         (`local`'s form)."""
-        return self._map(placement.rows, np.asarray)
+        return self._map(placement.rows)
 
     def arrays(self) -> dict:
         """The arrays the learner's batch holds, by name: the stamp left out, the images'
@@ -56,13 +56,14 @@ class RolloutBatch(NamedTuple):
         checkpoint keeps; `RolloutBatch(**saved)` is the batch again."""
         return {k: v for k, v in self._asdict().items() if v is not None}
 
-    def _map(self, rows, stamp) -> "RolloutBatch":
+    def _map(self, rows) -> "RolloutBatch":
+        """`rows` applied to every array but the stamp, which stays a host scalar."""
         out = {}
         for name, value in self._asdict().items():
             if value is None:
                 out[name] = None
             elif name in _STAMP:
-                out[name] = stamp(value)
+                out[name] = np.asarray(value)
             else:
                 out[name] = jax.tree.map(rows, value)
         return RolloutBatch(**out)

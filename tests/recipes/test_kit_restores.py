@@ -73,6 +73,7 @@ def test_after_a_failed_restore_only_its_abandoned_reads_are_dropped(printed):
     restored(closed)
     restored(other)
     assert kept == [other]
+    assert restores.after_restores(restored) is restored  # not wrapped twice
     log = logging.getLogger("asyncio")
 
     def record(message):
