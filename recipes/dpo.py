@@ -169,8 +169,9 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
 
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     batches = data.batches(task, config, placement, kind="preference", packing=config.packing)
-    step_fn = functools.partial(  # the frozen weights: arguments
-        jax.jit(update, static_argnames=("loss_fn", "optimizer", "dropout")), frozen,
+    step_fn = functools.partial(  # the frozen weights: arguments; the state: donated
+        jax.jit(update, static_argnames=("loss_fn", "optimizer", "dropout"), donate_argnums=1),
+        frozen,
         loss_fn=loss_fn, optimizer=optimizer, dropout=bool(config.lora_dropout),
     )  # fmt: skip
     # --plan and --device-memory: the step compiled for the first batch, never run.

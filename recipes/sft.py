@@ -162,8 +162,9 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         train_step, loss_fn=loss_fn, optimizer=optimizer, tuning=tuning,
         dropout=bool(config.lora_dropout),
     )  # fmt: skip
-    # The frozen base (None without LoRA) is the step's argument, not a constant in it.
-    step_fn = functools.partial(jax.jit(step), base=tuning.base)
+    # The frozen base (None without LoRA) is the step's argument, not a constant in it; the
+    # state is donated (the new one takes its buffers: one copy of the weights on the device).
+    step_fn = functools.partial(jax.jit(step, donate_argnums=0), base=tuning.base)
     # --plan and --device-memory: the step compiled for the first batch, never run.
     planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)
     if planned is not None:

@@ -20,17 +20,25 @@ class Writer(Protocol):
 
 
 class JsonLines:
-    """`metrics.jsonl`: one JSON object per line, appended as the run goes."""
+    """`metrics.jsonl`: one JSON object per line, appended as the run goes, each line handed
+    to the system as it is written (a killed run keeps every step it logged). The file stays
+    open while the run lasts: opening and closing it for each line took 2.2 ms on a TPU VM, a
+    tenth of the toy SFT's run (`docs/tpu.md`)."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.file = None
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.file is None:
+            self.file = self.path.open("a")
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
 
     def close(self) -> None:
-        pass
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 class TensorBoard:

@@ -450,14 +450,18 @@ def before_and_after(run: RunFolder, *keys: str) -> dict:
 def initial_state(params, optimizer, seed: int, placed: Placement | None = None) -> dict:
     """The train state at step 0: the trainable parameters, the optimizer's state for them,
     and the PRNG key data of `seed` (checkpointed like any array), on every device of
-    `placed` (without one, where the parameters are)."""
+    `placed` (without one, where the parameters are), each array a copy of its own.
+
+    The recipes' train steps donate the state (its buffers become the next state's), so the
+    state owns every buffer it holds: none is shared with the model the parameters came from
+    (a frozen reference, the sampler's policy) or between two of its leaves."""
     state = {
         "params": params,
         "opt_state": optimizer.init(params),
         "rng": jax.random.key_data(jax.random.key(seed)),
     }
     if placed is not None:  # every array on every device of the run's mesh
-        return placed.replicate(state)
+        return _owned(placed.replicate(state))
     # Arrays made without a placement (the optimizer's step count, the key) are committed
     # where the parameters are, as the train step's outputs will be: otherwise the second step
     # sees other input shardings than the first and compiles the whole step again.
@@ -468,4 +472,11 @@ def initial_state(params, optimizer, seed: int, placed: Placement | None = None)
     def commit(x):
         return x if x.committed else jax.device_put(x, sharding)
 
-    return jax.tree.map(commit, state)
+    return _owned(jax.tree.map(commit, state))
+
+
+@jax.jit
+def _owned(state: dict) -> dict:
+    """Every array of `state` copied (on its devices, in its layout; one program): buffers of
+    its own."""
+    return jax.tree.map(jax.numpy.copy, state)

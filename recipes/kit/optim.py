@@ -1,5 +1,7 @@
 """The optimizer every recipe uses: AdamW after global-norm clipping, with a warmup."""
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -44,9 +46,10 @@ def update_step(loss_fn, optimizer):
     `step(state, batch, *frozen) -> (state, {"loss": ..., **aux})` for
     `loss_fn(params, batch, *frozen) -> (loss, aux)`. Frozen weights (a teacher) are
     `frozen`, the step's arguments: weights the loss closed over would be compiled into the
-    program as constants."""
+    program as constants. `state` is donated: the step writes the new weights and optimizer
+    state into its buffers, so the run never holds two copies."""
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)
     def step(state, batch, *frozen):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state["params"], batch, *frozen
