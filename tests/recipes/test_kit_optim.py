@@ -1,5 +1,6 @@
 """The recipes' optimizer: a warmup that leaves a step to decay over, at any run length."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,3 +36,24 @@ def test_updates_made_counts_the_optimizer_steps():
     assert optim.updates_made(state) == 3
     with pytest.raises(ValueError, match="one Adam state"):
         optim.updates_made(())
+
+
+def test_the_step_writes_the_new_state_into_the_donated_one():
+    """`update_step` donates the state; the initial state owns its buffers, so the model the
+    parameters came from (a DPO reference, say) outlives the first step."""
+    from kit import loop
+
+    params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+    state = loop.initial_state(params, optim.adamw(0.1, 10), seed=0)
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)]
+    assert len(set(pointers)) == len(pointers)
+    assert not {x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)} & set(pointers)
+
+    def loss_fn(p, batch):
+        return jnp.sum((p["w"] * batch).sum() + p["b"]) ** 2, {}
+
+    step = optim.update_step(loss_fn, optim.adamw(0.1, 10))
+    new, metrics = step(state, jnp.ones(3))
+    assert all(x.is_deleted() for x in jax.tree.leaves(state))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+    assert np.isfinite(float(metrics["loss"])) and optim.updates_made(new["opt_state"]) == 1
