@@ -6,11 +6,11 @@ result line, the plots and `--resume` read it back.
 """
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Protocol
 
 from kit.errors import UserError
+from kit.runs import to_json
 
 
 class Writer(Protocol):
@@ -32,7 +32,7 @@ class JsonLines:
     def write(self, record: dict) -> None:
         if self.file is None:
             self.file = self.path.open("a")
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(to_json(record) + "\n")
         self.file.flush()
 
     def close(self) -> None:

@@ -34,7 +34,6 @@ one of them was asked to stop. Process 0 alone writes the run folder's files and
 progress bar.
 """
 
-import json
 import math
 import signal
 import sys
@@ -57,7 +56,7 @@ from kit.errors import UserError
 from kit.logs import open_writers
 from kit.parallel import Placement
 from kit.plots import plot
-from kit.runs import RunFolder, read_record
+from kit.runs import RunFolder, read_record, to_json
 
 
 def _number(value: Any) -> float:
@@ -164,7 +163,7 @@ class Steps:
             lost = [r for r in records if r["step"] > self.start]
             kept = [r for r in records if r["step"] < self.start]
             kept.append(next((r for r in records if r["step"] == self.start), saved))
-            run.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            run.metrics_path.write_text("".join(to_json(r) + "\n" for r in kept))
             _add_badput(run, lost)
             self.interval.observe(kept, _badput(run))
         return lost
@@ -402,8 +401,8 @@ def finish(run: RunFolder, config, headline: dict, *, chained: dict | None = Non
         "recovery": figures,
     }
     if main:
-        (run.path / "result.json").write_text(json.dumps(result, indent=2))
-        print(json.dumps(result), flush=True)
+        (run.path / "result.json").write_text(to_json(result, indent=2))
+        print(to_json(result), flush=True)
     return result
 
 
@@ -427,7 +426,7 @@ def _add_badput(run: RunFolder, lost: list[dict]) -> None:
         "restarts": badput["restarts"] + 1,
         "lost_seconds": round(badput["lost_seconds"] + seconds, 2),
     }
-    (run.path / "badput.json").write_text(json.dumps(badput))
+    (run.path / "badput.json").write_text(to_json(badput))
 
 
 def first_and_last(run: RunFolder, key: str) -> tuple[float, float]:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from kit import goodput
+from kit.runs import to_json
 
 CAUSES = goodput.RECOVERY
 FILE = "attempts.jsonl"
@@ -86,7 +87,7 @@ class Attempt:
             line.update(cause=failure["cause"], mttr=round(mttr, 3), **costs)
         if main:
             with open(self.folder / FILE, "a") as out:
-                out.write(json.dumps(line) + "\n")
+                out.write(to_json(line) + "\n")
         return {goodput.PREFIX + k: line[k] for k in CAUSES if k in line}
 
 

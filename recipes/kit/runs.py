@@ -11,6 +11,7 @@ imports JAX.
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -339,11 +340,29 @@ class RunFolder:
         return time.perf_counter() - self.started
 
 
+def to_json(value: Any, **kwargs) -> str:
+    """`value` as strict JSON (`json.dumps` with `kwargs`): a float that is not finite (a
+    metric with nothing to average, such as the held-out loss of a run without held-out
+    records) is written as null, which `read_metrics` reads back as NaN. Python's own NaN
+    token is not JSON: other readers refuse it."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The records of a `metrics.jsonl`, one dict per line. A last line without its newline
     that does not parse is a write cut short (the run was killed while logging that step,
     whose checkpoint holds the record): it is left out. Any other line that does not parse
-    is a `UserError` naming it."""
+    is a `UserError` naming it. A null value (`to_json`'s non-finite float) is NaN."""
     if not path.exists():
         return []
     text = path.read_text(errors="replace")
@@ -357,7 +376,7 @@ def read_metrics(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             record = None
         if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
+            records.append({k: math.nan if v is None else v for k, v in record.items()})
         elif number < len(lines):  # a complete line (the text goes on after it)
             raise UserError(
                 f"{path} is damaged at line {number} (not a JSON record with its step): "

@@ -17,7 +17,6 @@ Each prints one line when it starts to hold (not again while it goes on holding)
 """
 
 import itertools
-import json
 import math
 import shutil
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from kit import goodput, parallel
 from kit.errors import UserError
-from kit.runs import read_record
+from kit.runs import read_record, to_json
 
 
 def _finite(value) -> bool:
@@ -96,7 +95,7 @@ class KeepBest:
         self.save(partial, trainable)
         self.best = {"metric": self.metric, "value": value, "step": step}
         if main:
-            (partial / "best.json").write_text(json.dumps(self.best) + "\n")
+            (partial / "best.json").write_text(to_json(self.best) + "\n")
             if self.folder.exists():
                 shutil.rmtree(self.folder)
             partial.rename(self.folder)

@@ -24,6 +24,8 @@ from tests.recipes._scripts import (
     snapshot,
 )
 
+from kit import runs
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
@@ -364,6 +366,31 @@ def test_a_held_out_record_too_long_is_refused_or_skipped_with_skip_invalid(
     assert result["steps"] == 1 and math.isfinite(result["heldout_loss_after"])
 
 
+def test_a_run_without_held_out_records_writes_strict_json(tmp_path, char_model, monkeypatch):
+    """`--num-heldout 0` leaves the held-out loss without a value: NaN in the run, null in
+    metrics.jsonl and result.json (Python's NaN token is not JSON), NaN again when read back."""
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(8)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(tmp_path)
+    result = recipe_main("sft", [
+        "--model", str(char_model), "--data", "data.jsonl", "--num-heldout", "0",
+        "--batch-size", "4", "--steps", "2", "--devices", "1", "--no-progress", "--no-plots",
+        "--out", "runs/a",
+    ])  # fmt: skip
+    assert math.isnan(result["heldout_loss_after"]) and math.isfinite(result["final_loss"])
+
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+
+    written = json.loads((tmp_path / "runs/a/result.json").read_text(), parse_constant=refuse)
+    assert written["heldout_loss_before"] is None and written["final_loss"] is not None
+    lines = (tmp_path / "runs/a/metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert [r["heldout_loss"] for r in records if "heldout_loss" in r] == [None, None]
+    read = runs.read_metrics(tmp_path / "runs/a/metrics.jsonl")
+    assert all(math.isnan(r["heldout_loss"]) for r in read if "heldout_loss" in r)
+
+
 def test_wandb_without_a_login_is_one_line(tmp_path, char_model):
     """`--log-to wandb` where W&B has no API key (and is not offline) is one line saying how
     to log in or keep the run offline, before any step."""
@@ -438,8 +465,8 @@ def test_a_loss_that_diverges_stops_the_run_in_one_line_without_saving_a_model(
         assert not any((folder / "checkpoints").iterdir())
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         step = int(lines[0].split("at step ")[1].split(":")[0])
-        assert records[-1]["step"] == step and records[-1]["loss"] != records[-1]["loss"]  # NaN
-        assert all(r["loss"] == r["loss"] for r in records[:-1] if "loss" in r)
+        assert records[-1]["step"] == step and records[-1]["loss"] is None  # NaN, as JSON
+        assert all(r["loss"] is not None for r in records[:-1] if "loss" in r)
 
 
 def test_a_reward_that_raises_is_one_line_naming_the_error_its_line_and_the_prompt(
