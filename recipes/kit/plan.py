@@ -30,12 +30,15 @@ from kit.runs import RunFolder, default_out
 class Piece:
     """One jitted part of a step: `fn(*args)`. Arrays in `args` are used for their shapes,
     dtypes and shardings only; `batch_argnums` name the arguments made from the batch (their
-    first axis grows with it); `kv_cache` is the shape tree of a sampler's KV cache."""
+    first axis grows with it); `kv_cache` is the shape tree of a sampler's KV cache;
+    `donate_argnums`, the arguments `fn` donates when it is not a jitted function itself
+    (whose own donation the plan sees), such as a `functools.partial` of one."""
 
     fn: Callable
     args: tuple
     batch_argnums: tuple[int, ...] = ()
     kv_cache: Any = None
+    donate_argnums: tuple[int, ...] = ()
 
 
 def sampler(graphdef, policy, prompt_tokens, prompt_where, sampling, *, group_size: int = 1):
@@ -191,8 +194,12 @@ def check(
 
 
 def _whole_step(step_fn: Callable) -> Callable:
+    """The step as one piece. The recipes' train steps donate their state: a partial of a
+    jitted step is planned with that donation (a jitted one shows its own)."""
+    donate = () if hasattr(step_fn, "trace") else (0,)
+
     def pieces(state, batch):
-        return {"step": Piece(step_fn, (state, batch), batch_argnums=(1,))}
+        return {"step": Piece(step_fn, (state, batch), batch_argnums=(1,), donate_argnums=donate)}
 
     return pieces
 
@@ -235,6 +242,7 @@ def _step_plan(state, batch, pieces_fn: Callable, *, estimate: bool) -> StepPlan
             piece.fn, *piece.args, params=params, frozen=frozen, opt_state=opt_state,
             gradients=params if opt_state is not None else None, kv_cache=piece.kv_cache,
             batch_argnums=piece.batch_argnums if estimate else (),
+            donate_argnums=piece.donate_argnums,
         )  # fmt: skip
     held = {}
     for name in pieces:
