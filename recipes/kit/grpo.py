@@ -287,7 +287,9 @@ class Learner:
                 max_entropy_weight=config.max_entropy_weight,
             )  # fmt: skip
         self.rewards = batch_rewards(config.mode, config.group_size, max_length)
-        self.update = jax.jit(self._update)
+        # The state is donated: the update writes the new weights and optimizer state into
+        # its buffers (`kit.loop.initial_state` gives it buffers of its own).
+        self.update = jax.jit(self._update, donate_argnums=1)
         self.prox_logps = jax.jit(self._prox_logps)
 
     def initial_state(self, state: dict) -> dict:
@@ -296,7 +298,8 @@ class Learner:
         if self.entropy_control is None:
             return state
         control = self.placement.replicate(self.entropy_control.init())
-        return {**state, "entropy_control": control}
+        # Each a buffer of its own: the update donates the state (init may share one).
+        return {**state, "entropy_control": jax.tree.map(jax.numpy.copy, control)}
 
     def completion_logps(self, params, batch, routing=None):
         """The batch's token log-probs and entropies under `params`; with `routing` (the
@@ -376,8 +379,8 @@ class Learner:
         except rollout.StalePolicyError as error:
             raise UserError(f"step {version + 1}: {error}") from None
         batch = self.batch(rollouts)
-        if self.entropy_control is not None:
-            batch["entropy_weight"] = state["entropy_control"].entropy_weight
+        if self.entropy_control is not None:  # a copy: the state's own buffer is donated
+            batch["entropy_weight"] = jax.numpy.copy(state["entropy_control"].entropy_weight)
         if config.is_correction == "tis":  # the trainer's log-probs before the update
             with goodput.phase("logprobs"):
                 batch["old"] = jax.block_until_ready(

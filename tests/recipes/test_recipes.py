@@ -318,6 +318,25 @@ def test_distill_trains_its_teacher_and_runs_with_the_fused_divergence(tmp_path,
         assert abs(r["loss"] - expected) < 1e-5 * max(1.0, abs(expected))
 
 
+@pytest.mark.slow
+def test_grpo_with_the_entropy_controller_tis_and_two_updates_a_batch(tmp_path, sft_start):
+    """The update donates the train state: the entropy controller's weight goes into the batch
+    as a copy, its state holds buffers of its own, and the trainer's log-probs before the
+    update (`--is-correction tis`) and each of two updates a batch see live weights. Below
+    its target entropy (5 nats, above any of this model's) the controller raises the
+    weight after the first step."""
+    out = run_recipe(
+        "grpo", "--model", str(sft_start), "--num-prompts", "64", "--group-size", "2",
+        "--steps", "2", "--eval-every", "2", "--eval-samples", "0", "--target-entropy", "5",
+        "--is-correction", "tis", "--updates-per-batch", "2", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    records = records_of(tmp_path / "run")
+    assert [r["step"] for r in records] == [0, 1, 2] and np.isfinite(out["final_reward"])
+    weights = [r["entropy_weight"] for r in records[1:]]
+    assert all(np.isfinite(w) and w >= 0 for w in weights) and weights[0] != weights[1]
+    assert all(np.isfinite(r["loss"]) for r in records[1:])
+
+
 REWARD = """
 def score(completion, record):
     return 0.25 if completion == record["answer"] else -0.5
