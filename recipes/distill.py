@@ -290,7 +290,9 @@ def train(config: DistillConfig, run: kit.runs.RunFolder) -> dict:
 
     state = loop.initial_state(student.params, optimizer, config.seed, placement)
     state["step"] = placement.replicate(np.int32(0))  # which steps sample (--on-policy)
-    batches = data.batches(task, config, placement, kind="sft")
+    batches = data.batches(
+        task, placement, batch_size=config.batch_size, seed=config.seed, kind="sft"
+    )
     # --plan and --device-memory: the step's parts compiled for the first batch, never run.
     planned = kit.plan.check(
         config, placement, state=state, batches=batches, step_fn=step_fn, pieces=pieces

@@ -152,7 +152,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         max_segments=data.max_segments(task),
     )  # fmt: skip
 
-    heldout = data.heldout_batches(task, config, placement, kind="preference")
+    heldout = data.heldout_batches(task, placement, batch_size=config.batch_size, kind="preference")
     metrics_of = jax.jit(functools.partial(loss_fn, dropout_key=None))
 
     def evaluate_fn(trainable):
@@ -168,7 +168,10 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         return out
 
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
-    batches = data.batches(task, config, placement, kind="preference", packing=config.packing)
+    batches = data.batches(
+        task, placement, batch_size=config.batch_size, seed=config.seed,
+        kind="preference", packing=config.packing,
+    )  # fmt: skip
     step_fn = functools.partial(  # the frozen weights: arguments; the state: donated
         jax.jit(update, static_argnames=("loss_fn", "optimizer", "dropout"), donate_argnums=1),
         frozen,

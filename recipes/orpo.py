@@ -93,7 +93,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     )  # fmt: skip
     step_fn = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
 
-    heldout = data.heldout_batches(task, config, placement, kind="preference")
+    heldout = data.heldout_batches(task, placement, batch_size=config.batch_size, kind="preference")
     heldout_loss = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
 
     def evaluate_fn(params):
@@ -103,7 +103,9 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
         return out
 
     state = loop.initial_state(model.params, optimizer, config.seed, placement)
-    batches = data.batches(task, config, placement, kind="preference")
+    batches = data.batches(
+        task, placement, batch_size=config.batch_size, seed=config.seed, kind="preference"
+    )
     # --plan and --device-memory: the step compiled for the first batch, never run.
     planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)
     if planned is not None:

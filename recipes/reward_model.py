@@ -115,7 +115,7 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
         centering_weight=config.centering_weight,
     )  # fmt: skip
 
-    heldout = data.heldout_batches(task, config, placement, kind="preference")
+    heldout = data.heldout_batches(task, placement, batch_size=config.batch_size, kind="preference")
     heldout_accuracy = jax.jit(lambda params, batch: loss_fn(params, batch)[1]["pair_accuracy"])
 
     def evaluate_fn(params):
@@ -126,7 +126,9 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
         }
 
     state = loop.initial_state(params, optimizer, config.seed, placement)
-    batches = data.batches(task, config, placement, kind="preference")
+    batches = data.batches(
+        task, placement, batch_size=config.batch_size, seed=config.seed, kind="preference"
+    )
     step_fn = optim.update_step(loss_fn, optimizer)  # value_and_grad, then AdamW
     # --plan and --device-memory: the step compiled for the first batch, never run.
     planned = plan.check(config, placement, state=state, batches=batches, step_fn=step_fn)

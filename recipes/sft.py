@@ -140,7 +140,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         z_loss_weight=config.z_loss_weight, implementation=config.logprobs,
     )  # fmt: skip
 
-    heldout = data.heldout_batches(task, config, placement, kind="sft")
+    heldout = data.heldout_batches(task, placement, batch_size=config.batch_size, kind="sft")
     heldout_loss = jax.jit(loss_fn)
 
     def evaluate_fn(trainable):
@@ -157,7 +157,10 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         return out
 
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
-    batches = data.batches(task, config, placement, kind="sft", packing=config.packing)
+    batches = data.batches(
+        task, placement, batch_size=config.batch_size, seed=config.seed,
+        kind="sft", packing=config.packing,
+    )  # fmt: skip
     step = functools.partial(
         train_step, loss_fn=loss_fn, optimizer=optimizer, tuning=tuning,
         dropout=bool(config.lora_dropout),

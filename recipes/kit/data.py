@@ -59,6 +59,8 @@ class Task:
       slots: the most images of a record (the image slots of a batch's rows).
       context: the model's context (`max_position_embeddings`): no prompt and completion
         it samples may be longer (`prompt_inputs` checks); None: not checked.
+      skip_invalid: records that cannot be laid out (too long for `max_length`) are dropped
+        and counted rather than refused (`--skip-invalid`, for a data file's records).
     """
 
     name: str
@@ -74,6 +76,7 @@ class Task:
     images: object = None
     slots: int = 0
     context: int | None = None
+    skip_invalid: bool = False
 
 
 def _arithmetic(config, kind: str, tokenizer, num_train: int) -> Task:
@@ -253,7 +256,8 @@ def load_task(config, kind: str, model, *, num_train: int | None = None) -> Task
             f"than the model's context of {context} tokens (its max_position_embeddings); "
             "lower it"
         )
-    task = dataclasses.replace(task, context=context)
+    skip_invalid = data is not None and config.skip_invalid  # a data file's records only
+    task = dataclasses.replace(task, context=context, skip_invalid=skip_invalid)
     if len(task.train) < config.batch_size:
         raise UserError(
             f"--batch-size {config.batch_size} is larger than the {len(task.train)} training "
@@ -275,26 +279,25 @@ def max_segments(task: Task) -> int:
 PREFETCH_BATCHES = 8
 
 
-def batches(task: Task, config, placement, *, kind: str, packing: bool = False):
-    """The endless, shuffled training batches of `task` (a checkpointable Grain iterator,
-    `PREFETCH_BATCHES` ahead in a thread: close it when done): this process's rows of each,
-    `placement.rows` makes the global batch of them."""
+def batches(task: Task, placement, *, batch_size: int, seed: int, kind: str, packing: bool = False):
+    """The endless training batches of `task` of `batch_size` rows, shuffled by `seed` (a
+    checkpointable Grain iterator, `PREFETCH_BATCHES` ahead in a thread: close it when
+    done): this process's rows of each, `placement.rows` makes the global batch of them."""
 
     if task.images is not None:  # records with images: shuffled, laid out batch by batch
         index, count = placement.shard
-        order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
-        rows = order.batch(config.batch_size // count)[index::count]
+        order = grain.MapDataset.range(len(task.train)).shuffle(seed=seed).repeat()
+        rows = order.batch(batch_size // count)[index::count]
         return _ahead(rows.map(lambda chosen: _image_rows(task, chosen)).to_iter_dataset())
     dataset = sft_dataset if kind == "sft" else preference_dataset
-    on_invalid = "skip" if getattr(config, "skip_invalid", False) else "raise"
     try:
         return _ahead(
             dataset(
                 task.train, task.tokenizer,
                 max_length=task.pack_length if packing else task.max_length,
-                batch_size=config.batch_size, seed=config.seed, packing=packing,
-                max_segments=max_segments(task) if packing else None, on_invalid=on_invalid,
-                shard=placement.shard,
+                batch_size=batch_size, seed=seed, packing=packing,
+                max_segments=max_segments(task) if packing else None,
+                on_invalid="skip" if task.skip_invalid else "raise", shard=placement.shard,
             )
         )  # fmt: skip
     except RecordError as error:
@@ -316,15 +319,15 @@ def _ahead(dataset: grain.IterDataset):
     )
 
 
-def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
-    """The held-out records in order, once, as batches of `config.batch_size` rows split over
+def heldout_batches(task: Task, placement, *, batch_size: int, kind: str) -> list:
+    """The held-out records in order, once, as batches of `batch_size` rows split over
     `placement`'s devices (every process reads them all and keeps its rows). The last batch
     is padded with empty rows (no completion token, False in every mask) to the same shape,
     so that an evaluation compiles one program, not one per batch shape."""
 
     if not task.heldout:
         return []
-    b = config.batch_size
+    b = batch_size
     if task.images is not None:
         batches = (
             _image_rows(task, range(i, min(i + b, len(task.heldout))), task.heldout)
@@ -332,13 +335,12 @@ def heldout_batches(task: Task, config, placement, *, kind: str) -> list:
         )
     else:
         dataset = sft_dataset if kind == "sft" else preference_dataset
-        on_invalid = "skip" if getattr(config, "skip_invalid", False) else "raise"
         try:  # laid out here, so that a record that does not fit is said before training
             batches = list(
                 dataset(
                     task.heldout, task.tokenizer, max_length=task.max_length,
                     batch_size=b, shuffle=False, num_epochs=1, drop_remainder=False,
-                    on_invalid=on_invalid,
+                    on_invalid="skip" if task.skip_invalid else "raise",
                 )
             )  # fmt: skip
         except RecordError as error:

@@ -90,7 +90,7 @@ def test_the_held_out_batches_have_one_shape_and_the_padding_no_tokens(kind):
 
     config = GRPOConfig(num_heldout=23, num_train=64, batch_size=8)
     task = data.load_task(config, kind, text_model(CharTokenizer()))
-    batches = data.heldout_batches(task, config, parallel.placement(8, 1), kind=kind)
+    batches = data.heldout_batches(task, parallel.placement(8, 1), batch_size=8, kind=kind)
     shapes = {tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}
     assert len(batches) == 3 and len(shapes) == 1
     masks = [b["where"] if kind == "sft" else b["chosen"]["where"] for b in batches]
