@@ -135,7 +135,9 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     placement = parallel.placement(config.batch_size, config.devices)
     model = chain.start_model(start, placement, run, remat=config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
-    task = data.load_task(config, "preference", model, num_train=config.num_prompts)
+    task = data.load_task(
+        config, "preference", model, data=config.data, num_train=config.num_prompts
+    )
     if task.name == "arithmetic" and config.rejected == "model":
         task = pairs.on_policy_pairs(task, graphdef, model.params, vocab_size, placement)
     tuning = lora.tuning(

@@ -84,7 +84,7 @@ def train(config: ORPOConfig, run: kit.runs.RunFolder) -> dict:
     model = models.with_remat(model, config.remat)
     model = models.replicated(model, placement)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
-    task = data.load_task(config, "preference", model)
+    task = data.load_task(config, "preference", model, data=config.data)
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.05, weight_decay=0.01)
 
     loss_fn = functools.partial(

@@ -94,7 +94,9 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
     placement = parallel.placement(config.batch_size, config.devices)
     model = chain.start_model(start, placement, run, remat=config.remat)
     graphdef, vocab_size = model.graphdef, model.config.vocab_size
-    task = data.load_task(config, "preference", model, num_train=config.num_prompts)
+    task = data.load_task(
+        config, "preference", model, data=config.data, num_train=config.num_prompts
+    )
     if task.name == "arithmetic" and config.rejected != "near_miss":
         temperature = 1.0 if config.rejected == "sampled" else 0.0
         task = pairs.on_policy_pairs(

@@ -127,7 +127,7 @@ def train(config: SFTConfig, run: kit.runs.RunFolder) -> dict:
         config.model, config.model_size, config.seed, images=config.reads_images()
     )
     model = models.with_remat(model, config.remat)
-    task = data.load_task(config, "sft", model)
+    task = data.load_task(config, "sft", model, data=config.data, builtin=config.task)
     tuning = lora.tuning(
         model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
         dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,

@@ -153,7 +153,7 @@ def _read(config, kind: str, reader: Callable) -> list:
     return records
 
 
-def _file(config, kind: str, tokenizer) -> Task:
+def _file(config, kind: str, tokenizer, max_new_tokens: int | None) -> Task:
 
     path = config.data
     records = _read(config, kind, read_records)
@@ -162,7 +162,7 @@ def _file(config, kind: str, tokenizer) -> Task:
     held = min(config.num_heldout, len(records) // 5)
     heldout, train = records[:held], records[held:]
     problems = heldout if kind == "rl" else []
-    max_new_tokens = getattr(config, "max_new_tokens", config.max_length)
+    max_new_tokens = max_new_tokens or config.max_length
     return Task(
         str(path), tokenizer, train, heldout, problems, exact_match,
         config.max_length, config.max_length, max_new_tokens, config.max_length,
@@ -207,7 +207,7 @@ def _vision_counting(config, kind: str, tokenizer, layout, num_train: int) -> Ta
     )  # fmt: skip
 
 
-def _image_file(config, kind: str, tokenizer, layout) -> Task:
+def _image_file(config, kind: str, tokenizer, layout, max_new_tokens: int | None) -> Task:
     """`--data`'s image records (`tunelib.data.read_image_records`), each checked: a
     missing or undecodable image, or images that do not match the image parts, stops the run
     in one line naming the record (or is skipped with `--skip-invalid`)."""
@@ -217,25 +217,30 @@ def _image_file(config, kind: str, tokenizer, layout) -> Task:
     heldout, train = records[:held], records[held:]
     problems = heldout if kind == "rl" else []
     widths = _laid_out(f"--data {path}", kind, tokenizer, layout, records, [])
-    max_new_tokens = getattr(config, "max_new_tokens", config.max_length)
+    max_new_tokens = max_new_tokens or config.max_length
     return Task(
         str(path), tokenizer, train, heldout, problems, exact_match, widths["max_length"],
         widths["prompt_length"], max_new_tokens, widths["max_length"], layout, widths["slots"],
     )  # fmt: skip
 
 
-def load_task(config, kind: str, model, *, num_train: int | None = None) -> Task:
+def load_task(
+    config, kind: str, model, *, data: Path | None = None, builtin: str = "arithmetic",
+    num_train: int | None = None, max_new_tokens: int | None = None,
+) -> Task:  # fmt: skip
     """The task of `kind` ("sft", "preference" or "rl") for `model` (a `kit.models.Model`):
-    `--data`'s records, or the built-in arithmetic task with `num_train` training problems
-    (default `--num-train`), or the built-in vision task (`--task vision_counting`). Records
-    with images need a model that reads them, and every sequence must fit the model's
-    context (its `max_position_embeddings`); a `UserError` otherwise."""
+    the records of the file `data` (`--data`; `config` holds `DataFile`'s flags), or the
+    built-in task `builtin` (`--task`): the arithmetic one with `num_train` training
+    problems (default `--num-train`), or "vision_counting" (`config` holds `VisionTask`'s
+    flags). A data file's completions are sampled with up to `max_new_tokens`
+    (`--max-new-tokens`; default `--max-length`). Records with images need a model that
+    reads them, and every sequence must fit the model's context (its
+    `max_position_embeddings`); a `UserError` otherwise."""
     tokenizer, images = model.tokenizer, model.images
-    data: Path | None = getattr(config, "data", None)
-    vision = getattr(config, "task", "arithmetic") != "arithmetic"
+    vision = builtin != "arithmetic"
     with_images = vision or (data is not None and holds_images(data))
     if with_images and images is None:
-        what = f"--task {config.task}:" if vision else f"--data {data}: record 0 has images, but"
+        what = f"--task {builtin}:" if vision else f"--data {data}: record 0 has images, but"
         raise UserError(
             f"{what} the model reads text only; give a Gemma 4 vision-language model "
             "(recipes/sft.py --task vision_counting trains one, or a Hugging Face gemma4 "
@@ -244,9 +249,9 @@ def load_task(config, kind: str, model, *, num_train: int | None = None) -> Task
     if vision:
         task = _vision_counting(config, kind, tokenizer, images, num_train or config.num_train)
     elif with_images:
-        task = _image_file(config, kind, tokenizer, images)
+        task = _image_file(config, kind, tokenizer, images, max_new_tokens)
     elif data is not None:
-        task = _file(config, kind, tokenizer)
+        task = _file(config, kind, tokenizer, max_new_tokens)
     else:
         task = _arithmetic(config, kind, tokenizer, num_train or config.num_train)
     context = model.config.max_position_embeddings

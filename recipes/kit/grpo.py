@@ -460,7 +460,10 @@ def setup(config, model, placement) -> Setup:
     the sampler and the learner of a GRPO run."""
     vocab_size = model.config.vocab_size
     routing = models.replayed_routing(model.config, config.replay_routing)
-    task = data.load_task(config, "rl", model, num_train=config.num_prompts)
+    task = data.load_task(
+        config, "rl", model, data=config.data, builtin=config.task,
+        num_train=config.num_prompts, max_new_tokens=config.max_new_tokens,
+    )  # fmt: skip
     tuning = lora.tuning(
         model, placement, rank=config.lora_rank, alpha=config.lora_alpha,
         dropout=config.lora_dropout, qlora=config.qlora, seed=config.seed,

@@ -114,11 +114,11 @@ def test_sequences_longer_than_the_context_are_refused_naming_the_flag(tmp_path)
     model = text_model(CharTokenizer(), context=64)
     config = GRPOConfig(data=path, num_heldout=4, batch_size=4, max_length=65)
     with pytest.raises(UserError, match=re.escape("sequences of 65 tokens (--max-length) are")):
-        data.load_task(config, "sft", model)
-    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, max_length=64, max_new_tokens=62)
-    task = data.load_task(config, "rl", model)
+        data.load_task(config, "sft", model, data=path)
+    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, max_length=64)
+    task = data.load_task(config, "rl", model, data=path, max_new_tokens=62)
     with pytest.raises(UserError, match=r"a prompt of \d+ tokens and completions of 62 .* of 64"):
         data.prompt_inputs(task, task.problems)
-    config = GRPOConfig(data=path, num_heldout=4, batch_size=4, max_length=64, max_new_tokens=32)
-    _, where, _ = data.prompt_inputs(data.load_task(config, "rl", model), task.problems)
+    task = data.load_task(config, "rl", model, data=path, max_new_tokens=32)
+    _, where, _ = data.prompt_inputs(task, task.problems)
     assert int(where.sum(axis=1).max()) + 32 <= 64
