@@ -170,7 +170,9 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     model = chain.start_model(start, placement, run, remat=config.remat)
     # What grpo.py samples and trains with: `sample` runs on the sampler, `learner` on the
     # trainer.
-    task, tuning, sampling, optimizer, sample, learner = grpo.setup(config, model, placement)
+    task, tuning, sampling, optimizer, sample, learner = grpo.setup(
+        config, model, placement, max_staleness=config.max_staleness
+    )
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     order = order.batch(config.batch_size)
     batches = iter(order.to_iter_dataset())

@@ -271,7 +271,7 @@ class Learner:
 
     def __init__(
         self, graphdef, tuning, frozen, optimizer, placement, config, max_length: int,
-        routing: tuple[int, int] | None = None,
+        routing: tuple[int, int] | None = None, max_staleness: int = 0,
     ):  # fmt: skip
         self.graphdef, self.tuning, self.frozen = graphdef, tuning, frozen
         self.optimizer, self.placement, self.config = optimizer, placement, config
@@ -279,7 +279,7 @@ class Learner:
         self.routing = routing  # (M, k) of the recorded routing with --replay-routing
         # The fingerprints of the policies handed to the sampler: a batch sampled by anything
         # else (weights or adapters that never reached it) stops the run in one line.
-        self.ledger = rollout.PolicyLedger(max_staleness=getattr(config, "max_staleness", 0))
+        self.ledger = rollout.PolicyLedger(max_staleness=max_staleness)
         self.entropy_control = None
         if config.target_entropy is not None:  # Skywork-OR1's additive rule
             self.entropy_control = advantages.adaptive_entropy_controller(
@@ -454,10 +454,11 @@ class Setup(NamedTuple):
     learner: Learner
 
 
-def setup(config, model, placement) -> Setup:
+def setup(config, model, placement, *, max_staleness: int = 0) -> Setup:
     """The prompts of `config`'s task, what trains of `model` (`kit.models.Model`, on the
     devices of `placement`), the sampling, the optimizer (AdamW, constant after a warmup),
-    the sampler and the learner of a GRPO run."""
+    the sampler and the learner of a GRPO run, whose batches may come from policies up to
+    `max_staleness` versions old (`--max-staleness`, the disaggregated recipe's)."""
     vocab_size = model.config.vocab_size
     routing = models.replayed_routing(model.config, config.replay_routing)
     task = data.load_task(
@@ -483,7 +484,7 @@ def setup(config, model, placement) -> Setup:
     )  # fmt: skip
     learner = Learner(
         model.graphdef, tuning, frozen, optimizer, placement, config, rollouts.max_new_tokens,
-        routing,
+        routing, max_staleness,
     )  # fmt: skip
     return Setup(task, tuning, rollouts, optimizer, sample, learner)
 

@@ -80,10 +80,8 @@ def test_keep_best_saves_only_improvements_and_resumes_from_its_record(tmp_path)
 
 
 def _learner(max_staleness: int = 0) -> Learner:
-    config = types.SimpleNamespace(
-        mode="grpo", group_size=2, max_staleness=max_staleness, target_entropy=None
-    )
-    return Learner(None, None, None, None, None, config, max_length=4)
+    config = types.SimpleNamespace(mode="grpo", group_size=2, target_entropy=None)
+    return Learner(None, None, None, None, None, config, max_length=4, max_staleness=max_staleness)
 
 
 def _stamped(version: int, fingerprint: int) -> RolloutBatch:
