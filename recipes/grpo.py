@@ -97,7 +97,8 @@ def train(config: GRPOConfig, run: kit.runs.RunFolder) -> dict:
     )
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
-        return learner.pieces(state, indices.shape[0], task, sampling)
+        template = sample.template(tuning.policy(state["params"]), indices.shape[0])
+        return learner.pieces(state, template, sampling)
 
     # A warning line at the signs of entropy collapse; with --keep-best, the best model kept.
     watcher, best = watch.watcher(

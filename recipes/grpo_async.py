@@ -176,9 +176,8 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     order = grain.MapDataset.range(len(task.train)).shuffle(seed=config.seed).repeat()
     order = order.batch(config.batch_size)
     batches = iter(order.to_iter_dataset())
-    template = grpo.batch_template(
-        task, config.batch_size, config.group_size, sampling.max_new_tokens, learner.routing
-    )
+    # The batch as the trainer receives it, shaped by the sampler itself (zeros).
+    template = sample.template(tuning.policy(tuning.trainable), config.batch_size)
 
     def sample_rows(*args, **kwargs):  # the batch as it travels: this process's rows, NumPy
         return sample(*args, **kwargs).local(placement)
@@ -191,7 +190,8 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     evaluate_fn = evaluation(config, model, tuning, task, sampling, placement, run, trainer)
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory
-        return learner.pieces(state, indices.shape[0], task, sampling)
+        shaped = sample.template(tuning.policy(state["params"]), indices.shape[0])
+        return learner.pieces(state, shaped, sampling)
 
     state = learner.initial_state(
         loop.initial_state(tuning.trainable, optimizer, config.seed, placement)

@@ -31,7 +31,6 @@ from kit import (
     optim,
     plan,
     reward_model,
-    rollout_batch,
 )
 from kit.errors import UserError
 from kit.grpo_config import MODES, load_reward
@@ -62,23 +61,6 @@ def sampling(task, vocab_size: int, *, temperature: float, max_new_tokens: int):
     greedy = evaluate.greedy_config(task, vocab_size)
     new_tokens = min(max_new_tokens, greedy.max_new_tokens)
     return dataclasses.replace(greedy, temperature=temperature, max_new_tokens=new_tokens)
-
-
-def batch_template(
-    task, batch_size: int, group_size: int, max_new_tokens: int, routing=None
-) -> RolloutBatch:
-    """Zeros shaped like this process's rows of a batch of scored rollouts (`Sampler`'s,
-    `RolloutBatch.local`), the trainer's side of the disaggregated exchange; with `routing` =
-    `(M, k)` (MoE layers, experts per token), the batch's recorded routing too
-    (`--replay-routing`)."""
-    if task.images is not None:
-        raise UserError(
-            "records with images train with recipes/grpo.py, without --plan, --device-memory "
-            "or --max-staleness: their rollouts carry pixels, which those do not plan for"
-        )
-    return rollout_batch.template(
-        batch_size, group_size, task.prompt_length, max_new_tokens, routing
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +134,47 @@ class Sampler:
         weight = self.format_weight if self.task.name in BUILT_IN else 0.0
         return self.task.correct(text, record) + weight * well_formed(text, truncated)
 
+    def _sample(self, policy, prompt_tokens, prompt_where, key, *, version=None, images=None):
+        """`tunelib.rollout.sample` as this sampler calls it."""
+        return rollout.sample(
+            self.graphdef, policy, prompt_tokens, prompt_where, key, self.sampling,
+            group_size=self.group_size, policy_version=version,
+            record_routing=self.record_routing, images=images, layout=self.layout,
+            products=self.products,
+        )  # fmt: skip
+
+    def template(self, policy, batch_size: int) -> RolloutBatch:
+        """Zeros shaped as the rows of `batch_size` prompts' scored groups (the form of
+        `RolloutBatch.local`), the completions' shapes the sampler's own: `jax.eval_shape`
+        of its call with `policy` (arrays or shape structs) on prompts of the task's width.
+        The trainer's side of the disaggregated exchange, and the batch `--plan` compiles
+        the update for."""
+        if self.task.images is not None:
+            raise UserError(
+                "records with images train with recipes/grpo.py, without --plan, "
+                "--device-memory or --max-staleness: their rollouts carry pixels, which those "
+                "do not plan for"
+            )
+        width = self.task.prompt_length
+        prompts = (
+            jax.ShapeDtypeStruct((batch_size, width), np.int32),
+            jax.ShapeDtypeStruct((batch_size, width), np.bool_),
+        )
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        out = jax.eval_shape(lambda *args: self._sample(*args, version=0), policy, *prompts, key)
+        rows = out.tokens.shape[0]
+
+        def zeros(x):
+            return None if x is None else np.zeros(x.shape, x.dtype)
+
+        return RolloutBatch(
+            prompt_tokens=zeros(prompts[0]), prompt_where=zeros(prompts[1]),
+            tokens=zeros(out.tokens), where=zeros(out.where), logps=zeros(out.logps),
+            scores=np.zeros(rows, np.float32), right=np.zeros(rows, np.bool_),
+            lengths=zeros(out.lengths), version=np.int32(0), fingerprint=np.uint32(0),
+            routing=zeros(out.routing),
+        )  # fmt: skip
+
     def __call__(self, policy, indices, key, *, version: int) -> RolloutBatch:
         """A group per prompt of `indices` (this process's) sampled on the devices with
         `policy` (policy version `version`), scored: the global batch, on the devices, with
@@ -163,12 +186,8 @@ class Sampler:
         prompts = placement.rows((prompt_tokens, prompt_where))
         # A prompt's images are encoded once, into the KV cache its group shares.
         pixels = None if pixels is None else placement.rows(pixels)
-        out = rollout.sample(
-            self.graphdef, policy, *prompts, key, self.sampling, group_size=group,
-            policy_version=version, record_routing=self.record_routing,
-            images=None if pixels is None else model_inputs(pixels), layout=self.layout,
-            products=self.products,
-        )  # fmt: skip
+        images = None if pixels is None else model_inputs(pixels)
+        out = self._sample(policy, *prompts, key, version=version, images=images)
         tokens = placement.local(out.tokens)  # this process's rows: its prompts' groups
         texts = [task.tokenizer.decode(row) for row in tokens.tolist()]
         truncated = placement.local(out.truncated)
@@ -402,11 +421,10 @@ class Learner:
             state = {**state, "entropy_control": control}
         return state, {**out_metrics, **first, **means, **extra}
 
-    def pieces(self, state, batch_size: int, task, sampling) -> dict:
+    def pieces(self, state, template: RolloutBatch, sampling) -> dict:
         """A step's jitted parts for `--plan` and `--device-memory` (`kit.plan.Piece`): the
-        sampler and an update, on a batch of `batch_size` prompts (shape structs)."""
+        sampler and an update, on a batch shaped as `template` (`Sampler.template`)."""
         group, by_rows = self.config.group_size, self.placement.by_rows()
-        template = batch_template(task, batch_size, group, sampling.max_new_tokens, self.routing)
         rows = {
             k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_rows)
             for k, x in template.arrays().items()

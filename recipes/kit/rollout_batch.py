@@ -67,33 +67,3 @@ class RolloutBatch(NamedTuple):
             else:
                 out[name] = jax.tree.map(rows, value)
         return RolloutBatch(**out)
-
-
-def template(
-    batch_size: int,
-    group_size: int,
-    prompt_length: int,
-    max_new_tokens: int,
-    routing: tuple[int, int] | None = None,
-) -> RolloutBatch:
-    """Zeros shaped like this process's rows (`RolloutBatch.local`) of a batch of
-    `batch_size` of its prompts: the trainer's side of the disaggregated exchange, and the
-    shapes `--plan` compiles for. With `routing` = `(M, k)` (MoE layers, experts per token),
-    the recorded routing too."""
-    rows = batch_size * group_size
-    recorded = None
-    if routing is not None:
-        recorded = np.zeros((rows, prompt_length + max_new_tokens, *routing), np.int32)
-    return RolloutBatch(
-        prompt_tokens=np.zeros((batch_size, prompt_length), np.int32),
-        prompt_where=np.zeros((batch_size, prompt_length), bool),
-        tokens=np.zeros((rows, max_new_tokens), np.int32),
-        where=np.zeros((rows, max_new_tokens), bool),
-        logps=np.zeros((rows, max_new_tokens), np.float32),
-        scores=np.zeros(rows, np.float32),
-        right=np.zeros(rows, bool),
-        lengths=np.zeros(rows, np.int32),
-        version=np.int32(0),
-        fingerprint=np.uint32(0),
-        routing=recorded,
-    )

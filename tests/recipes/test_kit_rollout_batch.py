@@ -5,17 +5,28 @@ import numpy as np
 
 import tests.recipes._scripts  # noqa: F401 (puts recipes/ on the path)
 
-from kit import parallel, rollout_batch
+from kit import parallel
 from kit.rollout_batch import RolloutBatch
+
+
+# The fields' shapes for B prompts of P ids, G completions of N tokens, routing (M, k).
+def _shapes(b=4, g=2, p=5, n=3, routing=(2, 1)) -> dict:
+    shapes = {
+        "prompt_tokens": ((b, p), np.int32), "prompt_where": ((b, p), bool),
+        "tokens": ((b * g, n), np.int32), "where": ((b * g, n), bool),
+        "logps": ((b * g, n), np.float32), "scores": ((b * g,), np.float32),
+        "right": ((b * g,), bool), "lengths": ((b * g,), np.int32),
+    }  # fmt: skip
+    if routing:
+        shapes["routing"] = ((b * g, p + n, *routing), np.int32)
+    return shapes
 
 
 def _batch(rng, *, routing: bool, pixels: bool) -> RolloutBatch:
     """Random host rows of 4 prompts' groups of 2, every field filled where asked."""
-    template = rollout_batch.template(4, 2, 5, 3, routing=(2, 1) if routing else None)
     filled = {
-        k: rng.integers(0, 7, v.shape).astype(v.dtype)
-        for k, v in template.saved().items()
-        if k not in ("version", "fingerprint")
+        k: rng.integers(0, 7, shape).astype(dtype)
+        for k, (shape, dtype) in _shapes(routing=(2, 1) if routing else None).items()
     }
     images = {"pixel_values": rng.normal(size=(4, 2, 3)).astype(np.float32)} if pixels else None
     return RolloutBatch(
@@ -63,10 +74,22 @@ def test_what_a_checkpoint_keeps_makes_the_batch_again():
 
 
 def test_the_template_has_the_shapes_the_sampler_makes():
-    """B prompts of P ids, G completions of N tokens each, routing over P + N positions."""
-    t = rollout_batch.template(3, 4, 5, 6, routing=(2, 8))
-    assert t.prompt_tokens.shape == t.prompt_where.shape == (3, 5)
-    assert t.tokens.shape == t.where.shape == t.logps.shape == (12, 6)
-    assert t.scores.shape == t.right.shape == t.lengths.shape == (12,)
-    assert t.routing.shape == (12, 11, 2, 8) and t.pixels is None
-    assert (t.tokens.dtype, t.where.dtype, t.logps.dtype) == (np.int32, bool, np.float32)
+    """`Sampler.template` (zeros, from `jax.eval_shape` of the sampler's call) against the
+    rows of a batch the sampler makes: the same fields, shapes and dtypes."""
+    from tunelib.data import CharTokenizer
+
+    from kit import grpo, models
+    from kit.grpo_config import GRPOConfig
+
+    config = GRPOConfig(batch_size=4, group_size=2, num_prompts=16, num_heldout=4, max_new_tokens=5)
+    placement = parallel.placement(config.batch_size, 1)
+    model = models.new_model(CharTokenizer(), "student", seed=0)
+    _, tuning, _, _, sample, _ = grpo.setup(config, model, placement)
+    policy = tuning.policy(tuning.trainable)
+    made = sample(policy, np.arange(4), jax.random.key(0), version=0).local(placement)
+    template = sample.template(policy, 4)
+    assert template.tokens.shape == (8, 5) and not template.tokens.any()
+    for name, want in made.saved().items():
+        got = getattr(template, name)
+        assert (np.shape(got), np.asarray(got).dtype) == (np.shape(want), np.asarray(want).dtype)
+    assert set(template.saved()) == set(made.saved())

@@ -11,7 +11,6 @@ import pytest
 import tests.recipes._scripts  # noqa: F401 (puts recipes/ on the path)
 from tunelib import rollout
 
-from kit import rollout_batch
 from kit.errors import UserError
 from kit.grpo import Learner
 from kit.rollout_batch import RolloutBatch
@@ -86,8 +85,13 @@ def _learner(max_staleness: int = 0) -> Learner:
 
 def _stamped(version: int, fingerprint: int) -> RolloutBatch:
     """A batch of one prompt's two completions, stamped as sampled by `version`."""
-    batch = rollout_batch.template(1, 2, prompt_length=3, max_new_tokens=4)
-    return batch._replace(version=np.int32(version), fingerprint=np.uint32(fingerprint))
+    return RolloutBatch(
+        prompt_tokens=np.zeros((1, 3), np.int32), prompt_where=np.zeros((1, 3), bool),
+        tokens=np.zeros((2, 4), np.int32), where=np.zeros((2, 4), bool),
+        logps=np.zeros((2, 4), np.float32), scores=np.zeros(2, np.float32),
+        right=np.zeros(2, bool), lengths=np.zeros(2, np.int32), version=np.int32(version),
+        fingerprint=np.uint32(fingerprint),
+    )  # fmt: skip
 
 
 def test_the_learner_refuses_a_batch_the_sampler_made_with_other_weights():
