@@ -24,11 +24,11 @@
 # every part that ran ended well, else 1.
 #
 # The budget on one TPU v5e (limits, then the time each part took there on a fresh machine,
-# with an empty compilation cache, 2026-12-06, or its estimate): logprobs-gemma2 130 s (115:
+# with an empty compilation cache, at commit ddb784c, 2026-12-06): logprobs-gemma2 130 s (125:
 # two processes open the chip, one checks every implementation against float64, one times
-# them), sampler 125 (109), nf4 100 (84, its largest backward out of memory), recipes-toy 160
-# (126: SFT 63, GRPO 54), recipes-smollm2 210 (167: SFT 67, GRPO 100), parity 60 (42),
-# logprobs-llama3 130 (90). They do not all fit in 480 s: the default run does
+# them), sampler 125 (115), nf4 100 (93, its largest backward out of memory), recipes-toy 160
+# (140: SFT 67, GRPO 59), recipes-smollm2 210 (159: SFT 58, GRPO 94), parity 60 (43),
+# logprobs-llama3 130 (120): 795 s in all. They do not all fit in 480 s: the default run does
 # logprobs-gemma2, sampler, nf4 and recipes-toy; the others need a second run,
 # `PARTS="recipes-smollm2 parity logprobs-llama3" bash benchmarks/accelerator_suite.sh OUT_DIR 400`.
 #
