@@ -621,8 +621,7 @@ def build_parser(config_type: type, description: str, prog: str) -> argparse.Arg
 
 
 def _from_toml(config_type: type, path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"--config {path}: no such file")
+    existing_file("config", path)  # a folder given by mistake is "not a file"
     try:
         table = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:

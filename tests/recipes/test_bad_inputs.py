@@ -122,6 +122,7 @@ WITHOUT_JAX = [
     ("sft", ["--data", "data/chats.jsonl", "--out", "runs/x"], "--data needs --model"),
     ("dpo", ["--data", "data/chats.jsonl"], "--data needs --model"),
     ("sft", ["--config", "missing.toml"], "--config missing.toml: no such file"),
+    ("sft", ["--config", "data"], "--config data: not a file"),
     ("sft", ["--config", "broken.toml"], "is not valid TOML"),
     ("sft", ["--config", "unknown.toml"], "unknown setting 'stepz'"),
     ("sft", ["--config", "wrong_type.toml"], "steps must be int, got str"),
