@@ -2,6 +2,7 @@
 per layer, compute exactly what the scan over the stacks computes, in every family that
 stacks."""
 
+import functools
 import re
 
 import jax
@@ -101,7 +102,8 @@ def test_an_unrolled_scan_computes_what_one_layer_a_step_computes(family):
         run = jax.jit(decode, static_argnums=(0, 2))
         expected = run(graphdef, state, False)
         for per_layer in (False, True):
-            program = str(jax.make_jaxpr(lambda s: decode(unrolled, s, per_layer))(state))
+            traced = functools.partial(decode, unrolled, per_layer=per_layer)
+            program = str(jax.make_jaxpr(traced)(state))
             assert "unroll=3" in program and "unroll=1" not in program
             got = run(unrolled, state, per_layer)
             for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
