@@ -290,12 +290,11 @@ class Learner:
 
     def __init__(
         self, graphdef, tuning, frozen, optimizer, placement, config, max_length: int,
-        routing: tuple[int, int] | None = None, max_staleness: int = 0,
+        max_staleness: int = 0,
     ):  # fmt: skip
         self.graphdef, self.tuning, self.frozen = graphdef, tuning, frozen
         self.optimizer, self.placement, self.config = optimizer, placement, config
         self.max_length = max_length
-        self.routing = routing  # (M, k) of the recorded routing with --replay-routing
         # The fingerprints of the policies handed to the sampler: a batch sampled by anything
         # else (weights or adapters that never reached it) stops the run in one line.
         self.ledger = rollout.PolicyLedger(max_staleness=max_staleness)
@@ -317,8 +316,8 @@ class Learner:
         if self.entropy_control is None:
             return state
         control = self.placement.replicate(self.entropy_control.init())
-        # Each a buffer of its own: the update donates the state (init may share one).
-        return {**state, "entropy_control": jax.tree.map(jax.numpy.copy, control)}
+        # Buffers of its own: the update donates the state (init may share one).
+        return {**state, "entropy_control": loop.owned(control)}
 
     def completion_logps(self, params, batch, routing=None):
         """The batch's token log-probs and entropies under `params`; with `routing` (the
@@ -478,7 +477,7 @@ def setup(config, model, placement, *, max_staleness: int = 0) -> Setup:
     the sampler and the learner of a GRPO run, whose batches may come from policies up to
     `max_staleness` versions old (`--max-staleness`, the disaggregated recipe's)."""
     vocab_size = model.config.vocab_size
-    routing = models.replayed_routing(model.config, config.replay_routing)
+    models.replayed_routing(model.config, config.replay_routing)  # an MoE model, if asked
     task = data.load_task(
         config, "rl", model, data=config.data, builtin=config.task,
         num_train=config.num_prompts, max_new_tokens=config.max_new_tokens,
@@ -502,7 +501,7 @@ def setup(config, model, placement, *, max_staleness: int = 0) -> Setup:
     )  # fmt: skip
     learner = Learner(
         model.graphdef, tuning, frozen, optimizer, placement, config, rollouts.max_new_tokens,
-        routing, max_staleness,
+        max_staleness,
     )  # fmt: skip
     return Setup(task, tuning, rollouts, optimizer, sample, learner)
 

@@ -460,7 +460,7 @@ def initial_state(params, optimizer, seed: int, placed: Placement | None = None)
         "rng": jax.random.key_data(jax.random.key(seed)),
     }
     if placed is not None:  # every array on every device of the run's mesh
-        return _owned(placed.replicate(state))
+        return owned(placed.replicate(state))
     # Arrays made without a placement (the optimizer's step count, the key) are committed
     # where the parameters are, as the train step's outputs will be: otherwise the second step
     # sees other input shardings than the first and compiles the whole step again.
@@ -471,11 +471,12 @@ def initial_state(params, optimizer, seed: int, placed: Placement | None = None)
     def commit(x):
         return x if x.committed else jax.device_put(x, sharding)
 
-    return _owned(jax.tree.map(commit, state))
+    return owned(jax.tree.map(commit, state))
 
 
 @jax.jit
-def _owned(state: dict) -> dict:
+def owned(state: dict) -> dict:
     """Every array of `state` copied (on its devices, in its layout; one program): buffers of
-    its own."""
+    its own, which a step that donates its state may consume (`initial_state`'s, and any
+    array a recipe adds to it)."""
     return jax.tree.map(jax.numpy.copy, state)
