@@ -81,6 +81,10 @@ class Placement:
         """Global arrays, split by rows over the mesh, from this process's rows of each
         (NumPy or host arrays: `[b, ...]` of a global `[b * process_count, ...]`)."""
         sharding = self.by_rows()
+        if self.process_count == 1:
+            # The whole tree in one batched transfer (a call for each array cost 0.75 ms of
+            # host time each on a TPU v5e).
+            return jax.device_put(jax.tree.map(np.asarray, local), sharding)
 
         def place(x):
             x = np.asarray(x)

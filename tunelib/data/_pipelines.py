@@ -42,21 +42,30 @@ def _rows(sequence: Example) -> dict[str, np.ndarray]:
     }
 
 
-def _padded(sequence: Example, *, max_length: int, pad_id: int) -> dict[str, np.ndarray]:
-    """`_rows` padded to `max_length` with `pad_id` (ids) and False (masks)."""
+def _padded(sequences: Sequence[Example], *, max_length: int, pad_id: int) -> dict:
+    """`_rows` of each sequence padded to `max_length` with `pad_id` (ids) and False (masks),
+    stacked: `[len(sequences), max_length]` arrays, filled in place (a batch at once costs a
+    fraction of laying out its rows one by one and stacking them)."""
+    rows = [_rows(sequence) for sequence in sequences]
     out = {}
-    for key, row in _rows(sequence).items():
-        fill = pad_id if row.dtype != np.bool_ else False
-        out[key] = np.full(max_length, fill, row.dtype)
-        out[key][: len(row)] = row
+    for key, first in rows[0].items():
+        fill = pad_id if first.dtype != np.bool_ else False
+        out[key] = np.full((len(rows), max_length), fill, first.dtype)
+        for i, row in enumerate(rows):
+            out[key][i, : len(row[key])] = row[key]
     return out
 
 
-def _padded_pair(example: Example, *, max_length: int, pad_id: int) -> dict:
+def _padded_pairs(examples: Sequence[Example], *, max_length: int, pad_id: int) -> dict:
     return {
-        side: _padded(example[side], max_length=max_length, pad_id=pad_id)
+        side: _padded([e[side] for e in examples], max_length=max_length, pad_id=pad_id)
         for side in ("chosen", "rejected")
     }
+
+
+def _laid_out(chosen: np.ndarray, *, examples: Sequence[Example], layout: Callable) -> dict:
+    """The batch of the examples at the indices `chosen`, laid out by `layout`."""
+    return layout([examples[i] for i in chosen])
 
 
 def _packable(example: Example) -> dict[str, np.ndarray]:
@@ -122,20 +131,21 @@ def _dataset(
             f"{len(examples)} records x num_epochs={num_epochs} cannot fill one batch of "
             f"batch_size={batch_size} with drop_remainder=True."
         )
-    layout: Callable[[Example], dict]
-    if packing:
-        layout = _packable if kind == "sft" else _packable_pair
-    else:
-        padded = _padded if kind == "sft" else _padded_pair
+    rows = batch_size // count
+    if not packing:
+        # The examples' indices shuffled, repeated and batched; batch k of this shard is batch
+        # k * count + index of the whole stream, laid out at once.
+        padded = _padded if kind == "sft" else _padded_pairs
         layout = functools.partial(padded, max_length=max_length, pad_id=tokenizer.pad_id)
-    ds = grain.MapDataset.source(examples).map(layout)
+        ds = grain.MapDataset.range(len(examples))
+        ds = ds.shuffle(seed=seed) if shuffle else ds
+        ds = ds.repeat(num_epochs).batch(rows, drop_remainder=drop_remainder)[index::count]
+        ds = ds.map(functools.partial(_laid_out, examples=examples, layout=layout))
+        return ds.to_iter_dataset(_READ_OPTIONS)
+    ds = grain.MapDataset.source(examples).map(_packable if kind == "sft" else _packable_pair)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
-    rows = batch_size // count
-    if not packing:  # batch k of this shard is batch k * count + index of the whole stream
-        ds = ds.batch(rows, drop_remainder=drop_remainder)
-        return ds[index::count].to_iter_dataset(_READ_OPTIONS)
     # Packed, each shard packs every count-th example of the stream into its own rows.
     ds = pack(
         ds[index::count].to_iter_dataset(_READ_OPTIONS),
@@ -212,10 +222,11 @@ def sft_dataset(
     each sequence, 0 on padding). A sequence takes $n - 1$ columns, so a row holds sequences
     of $\sum (n_i - 1) \le$ `max_length` tokens; which records are valid does not change.
 
-    The pipeline is Grain's `MapDataset.source -> map (lay out) -> shuffle -> repeat`, read
-    as an `IterDataset`, packed if asked, and batched. Each epoch is shuffled differently
-    (Grain folds the epoch into the seed), the order is a deterministic function of `seed`,
-    and batches (and packed rows) may span an epoch boundary.
+    The pipeline is Grain's: the records' indices `shuffle -> repeat -> batch`, each batch
+    laid out at once, read as an `IterDataset`; packed, `MapDataset.source -> map (lay out)
+    -> shuffle -> repeat` read as an `IterDataset`, packed and batched. Each epoch is
+    shuffled differently (Grain folds the epoch into the seed), the order is a deterministic
+    function of `seed`, and batches (and packed rows) may span an epoch boundary.
 
     Args:
       records: `{"prompt": str, "completion": str}` dicts, `{"messages": [...]}` dicts or
