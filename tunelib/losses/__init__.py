@@ -10,7 +10,7 @@ batch's sorted log-ratios (`_dpo_aot.py`), and its f-divergence and length-desen
 (`_preference_weighting.py`), reference-free preference losses (`_reference_free.py`),
 unpaired feedback (`_kto.py`), reward models (`_reward_model.py`); RL objectives
 (`_policy_gradient.py`, `_sequence_policy.py`, `_kl.py`, `_value.py`, `_entropy.py`,
-`_off_policy.py`); SFT (`_sft.py`); distillation (`_distillation.py`,
+`_off_policy.py`, `_rollout_correction.py`); SFT (`_sft.py`); distillation (`_distillation.py`,
 `_feature_matching.py`); mixture-of-experts routers (`_router.py`); and `_aggregation.py`.
 Diagnostics are in `tunelib.metrics`.
 """
@@ -66,6 +66,12 @@ from tunelib.losses._policy_gradient import (
 from tunelib.losses._preference_weighting import wpo_weights
 from tunelib.losses._reference_free import cpo_loss, orpo_log_odds_ratio, orpo_loss, simpo_loss
 from tunelib.losses._reward_model import bradley_terry_loss
+from tunelib.losses._rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    CorrectedRollouts,
+    RolloutCorrection,
+    rollout_correction,
+)
 from tunelib.losses._router import load_balancing_loss, router_z_loss
 from tunelib.losses._sequence_policy import luspo_loss, vespo_loss
 from tunelib.losses._sft import nll_loss
@@ -101,7 +107,10 @@ __all__ = [
     "F_DPO_DIVERGENCES",
     "KL_ESTIMATORS",
     "RATIO_LEVELS",
+    "ROLLOUT_CORRECTIONS",
     "Aggregate",
+    "CorrectedRollouts",
+    "RolloutCorrection",
     "aggregate",
     "aot_loss",
     "apo_down_loss",
@@ -139,6 +148,7 @@ __all__ = [
     "policy_gradient_loss",
     "reverse_kl_loss",
     "robust_dpo_loss",
+    "rollout_correction",
     "router_z_loss",
     "sapo_loss",
     "simpo_loss",
