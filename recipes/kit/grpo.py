@@ -247,6 +247,8 @@ def objective(
     advantages, plus `kl_coef` times the k3 KL to the reference (`ref_logps`, None without
     the penalty), aggregated by `aggregation` (a mode of `tunelib.losses.aggregate`)."""
     where = batch["where"] & batch["keep"][:, None]
+    if "is_keep" in batch:  # tokens a rollout correction rejected leave the loss's means
+        where = where & batch["is_keep"]
     adv = batch["advantages"]
     clip = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high}
     old = batch["old"]  # the sampler's log-probs, or with --is-correction the trainer's
@@ -399,14 +401,18 @@ class Learner:
         batch = self.batch(rollouts)
         if self.entropy_control is not None:  # a copy: the state's own buffer is donated
             batch["entropy_weight"] = jax.numpy.copy(state["entropy_control"].entropy_weight)
-        if config.is_correction == "tis":  # the trainer's log-probs before the update
+        correction = rollout_correction(config.is_correction, config.is_cap)
+        corrected = {}
+        if correction is not None:  # the trainer's log-probs before the update
             with goodput.phase("logprobs"):
                 batch["old"] = jax.block_until_ready(
                     self.prox_logps(self.frozen, state["params"], batch)
                 )
-            batch["is_weights"] = losses.truncated_importance_weights(
-                batch["old"], batch["logps"], cap=config.is_cap, where=batch["where"]
+            out = losses.rollout_correction(
+                batch["old"], batch["logps"], correction, where=batch["where"]
             )
+            batch["is_weights"], batch["is_keep"] = out.weights, out.keep
+            corrected = {f"rc_{k}": getattr(out, k) for k in CORRECTED}
         for i in range(config.updates_per_batch):
             step_key = jax.random.fold_in(dropout_key, i) if config.lora_dropout else None
             state, out_metrics = self.update(self.frozen, state, batch, step_key)
@@ -418,7 +424,7 @@ class Learner:
             extra["entropy_weight"] = batch["entropy_weight"]
             control = self.entropy_control.update(out_metrics["entropy"], state["entropy_control"])
             state = {**state, "entropy_control": control}
-        return state, {**out_metrics, **first, **means, **extra}
+        return state, {**out_metrics, **first, **means, **extra, **corrected}
 
     def pieces(self, state, template: RolloutBatch, sampling) -> dict:
         """A step's jitted parts for `--plan` and `--device-memory` (`kit.plan.Piece`): the
@@ -448,6 +454,18 @@ class Learner:
 # sampler's (`tunelib.metrics.mismatch_kl`, k3, mean and max over tokens) and the effective
 # sample size of the token importance weights, as a fraction.
 MISMATCH = ("mismatch_kl", "mismatch_kl_max", "is_ess")
+# What a rollout correction did to a batch, logged as rc_<name> (`losses.CorrectedRollouts`).
+CORRECTED = ("ess", "rejected_tokens", "rejected_sequences", "truncated")
+
+
+def rollout_correction(name: str, cap: float) -> losses.RolloutCorrection | None:
+    """The setting `--is-correction name` names: token-level truncation at `cap` for tis, a
+    preset of `tunelib.losses.ROLLOUT_CORRECTIONS`, or None for none."""
+    if name == "none":
+        return None
+    if name == "tis":
+        return losses.RolloutCorrection("token", cap)
+    return losses.ROLLOUT_CORRECTIONS[name]
 
 
 @jax.jit

@@ -127,13 +127,25 @@ class GRPOConfig(Run, Task, VisionTask, DataFile, SFTStart, Lora, RLEvaluation, 
     max_new_tokens: int = flag(
         64, "the most tokens of a sampled completion (the built-in task's room may be less)"
     )
-    is_correction: Literal["auto", "none", "tis"] = flag(
+    is_correction: Literal[
         "auto",
-        "importance weights for rollouts sampled by older weights: tis truncates the "
-        "trainer's log-probs before the update over the sampler's at --is-cap; auto is tis "
-        "when --max-staleness > 0 (recipes/grpo_async.py)",
+        "none",
+        "tis",
+        "token-tis",
+        "token-mis",
+        "seq-tis",
+        "seq-mis",
+        "seq-tis-rs",
+        "geo-rs",
+        "icepop",
+    ] = flag(
+        "auto",
+        "correct for the sampler's policy with the trainer's log-probs before the update: "
+        "tis truncates their token ratios over the sampler's at --is-cap; the others are "
+        "tunelib.losses.ROLLOUT_CORRECTIONS (docs/rollout_correction.md); auto is tis when "
+        "--max-staleness > 0 (recipes/grpo_async.py), else none",
     )
-    is_cap: float = flag(2.0, "the cap C of the truncated importance weights")
+    is_cap: float = flag(2.0, "with --is-correction tis: the cap C of the importance weights")
     target_entropy: float | None = flag(
         None,
         "steer the policy's entropy (nats/token) toward this with an entropy bonus whose "
@@ -166,6 +178,12 @@ class GRPOConfig(Run, Task, VisionTask, DataFile, SFTStart, Lora, RLEvaluation, 
             raise UserError(f"--max-entropy-weight must be >= 0, got {self.max_entropy_weight}")
         if self.is_correction == "auto":
             self.is_correction = "tis" if self.stale() else "none"
+        if self.is_cap != 2.0 and self.is_correction != "tis":
+            what = "corrects nothing" if self.is_correction == "none" else "has its own thresholds"
+            raise UserError(
+                f"--is-cap is the cap of --is-correction tis; {self.is_correction} {what} "
+                f"(docs/losses/rollout_correction.md)"
+            )
         if not self.temperature > 0:
             raise UserError(
                 f"--temperature must be > 0 (GRPO needs G different completions per prompt), "

@@ -347,8 +347,10 @@ def score(completion, record):
 @pytest.mark.parametrize("mode", ["grpo", "dapo", "dr_grpo"])
 def test_grpo_modes(tmp_path, sft_start, mode):
     """Each mode end to end from a shared SFT start; Dr. GRPO with LoRA adapters (the sampler
-    runs them beside the base, un-merged); GRPO with a reward function of the user's own."""
+    runs them beside the base, un-merged); GRPO with a reward function of the user's own;
+    DAPO with IcePop's rollout correction (a preset's kept mask and weights in the update)."""
     lora = ["--lora-rank", "4"] if mode == "dr_grpo" else []
+    correction = ["--is-correction", "icepop"] if mode == "dapo" else []
     reward = []
     if mode == "grpo":
         (tmp_path / "my_rewards.py").write_text(REWARD)
@@ -357,11 +359,17 @@ def test_grpo_modes(tmp_path, sft_start, mode):
         "grpo", "--mode", mode, "--model", str(sft_start), "--num-prompts", "64",
         "--group-size", "4", "--steps", "2", "--eval-every", "2", "--eval-samples", "4",
         "--out", str(tmp_path / mode),
-        *lora, *reward, headline="grpo" if mode == "grpo" else f"grpo-{mode}",
+        *lora, *reward, *correction, headline="grpo" if mode == "grpo" else f"grpo-{mode}",
     )  # fmt: skip
     assert out["tuning"] == ("lora" if lora else "full") and out["sft_seconds"] is None
     records = records_of(tmp_path / mode)
     assert [r["step"] for r in records] == [0, 1, 2]
+    if correction:  # the trainer's log-probs before the update are the sampler's weights'
+        for r in records[1:]:
+            assert r["rc_rejected_tokens"] == 0.0 and r["rc_rejected_sequences"] == 0.0
+            assert r["rc_ess"] > 0.9999 and r["rc_truncated"] == 0.0
+    else:
+        assert "rc_ess" not in records[1]
     for key in ("reward", "sample_accuracy", "entropy", "clip_fraction", "kept_groups"):
         assert all(np.isfinite(r[key]) for r in records[1:]), key
     # On-policy first step: the ratio is 1 (nothing clipped); with GRPO's KL penalty the
