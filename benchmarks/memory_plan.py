@@ -118,7 +118,8 @@ def worker(recipe: str, model: Path | None) -> dict:
         planned = module.train(config, plan.PlanFolder(Path(folder) / "run", steps=config.steps))
         if not isinstance(planned, plan.Planned):
             raise SystemExit(f"{recipe}: the recipe returned without planning its step")
-        step_plan, context = planned.plan, planned.context
+        context = planned.context  # the plan with its estimates, as --plan prints it
+        step_plan = context.plan_at(planned.plan.batch_size, estimate=True)
         seconds = time.perf_counter() - started
     placed = context.placement
 

@@ -33,6 +33,7 @@ from kit.errors import UserError
 @dataclasses.dataclass(kw_only=True)
 class SFTConfig(Run, Task, VisionTask, DataFile, Start, Lora):
     RECIPE = "sft"
+    FULL_LOGITS = ("label_smoothing", "z_loss_weight")
     LEARNING_RATE = 3e-3
     LORA_LEARNING_RATE = 3e-3
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from tunelib import distributed
 
 from kit.children import run_child
+from kit.config import VisionTask
 from kit.errors import UserError
 from kit.models import Model, load_model, model_folder, replicated, with_remat
 from kit.runs import default_out
@@ -78,7 +79,7 @@ def sft_flags(config, **values) -> list[str]:
         "max_digits": config.max_digits, "operations": config.operations,
         "logprobs": config.logprobs,
     }  # fmt: skip
-    if getattr(config, "task", "arithmetic") != "arithmetic":  # the built-in vision task
+    if isinstance(config, VisionTask) and config.task != "arithmetic":  # the vision task
         task.update(task=config.task, image_size=config.image_size, max_count=config.max_count)
         if config.max_distractors is not None:
             task["max_distractors"] = config.max_distractors

@@ -62,6 +62,9 @@ class Config:
     # The default `--learning-rate` for full fine-tuning and for LoRA adapters.
     LEARNING_RATE: typing.ClassVar[float] = 1e-3
     LORA_LEARNING_RATE: typing.ClassVar[float] = 1e-3
+    # The settings whose nonzero value makes the loss compute every logit (`--plan` offers
+    # them at 0 to lower the memory: the loss then takes the fused head).
+    FULL_LOGITS: typing.ClassVar[tuple[str, ...]] = ()
 
     def run_name(self) -> str:
         return self.RECIPE

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kit.config import parse_size
+from kit.config import Lora, parse_size
 from kit.errors import UserError
 from kit.runs import RunFolder, default_out
 
@@ -129,10 +129,6 @@ class Context:
         return _step_plan(self.state, batch, self.pieces, estimate=estimate)
 
 
-# Set while `conclude` re-runs a recipe with a change, to plan it (not to print it).
-_variant: list = []
-
-
 def _rows(batch) -> int:
     """The rows of a batch: the smallest first axis of its arrays (G completions of each of
     B prompts are B rows)."""
@@ -180,8 +176,7 @@ def check(
         _shapes(state), batch, pieces, devices, devices, platform, state, step_fn, batches,
         placed,
     )  # fmt: skip
-    estimate = bool(config.plan) and not _variant
-    plan = context.plan_at(_rows(batch), estimate=estimate)
+    plan = context.plan_at(_rows(batch))  # `conclude` adds the estimates a printed plan shows
     memory = device_memory(config)
     if config.plan or (memory is not None and plan.peak_bytes > memory):
         return Planned(plan, context)
@@ -259,16 +254,17 @@ def _step_plan(state, batch, pieces_fn: Callable, *, estimate: bool) -> StepPlan
 def _changes(config) -> list[tuple[str, dict]]:
     """The flag changes that lower a recipe's memory, those its configuration can take:
     remat, LoRA, QLoRA and the fused log-prob head (no `[B, T, V]` logits)."""
-    out = [] if getattr(config, "remat", True) else [("--remat", {"remat": True})]
-    rank = getattr(config, "lora_rank", None)
-    if rank == 0:
-        out.append(("--lora-rank 16", {"lora_rank": 16}))
-    if rank is not None and not getattr(config, "qlora", True):
-        flags = "--qlora" if rank else "--lora-rank 16 --qlora"
-        out.append((flags, {"lora_rank": rank or 16, "qlora": True}))
-    if getattr(config, "logprobs", None) == "naive":
+    out = [] if config.remat else [("--remat", {"remat": True})]
+    if isinstance(config, Lora):
+        rank = config.lora_rank
+        if rank == 0:
+            out.append(("--lora-rank 16", {"lora_rank": 16}))
+        if not config.qlora:
+            flags = "--qlora" if rank else "--lora-rank 16 --qlora"
+            out.append((flags, {"lora_rank": rank or 16, "qlora": True}))
+    if config.logprobs == "naive":
         out.append(("--logprobs chunked", {"logprobs": "chunked"}))
-    full = {k: 0.0 for k in ("label_smoothing", "z_loss_weight") if getattr(config, k, 0.0)}
+    full = {k: 0.0 for k in config.FULL_LOGITS if getattr(config, k)}
     if full:  # these need every logit; without them the loss takes the fused head
         out.append((" ".join(f"--{k.replace('_', '-')} 0" for k in full), full))
     return out
@@ -278,13 +274,10 @@ def _plan_with(config, train: Callable, run, changes: dict) -> StepPlan | None:
     """The plan of the recipe with `changes` to its flags: its set-up run again, its step
     compiled (None when the change does not apply to this model)."""
     changed = dataclasses.replace(config, plan=True, **changes)
-    _variant.append(changes)
     try:
         planned = train(changed, run)
     except UserError:
         return None
-    finally:
-        _variant.pop()
     if not isinstance(planned, Planned):
         raise AssertionError("a recipe in plan mode returned without planning its step")
     return planned.plan
@@ -298,6 +291,8 @@ def conclude(planned: Planned, config, train: Callable, run) -> None:
     from kit import parallel
 
     plan, context = planned.plan, planned.context
+    if config.plan:  # the printed plan, with its estimates at other batch sizes
+        plan = context.plan_at(plan.batch_size, estimate=True)
     memory = device_memory(config)
     search = None
     if memory is not None:
