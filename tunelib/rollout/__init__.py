@@ -9,7 +9,8 @@ truncation flags. `SamplingConfig.from_tokenizer` takes a tokenizer's stop and p
 with LoRA adapters (`tunelib.peft.apply_lora`, the base float or quantised) and sample on it
 without merging. `completion_logps` scores completions under (possibly other) parameters, with
 the shift from prompt to completion done once. `sync_weights` moves trained parameters onto a
-rollout mesh.
+rollout mesh; `weight_delta` and `apply_weight_delta` send only the elements an update
+changed.
 
 Which policy sampled a rollout: given `policy_version=`, `sample` and `run_episodes` stamp their
 output with it and with `fingerprint(params)` of the parameters they ran; a trainer's
@@ -49,6 +50,7 @@ from tunelib.rollout._tool_calls import (
     parse_tool_calls,
     tool_response_tokens,
 )
+from tunelib.rollout._weight_delta import WeightDelta, apply_weight_delta, weight_delta
 
 __all__ = [
     "CALCULATOR",
@@ -67,6 +69,8 @@ __all__ = [
     "ToolCall",
     "ToolEnvironment",
     "Turn",
+    "WeightDelta",
+    "apply_weight_delta",
     "calculator",
     "check_sampling_args",
     "completion_logps",
@@ -84,4 +88,5 @@ __all__ = [
     "top_k_filter",
     "top_p_filter",
     "turn_advantages",
+    "weight_delta",
 ]
