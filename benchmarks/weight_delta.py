@@ -19,12 +19,13 @@ writes it to a file too).
 """
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _measure import print_result  # beside this script, first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -165,11 +166,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['f32_changed_median']:>11.2%} "
               f"{r['bf16_changed_median']:>12.2%} {r['bf16_delta_over_full_median']:>15.3f} "
               f"{r['bf16_encode_ms_median']:>10.1f} {r['bf16_apply_ms_median']:>9.1f}")  # fmt: skip
-    document = {"benchmark": "weight_delta", "results": results}
-    line = json.dumps(document)
-    if args.json_out is not None:
-        args.json_out.write_text(line + "\n")
-    print(line)
+    print_result({"benchmark": "weight_delta", "results": results}, args.json_out)
     return 0
 
 
