@@ -19,6 +19,7 @@ processes.
 
 import dataclasses
 import functools
+from typing import Literal
 
 import kit
 from kit.config import at_least, flag
@@ -34,6 +35,18 @@ class GRPOAsyncConfig(GRPOConfig):
         1,
         "run disaggregated on 2 processes (python -m tunelib.launch -n 2): process 0 trains, "
         "process 1 samples batches at most this many updates old (0: they take turns)",
+    )
+
+    push_dtype: Literal["float32", "bfloat16"] = flag(
+        "float32",
+        "the dtype of the weights pushed to the sampler, which samples with them as they "
+        "arrive (bfloat16: half the bytes, and the sampler's rounding of the trained weights)",
+    )
+    weight_push: Literal["full", "delta"] = flag(
+        "full",
+        "delta: after the first push, send only the elements that changed when that is "
+        "fewer bytes (pays with --push-dtype bfloat16 at small learning rates: "
+        "benchmarks/weight_delta.py)",
     )
 
     def stale(self) -> bool:
@@ -65,6 +78,8 @@ class Step:
     learner: object  # kit.grpo.Learner
     rollouts: object  # kit.disaggregated.Rollouts
     batches: object  # the prompt indices of each step
+    push_dtype: str = "float32"  # the weights as the sampler receives them
+    weight_push: str = "full"  # or "delta"
     sampler_policy: dict = dataclasses.field(default_factory=dict)  # the sampler's weights
 
     def __call__(self, state, indices):
@@ -77,9 +92,13 @@ class Step:
         rng, _, dropout_key = loop.step_keys(state["rng"], "rollouts", "dropout")
         version = int(np.asarray(state["updates"]))
         if not self.sampler_policy:  # the run's first step, or after a restore: the same state
-            self.sampler_policy["trainable"] = state["params"]
+            # as a push delivers it (rounded to --push-dtype), so that a resumed run samples
+            # as the run that never stopped did
+            start = state["params"]
+            self.sampler_policy["trainable"] = as_trained(self.pushed(start), start)
+            rollouts.held = None  # a delta push needs both to hold the last push
             if trainer:
-                learner.hand_out(version, self.tuning.policy(state["params"]))
+                learner.hand_out(version, self.tuning.policy(self.sampler_policy["trainable"]))
         policy = self.tuning.policy(self.sampler_policy["trainable"])  # adapters beside the base
         with goodput.phase("rollout"):  # the trainer waits for a batch; the sampler samples
             rows = rollouts.take(
@@ -95,12 +114,41 @@ class Step:
         with goodput.phase("sync"):  # the next batch to the trainer, the trained part (all
             rollouts.deliver()  # the weights, or only the adapters) to the sampler
             trained = state["params"] if trainer else self.sampler_policy["trainable"]
-            if trainer:
-                learner.hand_out(version + 1, self.tuning.policy(trained))
-            weights, rate = rollouts.push(self.placement.fetch(trained))
+            pushed = self.pushed(trained)
+            if trainer:  # the policy the sampler will run: the weights as they arrive there
+                learner.hand_out(version + 1, self.tuning.policy(as_trained(pushed, trained)))
+            weights, sent = rollouts.push(
+                self.placement.fetch(pushed), delta=self.weight_push == "delta"
+            )
             if not trainer:
-                self.sampler_policy["trainable"] = self.placement.replicate(weights)
-        return state, {**out, "weight_push_mb_per_s": rate / 1e6} if trainer else {}
+                self.sampler_policy["trainable"] = as_trained(
+                    self.placement.replicate(weights), trained
+                )
+        if not trainer:
+            return state, {}
+        pushed_metrics = {
+            "weight_push_mb_per_s": sent["bytes"] / max(sent["seconds"], 1e-9) / 1e6,
+            "weight_push_mb": sent["bytes"] / 1e6,
+            "weight_push_delta": float(sent["delta"]),
+        }
+        return state, {**out, **pushed_metrics}
+
+    def pushed(self, weights):
+        """`weights` as they travel: floating-point arrays in `push_dtype`."""
+        import jax
+        import jax.numpy as jnp
+
+        def cast(x):
+            return x.astype(self.push_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+        return jax.tree.map(cast, weights)
+
+
+def as_trained(pushed, trained):
+    """The pushed weights in the trained weights' dtypes (the values as pushed)."""
+    import jax
+
+    return jax.tree.map(lambda x, like: x.astype(like.dtype), pushed, trained)
 
 
 def to_saved(state, *, rollouts, learner, both, max_staleness: int):
@@ -186,7 +234,10 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
         config.max_staleness, sample_rows, template=template,
         fresh_batches=lambda: iter(order.to_iter_dataset()), faults=run.faults(),
     )  # fmt: skip
-    train_step = Step(trainer, placement, tuning, learner, rollouts, batches)
+    train_step = Step(
+        trainer, placement, tuning, learner, rollouts, batches,
+        push_dtype=config.push_dtype, weight_push=config.weight_push,
+    )  # fmt: skip
     evaluate_fn = evaluation(config, model, tuning, task, sampling, placement, run, trainer)
 
     def pieces(state, indices):  # a step's jitted parts, for --plan and --device-memory

@@ -26,13 +26,13 @@ so batch j is sampled with the key step j would use.
 import collections
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from tunelib.distributed import FaultPlan
+from tunelib.rollout import WeightDelta, apply_weight_delta, weight_delta
 
 from kit.loop import step_keys
 from kit.parallel import AXIS, Placement
@@ -95,6 +95,7 @@ class Rollouts:
         self.version = 0  # the updates behind the sampler's weights
         self.pending: dict | None = None  # sampled during this step, delivered after it
         self.resumed: list[dict] | None = None  # the batches in flight at the checkpoint
+        self.held = None  # with delta pushes: the weights of the last push, on both roles
         # The injected faults (`tunelib.distributed.FaultPlan`; TUNELIB_FAULTS by default).
         self.faults = faults if faults is not None else FaultPlan.from_environment()
 
@@ -130,14 +131,62 @@ class Rollouts:
             self.queue.append(self._exchanged(self.pending))
             self.pending = None
 
-    def push(self, weights):
-        """The trainer's `weights` (host arrays) on the sampler's host: `(weights, bytes per
-        second of the collective)`. The sampler's version advances."""
-        with self.faults.during("push", self.version + 1):
+    def push(self, weights, *, delta: bool = False):
+        """The trainer's `weights` (host arrays; the sampler passes its own, of the same
+        shapes and dtypes) on the sampler's host: `(weights, what the push sent)`. The
+        sampler's version advances.
+
+        With `delta`, once both processes hold the weights of the previous push, only the
+        elements that changed travel (`tunelib.rollout.weight_delta`: their positions and
+        values), when that is fewer bytes than the weights; the sampler rebuilds the weights
+        and checks their fingerprint and version against those the trainer sent with the
+        delta. The first push, and the first after a restart, send the whole weights."""
+        version = self.version + 1
+        with self.faults.during("push", version):
+            if delta:
+                out, sent = self._delta_push(weights, version)
+            else:
+                out, seconds = exchange(weights, source=TRAINER)
+                sent = {"bytes": _nbytes(out), "seconds": seconds, "delta": False}
+        self.held = out if delta else None
+        self.version = version
+        return out, sent
+
+    def _delta_push(self, weights, version: int):
+        """`push` with a delta when it is smaller: a header (the kind, the version, the
+        fingerprint and each leaf's count of changed elements), then the delta or the
+        weights."""
+        leaves = jax.tree.leaves(weights)
+        whole = _nbytes(leaves)
+        header = np.zeros(3 + len(leaves), np.int64)
+        change = None
+        if role() == TRAINER and self.held is not None:
+            change = weight_delta(self.held, weights)
+            if change.nbytes < whole:
+                counts = [p.size for p in change.positions]
+                header[:] = [1, version, change.fingerprint, *counts]
+        header, first = exchange(header, source=TRAINER)
+        if not header[0]:
             out, seconds = exchange(weights, source=TRAINER)
-        self.version += 1
-        size = sum(np.asarray(x).nbytes for x in _leaves(out))
-        return out, size / max(seconds, 1e-9)
+            return out, {"bytes": whole, "seconds": first + seconds, "delta": False}
+        if int(header[1]) != version:
+            raise RuntimeError(f"a weight delta for version {header[1]} reached version {version}")
+        if change is not None:  # the trainer sends its delta
+            payload = list(zip(change.positions, change.values, strict=True))
+        else:  # the sampler receives one of the same shapes
+            payload = [
+                (np.zeros(n, np.int32 if np.size(x) < 2**31 else np.int64), np.zeros(n, x.dtype))
+                for n, x in zip(header[3:], leaves, strict=True)
+            ]  # fmt: skip
+        seconds = 0.0
+        if header[3:].any():  # nothing to send when no element changed
+            payload, seconds = exchange(payload, source=TRAINER)
+        out = weights
+        if role() != TRAINER:
+            positions, values = (tuple(part) for part in zip(*payload, strict=True))
+            out = apply_weight_delta(self.held, WeightDelta(positions, values, int(header[2])))
+        sent = header.nbytes + sum(p.nbytes + v.nbytes for p, v in payload)
+        return out, {"bytes": sent, "seconds": first + seconds, "delta": True}
 
     def in_flight(self) -> dict:
         """The `staleness` batches sampled for the steps after this one (`template`'s while
@@ -190,6 +239,5 @@ def own(tree, placement):
     return placement.replicate(jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree))
 
 
-def _leaves(tree) -> list[Any]:
-
-    return jax.tree.leaves(tree)
+def _nbytes(tree) -> int:
+    return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))

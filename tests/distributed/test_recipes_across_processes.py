@@ -183,6 +183,8 @@ def test_grpo_on_two_processes_equals_one_process_of_four_devices(sft_runs, tmp_
         if name == "grpo-disaggregated":  # every batch as fresh as the synchronous recipe's
             assert got.pop("staleness") == [0.0, 0.0, 0.0]
             assert min(got.pop("weight_push_mb_per_s")) > 0
+            assert got.pop("weight_push_delta") == [0.0, 0.0, 0.0]  # --weight-push full
+            assert len(set(got.pop("weight_push_mb"))) == 1  # the whole weights each time
         assert got.keys() == want.keys() and len(got["step"]) > 1
         for key in got:
             np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL, err_msg=key)
@@ -193,19 +195,30 @@ def test_asynchronous_grpo_resumes_with_its_batches_in_flight_bit_for_bit(sft_ru
     old while process 0 trains): a run stopped after its checkpoint of step 2 (its later
     checkpoint, model and result gone, as a crash leaves it) resumes with the batch that was
     in flight, as it was sampled, and ends bit for bit as the run that never stopped. (Sampled
-    again with the restored weights, that batch left the final weights 3.9e-5 apart.)"""
+    again with the restored weights, that batch left the final weights 3.9e-5 apart.) The
+    weights go to the sampler in bfloat16, as deltas after the first push (at a learning rate
+    small enough that few elements change); the resumed run's first push is whole, so the
+    two runs' samplers got the same weights by both routes. A delta that rebuilt other
+    weights would fail the sampler's fingerprint check, or the trainer's ledger."""
     flags = [*SMALL, "--model", str(sft_runs["1x4"] / "model"), "--num-prompts", "64",
              "--steps", "3", "--eval-every", "100", "--checkpoint-every", "2",
              "--group-size", "4", "--max-new-tokens", "6", "--eval-samples", "0",
-             "--max-staleness", "1"]  # fmt: skip
+             "--max-staleness", "1", "--push-dtype", "bfloat16", "--weight-push", "delta",
+             "--learning-rate", "1e-6"]  # fmt: skip
     whole = tmp_path / "whole"
     run("grpo", *flags, "--out", str(whole), processes=2, devices=1)
-    assert logged(whole)["staleness"] == [0.0, 1.0, 1.0]
+    records = logged(whole)
+    assert records["staleness"] == [0.0, 1.0, 1.0]
+    assert records["weight_push_delta"] == [0.0, 1.0, 1.0]  # whole, then deltas
+    assert max(records["weight_push_mb"][1:]) < records["weight_push_mb"][0]
     stopped = stopped_at(whole, 2, tmp_path / "stopped")
     result = run("grpo", *flags, "--out", str(stopped), "--resume", processes=2, devices=1)
     assert result["restarts"] == 1
     got, want = logged(stopped), logged(whole)
-    got.pop("weight_push_mb_per_s"), want.pop("weight_push_mb_per_s")  # timings
+    assert got.pop("weight_push_delta") == [0.0, 1.0, 0.0]  # whole again after the restart
+    for timing in ("weight_push_mb_per_s", "weight_push_mb"):
+        got.pop(timing), want.pop(timing)
+    want.pop("weight_push_delta")
     assert got == want
     for x, y in zip(params(stopped), params(whole), strict=True):
         np.testing.assert_array_equal(x, y)
