@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from tunelib.formats._gguf_file import GGUFFile, read_gguf_file
 from tunelib.formats._gguf_layout import (
     CONFIG_KEYS,
     GGUF_ARCHITECTURES,
@@ -55,29 +56,17 @@ class GGUFModel(NamedTuple):
     tensors: dict[str, GGUFTensor]
 
 
-def _reader(path: Path):
-    """The `gguf.GGUFReader` of `path`, one per version of the file: parsing a vocabulary's
-    metadata takes seconds (5 s for SmolLM2's), and `read_gguf`, `load_gguf` and
-    `tunelib.peft.gguf_base` each need the reader."""
+def _reader(path: Path) -> GGUFFile:
+    """The metadata and tensors of `path` (`read_gguf_file`), one reading per version of the
+    file: `read_gguf`, `load_gguf` and `tunelib.peft.gguf_base` each need them."""
     check_gguf_file(path)
     stat = path.stat()
     return _cached_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: Path, size: int, mtime_ns: int):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as error:  # the reader's own errors for a damaged or truncated file
-        raise ValueError(
-            f"{path} is not a readable GGUF file ({error}); is it truncated?"
-        ) from None
-
-
-def _metadata(reader) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items()}
+def _cached_reader(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    return read_gguf_file(path)
 
 
 def _hf_config(path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -191,7 +180,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     """
     path = Path(path)
     reader = _reader(path)
-    metadata = _metadata(reader)
+    metadata = reader.metadata
     names = {t.name for t in reader.tensors}
     hf_config = _hf_config(path, metadata, names)
     heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]

@@ -8,27 +8,22 @@ expressions in llama.cpp's `src/llama-vocab.cpp`; `_SPLITS` holds the common one
 `tokenizers` pre-tokenizers, each a sequence of regex splits that isolate their matches, as
 llama.cpp applies its list of expressions one after the other.
 
-Only the key-value section of the file is read, by `_read_metadata` itself: `gguf.GGUFReader`
-parses every string of the vocabulary into NumPy views and every tensor's header, which takes
-5 s on SmolLM2-135M's file against a tenth of that here.
+Only the key-value section of the file is read (`_gguf_file.read_metadata`).
 """
 
 import dataclasses
 import json
-import mmap
 import os
 import re
-import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from tunelib.data import HFTokenizer
-from tunelib.formats._gguf_layout import MAGIC, check_gguf_file
+from tunelib.formats._gguf_file import read_metadata
 
 # gguf.TokenType: what each entry of `tokenizer.ggml.token_type` means.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -144,129 +139,6 @@ _BYTE_SPELLING = _byte_spelling()
 _BYTE_ALPHABET = frozenset(_BYTE_SPELLING)
 
 
-def _read_metadata(path: Path) -> dict[str, Any]:
-    """Every key-value field of a GGUF file (version 2 or 3), arrays as lists.
-
-    Only the header and metadata are read, with `struct` over a memory map: `gguf.GGUFReader`
-    also maps every tensor and builds a NumPy view per vocabulary entry, which takes 5 s on
-    SmolLM2's file against 0.3 s here.
-
-    Raises:
-      FileNotFoundError: when there is no such file.
-      ValueError: naming the file, when it is not GGUF or ends inside its metadata.
-    """
-    import gguf
-
-    check_gguf_file(path)
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        try:
-            return _Fields(data, path, gguf.GGUFValueType).read()
-        except (struct.error, _Truncated):
-            raise ValueError(
-                f"{path} is not a readable GGUF file: it ends inside its metadata "
-                f"(after {len(data)} bytes); is it truncated?"
-            ) from None
-
-
-class _Truncated(Exception):
-    pass
-
-
-class _Fields:
-    """A reader of the header and key-value fields of a GGUF file held in `data`."""
-
-    def __init__(self, data: mmap.mmap, path: Path, types: Any):
-        self.data, self.path, self.types = data, path, types
-        self.offset = len(MAGIC)
-        self.scalars = {
-            types.UINT8: "B",
-            types.INT8: "b",
-            types.UINT16: "H",
-            types.INT16: "h",
-            types.UINT32: "I",
-            types.INT32: "i",
-            types.FLOAT32: "f",
-            types.BOOL: "?",
-            types.UINT64: "Q",
-            types.INT64: "q",
-            types.FLOAT64: "d",
-        }
-        # The version tells the byte order: a big-endian file's reads as a multiple of 2**16.
-        (version,) = struct.unpack_from("<I", data, self.offset)
-        self.order = "<" if version & 0xFFFF else ">"
-        self.version = self.scalar("I")
-
-    def read(self) -> dict[str, Any]:
-        if self.version not in (2, 3):
-            raise ValueError(
-                f"{self.path} is GGUF version {self.version}; versions 2 and 3 are read."
-            )
-        _num_tensors, num_fields = self.scalar("Q"), self.scalar("Q")
-        fields = {}
-        for _ in range(num_fields):
-            key = self.string("a key")
-            fields[key] = self.value(self.scalar("I"), key)
-        return fields
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(self.order + fmt, self.data, self.offset)
-        self.offset += struct.calcsize(fmt)
-        return value
-
-    def string(self, key: str) -> str:
-        size = self.scalar("Q")
-        raw = self.data[self.offset : self.offset + size]
-        if len(raw) < size:
-            raise _Truncated
-        self.offset += size
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"{self.path}: {key} holds text that is not UTF-8 ({error})."
-            ) from None
-
-    def strings(self, count: int, key: str) -> list[str]:
-        """An array of `count` strings (a vocabulary: the one loop that needs to be quick)."""
-        data, offset, items = self.data, self.offset, []
-        size_at = struct.Struct(self.order + "Q").unpack_from
-        try:
-            for _ in range(count):
-                (size,) = size_at(data, offset)
-                offset += 8
-                items.append(data[offset : offset + size].decode("utf-8"))
-                offset += size
-        except UnicodeDecodeError as error:
-            if offset + size > len(data):
-                raise _Truncated from None
-            raise ValueError(
-                f"{self.path}: {key} holds text that is not UTF-8 ({error})."
-            ) from None
-        if offset > len(data):
-            raise _Truncated
-        self.offset = offset
-        return items
-
-    def value(self, value_type: int, key: str) -> Any:
-        if value_type in self.scalars:
-            return self.scalar(self.scalars[value_type])
-        if value_type == self.types.STRING:
-            return self.string(key)
-        if value_type == self.types.ARRAY:
-            item_type, count = self.scalar("I"), self.scalar("Q")
-            if item_type in self.scalars:
-                dtype = np.dtype(self.order + self.scalars[item_type])
-                if self.offset + count * dtype.itemsize > len(self.data):
-                    raise _Truncated
-                items = np.frombuffer(self.data, dtype, count, self.offset).tolist()
-                self.offset += count * dtype.itemsize
-                return items
-            if item_type == self.types.STRING:
-                return self.strings(count, key)
-            return [self.value(item_type, key) for _ in range(count)]
-        raise ValueError(f"{self.path}: {key} has value type {value_type}, which GGUF lacks.")
-
-
 def gguf_tokenizer(path: str | os.PathLike, *, pre: str | None = None) -> HFTokenizer:
     """The tokenizer a GGUF file describes, as an `HFTokenizer`.
 
@@ -325,7 +197,7 @@ def gguf_tokenizer(path: str | os.PathLike, *, pre: str | None = None) -> HFToke
       'ab ab'
     """
     path = Path(path)
-    return _build(_read_metadata(path), str(path), pre=pre)
+    return _build(read_metadata(path), str(path), pre=pre)
 
 
 class _Keys:
