@@ -54,6 +54,12 @@ class GRPOAsyncConfig(GRPOConfig):
 
     def check_staleness(self) -> None:
         at_least("max_staleness", self.max_staleness, 0)
+        if self.weight_push == "delta" and self.push_dtype == "float32":
+            raise UserError(
+                "--weight-push delta sends more than the weights in float32, where every "
+                "element changes at each step (benchmarks/weight_delta.py): push bfloat16 "
+                "(--push-dtype bfloat16), or push them whole"
+            )
         if self.keep_best is not None:
             raise UserError(
                 "--keep-best runs with recipes/grpo.py; with --max-staleness the trained "

@@ -89,6 +89,7 @@ WITHOUT_JAX = [
     ("grpo", ["--steps", "-1"], "--steps must be >= 1, got -1"),
     ("grpo_async", ["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
     ("grpo_async", ["--is-cap", "0"], "--is-cap must be > 0, got 0.0"),
+    ("grpo_async", ["--weight-push", "delta"], "--weight-push delta sends more than the"),
     ("grpo", ["--is-cap", "0"], "--is-cap must be > 0, got 0.0"),
     ("grpo", ["--is-cap", "3"], "--is-cap is the cap of --is-correction tis; none corrects"),
     ("grpo", ["--is-correction", "icepop", "--is-cap", "3"], "icepop has its own thresholds"),
