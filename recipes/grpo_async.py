@@ -140,14 +140,10 @@ class Step:
         return state, {**out, **pushed_metrics}
 
     def pushed(self, weights):
-        """`weights` as they travel: floating-point arrays in `push_dtype`."""
-        import jax
-        import jax.numpy as jnp
+        """`weights` as they travel: floating-point arrays cast to `push_dtype`, in place."""
+        from tunelib.rollout import sync_weights
 
-        def cast(x):
-            return x.astype(self.push_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-        return jax.tree.map(cast, weights)
+        return sync_weights(weights, self.placement.replicated(), dtype=self.push_dtype)
 
 
 def as_trained(pushed, trained):

@@ -168,24 +168,18 @@ class Rollouts:
         header, first = exchange(header, source=TRAINER)
         if not header[0]:
             out, seconds = exchange(weights, source=TRAINER)
-            return out, {"bytes": whole, "seconds": first + seconds, "delta": False}
+            sent = header.nbytes + whole
+            return out, {"bytes": sent, "seconds": first + seconds, "delta": False}
         if int(header[1]) != version:
             raise RuntimeError(f"a weight delta for version {header[1]} reached version {version}")
-        if change is not None:  # the trainer sends its delta
-            payload = list(zip(change.positions, change.values, strict=True))
-        else:  # the sampler receives one of the same shapes
-            payload = [
-                (np.zeros(n, np.int32 if np.size(x) < 2**31 else np.int64), np.zeros(n, x.dtype))
-                for n, x in zip(header[3:], leaves, strict=True)
-            ]  # fmt: skip
+        if change is None:  # the sampler receives a delta of the counts the header gives
+            change = WeightDelta.receiving(self.held, header[3:], header[2])
         seconds = 0.0
         if header[3:].any():  # nothing to send when no element changed
-            payload, seconds = exchange(payload, source=TRAINER)
-        out = weights
-        if role() != TRAINER:
-            positions, values = (tuple(part) for part in zip(*payload, strict=True))
-            out = apply_weight_delta(self.held, WeightDelta(positions, values, int(header[2])))
-        sent = header.nbytes + sum(p.nbytes + v.nbytes for p, v in payload)
+            sent, seconds = exchange((change.positions, change.values), source=TRAINER)
+            change = change._replace(positions=tuple(sent[0]), values=tuple(sent[1]))
+        out = weights if role() == TRAINER else apply_weight_delta(self.held, change)
+        sent = header.nbytes + change.nbytes
         return out, {"bytes": sent, "seconds": first + seconds, "delta": True}
 
     def in_flight(self) -> dict:

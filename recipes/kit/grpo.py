@@ -408,9 +408,7 @@ class Learner:
                 batch["old"] = jax.block_until_ready(
                     self.prox_logps(self.frozen, state["params"], batch)
                 )
-            out = losses.rollout_correction(
-                batch["old"], batch["logps"], correction, where=batch["where"]
-            )
+            out = _corrected(batch["old"], batch["logps"], correction, where=batch["where"])
             batch["is_weights"], batch["is_keep"] = out.weights, out.keep
             corrected = {f"rc_{k}": getattr(out, k) for k in CORRECTED}
         for i in range(config.updates_per_batch):
@@ -456,6 +454,10 @@ class Learner:
 MISMATCH = ("mismatch_kl", "mismatch_kl_max", "is_ess")
 # What a rollout correction did to a batch, logged as rc_<name> (`losses.CorrectedRollouts`).
 CORRECTED = ("ess", "rejected_tokens", "rejected_sequences", "truncated")
+
+
+# One program a step for the correction, not one per operation.
+_corrected = jax.jit(losses.rollout_correction, static_argnames="correction")
 
 
 def rollout_correction(name: str, cap: float) -> losses.RolloutCorrection | None:

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests._helpers import raises_naming
-from tunelib.rollout import apply_weight_delta, fingerprint, weight_delta
+from tunelib.rollout import WeightDelta, apply_weight_delta, fingerprint, weight_delta
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int8, np.float64]
 
@@ -97,3 +97,21 @@ def test_a_delta_for_another_tree_is_refused():
     bad = delta._replace(positions=(np.array([7], np.int32),))
     with raises_naming("outside leaf 0"):
         apply_weight_delta({"w": np.zeros(3, np.float32)}, bad, check=False)
+
+
+def test_a_receiver_shapes_the_delta_from_its_counts_alone():
+    rng = np.random.default_rng(2)
+    before = tree(rng, ml_dtypes.bfloat16)
+    after = {"layers": [x.copy() for x in before["layers"]], "embed": before["embed"].copy()}
+    after["layers"][0][1, :3] += 1
+    sent = weight_delta(before, after)
+    counts = [p.size for p in sent.positions]
+    received = WeightDelta.receiving(before, counts, sent.fingerprint)
+    assert counts == [0, 3, 0] and received.fingerprint == sent.fingerprint
+    for got, want in zip((*received.positions, *received.values),
+                         (*sent.positions, *sent.values), strict=True):  # fmt: skip
+        assert (got.shape, got.dtype) == (want.shape, want.dtype) and not got.any()
+    filled = received._replace(positions=sent.positions, values=sent.values)
+    assert leaves(apply_weight_delta(before, filled))[1].tobytes() == after["layers"][0].tobytes()
+    with raises_naming("2 counts for the 3 leaves"):
+        WeightDelta.receiving(before, [0, 3], 0)

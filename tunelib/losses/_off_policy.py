@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float
 
 from tunelib import _validation as v
 from tunelib._typing import Mask, Scalar
+from tunelib.losses._rollout_correction import level_log_ratios
 
 WeightLevel = Literal["token", "sequence", "geometric"]
 WEIGHT_LEVELS: tuple[str, ...] = WeightLevel.__args__
@@ -115,12 +116,7 @@ def truncated_importance_weights(
     (logps, sampler), where = v.masked_floats(
         where, ndim=2, token_logps=token_logps, sampler_token_logps=sampler_token_logps
     )
-    log_rho = lax.stop_gradient(logps - sampler)
-    if level != "token":
-        log_rho = jnp.sum(log_rho, axis=-1, keepdims=True)
-        if level == "geometric":
-            log_rho = log_rho / jnp.maximum(jnp.sum(where, axis=-1, keepdims=True), 1)
-        log_rho = jnp.broadcast_to(log_rho, logps.shape)
+    log_rho = level_log_ratios(lax.stop_gradient(logps - sampler), where, level)
     log_cap = jnp.log(jnp.asarray(cap, logps.dtype))
     weights = jnp.exp(jnp.minimum(log_rho, log_cap))
     if mode == "mask":

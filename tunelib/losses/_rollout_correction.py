@@ -124,8 +124,9 @@ class CorrectedRollouts(NamedTuple):
     truncated: Float[Array, ""]
 
 
-def _level(log_rho: jax.Array, where: jax.Array, level: str) -> jax.Array:
-    """The level's log-ratio on every token of `log_rho` (`[B, T]`, 0 where masked)."""
+def level_log_ratios(log_rho: jax.Array, where: jax.Array, level: str) -> jax.Array:
+    """The log-ratio of `level` ("token", "sequence": the row's sum, "geometric": its mean
+    over the valid tokens) on every token of `log_rho` (`[B, T]`, 0 where masked)."""
     if level == "token":
         return log_rho
     total = jnp.sum(log_rho, axis=-1, keepdims=True)
@@ -220,7 +221,7 @@ def rollout_correction(
     dtype = log_rho.dtype
     keep = where
     if correction.reject_level is not None:
-        level = _level(log_rho, where, correction.reject_level)
+        level = level_log_ratios(log_rho, where, correction.reject_level)
         upper = jnp.log(jnp.asarray(correction.reject_upper, dtype))
         lower = jnp.log(jnp.asarray(correction.lower, dtype))  # -inf for 0
         keep = keep & (level <= upper) & (level >= lower)
@@ -231,11 +232,12 @@ def rollout_correction(
     if correction.weight_level is None:
         log_weights = jnp.zeros_like(log_rho)
     else:
-        log_weights = _level(log_rho, where, correction.weight_level)
+        log_weights = level_log_ratios(log_rho, where, correction.weight_level)
     truncated = keep & (log_weights > log_cap)
     log_weights = jnp.minimum(log_weights, log_cap)
     weights = jnp.where(keep, jnp.exp(log_weights), 0.0)
-    # ESS from the log-weights shifted by their largest kept one (no overflow).
+    # ESS from the log-weights shifted by their largest kept one (no overflow), as
+    # `tunelib.metrics.effective_sample_size` computes it (metrics import the losses).
     shifted = jnp.where(keep, log_weights - jnp.max(jnp.where(keep, log_weights, -jnp.inf)), 0.0)
     scaled = jnp.where(keep, jnp.exp(shifted), 0.0)
     count = jnp.sum(keep)

@@ -25,6 +25,21 @@ class WeightDelta(NamedTuple):
     values: tuple[np.ndarray, ...]
     fingerprint: int
 
+    @classmethod
+    def receiving(cls, previous: PyTree, counts, fingerprint: int) -> "WeightDelta":
+        """Zeros shaped as a delta of `previous` with `counts[i]` changed elements in leaf i
+        and `fingerprint`: what a receiver that was sent the counts fills with the positions
+        and values (they travel as arrays of these shapes and dtypes)."""
+        old, _ = _leaves(previous)
+        if len(counts) != len(old):
+            raise ValueError(f"{len(counts)} counts for the {len(old)} leaves of previous.")
+        counts = [int(n) for n in counts]
+        positions = tuple(
+            np.zeros(n, _position_dtype(x.size)) for n, x in zip(counts, old, strict=True)
+        )
+        values = tuple(np.zeros(n, x.dtype) for n, x in zip(counts, old, strict=True))
+        return cls(positions, values, int(fingerprint))
+
     @property
     def changed(self) -> int:
         """The number of changed elements."""
@@ -39,6 +54,11 @@ class WeightDelta(NamedTuple):
 def _leaves(tree: PyTree) -> tuple[list[np.ndarray], object]:
     leaves, structure = jax.tree.flatten(tree)
     return [np.asarray(x) for x in leaves], structure
+
+
+def _position_dtype(size: int):
+    """The positions' dtype in a leaf of `size` elements."""
+    return np.int32 if size < 2**31 else np.int64
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -96,8 +116,7 @@ def weight_delta(previous: PyTree, current: PyTree) -> WeightDelta:
                 f"leaf {i} of previous is {a.dtype}{list(a.shape)}, of current "
                 f"{b.dtype}{list(b.shape)}: a delta needs the same shapes and dtypes."
             )
-        index = np.int32 if b.size < 2**31 else np.int64
-        changed = np.flatnonzero(_bits(a) != _bits(b)).astype(index)
+        changed = np.flatnonzero(_bits(a) != _bits(b)).astype(_position_dtype(b.size))
         positions.append(changed)
         values.append(np.ascontiguousarray(b).reshape(-1)[changed])
     return WeightDelta(tuple(positions), tuple(values), int(fingerprint(new)))
