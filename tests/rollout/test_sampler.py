@@ -368,11 +368,13 @@ def test_rollout_is_a_pytree_of_arrays_with_its_temperature():
         logps=jnp.zeros((2, 3)), lengths=jnp.full(2, 3), truncated=jnp.zeros(2, bool),
         temperature=jnp.float32(0.7),
     )  # fmt: skip
-    # Six arrays; routing (unless recorded) and the policy stamp (unless `sample` was given
-    # a policy_version) are None and have no leaf.
-    assert len(jax.tree.leaves(rollout)) == len(Rollout._fields) - 3 == 6
+    # Six arrays; routing (unless recorded), the policy stamp (unless `sample` was given
+    # a policy_version) and the tokens' versions (`continue_rollout`'s) are None and have no
+    # leaf.
+    assert len(jax.tree.leaves(rollout)) == len(Rollout._fields) - 4 == 6
     assert rollout.routing is None and Rollout._fields.index("routing") == 6
     assert rollout.policy_version is None and rollout.fingerprint is None
+    assert rollout.token_versions is None
     out = jax.jit(lambda r: r._replace(logps=r.logps - 1 / r.temperature))(rollout)
     assert isinstance(out, Rollout) and out.temperature == np.float32(0.7)
     assert_close(out.logps, np.full((2, 3), -1 / np.float32(0.7)))

@@ -16,6 +16,10 @@ Which policy sampled a rollout: given `policy_version=`, `sample` and `run_episo
 output with it and with `fingerprint(params)` of the parameters they ran; a trainer's
 `PolicyLedger` records the fingerprint of each version it hands out and checks a rollout's
 stamp before training on it (`StalePolicyError` when the sampler ran something else).
+Partial rollouts: `continue_rollout` samples completions a segment at a time, each segment
+with the weights of its moment (the unfinished completions continued by the new policy), and
+tags every token with the version that drew it; `oldest_versions` is what a staleness bound
+counts.
 
 Multi-turn episodes: `run_episodes` alternates model turns and the observations of host-side
 `Environment`s in one KV cache and returns an `Episode` (tokens as sampled and observed,
@@ -29,6 +33,7 @@ from tunelib.rollout._completion import completion_logps
 from tunelib.rollout._environments import Environment, Step, Turn
 from tunelib.rollout._episode_advantages import CREDITS, episode_advantages, turn_advantages
 from tunelib.rollout._episodes import Episode, EpisodeConfig, Role, run_episodes
+from tunelib.rollout._partial import continue_rollout, oldest_versions
 from tunelib.rollout._policy import PolicyLedger, StalePolicyError, fingerprint
 from tunelib.rollout._processors import (
     check_sampling_args,
@@ -74,10 +79,12 @@ __all__ = [
     "calculator",
     "check_sampling_args",
     "completion_logps",
+    "continue_rollout",
     "episode_advantages",
     "fingerprint",
     "forbid_tokens",
     "min_p_filter",
+    "oldest_versions",
     "parse_tool_calls",
     "process_logits",
     "run_episodes",

@@ -123,12 +123,14 @@ class EpisodeConfig:
 
 # An Episode has a Rollout's arrays, over the episode's T positions (N = T in their
 # annotations), then its own, then a Rollout's policy stamp, then its MoE routing (last, so
-# that the fields before it keep their places).
+# that the fields before it keep their places). Episodes are sampled in one call: no
+# per-token versions (`continue_rollout`'s).
 _STAMP = ("policy_version", "fingerprint")
+_NOT_ITS_OWN = (*_STAMP, "routing", "token_versions")
 _EpisodeFields = NamedTuple(
     "_EpisodeFields",
     [
-        *((k, t) for k, t in Rollout.__annotations__.items() if k not in (*_STAMP, "routing")),
+        *((k, t) for k, t in Rollout.__annotations__.items() if k not in _NOT_ITS_OWN),
         ("roles", Int[Array, "B T"]),
         ("context_where", Bool[Array, "B T"]),
         ("turn_ids", Int[Array, "B T"]),

@@ -219,6 +219,10 @@ class Rollout(NamedTuple):
       fingerprint: uint32 scalar, `tunelib.rollout.fingerprint` of the parameters the
         sampler ran, with `policy_version` (None without it). A trainer checks the pair with
         `tunelib.rollout.PolicyLedger.check`.
+      token_versions: `[B, N]` int32, the policy version that drew each token, for a
+        rollout sampled a segment at a time with new weights between segments
+        (`tunelib.rollout.continue_rollout`; 0 outside `where`); None from `sample`, whose
+        tokens are all `policy_version`'s.
     """
 
     tokens: Int[Array, "B N"]
@@ -230,6 +234,7 @@ class Rollout(NamedTuple):
     routing: Int[Array, "B T M k"] | None = None
     policy_version: Int[Array, ""] | None = None
     fingerprint: UInt32[Array, ""] | None = None
+    token_versions: Int[Array, "B N"] | None = None
 
     def decode(self, tokenizer: Tokenizer) -> list[str]:
         """The text of each completion: its tokens inside `where`, decoded by `tokenizer`.
