@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unrolls", default=None, help="comma-separated (default 1,2,5 or 1,2)")
     p.add_argument("--new-tokens", type=int, default=None, help="sampled per prompt")
     p.add_argument("--repeats", type=int, default=5, help="timed calls of each")
+    p.add_argument(
+        "--warmup", action=argparse.BooleanOptionalAction, default=True,
+        help="a discarded first round (--no-warmup: the first unroll's compile times also "
+        "hold the process's first compilations)",
+    )  # fmt: skip
     p.add_argument("--json-out", type=Path, default=None)
     return p
 
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     # A discarded first round: the process's first compilations (JAX's and tunelib's own
     # caches filled) are not charged to the first unroll measured. It samples one token more,
     # so that the sampler measured next compiles its own program.
-    measure(size, unrolls[0], params, new_tokens + 1, 1)
+    if args.warmup:
+        measure(size, unrolls[0], params, new_tokens + 1, 1)
     print(f"{'unroll':>6s} {'train compile s':>16s} {'train ms':>9s} {'sampler compile s':>18s} "
           f"{'sampler ms':>11s} {'tokens/s':>9s} {'loss':>10s}", flush=True)  # fmt: skip
     rows = []
@@ -210,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     device = jax.devices()[0]
     result = {
         "benchmark": "scan_unroll", "size": args.size, "case": dataclasses.asdict(size),
-        "new_tokens": new_tokens, "repeats": args.repeats, "backend": jax.default_backend(),
+        "new_tokens": new_tokens, "repeats": args.repeats, "warmup": args.warmup,
+        "backend": jax.default_backend(),
         "device": getattr(device, "device_kind", str(device)), "jax": jax.__version__,
         "key_impl": str(jax.random.key_impl(random_key(0))), "results": rows,
     }  # fmt: skip
