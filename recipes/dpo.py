@@ -124,10 +124,36 @@ def update(frozen, state, batch, *, loss_fn, optimizer, dropout: bool):
     return {"params": params, "opt_state": opt_state, "rng": rng}, {"loss": loss, **out}
 
 
+def evaluation(config, task, loss_fn, frozen, model, tuning, placement):
+    """Held-out: the reward accuracy of the pairs (the implicit reward of the chosen answer
+    above the rejected one's), and the greedy accuracy where the records have answers."""
+    import jax
+
+    from kit import data, evaluate
+
+    heldout = data.heldout_batches(task, placement, batch_size=config.batch_size, kind="preference")
+    metrics_of = jax.jit(functools.partial(loss_fn, dropout_key=None))
+
+    def evaluate_fn(trainable):
+        out = {
+            "heldout_reward_accuracy": evaluate.pair_mean(
+                lambda b: metrics_of(trainable, frozen, b)[1]["reward_accuracy"], heldout
+            )
+        }
+        if task.problems:
+            out["accuracy"] = evaluate.accuracy(
+                model.graphdef, tuning.policy(trainable), task, model.config.vocab_size,
+                placement,
+            )  # fmt: skip
+        return out
+
+    return evaluate_fn
+
+
 def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
     import jax
 
-    from kit import chain, data, evaluate, loop, lora, optim, pairs, parallel, plan
+    from kit import chain, data, loop, lora, optim, pairs, parallel, plan
 
     # The SFT start, trained first if absent: before this process opens its devices.
     start, sft_seconds = chain.sft_start(config)
@@ -154,21 +180,7 @@ def train(config: DPOConfig, run: kit.runs.RunFolder) -> dict:
         max_segments=data.max_segments(task),
     )  # fmt: skip
 
-    heldout = data.heldout_batches(task, placement, batch_size=config.batch_size, kind="preference")
-    metrics_of = jax.jit(functools.partial(loss_fn, dropout_key=None))
-
-    def evaluate_fn(trainable):
-        out = {
-            "heldout_reward_accuracy": evaluate.pair_mean(
-                lambda b: metrics_of(trainable, frozen, b)[1]["reward_accuracy"], heldout
-            )
-        }
-        if task.problems:
-            out["accuracy"] = evaluate.accuracy(
-                graphdef, tuning.policy(trainable), task, vocab_size, placement
-            )
-        return out
-
+    evaluate_fn = evaluation(config, task, loss_fn, frozen, model, tuning, placement)
     state = loop.initial_state(tuning.trainable, optimizer, config.seed, placement)
     batches = data.batches(
         task, placement, batch_size=config.batch_size, seed=config.seed,

@@ -175,6 +175,16 @@ def from_saved(saved, *, rollouts, learner, placement, max_staleness: int):
     return state
 
 
+def checkpointing(rollouts, learner, placement, both, max_staleness: int):
+    """The state's way to a checkpoint and back (`to_saved`, `from_saved`), with the batches
+    in flight and the ledger: `kit.loop.Steps(..., checkpointed=)`."""
+    ends = {"rollouts": rollouts, "learner": learner, "max_staleness": max_staleness}
+    return (
+        functools.partial(to_saved, both=both, **ends),
+        functools.partial(from_saved, placement=placement, **ends),
+    )
+
+
 def two_processes(config: GRPOAsyncConfig):
     """Each process's own devices (the trainer's and the sampler's meshes are apart), with
     one line for a run that is not on 2 processes."""
@@ -251,11 +261,7 @@ def train(config: GRPOAsyncConfig, run: kit.runs.RunFolder) -> dict:
     )
     state = {**state, "updates": placement.replicate(np.int32(0))}
     both = disaggregated.everywhere()
-    ends = {"rollouts": rollouts, "learner": learner, "max_staleness": config.max_staleness}
-    checkpointed = (
-        functools.partial(to_saved, both=both, **ends),
-        functools.partial(from_saved, placement=placement, **ends),
-    )
+    checkpointed = checkpointing(rollouts, learner, placement, both, config.max_staleness)
     watcher, _ = watch.watcher(config, run, None, placement)  # the collapse guard
     # --plan and --device-memory: the step's parts compiled for the first batch, never run.
     planned = kit.plan.check(

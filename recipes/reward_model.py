@@ -84,8 +84,6 @@ def bradley_terry_objective(params, batch, *, graphdef, pooling, centering_weigh
 def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
     import jax
 
-    from tunelib import metrics
-
     from kit import chain, data, evaluate, loop, optim, pairs, parallel, plan, reward_model
 
     # The SFT start, trained first if absent: before this process opens its devices.
@@ -98,16 +96,10 @@ def train(config: RewardModelConfig, run: kit.runs.RunFolder) -> dict:
         config, "preference", model, data=config.data, num_train=config.num_prompts
     )
     if task.name == "arithmetic" and config.rejected != "near_miss":
-        temperature = 1.0 if config.rejected == "sampled" else 0.0
         task = pairs.on_policy_pairs(
-            task,
-            graphdef,
-            model.params,
-            vocab_size,
-            placement,
-            temperature=temperature,
-            seed=config.seed,
-        )
+            task, graphdef, model.params, vocab_size, placement,
+            temperature=1.0 if config.rejected == "sampled" else 0.0, seed=config.seed,
+        )  # fmt: skip
     head = reward_model.init_head(model.config.hidden_size, config.seed)
     params = {"decoder": model.params, "head": placement.replicate(head)}
     optimizer = optim.adamw(config.learning_rate, config.steps, warmup=0.1)
