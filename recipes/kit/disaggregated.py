@@ -47,24 +47,54 @@ def role() -> int:
     return TRAINER if jax.process_index() == 0 else SAMPLER
 
 
-def exchange(tree, *, source: int):
+# The most bytes one collective of `exchange` carries: a tree larger than this travels in
+# buckets of at most this size, so that neither process packs a second copy of all of it
+# (Qwen3-0.6B's bfloat16 weights are 1.2 GB; `benchmarks/weight_push.py`).
+BUCKET_BYTES = 256 * 2**20
+
+
+def exchange(tree, *, source: int, bucket_bytes: int = BUCKET_BYTES):
     """`tree` as process `source` holds it, on every process (NumPy); every process calls
     this with a tree of the same shapes and dtypes (its own values are ignored unless it is
-    the source). The leaves travel as one buffer of bytes, so the collective runs once, not
-    once per leaf. Returns the tree and the seconds the collective took."""
+    the source). The leaves travel as buffers of bytes, several small leaves in one and a
+    leaf larger than `bucket_bytes` in pieces, so that the collective runs once per bucket
+    of at most `bucket_bytes`, not once per leaf. Returns the tree and the seconds the
+    collectives took."""
 
     leaves, structure = jax.tree.flatten(tree)
-    if not leaves:
-        return tree, 0.0
     arrays = [np.asarray(x) for x in leaves]
-    started = time.perf_counter()
-    packed = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
-    packed = multihost_utils.broadcast_one_to_all(packed, is_source=role() == source)
-    out, at = [], 0
-    for a in arrays:
-        out.append(packed[at : at + a.nbytes].view(a.dtype).reshape(a.shape))
-        at += a.nbytes
-    return structure.unflatten(out), time.perf_counter() - started
+    flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    out = [np.empty(a.shape, a.dtype) for a in arrays]
+    seconds = 0.0
+    for bucket in _buckets([a.nbytes for a in arrays], bucket_bytes):
+        started = time.perf_counter()
+        packed = np.concatenate([flat[i][lo:hi] for i, lo, hi in bucket])
+        packed = multihost_utils.broadcast_one_to_all(packed, is_source=role() == source)
+        seconds += time.perf_counter() - started
+        at = 0
+        for i, lo, hi in bucket:
+            out[i].reshape(-1).view(np.uint8)[lo:hi] = packed[at : at + hi - lo]
+            at += hi - lo
+    return structure.unflatten(out), seconds
+
+
+def _buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """The byte ranges `(leaf, start, end)` of leaves of `sizes` bytes, in order, grouped in
+    buckets of at most `limit` bytes (a leaf larger than that cut across several)."""
+    buckets, current, room = [], [], limit
+    for i, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            end = min(size, start + room)
+            current.append((i, start, end))
+            room -= end - start
+            start = end
+            if room == 0:
+                buckets.append(current)
+                current, room = [], limit
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 class Rollouts:
@@ -83,9 +113,11 @@ class Rollouts:
     """
 
     def __init__(
-        self, staleness: int, sample: Callable, template: dict, fresh_batches, faults=None
-    ):
+        self, staleness: int, sample: Callable, template: dict, fresh_batches, faults=None,
+        bucket_bytes: int = BUCKET_BYTES,
+    ):  # fmt: skip
         self.staleness = staleness
+        self.bucket_bytes = bucket_bytes  # the most bytes of one collective of a push
         self.sample = sample
         self.template = template
         self.fresh_batches = fresh_batches
@@ -146,7 +178,7 @@ class Rollouts:
             if delta:
                 out, sent = self._delta_push(weights, version)
             else:
-                out, seconds = exchange(weights, source=TRAINER)
+                out, seconds = exchange(weights, source=TRAINER, bucket_bytes=self.bucket_bytes)
                 sent = {"bytes": _nbytes(out), "seconds": seconds, "delta": False}
         self.held = out if delta else None
         self.version = version
@@ -161,13 +193,14 @@ class Rollouts:
         header = np.zeros(3 + len(leaves), np.int64)
         change = None
         if role() == TRAINER and self.held is not None:
-            change = weight_delta(self.held, weights)
-            if change.nbytes < whole:
+            # None when it would not be smaller: then its positions are never made.
+            change = weight_delta(self.held, weights, max_bytes=whole - 1)
+            if change is not None:
                 counts = [p.size for p in change.positions]
                 header[:] = [1, version, change.fingerprint, *counts]
         header, first = exchange(header, source=TRAINER)
         if not header[0]:
-            out, seconds = exchange(weights, source=TRAINER)
+            out, seconds = exchange(weights, source=TRAINER, bucket_bytes=self.bucket_bytes)
             sent = header.nbytes + whole
             return out, {"bytes": sent, "seconds": first + seconds, "delta": False}
         if int(header[1]) != version:
@@ -176,7 +209,9 @@ class Rollouts:
             change = WeightDelta.receiving(self.held, header[3:], header[2])
         seconds = 0.0
         if header[3:].any():  # nothing to send when no element changed
-            sent, seconds = exchange((change.positions, change.values), source=TRAINER)
+            sent, seconds = exchange(
+                (change.positions, change.values), source=TRAINER, bucket_bytes=self.bucket_bytes
+            )
             change = change._replace(positions=tuple(sent[0]), values=tuple(sent[1]))
         out = weights if role() == TRAINER else apply_weight_delta(self.held, change)
         sent = header.nbytes + change.nbytes

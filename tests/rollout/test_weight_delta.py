@@ -47,6 +47,25 @@ def test_applying_the_delta_gives_the_current_tree_bit_for_bit(dtype, seed, shar
     assert [x.tobytes() for x in leaves(before)] == snapshot  # `previous` is not changed
 
 
+@given(st.sampled_from(DTYPES), st.integers(0, 2**32 - 1), st.floats(0.0, 1.0))
+def test_a_bound_on_bytes_returns_the_delta_within_it_and_none_past_it(dtype, seed, share):
+    rng = np.random.default_rng(seed)
+    before = tree(rng, dtype)
+    after = {"layers": [x.copy() for x in before["layers"]], "embed": before["embed"].copy()}
+    for leaf in leaves(after):
+        bits = leaf.reshape(-1).view(f"u{leaf.itemsize}")  # the leaf's own memory
+        picked = rng.uniform(size=bits.size) < share
+        bits[picked] = ~bits[picked]  # every bit flipped: each picked element changed
+    unbounded = weight_delta(before, after)
+    bounded = weight_delta(before, after, max_bytes=unbounded.nbytes)  # exactly at the bound
+    assert bounded.fingerprint == unbounded.fingerprint
+    for got, want in zip(bounded.positions + bounded.values, unbounded.positions + unbounded.values,
+                         strict=True):  # fmt: skip
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    if unbounded.nbytes:  # one byte less: the whole tree is cheaper, no delta
+        assert weight_delta(before, after, max_bytes=unbounded.nbytes - 1) is None
+
+
 def test_nans_and_signed_zeros_are_compared_as_bits():
     before = {"w": np.array([np.nan, 0.0, 1.0, np.nan], np.float32)}
     after = {"w": np.array([np.nan, -0.0, 1.0, 2.0], np.float32)}
