@@ -124,9 +124,9 @@ def continue_rollout(
     prompt_tokens, prompt_where = jnp.asarray(prompt_tokens), jnp.asarray(prompt_where)
     rows, budget = prompt_tokens.shape[0] * group_size, config.max_new_tokens
     if rollout is None:
-        rollout = _empty(rows, budget, config, tagged=policy_version is not None)
+        rollout = _empty(rows, budget, config)
     _check_partial(rollout, rows, budget, policy_version)
-    if policy_version is not None and rollout.token_versions is None:
+    if policy_version is not None and rollout.token_versions is None:  # the first tags
         rollout = rollout._replace(token_versions=_tags(rollout))
     # The prompt and the completion so far, as one prompt of P + N positions per row:
     # left-padded prompts, then the tokens drawn, then the budget's unused slots (padding).
@@ -171,9 +171,8 @@ def oldest_versions(rollout: Rollout) -> Int[Array, " B"]:
     return jnp.where(rollout.where, rollout.token_versions, newest).min(axis=-1)
 
 
-def _empty(rows: int, budget: int, config: SamplingConfig, *, tagged: bool) -> Rollout:
-    """A rollout of `rows` completions with no token yet."""
-    zeros = jnp.zeros((rows, budget), jnp.int32)
+def _empty(rows: int, budget: int, config: SamplingConfig) -> Rollout:
+    """A rollout of `rows` completions with no token yet (and no tags: `_tags` adds them)."""
     return Rollout(
         jnp.full((rows, budget), config.pad_token, jnp.int32),
         jnp.zeros((rows, budget), bool),
@@ -181,7 +180,6 @@ def _empty(rows: int, budget: int, config: SamplingConfig, *, tagged: bool) -> R
         jnp.zeros((rows,), jnp.int32),
         jnp.zeros((rows,), bool),
         jnp.asarray(config.temperature or 1.0, jnp.float32),
-        token_versions=zeros if tagged else None,
     )
 
 

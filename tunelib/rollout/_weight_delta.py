@@ -85,12 +85,12 @@ def weight_delta(
       previous: a pytree of arrays: what the receiver holds.
       current: a pytree of the same structure, shapes and dtypes.
       max_bytes: the most bytes the delta may have (`WeightDelta.nbytes`), such as the
-        tree's own: when it would have more, None is returned, and the changed elements are
-        only counted, leaf by leaf until the count passes the bound (a push that will send
-        the whole tree does not pay for the positions of most of its elements: a push of
-        Qwen3-0.6B's bfloat16 shapes with 98 % of the elements changed took 12.1 s instead
-        of 30.4 s, the whole tree's own push 9.1 s, `benchmarks/weight_push.py`). None: no
-        bound.
+        tree's own: when it would have more, None is returned once the changed elements
+        counted leaf by leaf pass the bound, before the positions of that leaf are made (a
+        push that will send the whole tree does not pay for the positions of most of its
+        elements: a push of Qwen3-0.6B's bfloat16 shapes with 98 % of the elements changed
+        took 12.1 s instead of 30.4 s, the whole tree's own push 9.1 s,
+        `benchmarks/weight_push.py`). None: no bound.
 
     Returns:
       A `WeightDelta`: the changed positions and values per leaf, and `current`'s
@@ -121,11 +121,15 @@ def weight_delta(
             f"previous and current differ in structure: {structure} and {new_structure}."
         )
     _check_alike(old, new)
-    if max_bytes is not None and _exceeds(old, new, max_bytes):
-        return None
-    positions, values = [], []
+    positions, values, nbytes = [], [], 0
     for a, b in zip(old, new, strict=True):
-        changed = np.flatnonzero(_bits(a) != _bits(b)).astype(_position_dtype(b.size))
+        differ = _bits(a) != _bits(b)
+        index = _position_dtype(b.size)
+        if max_bytes is not None:  # counted before any position of this leaf is made
+            nbytes += int(np.count_nonzero(differ)) * (np.dtype(index).itemsize + b.itemsize)
+            if nbytes > max_bytes:
+                return None
+        changed = np.flatnonzero(differ).astype(index)
         positions.append(changed)
         values.append(np.ascontiguousarray(b).reshape(-1)[changed])
     return WeightDelta(tuple(positions), tuple(values), int(fingerprint(new)))
@@ -138,18 +142,6 @@ def _check_alike(old: list, new: list) -> None:
                 f"leaf {i} of previous is {a.dtype}{list(a.shape)}, of current "
                 f"{b.dtype}{list(b.shape)}: a delta needs the same shapes and dtypes."
             )
-
-
-def _exceeds(old: list, new: list, max_bytes: int) -> bool:
-    """Whether the delta of `old` to `new` would have more than `max_bytes`, counting the
-    changed elements leaf by leaf and stopping once their bytes pass it."""
-    total = 0
-    for a, b in zip(old, new, strict=True):
-        count = int(np.count_nonzero(_bits(a) != _bits(b)))
-        total += count * (np.dtype(_position_dtype(b.size)).itemsize + b.dtype.itemsize)
-        if total > max_bytes:
-            return True
-    return False
 
 
 def apply_weight_delta(previous: PyTree, delta: WeightDelta, *, check: bool = True) -> PyTree:
